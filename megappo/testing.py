@@ -1,0 +1,173 @@
+"""Tiny, deterministic assets for tests and the CPU demo: no model hub, nothing downloaded.
+
+- `make_tokenizer(dir)`: a byte-level BPE (trained with `tokenizers` on a fixed corpus) wrapped in
+  `PreTrainedTokenizerFast` with a ChatML chat template; AutoTokenizer loads it offline.
+- `make_model(dir, family)`: a tiny randomly initialised llama / qwen2 / mistral HF model saved as
+  safetensors next to a copy of that tokenizer. Head dim is 32 (vLLM's CPU attention rejects 16) and
+  the vocab (TOKENIZER_VOCAB) is deliberately not a multiple of 128, so padded-vocab code paths run.
+
+`megappo assets --out DIR` builds all of them (idempotent: an existing, complete dir is kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+TOKENIZER_VOCAB = 1000  # BPE size incl. special tokens; 1000 % 128 != 0 on purpose (padded-vocab paths)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Shapes of the tiny models. head_dim = hidden / heads = 32.
+TINY_SHAPES = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+FAMILIES = ("llama", "qwen2", "mistral")
+
+
+def _corpus(seed: int = 0) -> list[str]:
+    """A fixed corpus: English-ish words, arithmetic (the synthetic task), chat markup."""
+    rng = random.Random(seed)
+    words = (
+        "the a of to and in is it you that he was for on are with as his they be at one have this from "
+        "or had by word but what some we can out other were all there when up use your how said an each "
+        "she which do their time if will way about many then them write would like so these her long make "
+        "thing see him two has look more day could go come did number sound no most people my over know "
+        "water than call first who may down side been now find answer question solve compute what is plus "
+        "minus times equals result think step final"
+    ).split()
+    lines = []
+    for _ in range(3000):
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(4, 14))) + ".")
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        op = rng.choice(["+", "-", "*"])
+        res = {"+": a + b, "-": a - b, "*": a * b}[op]
+        lines.append(f"What is {a} {op} {b}? The answer is {res}. #### {res}")
+    return lines
+
+
+def make_tokenizer(out_dir: str | os.PathLike) -> Path:
+    """Train and save the tiny tokenizer into `out_dir` (tokenizer.json + config files)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        bos_token=None,
+        unk_token=None,
+        chat_template=CHAT_TEMPLATE,
+        padding_side="left",  # PPO prompts are left-padded for generation
+    )
+    fast.save_pretrained(out)
+    return out
+
+
+def _hf_config(family: str, vocab_size: int, eos_id: int, pad_id: int, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(TINY_SHAPES, vocab_size=vocab_size, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
+    if family == "llama":
+        cfg = LlamaConfig(**common, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+    elif family == "qwen2":
+        cfg = Qwen2Config(**common, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
+    elif family == "mistral":
+        cfg = MistralConfig(**common, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+                            sliding_window=None)
+    else:
+        raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(FAMILIES)}")
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def make_model(out_dir: str | os.PathLike, family: str = "llama", seed: int = 0, tokenizer_dir=None,
+               **config_overrides) -> Path:
+    """Save a tiny random `family` causal LM (fp32 safetensors) plus its tokenizer into `out_dir`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(out_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        tok_dir = Path(tokenizer_dir) if tokenizer_dir else make_tokenizer(Path(tmp) / "tok")
+        tok = AutoTokenizer.from_pretrained(tok_dir)
+        cfg = _hf_config(family, len(tok), tok.eos_token_id, tok.pad_token_id, **config_overrides)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        # HF initialises with std=initializer_range (0.02): too flat for a meaningful tiny model test.
+        # A larger std gives peaked, seed-dependent distributions that catch layout bugs.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, 0.08)
+                elif "norm" in name:
+                    p.uniform_(0.8, 1.2)
+                else:
+                    p.normal_(0.0, 0.05)
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out, safe_serialization=True)
+        tok.save_pretrained(out)
+        model.generation_config.save_pretrained(out)
+    return out
+
+
+def ensure_assets(root: str | os.PathLike) -> dict[str, Path]:
+    """Build (once) the tokenizer and the tiny llama/qwen2/mistral models under `root`.
+
+    Each asset is written to a temp dir and renamed into place, so an interrupted build never leaves a
+    half-written directory that a later call would trust."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    paths = {"tokenizer": root / "tiny-tokenizer"}
+    paths.update({f"tiny-{f}": root / f"tiny-{f}" for f in FAMILIES})
+    for key, path in paths.items():
+        if (path / ".complete").exists():
+            continue
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
+        tmp.chmod(0o755)
+        if key == "tokenizer":
+            make_tokenizer(tmp)
+        else:
+            make_model(tmp, family=key.removeprefix("tiny-"), tokenizer_dir=paths["tokenizer"])
+        (tmp / ".complete").write_text(json.dumps({"asset": key}))
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+    return paths
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="assets", help="directory to build the tiny assets in (default: assets)")
+
+
+def main(args: argparse.Namespace) -> int:
+    for key, path in ensure_assets(args.out).items():
+        print(f"{key}: {path}")
+    return 0

@@ -1,0 +1,1 @@
+"""Utilities: experiment tracking, timers, checkpoint io."""

@@ -1,0 +1,23 @@
+"""Session-wide test setup: offline env vars set before anything heavy is imported, and the tiny
+assets (tokenizer + tiny llama/qwen2/mistral) built once per session under the checkout's assets/."""
+
+import os
+from pathlib import Path
+
+# Before torch/vllm/ray are imported anywhere in the session.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_assets() -> dict[str, Path]:
+    from megappo.testing import ensure_assets
+
+    return ensure_assets(REPO / "assets")

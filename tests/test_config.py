@@ -1,0 +1,131 @@
+"""Config system: defaults chain, overrides, typed schema, and one clear line per invalid case."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megappo.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "configs").glob("ppo_*.yaml"))
+TINY = REPO / "configs" / "ppo_tiny.yaml"
+
+
+def test_five_shipped_configs_validate():
+    names = {p.name for p in CONFIGS}
+    assert {"ppo_tiny.yaml", "ppo_smollm2_135m.yaml", "ppo_7b.yaml", "ppo_13b.yaml", "ppo_70b.yaml"} <= names
+    for path in CONFIGS:
+        cfg = load_config(path)
+        p = cfg.actor.parallel
+        assert p.tp * p.pp * p.dp == cfg.resources.nodes * cfg.resources.workers_per_node, path
+
+
+def test_defaults_chain_and_overrides():
+    cfg = load_config(TINY, ["trainer.total_steps=3", "rollout.temperature=0.7", "data.train_files=[a.parquet]"])
+    assert cfg.trainer.total_steps == 3
+    assert cfg.rollout.temperature == 0.7
+    assert list(cfg.data.train_files) == ["a.parquet"]
+    # from base.yaml, not restated in ppo_tiny.yaml
+    assert cfg.algorithm.lam == 0.95
+    assert cfg.reward.non_stop_penalty_value == -10.0
+    # from the schema only
+    assert cfg.trainer.worker_timeout_s == 600.0
+    # the file itself wins over its defaults
+    assert cfg.actor.parallel.tp == 2
+
+
+def test_nested_defaults_chain(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "a.yaml").write_text("defaults: [../b/base.yaml]\ntrainer: {seed: 7}\n")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "base.yaml").write_text(f"defaults: [{TINY}]\ntrainer: {{seed: 5, total_steps: 2}}\n")
+    cfg = load_config(tmp_path / "a" / "a.yaml")
+    assert (cfg.trainer.seed, cfg.trainer.total_steps, cfg.actor.parallel.tp) == (7, 2, 2)
+
+
+def test_defaults_loop(tmp_path):
+    (tmp_path / "a.yaml").write_text("defaults: [b.yaml]\n")
+    (tmp_path / "b.yaml").write_text("defaults: [a.yaml]\n")
+    with pytest.raises(ConfigError, match="loops back"):
+        load_config(tmp_path / "a.yaml")
+
+
+# (overrides, substring the one-line error must contain)
+INVALID = [
+    (["actor.paralel.tp=2"], "did you mean actor.parallel"),
+    (["trainer.totl_steps=2"], "did you mean trainer.total_steps"),
+    (["rollout.temprature=0.5"], "did you mean rollout.temperature"),
+    (["trainer.total_steps=abc"], "trainer.total_steps"),
+    (["critic.parallel.dp=1"], "tp*pp*dp = 1*1*1 = 1 but the pool has 2 workers"),
+    (["ref.parallel.tp=2", "ref.parallel.dp=2"], "tp*pp*dp = 2*1*2 = 4 but the pool has 2"),
+    (["resources.workers_per_node=8", "actor.parallel.tp=8", "critic.parallel.dp=8", "ref.parallel.dp=8"],
+     "does not divide the model's 4 attention heads"),
+    (["resources.workers_per_node=4", "actor.parallel.tp=4", "critic.parallel.dp=4", "ref.parallel.dp=4"],
+     "does not divide the model's 2 key/value heads"),
+    (["model.arch.num_layers=3", "model.path=null", "actor.parallel.tp=1", "actor.parallel.pp=2"],
+     "does not divide the model's 3 layers"),
+    (["actor.parallel.tp=1", "actor.parallel.pp=2", "actor.parallel.vpp=4"], "pp*vpp = 8 does not divide"),
+    (["actor.parallel.vpp=2"], "needs pipeline parallelism"),
+    (["rollout.tp=4"], "rollout.tp=4 does not divide the actor world size (2)"),
+    (["actor.ppo_mini_batch_size=12"], "does not divide the 32 sequences"),
+    (["critic.ppo_mini_batch_size=8", "critic.micro_batch_size=8"], "not divisible by dp*micro_batch_size = 2*8"),
+    (["actor.loss_agg_mode=mean"], "choose one of: token-mean"),
+    (["algorithm.adv_estimator=grpo", "rollout.n=1", "data.train_batch_size=32"], "set rollout.n>=2"),
+    (["rollout.temperature=0"], "must be > 0"),
+    (["trainer.mode=async"], "resources.rollout_workers>=1"),
+    (["trainer.loggers=[console,mlflow]"], "unknown logger 'mlflow'"),
+    (["algorithm.use_kl_in_reward=true", "actor.use_kl_loss=true"], "KL is applied twice"),
+    (["data.max_prompt_length=600"], "exceeds the model's 512 positions"),
+    (["bogus"], "is not key=value"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", INVALID, ids=[" ".join(o) for o, _ in INVALID])
+def test_invalid_cases_one_line(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, overrides)
+    msg = str(info.value)
+    assert expected in msg
+    assert "\n" not in msg
+
+
+def test_check_paths(tmp_path):
+    with pytest.raises(ConfigError, match="model.path=.*does not exist"):
+        load_config(TINY, [f"model.path={tmp_path}/nope"], check_paths=True)
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: {total_steps: 3\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(bad)
+
+
+def _megappo(*args):
+    return subprocess.run([sys.executable, "-m", "megappo.cli", *args], capture_output=True, text=True, cwd=REPO)
+
+
+def test_cli_check_and_show():
+    ok = _megappo("config", "check", "--config", str(TINY))
+    assert ok.returncode == 0, ok.stderr
+    bad = _megappo("config", "check", "--config", str(TINY), "actor.parallel.tp=3")
+    assert bad.returncode == 1
+    lines = [line for line in bad.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("config error: actor.parallel"), bad.stderr
+    shown = _megappo("config", "show", "--config", str(REPO / "configs/ppo_70b.yaml"), "trainer.total_steps=7")
+    assert shown.returncode == 0, shown.stderr
+    import yaml
+
+    resolved = yaml.safe_load(shown.stdout)
+    assert resolved["trainer"]["total_steps"] == 7
+    assert resolved["actor"]["parallel"] == {"tp": 8, "pp": 2, "vpp": None, "dp": 4}
+
+
+def test_cli_help_lists_subcommands():
+    out = _megappo("--help")
+    assert out.returncode == 0
+    assert "config" in out.stdout and "assets" in out.stdout
