@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-$(shell cat requirements-cpu.txt constraints-cpu.txt setup.py | sha1sum | cut -c1-12)
 
-.PHONY: install demo test test-fast clean-venv
+.PHONY: install system-deps demo test test-fast clean-venv
 
 install: $(STAMP)
 
@@ -23,8 +23,19 @@ $(STAMP): requirements-cpu.txt constraints-cpu.txt setup.py
 	$(PY) -c "import megappo, megatron.core, vllm, ray, transformers; print('megappo stack OK')"
 	rm -f $(VENV)/.installed-* && touch $@
 
+# Debian packages the tests use: a real one-node Slurm cluster (slurmctld + slurmd) and shellcheck.
+SYSTEM_BINS := slurmctld slurmd sbatch shellcheck
+system-deps:
+	@missing=0; for b in $(SYSTEM_BINS); do command -v $$b >/dev/null || missing=1; done; \
+	if [ $$missing = 1 ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	      slurmctld slurmd slurm-client munge shellcheck >/dev/null; \
+	  else echo "system-deps: not root; install slurmctld slurmd slurm-client shellcheck yourself (Slurm tests will skip)"; fi; \
+	fi
+
 # The README's test command.
-test: install
+test: install system-deps
 	$(PY) -m pytest -q tests
 
 test-fast: install

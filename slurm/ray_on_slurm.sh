@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# Shared bootstrap for every slurm/*.sbatch: preflight, Ray on the allocation, `megappo train`, teardown.
+#
+#   preflight (seconds, before any Ray start): env imports megappo, config validates (model/data paths
+#   exist, output dir writable), the planner says the layout fits
+#   -> Ray head on the first node, workers on the others (srun, fixed ports)
+#   -> wait (bounded) until every node's GPUs/CPUs are registered
+#   -> megappo train on the head; exit non-zero as soon as any srun step dies
+#   -> teardown on any exit.
+#
+# Environment (all optional):
+#   CONFIG            config YAML (the sbatch file sets its default)
+#   OVERRIDES         extra `key=value` overrides, space separated
+#   MEGAPPO_ROOT      checkout to run from (default: the directory sbatch was called from)
+#   MEGAPPO_ENV       what to activate: a venv dir, or a file to source (module loads, conda, container)
+#                     (default: $MEGAPPO_ROOT/.venv when it exists)
+#   NETWORK_INTERFACE interface whose IPv4 address Ray should use (default: the node's main address)
+#   RAY_PORT          head GCS port (default 6379); worker ports use RAY_MIN_WORKER_PORT..RAY_MAX_WORKER_PORT
+#   RAY_WAIT_S        how long to wait for the cluster to register (default 300)
+#   LOG_ROOT          where the job directory with per-node logs goes (default $MEGAPPO_ROOT/outputs/slurm)
+#   SKIP_PLAN=1       skip the memory planner (CPU runs)
+set -euo pipefail
+
+MEGAPPO_ROOT=${MEGAPPO_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
+cd "$MEGAPPO_ROOT"
+: "${CONFIG:?set CONFIG to a config YAML, e.g. CONFIG=configs/ppo_70b.yaml}"
+OVERRIDES=${OVERRIDES:-}
+RAY_PORT=${RAY_PORT:-6379}
+RAY_MIN_WORKER_PORT=${RAY_MIN_WORKER_PORT:-20000}
+RAY_MAX_WORKER_PORT=${RAY_MAX_WORKER_PORT:-20999}
+RAY_WAIT_S=${RAY_WAIT_S:-300}
+JOB_ID=${SLURM_JOB_ID:-local}
+JOB_DIR=${LOG_ROOT:-$MEGAPPO_ROOT/outputs/slurm}/${SLURM_JOB_NAME:-megappo}-$JOB_ID
+mkdir -p "$JOB_DIR"
+
+log() { echo "[megappo-slurm $(date +%H:%M:%S)] $*"; }
+die() { echo "[megappo-slurm] ERROR: $*" >&2; exit 1; }
+
+# ---------- environment ----------
+if [[ -n "${MEGAPPO_ENV:-}" ]]; then
+  if [[ -f "$MEGAPPO_ENV/bin/activate" ]]; then
+    # shellcheck disable=SC1091
+    source "$MEGAPPO_ENV/bin/activate"
+  elif [[ -f "$MEGAPPO_ENV" ]]; then
+    # shellcheck disable=SC1090
+    source "$MEGAPPO_ENV"
+  else
+    die "MEGAPPO_ENV=$MEGAPPO_ENV is neither a venv dir nor a file to source"
+  fi
+elif [[ -f "$MEGAPPO_ROOT/.venv/bin/activate" ]]; then
+  # shellcheck disable=SC1091
+  source "$MEGAPPO_ROOT/.venv/bin/activate"
+fi
+
+# ---------- preflight: fail in seconds, before any Ray start ----------
+read -r -a override_args <<< "$OVERRIDES"
+log "preflight: job $JOB_ID, config $CONFIG ${OVERRIDES:+(overrides: $OVERRIDES)}, logs in $JOB_DIR"
+python -c "import megappo" 2>"$JOB_DIR/preflight.err" \
+  || die "the Python env cannot import megappo ($(tail -n 1 "$JOB_DIR/preflight.err")); set MEGAPPO_ENV or run make install"
+megappo config check --paths --config "$CONFIG" "${override_args[@]}" \
+  || die "config check failed (message above); fix $CONFIG or OVERRIDES"
+NNODES=${SLURM_JOB_NUM_NODES:-1}
+GPUS_PER_NODE=${SLURM_GPUS_ON_NODE:-0}
+if [[ "${SKIP_PLAN:-0}" != 1 ]]; then
+  megappo plan --config "$CONFIG" --nodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" "${override_args[@]}" \
+    > "$JOB_DIR/plan.txt" || { cat "$JOB_DIR/plan.txt"; die "the planner says this layout does not fit (above)"; }
+fi
+log "preflight OK"
+
+# ---------- nodes and head address ----------
+mapfile -t nodes < <(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(hostname)}")
+head_node=${nodes[0]}
+node_ip() {  # the IPv4 address of node $1 (on NETWORK_INTERFACE when set)
+  if [[ -n "${NETWORK_INTERFACE:-}" ]]; then
+    srun --nodes=1 --ntasks=1 --overlap -w "$1" ip -4 -o addr show "$NETWORK_INTERFACE" | awk '{print $4}' | cut -d/ -f1
+  else
+    srun --nodes=1 --ntasks=1 --overlap -w "$1" hostname --ip-address | awk '{print $1}'
+  fi
+}
+head_ip=$(node_ip "$head_node")
+[[ -n "$head_ip" ]] || die "could not resolve the IP of head node $head_node (set NETWORK_INTERFACE?)"
+export RAY_ADDRESS="$head_ip:$RAY_PORT"
+log "head $head_node ($head_ip), ${#nodes[@]} node(s): ${nodes[*]}"
+
+# ---------- teardown on any exit ----------
+step_pids=()
+cleanup() {
+  local rc=$?
+  log "teardown (exit code $rc)"
+  for pid in "${step_pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  ray stop --force >/dev/null 2>&1 || true
+  wait 2>/dev/null || true
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 143' TERM INT
+
+# ---------- Ray: head, then workers, one srun step per node ----------
+ray_args=(--min-worker-port="$RAY_MIN_WORKER_PORT" --max-worker-port="$RAY_MAX_WORKER_PORT"
+          --include-dashboard=false --disable-usage-stats --block)
+cpus_per_node=${RAY_NUM_CPUS:-${SLURM_CPUS_ON_NODE:-$(nproc)}}
+res_args=(--num-cpus="$cpus_per_node" --num-gpus="$GPUS_PER_NODE")
+srun --nodes=1 --ntasks=1 --overlap -w "$head_node" \
+  ray start --head --node-ip-address="$head_ip" --port="$RAY_PORT" "${ray_args[@]}" "${res_args[@]}" \
+  > "$JOB_DIR/ray-head-$head_node.log" 2>&1 &
+step_pids+=($!)
+sleep 5
+for node in "${nodes[@]:1}"; do
+  srun --nodes=1 --ntasks=1 --overlap -w "$node" \
+    ray start --address="$RAY_ADDRESS" "${ray_args[@]}" "${res_args[@]}" \
+    > "$JOB_DIR/ray-worker-$node.log" 2>&1 &
+  step_pids+=($!)
+done
+
+steps_alive() {
+  for pid in "${step_pids[@]}"; do
+    kill -0 "$pid" 2>/dev/null || { log "srun step $pid died; see $JOB_DIR/ray-*.log"; return 1; }
+  done
+}
+
+# ---------- wait until every node's resources are registered (bounded) ----------
+want_gpus=$((NNODES * GPUS_PER_NODE))
+want_cpus=$((NNODES * cpus_per_node))
+deadline=$((SECONDS + RAY_WAIT_S))
+while :; do
+  steps_alive || die "a Ray srun step died during startup"
+  have=$(python - <<'PY' 2>/dev/null || echo "0 0"
+import ray
+ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+r = ray.cluster_resources()
+print(int(r.get("GPU", 0)), int(r.get("CPU", 0)))
+PY
+)
+  read -r have_gpus have_cpus <<< "$have"
+  if (( have_gpus >= want_gpus && have_cpus >= want_cpus )); then break; fi
+  (( SECONDS < deadline )) || die "Ray cluster incomplete after ${RAY_WAIT_S}s: $have_gpus/$want_gpus GPUs, $have_cpus/$want_cpus CPUs registered"
+  sleep 3
+done
+log "Ray cluster up: $have_gpus GPUs, $have_cpus CPUs"
+
+# ---------- train; stop at once if any srun step dies ----------
+megappo train --config "$CONFIG" "${override_args[@]}" > >(tee "$JOB_DIR/train.log") 2>&1 &
+train_pid=$!
+while kill -0 "$train_pid" 2>/dev/null; do
+  if ! steps_alive; then
+    kill "$train_pid" 2>/dev/null || true
+    die "a Ray node's srun step died during training; see $JOB_DIR"
+  fi
+  sleep 5
+done
+wait "$train_pid"
+log "training finished"
