@@ -11,6 +11,7 @@ import sys
 # name -> (module, one-line help). Later issues add lines here.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "config": ("megappo.config.cli", "show or check a resolved config (YAML defaults chain + overrides)"),
+    "plan": ("megappo.planner", "per-GPU memory of every role and phase for a layout; refuses one that does not fit"),
     "assets": ("megappo.testing", "build the tiny tokenizer and tiny llama/qwen2 models used by tests and the demo"),
 }
 

@@ -91,6 +91,9 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "k3"  # k1 | k2 | k3
     recompute_activations: bool = False
+    # GPU only: outside the actor's own phases its params, grads and optimizer states live in host
+    # memory (frees the GPU for vLLM and the other roles); a no-op on CPU.
+    offload: bool = False
 
 
 @dataclass
@@ -103,6 +106,7 @@ class CriticConfig:
     ppo_epochs: int = 1
     cliprange_value: float = 0.2
     recompute_activations: bool = False
+    offload: bool = False  # GPU only, as actor.offload
 
 
 @dataclass
@@ -110,6 +114,7 @@ class RefConfig:
     enable: bool = True
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     log_prob_micro_batch_size: int = 4
+    offload: bool = False  # GPU only: weights in host memory outside the ref forward
 
 
 @dataclass

@@ -1,0 +1,280 @@
+"""Layout / memory planner: per-GPU memory of every role of a colocated PPO job, phase by phase.
+
+`megappo plan --config configs/ppo_70b.yaml [--nodes N --gpus-per-node G --gpu-mem-gb M] [--json]`
+
+The model (stated so it can be checked by hand):
+- Parameters per GPU: the worst pipeline stage's parameters / tp (layers/pp of them, plus the
+  embedding on the first stage and the output layer on the last; both vocab-parallel, vocab padded).
+- Trained roles (actor, critic), megatron mixed precision with the distributed optimizer:
+  weights bf16 2 B/param + fp32 grad buffer 4 B/param (full: DDP reduce-scatters into it)
+  + fp32 main params and Adam m, v 12 B/param sharded over dp.  Frozen roles (ref, RM): 2 B/param.
+- Activations (Korthikanti et al. 2022, flash attention, sequence parallel), bf16, per micro-batch:
+  34*s*b*h/tp bytes per layer; with full recompute only the layer input 2*s*b*h/tp is kept (plus one
+  layer's full activations). 1F1B keeps min(pp, micro-batches) micro-batches in flight on stage 0.
+  The last stage also holds fp32 logits (and their grad) s*b*V/tp*4*2 for the actor.
+- vLLM (rollout phase): gpu_memory_utilization * GPU memory (weights/rollout_tp + KV cache + workspace).
+- Phases never overlap on a GPU: rollout, ref/old-log-prob forward, critic update, actor update.
+  A role with `offload: true` is resident only in its own phase; otherwise always. vLLM sleeps
+  (KV freed, weights offloaded) outside rollout when rollout.free_cache_engine is true.
+- Fixed overhead per GPU (CUDA context, NCCL buffers, fragmentation): 3 GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import math
+import sys
+from dataclasses import dataclass
+
+from omegaconf import OmegaConf
+
+from megappo.config import ConfigError, load_config
+from megappo.config.schema import MegappoConfig
+from megappo.config.validate import validate_config
+
+GB = 1024**3
+OVERHEAD_GB = 3.0
+VOCAB_DIVISOR = 128
+ROLES = ("actor", "critic", "ref")
+
+
+def _padded_vocab(vocab: int, tp: int) -> int:
+    multiple = math.lcm(VOCAB_DIVISOR, tp)
+    return -(-vocab // multiple) * multiple
+
+
+def layer_params(cfg) -> int:
+    a = cfg.model.arch
+    head_dim = a.hidden_size // a.num_attention_heads
+    qkv = a.hidden_size * (a.num_attention_heads + 2 * a.num_kv_heads) * head_dim
+    qkv_bias = (a.num_attention_heads + 2 * a.num_kv_heads) * head_dim if a.qkv_bias else 0
+    proj = a.num_attention_heads * head_dim * a.hidden_size
+    mlp = 3 * a.hidden_size * a.intermediate_size
+    return qkv + qkv_bias + proj + mlp + 2 * a.hidden_size
+
+
+def stage_params(cfg, tp: int, pp: int, head: str) -> int:
+    """Parameters on one GPU of the worst pipeline stage (head: 'lm' or 'value')."""
+    a = cfg.model.arch
+    emb = _padded_vocab(a.vocab_size, tp) * a.hidden_size // tp
+    out = emb if head == "lm" else a.hidden_size  # value head is replicated [1, hidden]
+    layers = a.num_layers // pp * layer_params(cfg) // tp
+    if pp == 1:
+        return layers + emb + a.hidden_size + (0 if (head == "lm" and a.tie_word_embeddings) else out)
+    return max(layers + emb, layers + a.hidden_size + out)  # first stage vs last stage
+
+
+def total_params(cfg) -> int:
+    a = cfg.model.arch
+    emb = a.vocab_size * a.hidden_size
+    return emb * (1 if a.tie_word_embeddings else 2) + a.num_layers * layer_params(cfg) + a.hidden_size
+
+
+def activation_bytes(cfg, role_cfg, par, lm_head: bool) -> int:
+    a = cfg.model.arch
+    s = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    b = role_cfg.micro_batch_size
+    h = a.hidden_size
+    layers = a.num_layers // par.pp
+    full_layer = 34 * s * b * h // par.tp
+    per_mb = (layers * 2 * s * b * h // par.tp + full_layer) if role_cfg.recompute_activations else layers * full_layer
+    micro_batches = max(1, role_cfg.ppo_mini_batch_size // (par.dp * b))
+    in_flight = min(par.pp, micro_batches)
+    logits = s * b * _padded_vocab(a.vocab_size, par.tp) // par.tp * 4 * 2 if lm_head else 0
+    return per_mb * in_flight + logits
+
+
+@dataclass
+class RoleMemory:
+    params_per_gpu: int
+    weights_gb: float
+    grads_gb: float
+    optimizer_gb: float
+    activations_gb: float
+
+    @property
+    def resident_gb(self) -> float:
+        return self.weights_gb + self.grads_gb + self.optimizer_gb
+
+
+def role_memory(cfg, role: str) -> RoleMemory:
+    rcfg = cfg[role]
+    par = rcfg.parallel
+    n = stage_params(cfg, par.tp, par.pp, "value" if role == "critic" else "lm")
+    if role == "ref":
+        return RoleMemory(n, 2 * n / GB, 0.0, 0.0, 0.0)
+    return RoleMemory(n, 2 * n / GB, 4 * n / GB, 12 * n / par.dp / GB,
+                      activation_bytes(cfg, rcfg, par, lm_head=(role == "actor")) / GB)
+
+
+def plan(cfg) -> dict:
+    """The per-GPU memory of each phase, the peak, and the weight-sync volume."""
+    gpu_gb = cfg.resources.gpu_memory_gb
+    roles = {r: role_memory(cfg, r) for r in ROLES if r == "actor" or cfg[r].enable}
+    offload = {r: bool(cfg[r].offload) for r in roles}
+    vllm_gb = cfg.rollout.gpu_memory_utilization * gpu_gb
+    vllm_weights_gb = 2 * total_params(cfg) / cfg.rollout.tp / GB
+
+    def resident(active: str | None) -> float:
+        return sum(m.resident_gb for r, m in roles.items() if r != active and not offload[r])
+
+    def sleeping_vllm() -> float:
+        return 0.0 if cfg.rollout.free_cache_engine else vllm_gb
+
+    phases = {"rollout": resident(None) + vllm_gb}
+    if "ref" in roles:
+        phases["ref_log_prob"] = resident("ref") + roles["ref"].weights_gb + sleeping_vllm()
+    if "critic" in roles:
+        c = roles["critic"]
+        phases["critic_update"] = resident("critic") + c.resident_gb + c.activations_gb + sleeping_vllm()
+    a = roles["actor"]
+    phases["actor_update"] = resident("actor") + a.resident_gb + a.activations_gb + sleeping_vllm()
+    phases = {k: v + OVERHEAD_GB for k, v in phases.items()}
+    peak_phase = max(phases, key=phases.get)
+    sync_bytes_per_gpu = vllm_weights_gb * GB
+    replicas = cfg.resources.nodes * cfg.resources.workers_per_node // cfg.rollout.tp
+    return {
+        "layout": {r: _layout_str(cfg[r].parallel) for r in roles} | {"rollout": f"TP{cfg.rollout.tp}"},
+        "gpus": cfg.resources.nodes * cfg.resources.workers_per_node,
+        "gpu_mem_gb": gpu_gb,
+        "total_params_b": round(total_params(cfg) / 1e9, 3),
+        "roles": {r: {"params_per_gpu_m": round(m.params_per_gpu / 1e6, 1), "weights_gb": round(m.weights_gb, 2),
+                      "grads_gb": round(m.grads_gb, 2), "optimizer_gb": round(m.optimizer_gb, 2),
+                      "activations_gb": round(m.activations_gb, 2), "offload": offload[r],
+                      "freed_by_offload_gb": round(m.resident_gb, 2)}
+                  for r, m in roles.items()}
+        | {"rollout": {"vllm_gb": round(vllm_gb, 2), "weights_gb": round(vllm_weights_gb, 2),
+                       "kv_cache_and_workspace_gb": round(vllm_gb - vllm_weights_gb, 2),
+                       "sleeps_outside_rollout": bool(cfg.rollout.free_cache_engine)}},
+        "phases_gb": {k: round(v, 2) for k, v in phases.items()},
+        "peak_phase": peak_phase,
+        "peak_gpu_gb": round(phases[peak_phase], 2),
+        "fits": phases[peak_phase] <= gpu_gb and vllm_gb > vllm_weights_gb,
+        "weight_sync": {"bytes_per_gpu": int(sync_bytes_per_gpu), "replicas": replicas,
+                        "bytes_total": int(sync_bytes_per_gpu * cfg.rollout.tp * replicas)},
+    }
+
+
+def _layout_str(par) -> str:
+    v = f"xVPP{par.vpp}" if par.vpp else ""
+    return f"TP{par.tp}xPP{par.pp}{v}xDP{par.dp}"
+
+
+def with_pool(cfg, nodes: int | None, gpus_per_node: int | None, gpu_mem_gb: float | None):
+    """Apply --nodes/--gpus-per-node/--gpu-mem-gb, refilling each role's dp to the new pool."""
+    cfg = copy.deepcopy(cfg)
+    if nodes:
+        cfg.resources.nodes = nodes
+    if gpus_per_node:
+        cfg.resources.workers_per_node = gpus_per_node
+    if gpu_mem_gb:
+        cfg.resources.gpu_memory_gb = gpu_mem_gb
+    world = cfg.resources.nodes * cfg.resources.workers_per_node
+    for r in ROLES:
+        par = cfg[r].parallel
+        if world % (par.tp * par.pp):
+            raise ConfigError(f"{r}.parallel tp*pp = {par.tp * par.pp} does not divide the {world} GPUs; "
+                              f"change tp/pp or the node count")
+        par.dp = world // (par.tp * par.pp)
+    return cfg
+
+
+def suggest(cfg) -> dict | None:
+    """The nearest layout (fewest doublings/halvings of tp and pp, offload tried last) that fits."""
+    world = cfg.resources.nodes * cfg.resources.workers_per_node
+    a = cfg.model.arch
+    tps = [t for t in (1, 2, 4, 8) if t <= cfg.resources.workers_per_node
+           and a.num_attention_heads % t == 0 and a.num_kv_heads % t == 0]
+    pps = [p for p in range(1, a.num_layers + 1) if a.num_layers % p == 0 and world % p == 0 and p <= 16]
+    p0 = cfg.actor.parallel
+    candidates = []
+    for tp, pp, off in itertools.product(tps, pps, (False, True)):
+        if world % (tp * pp):
+            continue
+        cost = abs(math.log2(tp / p0.tp)) + abs(math.log2(pp / p0.pp)) + (4 if off else 0)
+        candidates.append((cost, tp, pp, off))
+    for _, tp, pp, off in sorted(candidates):
+        c = OmegaConf.create(OmegaConf.to_container(cfg))
+        for r in ROLES:
+            c[r].parallel.tp, c[r].parallel.pp, c[r].parallel.vpp = tp, pp, None
+            c[r].parallel.dp = world // (tp * pp)
+            c[r].offload = off or bool(cfg[r].offload)
+        try:
+            validate_config(OmegaConf.merge(OmegaConf.structured(MegappoConfig), c))
+        except ConfigError:
+            continue
+        result = plan(c)
+        if result["fits"]:
+            return {"tp": tp, "pp": pp, "dp": world // (tp * pp), "offload": off or None,
+                    "peak_gpu_gb": result["peak_gpu_gb"]}
+    return None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--nodes", type=int, help="override resources.nodes (dp refills the pool)")
+    parser.add_argument("--gpus-per-node", type=int, help="override resources.workers_per_node")
+    parser.add_argument("--gpu-mem-gb", type=float, help="override resources.gpu_memory_gb")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (peak_gpu_gb, per-role breakdown)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.parallel.tp=4")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config, args.overrides, validate=False)
+        cfg = with_pool(cfg, args.nodes, args.gpus_per_node or None, args.gpu_mem_gb)
+        validate_config(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 1
+    result = plan(cfg)
+    if not result["fits"]:
+        result["suggestion"] = suggest(cfg)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(render(result))
+    if not result["fits"]:
+        print(refusal(result), file=sys.stderr)
+        return 1
+    return 0
+
+
+def refusal(result: dict) -> str:
+    phase = result["peak_phase"]
+    msg = (f"layout does not fit: the {phase} phase needs {result['peak_gpu_gb']:.1f} GB per GPU but the GPU has "
+           f"{result['gpu_mem_gb']:.0f} GB")
+    vllm = result["roles"]["rollout"]
+    if vllm["vllm_gb"] <= vllm["weights_gb"]:
+        msg += "; vLLM's share is smaller than its weights (raise rollout.tp or rollout.gpu_memory_utilization)"
+    s = result.get("suggestion")
+    if s:
+        off = " with actor/critic/ref offload=true" if s["offload"] else ""
+        msg += f"; nearest layout that fits: tp={s['tp']} pp={s['pp']} dp={s['dp']}{off} ({s['peak_gpu_gb']:.1f} GB)"
+    else:
+        msg += "; no layout of this pool fits: add nodes"
+    return msg
+
+
+def render(result: dict) -> str:
+    lines = [f"{result['total_params_b']}B params on {result['gpus']} GPUs x {result['gpu_mem_gb']:.0f} GB; "
+             f"layouts: " + ", ".join(f"{k} {v}" for k, v in result["layout"].items())]
+    lines.append(f"{'role':8} {'params/GPU':>11} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8}  offload")
+    for r, m in result["roles"].items():
+        if r == "rollout":
+            continue
+        lines.append(f"{r:8} {m['params_per_gpu_m']:>10.1f}M {m['weights_gb']:>7.2f}G {m['grads_gb']:>7.2f}G "
+                     f"{m['optimizer_gb']:>7.2f}G {m['activations_gb']:>7.2f}G  {m['offload']}"
+                     f" (frees {m['freed_by_offload_gb']:.1f}G)")
+    v = result["roles"]["rollout"]
+    lines.append(f"vLLM     {v['vllm_gb']:.2f}G (weights {v['weights_gb']:.2f}G + KV/workspace "
+                 f"{v['kv_cache_and_workspace_gb']:.2f}G), sleeps outside rollout: {v['sleeps_outside_rollout']}")
+    lines.append("phases (GB/GPU incl. overhead): " + ", ".join(f"{k} {g:.1f}" for k, g in result["phases_gb"].items()))
+    ws = result["weight_sync"]
+    lines.append(f"weight sync per step: {ws['bytes_per_gpu'] / GB:.2f} GB into each rollout GPU, "
+                 f"{ws['bytes_total'] / GB:.1f} GB in all ({ws['replicas']} vLLM replicas)")
+    lines.append(f"peak {result['peak_gpu_gb']:.1f} GB ({result['peak_phase']}): " + ("fits" if result["fits"] else "DOES NOT FIT"))
+    return "\n".join(lines)

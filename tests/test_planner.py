@@ -1,0 +1,86 @@
+"""megappo plan: numbers against a hand calculation, shipped configs fit, impossible layouts refused."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from megappo.config import load_config
+from megappo.planner import plan, with_pool
+
+REPO = Path(__file__).resolve().parents[1]
+GB = 1024**3
+
+
+def test_7b_matches_hand_calculation():
+    cfg = load_config(REPO / "configs/ppo_7b.yaml")  # Llama-2-7B shapes, TP4 x PP1 x DP2
+    # One decoder layer, h=4096, 32 heads = 32 kv heads of 128, ffn 11008:
+    #   qkv 4096*(32+2*32)*128 = 50,331,648; proj 4096*4096 = 16,777,216;
+    #   SwiGLU 3*4096*11008 = 135,266,304; two RMSNorms 8,192      -> 202,383,360 per layer
+    # 32 layers / tp 4 = 1,619,066,880; embedding and (untied) output layer, vocab 32000 (already a
+    # multiple of 128): 32000*4096/4 = 32,768,000 each; final norm 4,096 (replicated)
+    params = 32 * 202_383_360 // 4 + 2 * 32_768_000 + 4_096
+    assert params == 1_684_606_976
+    result = plan(cfg)
+    actor = result["roles"]["actor"]
+    assert actor["params_per_gpu_m"] == round(params / 1e6, 1)
+    # bf16 weights 2 B, fp32 grad buffer 4 B, fp32 main params + Adam m, v = 12 B sharded over dp=2
+    assert actor["weights_gb"] == round(2 * params / GB, 2)
+    assert actor["grads_gb"] == round(4 * params / GB, 2)
+    assert actor["optimizer_gb"] == round(12 * params / 2 / GB, 2)
+    ref = result["roles"]["ref"]
+    assert ref["weights_gb"] == round(2 * params / GB, 2) and ref["grads_gb"] == 0 and ref["optimizer_gb"] == 0
+    # the critic swaps the 32000-row output layer for a 1 x 4096 value head
+    critic_params = params - 32_768_000 + 4_096
+    assert result["roles"]["critic"]["params_per_gpu_m"] == round(critic_params / 1e6, 1)
+    # rollout phase = everything resident (no offload) + vLLM's 0.4 * 80 GB + 3 GB overhead
+    resident = (2 + 4 + 6) * params / GB + (2 + 4 + 6) * critic_params / GB + 2 * params / GB
+    assert abs(result["phases_gb"]["rollout"] - (resident + 0.4 * 80 + 3.0)) < 0.01
+    assert result["peak_gpu_gb"] == max(result["phases_gb"].values())
+    # weight sync: bf16 weights of the whole model / rollout tp 2 into every rollout GPU
+    total = 32 * 202_383_360 + 2 * 32000 * 4096 + 4096
+    assert result["total_params_b"] == round(total / 1e9, 3)
+    assert result["weight_sync"]["bytes_per_gpu"] == int(2 * total / 2)
+
+
+def test_offload_frees_the_role_outside_its_phase():
+    cfg = load_config(REPO / "configs/ppo_7b.yaml")
+    base = plan(cfg)
+    cfg.critic.offload = True
+    off = plan(cfg)
+    freed = base["roles"]["critic"]["freed_by_offload_gb"]
+    assert abs((base["phases_gb"]["rollout"] - off["phases_gb"]["rollout"]) - freed) < 0.02
+    assert abs(base["phases_gb"]["critic_update"] - off["phases_gb"]["critic_update"]) < 0.02
+
+
+def test_shipped_70b_fits_80gb():
+    result = plan(load_config(REPO / "configs/ppo_70b.yaml"))
+    assert result["gpus"] == 64 and result["gpu_mem_gb"] == 80
+    assert result["fits"] and result["peak_gpu_gb"] <= 80
+
+
+def _plan_cli(*args):
+    return subprocess.run([sys.executable, "-m", "megappo.cli", "plan", *args], capture_output=True, text=True, cwd=REPO)
+
+
+def test_impossible_70b_layout_refused_with_reason():
+    flat = [f"{r}.parallel.{k}=1" for r in ("actor", "critic", "ref") for k in ("tp", "pp")]
+    res = _plan_cli("--config", "configs/ppo_70b.yaml", "--nodes", "1", "--gpus-per-node", "8", "--json", *flat)
+    assert res.returncode == 1
+    out = json.loads(res.stdout)
+    assert out["fits"] is False and out["peak_gpu_gb"] > 80
+    assert out["layout"]["actor"] == "TP1xPP1xDP8"
+    # 70.6B params on one GPU: 2 B/param bf16 weights alone are 131 GB
+    assert out["roles"]["actor"]["weights_gb"] > 130
+    reason = res.stderr.strip().splitlines()
+    assert len(reason) == 1 and reason[0].startswith("layout does not fit: the ")
+    assert "GB per GPU but the GPU has 80 GB" in reason[0]
+
+
+def test_refusal_suggests_nearest_fitting_layout():
+    res = _plan_cli("--config", "configs/ppo_7b.yaml", *[f"{r}.parallel.tp=2" for r in ("actor", "critic", "ref")])
+    assert res.returncode == 1
+    assert "nearest layout that fits: tp=" in res.stderr
+    # with --nodes the dp of every role refills the new pool
+    cfg = with_pool(load_config(REPO / "configs/ppo_13b.yaml"), nodes=4, gpus_per_node=8, gpu_mem_gb=None)
+    assert cfg.actor.parallel.dp == 4 and cfg.resources.nodes == 4
