@@ -1,0 +1,129 @@
+"""RLHFDataset: prompts from parquet, tokenized once at load; `collate` builds a left-padded DataProto.
+
+Parquet schema (written by megappo.data.preprocess_*):
+  prompt        list of chat messages [{"role", "content"}] or a plain string
+  data_source   str, picks the reward rule (see megappo.rewards)
+  reward_model  {"ground_truth": str, "style": "rule"}
+  extra_info    dict (optional)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from megappo.protocol import DataProto
+
+logger = logging.getLogger(__name__)
+
+REQUIRED_COLUMNS = ("data_source", "reward_model")
+PREPROCESS_HINT = "python -m megappo.data.preprocess_arithmetic --out DIR (or preprocess_gsm8k)"
+
+
+def prompt_to_text(prompt: Any, tokenizer, apply_chat_template: bool = True) -> str:
+    """Chat messages (or a string, taken as one user message) -> the prompt text for generation."""
+    if not apply_chat_template:
+        if isinstance(prompt, str):
+            return prompt
+        raise ValueError("RLHFDataset: prompts are chat messages but data.apply_chat_template is false; "
+                         "store plain string prompts or enable the chat template")
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+class RLHFDataset:
+    """Rows of {input_ids, raw_prompt, data_source, reward_model, extra_info, index}.
+
+    Prompts longer than `max_prompt_length` tokens are dropped at load; their count is logged and
+    kept in `num_filtered`."""
+
+    def __init__(
+        self,
+        parquet_files: str | os.PathLike | Sequence[str | os.PathLike],
+        tokenizer,
+        prompt_key: str = "prompt",
+        max_prompt_length: int = 128,
+        apply_chat_template: bool = True,
+    ):
+        files = [parquet_files] if isinstance(parquet_files, (str, os.PathLike)) else list(parquet_files)
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.rows: list[dict[str, Any]] = []
+        self.num_filtered = 0
+        for file in files:
+            rows = _read_rows(Path(file), prompt_key)
+            texts = [prompt_to_text(row[prompt_key], tokenizer, apply_chat_template) for row in rows]
+            all_ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"] if texts else []
+            for row, ids in zip(rows, all_ids):
+                if len(ids) > max_prompt_length:
+                    self.num_filtered += 1
+                    continue
+                self.rows.append({
+                    "input_ids": ids,
+                    "raw_prompt": row[prompt_key],
+                    "data_source": row["data_source"],
+                    "reward_model": row["reward_model"],
+                    "extra_info": row.get("extra_info") or {},
+                    "index": len(self.rows),
+                })
+        if self.num_filtered:
+            logger.warning("RLHFDataset: filtered %d prompts longer than max_prompt_length=%d tokens (kept %d)",
+                           self.num_filtered, max_prompt_length, len(self.rows))
+        if not self.rows:
+            raise ValueError(f"RLHFDataset: no prompts left from {[str(f) for f in files]} "
+                             f"({self.num_filtered} longer than max_prompt_length={max_prompt_length})")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.rows[i]
+
+    def get_batch(self, indices: Sequence[int]) -> DataProto:
+        return collate([self.rows[int(i)] for i in indices], self.tokenizer, self.max_prompt_length)
+
+
+def _read_rows(file: Path, prompt_key: str) -> list[dict[str, Any]]:
+    if not file.is_file():
+        raise FileNotFoundError(f"RLHFDataset: parquet file {str(file)!r} not found; write it with `{PREPROCESS_HINT}`")
+    table = pq.read_table(file)
+    for column in (prompt_key, *REQUIRED_COLUMNS):
+        if column not in table.column_names:
+            raise ValueError(
+                f"RLHFDataset: {str(file)!r} has no column {column!r} (columns: {table.column_names}); "
+                f"regenerate it with `{PREPROCESS_HINT}` or set data.prompt_key"
+            )
+    return table.to_pylist()
+
+
+def collate(rows: Sequence[dict[str, Any]], tokenizer, max_prompt_length: int) -> DataProto:
+    """Left-pad the prompts to the longest in the batch.
+
+    batch: input_ids, attention_mask, position_ids (cumsum(mask) - 1, clipped at 0), all [B, L] int64.
+    non_tensor_batch: data_source, reward_model, extra_info, raw_prompt, index, and a fresh `uid`
+    per prompt (GRPO/RLOO group id; DataProto.repeat(n) copies it to the n responses)."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    lengths = [len(r["input_ids"]) for r in rows]
+    if max(lengths) > max_prompt_length:
+        raise ValueError(f"collate: a prompt has {max(lengths)} tokens > max_prompt_length={max_prompt_length}")
+    width = max(lengths)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        input_ids[i, width - n:] = torch.tensor(row["input_ids"], dtype=torch.long)
+        attention_mask[i, width - n:] = 1
+    position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+    non_tensors = {key: [r[key] for r in rows] for key in ("data_source", "reward_model", "extra_info", "raw_prompt")}
+    non_tensors["index"] = np.array([r["index"] for r in rows], dtype=np.int64)
+    non_tensors["uid"] = [str(uuid.uuid4()) for _ in rows]
+    return DataProto.from_dict(
+        {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}, non_tensors
+    )

@@ -1,0 +1,383 @@
+"""PPO math, written plainly (CleanRL style). Pure torch: never imports Ray or Megatron.
+
+Shapes: B = batch (sequences), T = response length. Responses are right-padded and
+`response_mask` [B, T] is 1 on response tokens, 0 on padding after the response end.
+Losses take a `normalizer` (the global token / sequence count of the whole mini-batch, see
+`loss_normalizer`) so that micro-batch losses sum to the mini-batch loss for any split.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_KINDS = ("k1", "k2", "k3")
+
+
+# ----------------------------------------------------------------------------- masked statistics
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """sum(x * mask) over `dim` (all dims when None)."""
+    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """sum(x * mask) / sum(mask) over `dim`; 0 where the mask is empty."""
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1e-8)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of the masked elements (Bessel-corrected when `unbiased`)."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    if unbiased:
+        n = mask.sum()
+        if n <= 1:
+            return var
+        var = var * n / (n - 1)
+    return var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over the masked elements; padding is set to 0.
+
+    With shift_mean=False the mean is added back (only the scale is normalised)."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask
+
+
+# ----------------------------------------------------------------------------- advantages
+def compute_gae_advantages(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised Advantage Estimation (Schulman et al. 2016).
+
+        delta_t = r_t + gamma * V_{t+1} - V_t          (V after the response end = 0)
+        A_t     = delta_t + gamma * lam * A_{t+1}
+        R_t     = A_t + V_t                             (returns: targets for the critic)
+
+    Rewards and values are masked first, so padding after the response end contributes nothing.
+    Returns are computed from the raw advantages; `whiten` then normalises the advantages over the mask.
+    """
+    mask = response_mask.to(values.dtype)
+    rewards = token_level_rewards * mask
+    values = values * mask
+    T = rewards.shape[1]
+    advantages_reversed = []
+    last_gae = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(T)):
+        next_value = values[:, t + 1] if t < T - 1 else torch.zeros_like(values[:, t])
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last_gae = delta + gamma * lam * last_gae
+        advantages_reversed.append(last_gae)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1) * mask
+    returns = (advantages + values) * mask
+    if whiten:
+        advantages = masked_whiten(advantages, mask)
+    return advantages, returns
+
+
+def _group_rows(index: Any) -> dict[Any, list[int]]:
+    groups: dict[Any, list[int]] = defaultdict(list)
+    for i, uid in enumerate(np.asarray(index, dtype=object).tolist()):
+        groups[uid].append(i)
+    return groups
+
+
+def compute_grpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    epsilon: float = 1e-6,
+    norm_by_std: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO (Shao et al. 2024): per prompt group, A_i = (s_i - mean(s)) / (std(s) + eps).
+
+    s_i is the summed reward of response i; `index` holds the prompt uid of each row. std is the
+    unbiased std; a group of one gets mean 0, std 1. Broadcast over the response tokens.
+    Returns (advantages, returns) with returns == advantages."""
+    scores = token_level_rewards.sum(dim=-1)
+    advantages = torch.zeros_like(scores)
+    for rows in _group_rows(index).values():
+        s = scores[rows]
+        if len(rows) == 1:
+            mean, std = torch.zeros_like(s[0]), torch.ones_like(s[0])
+        else:
+            mean, std = s.mean(), s.std()
+        advantages[rows] = (s - mean) / (std + epsilon) if norm_by_std else s - mean
+    advantages = advantages.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+def compute_rloo_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO (Ahmadian et al. 2024): A_i = s_i - mean_{j != i} s_j within the prompt group.
+
+    A group of one has no baseline (A_i = s_i). Returns (advantages, returns == advantages)."""
+    scores = token_level_rewards.sum(dim=-1)
+    advantages = scores.clone()
+    for rows in _group_rows(index).values():
+        n = len(rows)
+        if n > 1:
+            s = scores[rows]
+            advantages[rows] = s - (s.sum() - s) / (n - 1)
+    advantages = advantages.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+def compute_reinforce_plus_plus_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025): G_t = r_t + gamma * G_{t+1} (reset after the response end), A = whiten(G)."""
+    mask = response_mask.to(token_level_rewards.dtype)
+    returns = torch.zeros_like(token_level_rewards)
+    running = torch.zeros_like(token_level_rewards[:, 0])
+    for t in reversed(range(token_level_rewards.shape[1])):
+        running = (token_level_rewards[:, t] + gamma * running) * mask[:, t]
+        returns[:, t] = running
+    advantages = masked_whiten(returns, mask)
+    return advantages, returns
+
+
+# ----------------------------------------------------------------------------- KL
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "k1") -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate from samples of pi (Schulman's k1/k2/k3).
+
+    k1 = logp - ref;  k2 = 0.5 * (logp - ref)^2;  k3 = exp(ref - logp) - (ref - logp) - 1
+    (k3 is clamped at 10 for stability; it is always >= 0)."""
+    log_ratio = logprob - ref_logprob
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        r = -log_ratio
+        return (torch.exp(r) - r - 1).clamp(max=10.0)
+    raise ValueError(f"unknown KL estimator {kind!r}; choose one of {', '.join(KL_KINDS)}")
+
+
+class FixedKLController:
+    """beta stays at kl_coef."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """Ziegler et al. 2019: beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * n_steps / horizon."""
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
+        self.value = float(init_kl_coef)
+        self.target = float(target_kl)
+        self.horizon = int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        proportional_error = float(np.clip(float(current_kl) / self.target - 1, -0.2, 0.2))
+        self.value *= 1 + proportional_error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+        self.target = float(state.get("target", self.target))
+        self.horizon = int(state.get("horizon", self.horizon))
+
+
+def make_kl_controller(cfg: Any) -> FixedKLController | AdaptiveKLController:
+    """From `algorithm.kl_ctrl` (or the whole `algorithm` section): type fixed | adaptive."""
+    cfg = getattr(cfg, "kl_ctrl", cfg)
+    kind = getattr(cfg, "type", "fixed")
+    if kind == "fixed":
+        return FixedKLController(cfg.kl_coef)
+    if kind == "adaptive":
+        return AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.horizon)
+    raise ValueError(f"unknown algorithm.kl_ctrl.type {kind!r}; choose fixed or adaptive")
+
+
+def apply_kl_penalty(
+    token_level_scores: torch.Tensor,
+    logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_ctrl: FixedKLController | AdaptiveKLController,
+    kind: str = "k1",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL in the reward: r_t = score_t - beta * kl_t, then kl_ctrl.update(mean per-sequence KL, B).
+
+    Metrics (open-instruct names): objective/kl = mean over sequences of the summed token KL,
+    objective/kl_coef = the beta used, objective/non_score_reward = mean summed -beta * kl,
+    objective/rlhf_reward = mean summed reward (scores + non_score_reward)."""
+    mask = response_mask.to(token_level_scores.dtype)
+    kl = kl_penalty(logprob, ref_logprob, kind) * mask
+    beta = kl_ctrl.value
+    token_level_rewards = token_level_scores - beta * kl
+    seq_kl = kl.sum(dim=-1)
+    current_kl = seq_kl.mean().item()
+    kl_ctrl.update(current_kl, n_steps=token_level_scores.shape[0])
+    metrics = {
+        "objective/kl": current_kl,
+        "objective/kl_coef": beta,
+        "objective/non_score_reward": (-beta * seq_kl).mean().item(),
+        "objective/rlhf_reward": token_level_rewards.sum(dim=-1).mean().item(),
+    }
+    return token_level_rewards, metrics
+
+
+# ----------------------------------------------------------------------------- loss aggregation
+def loss_normalizer(response_mask: torch.Tensor, loss_agg_mode: str) -> float:
+    """The count a mini-batch loss is divided by: tokens (token-mean) or sequences with >= 1 token.
+
+    Compute it once over the whole mini-batch (all-reduced over DP) and pass it to every micro-batch."""
+    if loss_agg_mode == "token-mean":
+        return float(response_mask.sum().item())
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        return float((response_mask.sum(dim=-1) > 0).sum().item())
+    raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    normalizer: float | None = None,
+) -> torch.Tensor:
+    """Reduce a [B, T] per-token loss to a scalar.
+
+    token-mean:          sum_{i,t} l_it / N_tokens
+    seq-mean-token-sum:  sum_i (sum_t l_it) / N_seqs
+    seq-mean-token-mean: sum_i (mean_t l_it) / N_seqs
+    N_* defaults to this batch's count (`loss_normalizer`); pass the mini-batch's global count as
+    `normalizer` and the micro-batch losses sum to exactly the mini-batch loss. (With DDP gradient
+    averaging over dp ranks, the caller multiplies by dp_size.)"""
+    if normalizer is None:
+        normalizer = loss_normalizer(loss_mask, loss_agg_mode)
+    normalizer = max(float(normalizer), 1e-8)
+    mask = loss_mask.to(loss_mat.dtype)
+    if loss_agg_mode == "token-mean":
+        return masked_sum(loss_mat, mask) / normalizer
+    if loss_agg_mode == "seq-mean-token-sum":
+        return masked_sum(loss_mat, mask, dim=-1).sum() / normalizer
+    if loss_agg_mode == "seq-mean-token-mean":
+        return masked_mean(loss_mat, mask, dim=-1).sum() / normalizer
+    raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
+
+
+# ----------------------------------------------------------------------------- losses
+def compute_importance_weights(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    cap: float = 2.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Truncated importance sampling (TIS) for off-policy / mismatched rollouts.
+
+    w_t = min(exp(old_logp_t - rollout_logp_t), cap): corrects for responses sampled by a policy
+    (vLLM, or one step stale in async mode) other than the one the loss treats as pi_old.
+    Detached, 0 on padding. Metrics: mean weight and fraction of tokens capped."""
+    mask = response_mask.to(old_log_prob.dtype)
+    ratio = torch.exp((old_log_prob - rollout_log_prob).clamp(-20.0, 20.0)).detach()
+    weights = ratio.clamp(max=cap) * mask
+    metrics = {
+        "rollout/tis_weight_mean": masked_mean(weights, mask).item(),
+        "rollout/tis_capped_frac": masked_mean((ratio > cap).to(mask.dtype), mask).item(),
+    }
+    return weights, metrics
+
+
+def compute_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio: float = 0.2,
+    clip_ratio_c: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    normalizer: float | None = None,
+    importance_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate (Schulman et al. 2017) with optional dual clip (Ye et al. 2020).
+
+        ratio = exp(logp - old_logp)
+        l     = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))
+        dual clip, A < 0:  l = min(l, -A * clip_ratio_c)
+    `importance_weights` (e.g. TIS from `compute_importance_weights`) multiply l per token.
+    Returns (loss, clipfrac, approx_kl, dual_clipfrac). approx_kl = masked mean of
+    0.5 * (logp - old_logp)^2 (open-instruct's approxkl); the fractions and approx_kl are
+    diagnostics averaged over this batch's tokens, not scaled by `normalizer`."""
+    mask = response_mask.to(log_prob.dtype)
+    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)
+    clipped_losses = torch.maximum(pg_losses1, pg_losses2)
+    clipfrac = masked_mean((pg_losses2 > pg_losses1).to(mask.dtype), mask)
+    if clip_ratio_c is not None:
+        if clip_ratio_c <= 1.0:
+            raise ValueError(f"actor.clip_ratio_c must be > 1 (got {clip_ratio_c}); use null to disable dual clip")
+        pg_losses3 = -advantages * clip_ratio_c
+        dual_clipped = torch.minimum(clipped_losses, pg_losses3)
+        negative = advantages < 0
+        pg_losses = torch.where(negative, dual_clipped, clipped_losses)
+        dual_clipfrac = masked_mean(((clipped_losses > pg_losses3) & negative).to(mask.dtype), mask)
+    else:
+        pg_losses = clipped_losses
+        dual_clipfrac = torch.zeros((), dtype=mask.dtype)
+    if importance_weights is not None:
+        pg_losses = pg_losses * importance_weights
+    loss = agg_loss(pg_losses, mask, loss_agg_mode, normalizer)
+    approx_kl = masked_mean(0.5 * log_ratio.detach() ** 2, mask)
+    return loss, clipfrac.detach(), approx_kl, dual_clipfrac.detach()
+
+
+def compute_value_loss(
+    vpreds: torch.Tensor,
+    values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss: 0.5 * max((v - R)^2, (clip(v, v_old - eps, v_old + eps) - R)^2).
+
+    Returns (loss, clipfrac = fraction of tokens where the clipped term is larger)."""
+    mask = response_mask.to(vpreds.dtype)
+    vpred_clipped = values + torch.clamp(vpreds - values, -cliprange_value, cliprange_value)
+    vf_losses1 = (vpreds - returns) ** 2
+    vf_losses2 = (vpred_clipped - returns) ** 2
+    loss = 0.5 * agg_loss(torch.maximum(vf_losses1, vf_losses2), mask, loss_agg_mode, normalizer)
+    clipfrac = masked_mean((vf_losses2 > vf_losses1).to(mask.dtype), mask)
+    return loss, clipfrac.detach()
+
+
+def compute_entropy_loss(
+    entropy: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    normalizer: float | None = None,
+) -> torch.Tensor:
+    """Aggregated per-token entropy (the actor subtracts entropy_coeff * this from its loss)."""
+    return agg_loss(entropy, response_mask, loss_agg_mode, normalizer)

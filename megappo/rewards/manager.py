@@ -1,0 +1,141 @@
+"""RewardManager: score each response with the rule for its data_source, place the score on the
+response's last valid token, apply the non-stop penalty (open-instruct) and add model RM scores.
+
+DataProto keys read:
+  batch["responses"]        [B, T] response token ids, right-padded
+  batch["response_mask"]    [B, T] 1 on response tokens (else the last T columns of attention_mask)
+  batch["stopped"]          [B] bool, optional: the response ended with a stop token
+                            (else: True when an eos / stop id is among its valid tokens)
+  batch["rm_scores"]        [B] or [B, T] (summed), optional: reward-model scores, added
+  batch["prompts"]          [B, P] optional, only for printing samples
+  non_tensor_batch["data_source"], non_tensor_batch["reward_model"][i]["ground_truth"]
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable, Iterable
+
+import torch
+
+from megappo.protocol import DataProto
+from megappo.rewards import arithmetic, gsm8k
+
+Scorer = Callable[[str, str], float]
+
+
+def _math_score(response: str, ground_truth: str) -> float:
+    from megappo.rewards import math as math_scorer  # math-verify pulls in sympy: import on first use
+
+    return math_scorer.compute_score(response, ground_truth)
+
+
+DEFAULT_SCORERS: dict[str, Scorer] = {
+    "gsm8k": gsm8k.compute_score,
+    "openai/gsm8k": gsm8k.compute_score,
+    "math": _math_score,
+    "lighteval/MATH": _math_score,
+    "math_dapo": _math_score,
+    "arithmetic": arithmetic.compute_score,
+}
+
+
+class RewardManager:
+    """`manager(data) -> (token_level_scores [B, T], metrics)`.
+
+    A row is "verifiably correct" when its rule score is >= 1.0 (the full score; partial format
+    scores do not count). The final score = rule score (+ rm_scores), replaced by
+    `non_stop_penalty_value` when `non_stop_penalty` is on and the response did not stop."""
+
+    def __init__(
+        self,
+        tokenizer,
+        num_examine: int = 1,
+        non_stop_penalty: bool = True,
+        non_stop_penalty_value: float = -10.0,
+        scorers: dict[str, Scorer] | None = None,
+        stop_token_ids: Iterable[int] | None = None,
+    ):
+        self.tokenizer = tokenizer
+        self.num_examine = num_examine
+        self.non_stop_penalty = non_stop_penalty
+        self.non_stop_penalty_value = float(non_stop_penalty_value)
+        self.scorers = {**DEFAULT_SCORERS, **(scorers or {})}
+        ids = set(stop_token_ids or [])
+        if tokenizer.eos_token_id is not None:
+            ids.add(tokenizer.eos_token_id)
+        self.stop_token_ids = ids
+
+    def scorer_for(self, data_source: str) -> Scorer:
+        try:
+            return self.scorers[data_source]
+        except KeyError:
+            raise ValueError(
+                f"no reward rule for data_source {data_source!r} (known: {', '.join(sorted(self.scorers))}); "
+                f"register one with RewardManager(..., scorers={{{data_source!r}: fn(response, ground_truth) -> float}})"
+            ) from None
+
+    def _response_mask(self, data: DataProto) -> torch.Tensor:
+        responses = data.batch["responses"]
+        if "response_mask" in data.batch:
+            return data.batch["response_mask"]
+        return data.batch["attention_mask"][:, -responses.shape[1]:]
+
+    def __call__(self, data: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+        responses = data.batch["responses"]
+        mask = self._response_mask(data).bool()
+        lengths = mask.sum(dim=-1).tolist()
+        batch_size, resp_len = responses.shape
+        if "stopped" in data.batch:
+            stopped = data.batch["stopped"].bool().tolist()
+        else:
+            stop_ids = torch.tensor(sorted(self.stop_token_ids), dtype=responses.dtype)
+            stopped = (torch.isin(responses, stop_ids) & mask).any(dim=-1).tolist()
+        rm_scores = data.batch.get("rm_scores")
+        if rm_scores is not None and rm_scores.dim() == 2:
+            rm_scores = rm_scores.sum(dim=-1)
+        sources = data.non_tensor_batch["data_source"]
+        reward_info = data.non_tensor_batch["reward_model"]
+
+        token_level_scores = torch.zeros(batch_size, resp_len, dtype=torch.float32)
+        finals, corrects, num_penalised = [], [], 0
+        per_source: dict[str, list[bool]] = defaultdict(list)
+        for i in range(batch_size):
+            source = str(sources[i])
+            scorer = self.scorer_for(source)
+            text = self.tokenizer.decode(responses[i][mask[i]].tolist(), skip_special_tokens=True)
+            ground_truth = reward_info[i]["ground_truth"]
+            rule_score = float(scorer(text, ground_truth))
+            final = rule_score + (float(rm_scores[i]) if rm_scores is not None else 0.0)
+            if self.non_stop_penalty and not stopped[i]:
+                final = self.non_stop_penalty_value
+                num_penalised += 1
+            token_level_scores[i, max(lengths[i] - 1, 0)] = final
+            correct = rule_score >= 1.0
+            finals.append(final)
+            corrects.append(correct)
+            if len(per_source[source]) < self.num_examine:
+                self._print_sample(data, i, source, text, ground_truth, rule_score, final, stopped[i])
+            per_source[source].append(correct)
+
+        metrics = {
+            "objective/verifiable_correct_rate": sum(corrects) / max(batch_size, 1),
+            "objective/scores": sum(finals) / max(batch_size, 1),
+            "reward/num_non_stop_penalised": float(num_penalised),
+            "reward/stop_rate": sum(map(bool, stopped)) / max(batch_size, 1),
+        }
+        for source, flags in per_source.items():
+            metrics[f"reward/{source}/correct_rate"] = sum(flags) / len(flags)
+        return token_level_scores, metrics
+
+    def _print_sample(self, data, i, source, response, ground_truth, rule_score, final, stopped) -> None:
+        if "prompts" in data.batch:
+            ids = [t for t in data.batch["prompts"][i].tolist() if t != self.tokenizer.pad_token_id]
+            prompt = self.tokenizer.decode(ids, skip_special_tokens=False)
+        else:
+            prompt = str(data.non_tensor_batch.get("raw_prompt", [""] * len(data))[i])
+        print(
+            f"[reward:{source}] prompt: {prompt!r}\n  response: {response!r}\n"
+            f"  ground_truth: {ground_truth!r} rule_score: {rule_score} stopped: {bool(stopped)} final: {final}",
+            flush=True,
+        )

@@ -1,0 +1,263 @@
+"""core_algos against hand-computed numbers on tiny tensors (expected values never come from the
+function under test)."""
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from megappo.ppo import core_algos as ca
+
+T = torch.tensor
+
+
+def close(a, b, tol=1e-5):
+    return torch.allclose(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64), atol=tol)
+
+
+# ----------------------------------------------------------------------------- masked statistics
+def test_masked_stats_ignore_padding():
+    x = T([[1.0, 2.0, 100.0], [3.0, 4.0, 5.0]])
+    m = T([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    assert close(ca.masked_sum(x, m), 15.0)
+    assert close(ca.masked_mean(x, m), 3.0)  # (1+2+3+4+5)/5
+    assert close(ca.masked_mean(x, m, dim=-1), [1.5, 4.0])
+    assert close(ca.masked_var(x, m), 2.5)  # sum of sq dev = 10, / (5-1)
+    assert close(ca.masked_var(x, m, unbiased=False), 2.0)
+    w = ca.masked_whiten(x, m)
+    assert close(w[0, 2], 0.0)  # padding zeroed, not (100-3)/std
+    assert close(w[0, 0], (1 - 3) / math.sqrt(2.5 + 1e-8))
+    assert close(ca.masked_whiten(x, m, shift_mean=False)[1, 2], (5 - 3) / math.sqrt(2.5 + 1e-8) + 3)
+
+
+def test_masked_mean_empty_mask_is_zero():
+    assert close(ca.masked_mean(T([[5.0, 6.0]]), T([[0.0, 0.0]])), 0.0)
+
+
+# ----------------------------------------------------------------------------- advantages
+def test_gae_matches_hand_computation_and_padding_does_not_leak():
+    rewards = T([[0.0, 0.0, 1.0], [0.0, 2.0, 7.0]])  # row 1: padding holds junk reward 7
+    values = T([[0.5, 0.5, 0.5], [0.1, 0.2, 9.0]])  # and a junk value 9
+    mask = T([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    gamma, lam = 0.9, 0.8
+    adv, ret = ca.compute_gae_advantages(rewards, values, mask, gamma, lam, whiten=False)
+    # row 0: d2 = 1 - .5 = .5; d1 = 0 + .9*.5 - .5 = -.05; d0 = -.05
+    a2 = 0.5
+    a1 = -0.05 + gamma * lam * a2
+    a0 = -0.05 + gamma * lam * a1
+    # row 1 (length 2): d1 = 2 + 0 - .2 = 1.8; d0 = 0 + .9*.2 - .1 = .08
+    b1 = 1.8
+    b0 = 0.08 + gamma * lam * b1
+    assert close(adv, [[a0, a1, a2], [b0, b1, 0.0]])
+    assert close(ret, [[a0 + 0.5, a1 + 0.5, a2 + 0.5], [b0 + 0.1, b1 + 0.2, 0.0]])
+
+
+def test_gae_whitening_is_a_separate_flag():
+    rewards, values = T([[0.0, 1.0], [1.0, 0.0]]), T([[0.2, 0.3], [0.4, 0.1]])
+    mask = T([[1.0, 1.0], [1.0, 1.0]])
+    raw, ret_raw = ca.compute_gae_advantages(rewards, values, mask, 1.0, 1.0, whiten=False)
+    white, ret_white = ca.compute_gae_advantages(rewards, values, mask, 1.0, 1.0, whiten=True)
+    assert close(ret_raw, ret_white)  # returns come from the raw advantages
+    flat = raw.flatten()
+    expected = (flat - flat.mean()) / torch.sqrt(flat.var() + 1e-8)
+    assert close(white.flatten(), expected)
+
+
+def test_grpo_group_normalisation():
+    rewards = T([[0.0, 1.0], [0.0, 0.0], [0.0, 3.0], [0.0, 5.0], [0.0, 4.0]])
+    mask = T([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
+    index = np.array(["a", "a", "b", "b", "c"], dtype=object)
+    adv, ret = ca.compute_grpo_outcome_advantage(rewards, mask, index, epsilon=0.0)
+    # group a: scores 1, 0 -> mean .5, std (unbiased) sqrt(.5); group b: 3, 5 -> mean 4, std sqrt(2)
+    sa, sb = math.sqrt(0.5), math.sqrt(2.0)
+    expected = [[0.5 / sa, 0.5 / sa], [-0.5 / sa, 0.0], [-1 / sb, -1 / sb], [1 / sb, 1 / sb], [4.0, 4.0]]
+    assert close(adv, expected)  # single-row group c: mean 0, std 1
+    assert close(ret, adv)
+    adv_nostd, _ = ca.compute_grpo_outcome_advantage(rewards, mask, index, norm_by_std=False)
+    assert close(adv_nostd[:, 0], [0.5, -0.5, -1.0, 1.0, 4.0])
+
+
+def test_rloo_leave_one_out_baseline():
+    rewards = T([[1.0], [2.0], [6.0], [3.0]])
+    mask = torch.ones(4, 1)
+    adv, _ = ca.compute_rloo_outcome_advantage(rewards, mask, np.array([0, 0, 0, 1]))
+    # 1 - (2+6)/2 = -3; 2 - (1+6)/2 = -1.5; 6 - (1+2)/2 = 4.5; lone row keeps its score
+    assert close(adv[:, 0], [-3.0, -1.5, 4.5, 3.0])
+
+
+def test_reinforce_plus_plus_discounted_returns_then_whitened():
+    rewards = T([[1.0, 0.0, 2.0], [0.0, 3.0, 9.0]])
+    mask = T([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv, ret = ca.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma=0.5)
+    expected_ret = [[1 + 0.5 * 0 + 0.25 * 2, 0 + 0.5 * 2, 2.0], [0 + 0.5 * 3, 3.0, 0.0]]
+    assert close(ret, expected_ret)
+    valid = torch.tensor([1.5, 1.0, 2.0, 1.5, 3.0])
+    mean, std = valid.mean(), valid.std()
+    assert close(adv[0], (torch.tensor([1.5, 1.0, 2.0]) - mean) / std, tol=1e-4)
+    assert close(adv[1, 2], 0.0)
+
+
+# ----------------------------------------------------------------------------- KL
+def test_kl_estimators_by_hand():
+    logp, ref = T([-1.0, -2.0]), T([-1.5, -1.0])
+    d = [0.5, -1.0]  # logp - ref
+    assert close(ca.kl_penalty(logp, ref, "k1"), d)
+    assert close(ca.kl_penalty(logp, ref, "k2"), [0.125, 0.5])
+    assert close(ca.kl_penalty(logp, ref, "k3"), [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1])
+    assert close(ca.kl_penalty(T([0.0]), T([-30.0]), "k3"), [10.0])  # e^-30 + 30 - 1 = 29, clamped
+    assert close(ca.kl_penalty(T([-30.0]), T([0.0]), "k3"), [10.0])  # exp(30) clamped
+    with pytest.raises(ValueError, match="k1, k2, k3"):
+        ca.kl_penalty(logp, ref, "k9")
+
+
+def test_kl_controllers_update_and_resume():
+    fixed = ca.FixedKLController(0.05)
+    fixed.update(123.0, 8)
+    assert fixed.value == 0.05
+    ctl = ca.AdaptiveKLController(init_kl_coef=0.1, target_kl=2.0, horizon=100)
+    ctl.update(current_kl=3.0, n_steps=10)  # err = clip(0.5) = 0.2 -> x1.02
+    assert close(ctl.value, 0.1 * 1.02)
+    ctl.update(current_kl=1.8, n_steps=10)  # err = -0.1 -> x0.99
+    assert close(ctl.value, 0.1 * 1.02 * 0.99)
+    resumed = ca.AdaptiveKLController(init_kl_coef=0.5, target_kl=2.0, horizon=100)
+    resumed.load_state_dict(ctl.state_dict())
+    resumed.update(0.0, 10)
+    ctl.update(0.0, 10)
+    assert resumed.value == ctl.value and close(ctl.value, 0.1 * 1.02 * 0.99 * 0.98)
+
+
+def test_make_kl_controller_from_config():
+    cfg = SimpleNamespace(kl_ctrl=SimpleNamespace(type="adaptive", kl_coef=0.2, target_kl=1.0, horizon=10))
+    ctl = ca.make_kl_controller(cfg)
+    assert isinstance(ctl, ca.AdaptiveKLController) and ctl.value == 0.2 and ctl.horizon == 10
+    assert isinstance(ca.make_kl_controller(SimpleNamespace(type="fixed", kl_coef=0.3)), ca.FixedKLController)
+    with pytest.raises(ValueError, match="fixed or adaptive"):
+        ca.make_kl_controller(SimpleNamespace(type="pid", kl_coef=0.1))
+
+
+def test_apply_kl_penalty_in_reward():
+    scores = T([[0.0, 1.0], [2.0, 0.0]])
+    logp, ref = T([[-1.0, -1.0], [-2.0, -3.0]]), T([[-1.5, -2.0], [-1.0, 0.0]])
+    mask = T([[1.0, 1.0], [1.0, 0.0]])
+    ctl = ca.AdaptiveKLController(0.1, target_kl=1.0, horizon=10)
+    rewards, metrics = ca.apply_kl_penalty(scores, logp, ref, mask, ctl, kind="k1")
+    # k1: [[.5, 1.], [-1., (masked)]]
+    assert close(rewards, [[0 - 0.05, 1 - 0.1], [2 + 0.1, 0.0]])
+    assert close(metrics["objective/kl"], (1.5 + -1.0) / 2)
+    assert metrics["objective/kl_coef"] == 0.1
+    assert close(metrics["objective/non_score_reward"], -0.1 * 0.25)
+    assert close(metrics["objective/rlhf_reward"], ((0.95 - 0.1) + 2.1) / 2)
+    assert close(ctl.value, 0.1 * (1 + (-0.2) * 2 / 10))  # kl .25 / target 1 - 1 -> clipped -0.2, n_steps = B
+
+
+# ----------------------------------------------------------------------------- aggregation
+LOSS = T([[1.0, 2.0, 3.0], [4.0, 5.0, 0.0], [6.0, 0.0, 0.0]])
+MASK = T([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+
+
+def test_agg_loss_modes_by_hand():
+    assert close(ca.agg_loss(LOSS, MASK, "token-mean"), 21.0 / 6)
+    assert close(ca.agg_loss(LOSS, MASK, "seq-mean-token-sum"), (6 + 9 + 6) / 3)
+    assert close(ca.agg_loss(LOSS, MASK, "seq-mean-token-mean"), (2 + 4.5 + 6) / 3)
+    assert close(ca.agg_loss(LOSS, MASK, "token-mean", normalizer=12), 21.0 / 12)
+    with pytest.raises(ValueError, match="token-mean"):
+        ca.agg_loss(LOSS, MASK, "mean")
+
+
+@pytest.mark.parametrize("mode", ca.LOSS_AGG_MODES)
+@pytest.mark.parametrize("splits", [[1, 1, 1, 1, 1], [2, 3], [4, 1], [5]])
+def test_global_normalizer_makes_micro_batch_split_invariant(mode, splits):
+    g = torch.Generator().manual_seed(0)
+    loss_mat = torch.rand(5, 4, generator=g, dtype=torch.float64).requires_grad_()
+    lengths = [4, 1, 3, 2, 4]
+    mask = torch.tensor([[1.0 if t < n else 0.0 for t in range(4)] for n in lengths], dtype=torch.float64)
+    full = ca.agg_loss(loss_mat, mask, mode)
+    (full_grad,) = torch.autograd.grad(full, loss_mat)
+    normalizer = ca.loss_normalizer(mask, mode)  # global count, computed once per mini-batch
+    total, start = 0.0, 0
+    for size in splits:  # micro-batches (or DP ranks)
+        sl = slice(start, start + size)
+        total = total + ca.agg_loss(loss_mat[sl], mask[sl], mode, normalizer=normalizer)
+        start += size
+    (split_grad,) = torch.autograd.grad(total, loss_mat)
+    assert close(total, full, tol=1e-12) and close(split_grad, full_grad, tol=1e-12)
+    if len(splits) > 1:  # without the global normalizer the sum of micro-batch means is wrong
+        local = sum(ca.agg_loss(loss_mat[s:s + n], mask[s:s + n], mode)
+                    for s, n in zip(np.cumsum([0] + splits[:-1]), splits))
+        assert not close(local, full, tol=1e-6)
+
+
+# ----------------------------------------------------------------------------- losses
+def test_policy_loss_clip_and_dual_clip_by_hand():
+    old = T([[0.0, 0.0, 0.0, 0.0]])
+    logp = T([[math.log(1.5), math.log(0.5), math.log(1.1), math.log(5.0)]])
+    adv = T([[1.0, -1.0, 2.0, -1.0]])
+    mask = torch.ones(1, 4)
+    loss, clipfrac, approx_kl, dual = ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2)
+    # token losses: max(-A r, -A clip(r)):  r=1.5,A=1 -> max(-1.5,-1.2) = -1.2 (clipped)
+    # r=.5,A=-1 -> max(.5,.8) = .8 (clipped); r=1.1,A=2 -> -2.2; r=5,A=-1 -> max(5, 1.2) = 5
+    assert close(loss, (-1.2 + 0.8 - 2.2 + 5.0) / 4)
+    assert close(clipfrac, 0.5)
+    d = [math.log(1.5), math.log(0.5), math.log(1.1), math.log(5.0)]
+    assert close(approx_kl, sum(0.5 * x * x for x in d) / 4)
+    assert close(dual, 0.0)
+    loss_c, _, _, dual_c = ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, clip_ratio_c=3.0)
+    # dual clip bounds the last token (A<0) at -A * 3 = 3
+    assert close(loss_c, (-1.2 + 0.8 - 2.2 + 3.0) / 4)
+    assert close(dual_c, 0.25)
+    with pytest.raises(ValueError, match="> 1"):
+        ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, clip_ratio_c=0.5)
+
+
+def test_policy_loss_masks_padding_and_has_ppo_gradient():
+    old = T([[0.0, 0.0]])
+    logp = T([[0.0, 3.0]]).requires_grad_()
+    adv = T([[2.0, 100.0]])
+    mask = T([[1.0, 0.0]])
+    loss, clipfrac, approx_kl, _ = ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2)
+    loss.backward()
+    assert close(loss, -2.0) and close(clipfrac, 0.0) and close(approx_kl, 0.0)
+    assert close(logp.grad, [[-2.0, 0.0]])  # d(-A e^{logp - old})/dlogp at ratio 1 = -A
+
+
+def test_importance_weights_truncated_and_applied():
+    old = T([[0.0, 0.0, 0.0]])
+    rollout = T([[math.log(2.0), math.log(0.25), 0.0]])
+    mask = T([[1.0, 1.0, 0.0]])
+    w, metrics = ca.compute_importance_weights(old, rollout, mask, cap=2.0)
+    assert close(w, [[0.5, 2.0, 0.0]])  # exp(0 - log 2) = .5; exp(log 4) = 4 -> capped at 2; padding 0
+    assert close(metrics["rollout/tis_capped_frac"], 0.5)
+    assert close(metrics["rollout/tis_weight_mean"], 1.25)
+    logp, adv = T([[0.0, 0.0, 0.0]]), T([[1.0, 1.0, 1.0]])
+    loss, *_ = ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, importance_weights=w)
+    assert close(loss, (-1 * 0.5 + -1 * 2.0) / 2)
+
+
+def test_value_loss_clipped_by_hand():
+    vpreds = T([[1.0, 0.5, 3.0]])
+    values = T([[0.5, 0.4, 0.0]])
+    returns = T([[1.0, 2.0, 5.0]])
+    mask = T([[1.0, 1.0, 0.0]])
+    loss, clipfrac = ca.compute_value_loss(vpreds, values, returns, mask, cliprange_value=0.2)
+    # tok0: v=1, clip -> .7: max(0, .09) = .09 (clipped larger); tok1: v=.5 in range: (1.5)^2 = 2.25
+    assert close(loss, 0.5 * (0.09 + 2.25) / 2)
+    assert close(clipfrac, 0.5)
+
+
+def test_entropy_loss_aggregates():
+    ent = T([[1.0, 3.0], [2.0, 8.0]])
+    mask = T([[1.0, 1.0], [1.0, 0.0]])
+    assert close(ca.compute_entropy_loss(ent, mask), 2.0)
+    assert close(ca.compute_entropy_loss(ent, mask, "seq-mean-token-mean"), (2.0 + 2.0) / 2)
+
+
+def test_core_algos_is_pure_torch():
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(ca.__file__).read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not imported & {"ray", "megatron", "vllm"}
