@@ -6,7 +6,9 @@
   safetensors next to a copy of that tokenizer. Head dim is 32 (vLLM's CPU attention rejects 16) and
   the vocab (TOKENIZER_VOCAB) is deliberately not a multiple of 128, so padded-vocab code paths run.
 
-`megappo assets --out DIR` builds all of them (idempotent: an existing, complete dir is kept).
+- `make_arith_sft_model(dir, base)`: the CPU demo's warm start (see its docstring).
+
+`megappo assets --out DIR [--demo]` builds them (idempotent: an existing, complete dir is kept).
 """
 
 from __future__ import annotations
@@ -139,8 +141,62 @@ def make_model(out_dir: str | os.PathLike, family: str = "llama", seed: int = 0,
     return out
 
 
-def ensure_assets(root: str | os.PathLike) -> dict[str, Path]:
-    """Build (once) the tokenizer and the tiny llama/qwen2/mistral models under `root`.
+def arith_sft_examples(n: int, seed: int, correct_frac: float) -> list[tuple[str, str]]:
+    """(user prompt, assistant answer) pairs of the synthetic task (megappo.data.preprocess_arithmetic's
+    prompt). Only `correct_frac` of the answers are right; the rest are random sums in 0..18."""
+    from megappo.data.preprocess_arithmetic import INSTRUCTION
+
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(n):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        answer = a + b if rng.random() < correct_frac else rng.randint(0, 18)
+        pairs.append((f"What is {a} + {b}? {INSTRUCTION}", f"#### {answer}"))
+    return pairs
+
+
+def make_arith_sft_model(out_dir: str | os.PathLike, base_dir: str | os.PathLike, steps: int = 300,
+                         correct_frac: float = 0.5, seed: int = 0) -> Path:
+    """Warm-start the tiny llama for the CPU demo: a short SFT on the arithmetic task's format, where
+    only `correct_frac` of the targets are right. The result answers "#### <n>" and stops, and is right
+    only sometimes (~10-25% at temperature 1), so PPO has a reward signal from step 1 and room to raise it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    pairs = arith_sft_examples(steps * 32, seed, correct_frac)
+    encoded = []
+    for user, answer in pairs:
+        prompt = tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
+                                         tokenize=False)
+        p_ids = tok(prompt, add_special_tokens=False).input_ids
+        a_ids = tok(answer + tok.eos_token, add_special_tokens=False).input_ids
+        encoded.append((p_ids + a_ids, [-100] * len(p_ids) + a_ids))
+    for step in range(steps):
+        chunk = encoded[step * 32:(step + 1) * 32]
+        width = max(len(ids) for ids, _ in chunk)
+        ids = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x, _ in chunk])
+        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in chunk])
+        mask = (labels != -100) | (torch.arange(width)[None] < torch.tensor([len(x) for x, _ in chunk])[:, None])
+        loss = model(input_ids=ids, attention_mask=mask.long(), labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    return out
+
+
+def ensure_assets(root: str | os.PathLike, demo: bool = False) -> dict[str, Path]:
+    """Build (once) the tokenizer and the tiny llama/qwen2/mistral models under `root`; with `demo`,
+    also the demo's warm-started tiny-llama-arith (a short SFT, ~20 s on 2 cores).
 
     Each asset is written to a temp dir and renamed into place, so an interrupted build never leaves a
     half-written directory that a later call would trust."""
@@ -148,6 +204,8 @@ def ensure_assets(root: str | os.PathLike) -> dict[str, Path]:
     root.mkdir(parents=True, exist_ok=True)
     paths = {"tokenizer": root / "tiny-tokenizer"}
     paths.update({f"tiny-{f}": root / f"tiny-{f}" for f in FAMILIES})
+    if demo:
+        paths["tiny-llama-arith"] = root / "tiny-llama-arith"  # the CPU demo's warm start
     for key, path in paths.items():
         if (path / ".complete").exists():
             continue
@@ -155,6 +213,8 @@ def ensure_assets(root: str | os.PathLike) -> dict[str, Path]:
         tmp.chmod(0o755)
         if key == "tokenizer":
             make_tokenizer(tmp)
+        elif key == "tiny-llama-arith":
+            make_arith_sft_model(tmp, paths["tiny-llama"])
         else:
             make_model(tmp, family=key.removeprefix("tiny-"), tokenizer_dir=paths["tokenizer"])
         (tmp / ".complete").write_text(json.dumps({"asset": key}))
@@ -165,9 +225,10 @@ def ensure_assets(root: str | os.PathLike) -> dict[str, Path]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="assets", help="directory to build the tiny assets in (default: assets)")
+    parser.add_argument("--demo", action="store_true", help="also build the demo's warm-started tiny-llama-arith")
 
 
 def main(args: argparse.Namespace) -> int:
-    for key, path in ensure_assets(args.out).items():
+    for key, path in ensure_assets(args.out, demo=args.demo).items():
         print(f"{key}: {path}")
     return 0
