@@ -33,17 +33,12 @@ from omegaconf import OmegaConf
 
 from megappo.config import ConfigError, load_config
 from megappo.config.schema import MegappoConfig
+from megappo.parallel.weight_mapping import padded_vocab_size
 from megappo.config.validate import validate_config
 
 GB = 1024**3
 OVERHEAD_GB = 3.0
-VOCAB_DIVISOR = 128
 ROLES = ("actor", "critic", "ref")
-
-
-def _padded_vocab(vocab: int, tp: int) -> int:
-    multiple = math.lcm(VOCAB_DIVISOR, tp)
-    return -(-vocab // multiple) * multiple
 
 
 def layer_params(cfg) -> int:
@@ -59,7 +54,7 @@ def layer_params(cfg) -> int:
 def stage_params(cfg, tp: int, pp: int, head: str) -> int:
     """Parameters on one GPU of the worst pipeline stage (head: 'lm' or 'value')."""
     a = cfg.model.arch
-    emb = _padded_vocab(a.vocab_size, tp) * a.hidden_size // tp
+    emb = padded_vocab_size(a.vocab_size, tp) * a.hidden_size // tp
     out = emb if head == "lm" else a.hidden_size  # value head is replicated [1, hidden]
     layers = a.num_layers // pp * layer_params(cfg) // tp
     if pp == 1:
@@ -83,7 +78,7 @@ def activation_bytes(cfg, role_cfg, par, lm_head: bool) -> int:
     per_mb = (layers * 2 * s * b * h // par.tp + full_layer) if role_cfg.recompute_activations else layers * full_layer
     micro_batches = max(1, role_cfg.ppo_mini_batch_size // (par.dp * b))
     in_flight = min(par.pp, micro_batches)
-    logits = s * b * _padded_vocab(a.vocab_size, par.tp) // par.tp * 4 * 2 if lm_head else 0
+    logits = s * b * padded_vocab_size(a.vocab_size, par.tp) // par.tp * 4 * 2 if lm_head else 0
     return per_mb * in_flight + logits
 
 

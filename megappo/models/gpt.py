@@ -1,0 +1,253 @@
+"""Build megatron-core GPTModel chunks (actor: LM head; critic: value head) from a HuggingFace
+llama / qwen2 / mistral config, and load HF safetensors weights into whatever TP/PP/VPP layout this
+rank holds (through parallel/weight_mapping.py).
+
+Local (pure megatron-core) layer spec on CPU; the Transformer Engine spec when TE and a GPU exist.
+Dropout is off in every model built here (PPO log-probs must be deterministic).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from megappo.parallel.layout import ParallelLayout
+from megappo.parallel.weight_mapping import ModelDims, global_param_name, hf_names, hf_to_megatron_shard, rope_theta, \
+    transformer_config_kwargs
+
+
+def have_transformer_engine() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def load_hf_config(model_path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_path))
+
+
+def build_transformer_config(hf_config, layout: ParallelLayout, *, params_dtype: Optional[torch.dtype] = None,
+                             recompute: bool = False, sequence_parallel: bool = False, batch_p2p_comm: Optional[bool] = None):
+    """megatron TransformerConfig for a HF config under `layout`. bf16 on GPU, fp32 on CPU by default."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    on_gpu = torch.cuda.is_available()
+    dtype = params_dtype or (torch.bfloat16 if on_gpu else torch.float32)
+    if batch_p2p_comm is None:
+        # gloo + interleaved schedule with batch_p2p_comm=True gives silently wrong results (ENVIRONMENT.md)
+        batch_p2p_comm = on_gpu
+    kw = transformer_config_kwargs(hf_config)
+    kw.update(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.virtual_pp,
+        sequence_parallel=sequence_parallel and layout.tp > 1,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        autocast_dtype=dtype if dtype != torch.float32 else None,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # weights come from the HF checkpoint
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=False,
+        batch_p2p_comm=batch_p2p_comm,
+        calculate_per_token_loss=True,  # the engine normalises by the caller's global count itself
+        attention_softmax_in_fp32=True,
+    )
+    if recompute:
+        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if kw["autocast_dtype"] is None:
+        kw.pop("autocast_dtype")
+    return TransformerConfig(**kw)
+
+
+def _layer_spec(config, use_te: bool):
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.transformer.enums import AttnMaskType
+
+    if use_te:
+        spec = get_gpt_layer_with_transformer_engine_spec()
+        # PPO batches are left-padded: honour the explicit (causal + pad-key) mask we pass.
+        spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.arbitrary
+        return spec
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if config.sequence_parallel:
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build  # noqa: F401
+
+        from megappo.parallel.cpu_compat import SequenceParallelTorchNorm
+
+        spec.submodules.input_layernorm = SequenceParallelTorchNorm
+        spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+        return ("sp", spec, SequenceParallelTorchNorm, TransformerBlockSubmodules)
+    return spec
+
+
+class ValueHead(torch.nn.Module):
+    """Critic head: hidden -> 1, replicated on every TP rank. Init: normal(std=1/sqrt(hidden+1)), bias 0
+    (the open-instruct rule). Called like megatron's output layer: (hidden [s,b,h]) -> ([s,b,1], None)."""
+
+    def __init__(self, hidden_size: int, sequence_parallel: bool = False, dtype=torch.float32, seed: int = 0):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
+        gen = torch.Generator().manual_seed(seed)  # identical on every rank
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(1, hidden_size, generator=gen) / math.sqrt(hidden_size + 1))
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        return torch.nn.functional.linear(hidden, self.weight, self.bias), None
+
+
+def build_gpt_chunks(hf_config, config, layout: ParallelLayout, critic: bool = False, seed: int = 0) -> list:
+    """This rank's GPTModel chunks (one per virtual pipeline stage)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.enums import ModelType
+    from megatron.core.models.gpt import GPTModel
+
+    dims = ModelDims.from_hf_config(hf_config, tp=layout.tp, value_head=critic)
+    layout.validate(dims.num_heads, dims.num_kv_heads, dims.num_layers)
+    use_te = have_transformer_engine()
+    spec = _layer_spec(config, use_te)
+    chunks = []
+    for vp in range(layout.num_model_chunks):
+        vp_stage = vp if layout.virtual_pp else None
+        pre = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        layer_spec = spec
+        if isinstance(spec, tuple):  # sequence parallel on the local spec: our norms everywhere
+            from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+            _, lspec, norm, Sub = spec
+            layer_spec = Sub(layer_specs=[lspec] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=norm)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=dims.padded_vocab_size,
+            max_sequence_length=hf_config.max_position_embeddings,
+            pre_process=pre,
+            post_process=post,
+            parallel_output=True,
+            share_embeddings_and_output_weights=dims.tied_embeddings,
+            position_embedding_type="rope",
+            rotary_base=rope_theta(hf_config),
+            vp_stage=vp_stage,
+        )
+        model.model_type = ModelType.encoder_or_decoder
+        model.vp_stage = vp_stage
+        if critic and post:
+            model.output_layer = ValueHead(dims.hidden_size, config.sequence_parallel, config.params_dtype, seed)
+        mark_tensor_parallel_params(model)
+        chunks.append(model)
+    return chunks
+
+
+def mark_tensor_parallel_params(chunk) -> None:
+    """megatron sets `tensor_model_parallel` / `partition_dim` on TP-split weights only inside its weight
+    init; with `perform_initialization=False` (weights come from HF) they would be missing and the grad
+    norm would count only TP rank 0's shards. Set them here."""
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding, set_tensor_model_parallel_attributes)
+
+    for mod in chunk.modules():
+        dim = 0 if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)) else \
+            1 if isinstance(mod, RowParallelLinear) else None
+        w = getattr(mod, "weight", None)
+        if dim is not None and isinstance(w, torch.nn.Parameter) and not getattr(w, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(w, is_parallel=True, dim=dim, stride=1)
+
+
+def layer_offset(chunk) -> int:
+    layers = getattr(getattr(chunk, "decoder", None), "layers", None)
+    return (layers[0].layer_number - 1) if layers is not None and len(layers) else 0
+
+
+def global_named_parameters(chunk):
+    """(global megatron name, param) for one chunk (layer indices made global)."""
+    off = layer_offset(chunk)
+    for name, p in chunk.named_parameters():
+        yield global_param_name(name.removeprefix("module."), off), p
+
+
+class SafetensorsReader:
+    """Lazy reader over a HF model dir (single file or sharded index): get(name) -> tensor."""
+
+    def __init__(self, model_dir):
+        from safetensors import safe_open
+
+        d = Path(model_dir)
+        index = d / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            files = sorted(d.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors under {d}")
+            weight_map = {}
+            for f in files:
+                with safe_open(str(f), "pt") as h:
+                    weight_map.update({k: f.name for k in h.keys()})
+        self._map = weight_map
+        self._dir = d
+        self._handles = {}
+        self._open = safe_open
+
+    def keys(self):
+        return self._map.keys()
+
+    def __contains__(self, name):
+        return name in self._map
+
+    def get(self, name) -> torch.Tensor:
+        f = self._map[name]
+        if f not in self._handles:
+            self._handles[f] = self._open(str(self._dir / f), "pt")
+        return self._handles[f].get_tensor(name)
+
+
+@torch.no_grad()
+def load_hf_weights(chunks, model_dir, dims: ModelDims, tp_rank: int, tp_size: int,
+                    get_tensor: Optional[Callable[[str], torch.Tensor]] = None) -> list[str]:
+    """Copy HF weights into this rank's shards of every chunk. Returns the megatron names left at
+    their init (only the critic's value head, when the HF dir has no `score` tensor)."""
+    reader = None if get_tensor else SafetensorsReader(model_dir)
+    get = get_tensor or reader.get
+    available = (lambda n: True) if get_tensor else (lambda n: n in reader)
+    if dims.tied_embeddings is False and not dims.value_head and reader is not None \
+            and "lm_head.weight" not in reader and "model.embed_tokens.weight" in reader:
+        raise ValueError("HF checkpoint has no lm_head.weight and is not tied")
+    skipped = []
+    for chunk in chunks:
+        for name, param in global_named_parameters(chunk):
+            srcs = hf_names(name, dims)
+            if not all(available(s) for s in srcs):
+                if dims.value_head and name.startswith("output_layer."):
+                    skipped.append(name)
+                    continue
+                raise KeyError(f"HF checkpoint {model_dir} lacks {[s for s in srcs if not available(s)]} for {name}")
+            shard = hf_to_megatron_shard(name, {s: get(s) for s in srcs}, dims, tp_rank, tp_size)
+            if shard.shape != param.shape:
+                raise ValueError(f"{name}: HF-derived shard {tuple(shard.shape)} != model param {tuple(param.shape)}")
+            param.copy_(shard.to(param.dtype))
+    return skipped

@@ -1,0 +1,238 @@
+"""The only place that makes megatron-core 0.16.1 run on a CPU-only torch. Applied only when there is
+no GPU (`apply()` is a no-op when `torch.cuda.is_available()`); everything else in megappo is written
+as if it ran on a GPU. See docs/ENVIRONMENT.md ("megatron-core 0.16.1 on CPU + gloo").
+
+Shims (each has a test in tests/test_cpu_compat.py):
+
+1. `CudaToCpuMode` - a process-wide `torch.overrides.TorchFunctionMode` that rewrites
+   `device="cuda"` / `device=0` arguments, `.cuda()` and `.to("cuda")` to the CPU, and makes
+   `Tensor.type()` answer `torch.cuda.FloatTensor` (megatron type-checks grads/params with it:
+   clip_grads.py:167, distrib_optimizer.py:420, optimizer.py:690). About 40 hard-coded
+   `device="cuda"` sites (schedules' token counters, optimizer buffers, clip_grads, causal mask) go
+   through it. Torch-function modes are thread-local: it covers the thread that called `apply()`.
+2. `torch.cuda.current_device()` returns "cpu" (megatron allocates buffers with
+   `device=torch.cuda.current_device()`); `torch.cuda.synchronize()`, `torch.cuda.empty_cache()` and
+   stream/event helpers used by p2p / checkpoint / DDP code become no-ops.
+3. `CpuRNGStatesTracker` - megatron's model-parallel RNG tracker on the CPU generator
+   (megatron's own calls `torch.cuda.get_rng_state`). Installed by `install_rng_tracker()` after
+   `initialize_model_parallel()` and before `model_parallel_cuda_manual_seed()`; megatron's
+   `_get_cuda_rng_state` / `_set_cuda_rng_state` (used by activation recompute) also go to the CPU
+   generator.
+4. `SequenceParallelTorchNorm` - torch RMSNorm/LayerNorm usable with `sequence_parallel=True`:
+   megatron's `WrappedTorchNorm` asserts on it (torch_norm.py:32) because apex/TE are absent. Its
+   params carry the `sequence_parallel` attribute so `finalize_model_grads` all-reduces their grads
+   over TP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_APPLIED = False
+_MODE: "CudaToCpuMode | None" = None
+
+
+def needs_cpu_compat() -> bool:
+    return not torch.cuda.is_available()
+
+
+def _is_cuda(dev) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    if isinstance(dev, int) and not isinstance(dev, bool):
+        return True  # an int device index means a CUDA ordinal
+    return False
+
+
+_CPU_TO_CUDA_TYPE = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.DoubleTensor": "torch.cuda.DoubleTensor",
+    "torch.IntTensor": "torch.cuda.IntTensor",
+    "torch.LongTensor": "torch.cuda.LongTensor",
+}
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Redirects CUDA placements to the CPU; `Tensor.type()` reports the CUDA type name."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CPU_TO_CUDA_TYPE.get(name, name)
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if (i > 0 and _is_cuda(a)) else a for i, a in enumerate(args))
+        return func(*args, **kwargs)
+
+
+class CpuRNGStatesTracker:
+    """megatron's CudaRNGStatesTracker contract (add / fork / get_states / set_states / reset) on the
+    CPU generator. A forked region runs with its named generator state and restores the caller's."""
+
+    def __init__(self, *args, **kwargs):
+        self.use_cudagraphable_rng = False
+        self.is_inference_rng_tracker = False
+        self.reset()
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def reset(self):
+        self._is_initialized = False
+        self.states_ = {}
+        self.seeds_ = set()
+        self._current_state_name = "default-rng"
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        orig_name = self._current_state_name
+        torch.set_rng_state(self.states_[name])
+        self._current_state_name = name
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+            self._current_state_name = orig_name
+
+
+def _cpu_get_rng_state(device=None, clone=False, graph_safe=False):
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state, device=-1, graph_safe=False):
+    torch.set_rng_state(new_state)
+
+
+def install_rng_tracker() -> None:
+    """Make megatron's RNG tracker a CpuRNGStatesTracker. Call after initialize_model_parallel()
+    and before model_parallel_cuda_manual_seed() (which then seeds it)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mrandom._get_cuda_rng_state = _cpu_get_rng_state
+    mrandom._set_cuda_rng_state = _cpu_set_rng_state
+
+
+class _NoopStream:
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, *a, **k):
+        return _NoopEvent()
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _NoopEvent(_NoopStream):
+    def record(self, *a, **k):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+    def query(self):
+        return True
+
+
+def _noop_factory(name: str):
+    # distinct function objects: torch._dynamo keys its trace rules by the torch.cuda function object
+    def noop(*args, **kwargs):
+        return None
+
+    noop.__name__ = noop.__qualname__ = f"cpu_compat_noop_{name}"
+    return noop
+
+
+def apply() -> bool:
+    """Install shims 1-2 in this process (idempotent). Returns True when they are active.
+    Call early, before megatron builds anything; a no-op on a machine with a GPU."""
+    global _APPLIED, _MODE
+    if not needs_cpu_compat():
+        return False
+    if _APPLIED:
+        return True
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = _noop_factory("synchronize")
+    torch.cuda.empty_cache = _noop_factory("empty_cache")
+    torch.cuda.current_stream = lambda *a, **k: _NoopStream()
+    torch.cuda.default_stream = lambda *a, **k: _NoopStream()
+    torch.cuda.Stream = _NoopStream
+    torch.cuda.Event = _NoopEvent
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.set_device = _noop_factory("set_device")
+    _MODE = CudaToCpuMode()
+    _MODE.__enter__()  # process-wide for this thread, never exited
+    _APPLIED = True
+    return True
+
+
+def is_applied() -> bool:
+    return _APPLIED
+
+
+# ---- shim 4: sequence-parallel norm without apex / TE -------------------------------------------
+
+
+class SequenceParallelTorchNorm:
+    """Drop-in for megatron's WrappedTorchNorm that allows `config.sequence_parallel`: the params of a
+    norm applied to sequence-sharded activations get `sequence_parallel=True`, so megatron's
+    finalize_model_grads all-reduces their grads over the TP group."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        if config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        elif config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(normalized_shape=hidden_size, eps=eps)
+        else:
+            raise ValueError(f"unsupported normalization {config.normalization!r}")
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm

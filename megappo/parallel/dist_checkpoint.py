@@ -1,0 +1,123 @@
+"""megatron dist_checkpointing (torch_dist format) of model chunks + DistributedOptimizer state,
+loadable into any other TP/PP/VPP/DP layout of the same model ("fully_reshardable" optimizer format).
+
+Works on anything exposing `inner_chunks()`, `optimizer`, `scheduler` and `_sharded_state_dict(is_loading)`
+(workers/megatron_engine.py's MegatronEngine). Every rank calls save/load (collective).
+
+Three DistributedOptimizer load bugs of megatron-core 0.16.1 with the torch AdamW fallback (no
+apex / TE FusedAdam; see docs/ENVIRONMENT.md) are handled in `load`:
+1. distrib_optimizer.py:642 `state_dict()` asserts one `step` over an EMPTY state (before the first
+   step): we allocate the Adam state (zeros, one `step` tensor per param) first.
+2. distrib_optimizer.py:940 `KeyError: 'step'`: the per-param copy iterates the live state keys
+   (incl. `step`) over the checkpoint tensors (no `step`): we copy every key but `step`.
+3. distrib_optimizer.py:825 gives ONE shared `step` tensor to every param; torch Adam increments it
+   in place once per param per step, silently breaking bias correction after resume: we give each
+   param its own copy.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _distributed_optimizers(optimizer) -> list:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [o for o in opts if isinstance(o, DistributedOptimizer)]
+
+
+def _uses_torch_adam(opt) -> bool:
+    return isinstance(opt.optimizer, (torch.optim.Adam, torch.optim.AdamW)) and \
+        not opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+
+
+@torch.no_grad()
+def _ensure_adam_state(opt) -> None:
+    """Bug 1: allocate Adam state (own `step` per param) if the optimizer never stepped."""
+    inner = opt.optimizer
+    for group in inner.param_groups:
+        for p in group["params"]:
+            st = inner.state[p]
+            if not st:
+                st["step"] = torch.zeros((), dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _patch_set_states(opt) -> None:
+    """Bug 2: copy param + optimizer tensors except `step` (not stored per param in the checkpoint)."""
+    if getattr(opt, "_megappo_set_states_patched", False):
+        return
+    orig = opt._set_main_param_and_optimizer_states
+
+    @torch.no_grad()
+    def _set_main_param_and_optimizer_states(model_param, tensors):
+        if "step" in tensors:
+            return orig(model_param, tensors)
+        group_index, group_order = opt.model_param_group_index_map[model_param]
+        main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
+        state = opt.optimizer.state[main_param]
+        main_param.copy_(tensors["param"])
+        for k, v in state.items():
+            if k != "step":
+                v.copy_(tensors[k])
+
+    opt._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    opt._megappo_set_states_patched = True
+
+
+def _unshare_steps(opt) -> None:
+    """Bug 3: one `step` tensor per param."""
+    for st in opt.optimizer.state.values():
+        if "step" in st and torch.is_tensor(st["step"]):
+            st["step"] = st["step"].detach().clone()
+
+
+def save(path, sharded_state_dict: dict) -> None:
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if dist.get_rank() == 0:
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(sharded_state_dict, str(path))
+    dist.barrier()
+
+
+def load(path, engine, load_optimizer: bool = True) -> None:
+    from megatron.core import dist_checkpointing
+
+    opt = engine.optimizer if load_optimizer else None
+    dopts = _distributed_optimizers(opt) if opt is not None else []
+    for o in dopts:
+        if _uses_torch_adam(o):
+            _ensure_adam_state(o)
+            _patch_set_states(o)
+    sd = engine._sharded_state_dict(is_loading=True)
+    if opt is None:
+        sd = {k: v for k, v in sd.items() if k.startswith("model")}
+    loaded = dist_checkpointing.load(sd, str(path))
+    chunks = engine.inner_chunks()
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(loaded.get("model", loaded.get("model0")), strict=True)
+    else:
+        for i, c in enumerate(chunks):
+            c.load_state_dict(loaded[f"model{i}"], strict=True)
+    if opt is not None:
+        opt.load_state_dict(loaded["optimizer"])
+        for o in dopts:
+            if _uses_torch_adam(o):
+                _unshare_steps(o)
+        engine.scheduler.load_state_dict(loaded["scheduler"])
+        engine.steps = int(loaded.get("steps", 0))
+    else:
+        # params changed under a DDP / optimizer that was not reloaded: nothing else to sync
+        pass
+    dist.barrier()

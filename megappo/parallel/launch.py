@@ -1,0 +1,87 @@
+"""Start N local worker processes (torch.multiprocessing spawn, MASTER_ADDR=127.0.0.1, a free port):
+the launcher behind the `megappo logprobs` CLI, the benchmark and the multi-process tests.
+
+    results = spawn_local(fn, nprocs, *args)   # fn(rank, world_size, port, *args) -> picklable
+
+Each worker's return value comes back in rank order; a worker exception is re-raised here with its
+traceback. Entry scripts that use dist_checkpointing need `if __name__ == "__main__":`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, fn, world_size, port, queue, args, threads):
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        out = fn(rank, world_size, port, *args)
+        buf = io.BytesIO()
+        torch.save(out, buf)  # plain bytes: tensors must outlive this process (no shared-memory fds)
+        queue.put((rank, True, buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        queue.put((rank, False, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def spawn_local(fn, nprocs: int, *args, timeout: float = 600.0, threads: int | None = None):
+    """Run fn(rank, nprocs, port, *args) in `nprocs` spawned processes; return results by rank."""
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_worker, args=(r, fn, nprocs, port, queue, args, threads), daemon=False)
+             for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors = []
+    import time
+
+    deadline = time.monotonic() + timeout
+    while len(results) + len(errors) < nprocs:
+        if not queue.empty():
+            rank, ok, out = queue.get()
+            if ok:
+                import torch
+
+                results[rank] = torch.load(io.BytesIO(out), weights_only=False)
+            else:
+                errors.append(f"rank {rank}:\n{out}")
+            if errors:
+                break
+            continue
+        if time.monotonic() > deadline:
+            errors.append(f"timed out after {timeout}s")
+            break
+        dead = [p for p in procs if p.exitcode not in (None, 0)]
+        if dead and queue.empty():
+            time.sleep(0.5)
+            if queue.empty():
+                errors.append(f"worker(s) died: exit codes {[p.exitcode for p in procs]}")
+                break
+        time.sleep(0.05)
+    if errors:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+        raise RuntimeError("worker failed: " + "\n".join(errors))
+    for p in procs:
+        p.join(timeout=60)
+    return [results[r] for r in range(nprocs)]

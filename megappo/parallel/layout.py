@@ -1,0 +1,92 @@
+"""ParallelLayout: how a world of ranks is cut into tensor (tp), pipeline (pp, with vpp virtual stages
+per rank) and data (dp) parallel groups, in megatron-core's rank order.
+
+megatron's `initialize_model_parallel(order="tp-cp-ep-dp-pp")` (the default) numbers ranks with tp
+fastest, then dp, then pp (cp = ep = 1 here):  rank = tp + TP * (dp + DP * pp).
+`tests/test_layout.py` checks this against the groups parallel_state really builds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: Optional[int] = None  # virtual stages per pipeline rank (interleaved schedule); None = off
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "dp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"ParallelLayout.{name} must be a positive int, got {v!r}")
+        if self.vpp is not None:
+            if not isinstance(self.vpp, int) or self.vpp < 1:
+                raise ValueError(f"ParallelLayout.vpp must be None or a positive int, got {self.vpp!r}")
+            if self.vpp > 1 and self.pp < 2:
+                raise ValueError(f"vpp={self.vpp} needs pp >= 2 (interleaving needs a pipeline), got pp={self.pp}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_model_chunks(self) -> int:
+        return self.vpp or 1
+
+    @property
+    def virtual_pp(self) -> Optional[int]:
+        """The value for megatron's virtual_pipeline_model_parallel_size (None unless vpp > 1)."""
+        return self.vpp if (self.vpp or 1) > 1 else None
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """rank -> (dp, pp, tp)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of size {self.world_size}")
+        tp = rank % self.tp
+        dp = (rank // self.tp) % self.dp
+        pp = rank // (self.tp * self.dp)
+        return dp, pp, tp
+
+    def rank(self, dp: int, pp: int, tp: int) -> int:
+        """(dp, pp, tp) -> rank."""
+        if not (0 <= dp < self.dp and 0 <= pp < self.pp and 0 <= tp < self.tp):
+            raise ValueError(f"coords (dp={dp}, pp={pp}, tp={tp}) outside layout {self}")
+        return tp + self.tp * (dp + self.dp * pp)
+
+    def tp_group(self, rank: int) -> list[int]:
+        dp, pp, _ = self.coords(rank)
+        return [self.rank(dp, pp, t) for t in range(self.tp)]
+
+    def pp_group(self, rank: int) -> list[int]:
+        dp, _, tp = self.coords(rank)
+        return [self.rank(dp, p, tp) for p in range(self.pp)]
+
+    def dp_group(self, rank: int) -> list[int]:
+        _, pp, tp = self.coords(rank)
+        return [self.rank(d, pp, tp) for d in range(self.dp)]
+
+    def is_collect_rank(self, rank: int) -> bool:
+        """tp == 0 on the last pipeline stage: where a DP replica's outputs are read."""
+        _, pp, tp = self.coords(rank)
+        return tp == 0 and pp == self.pp - 1
+
+    def validate(self, num_heads: int, num_kv_heads: int, num_layers: int, world_size: Optional[int] = None) -> None:
+        """Raise a one-line ValueError when this layout cannot shard the model (or the world)."""
+        if world_size is not None and world_size != self.world_size:
+            raise ValueError(f"layout tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {self.world_size} != world size {world_size}")
+        if num_heads % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide num_attention_heads={num_heads}")
+        if num_kv_heads % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide num_key_value_heads={num_kv_heads}")
+        stages = self.pp * self.num_model_chunks
+        if num_layers % stages:
+            raise ValueError(f"pp*vpp = {self.pp}*{self.num_model_chunks} = {stages} does not divide num_layers={num_layers}")
+
+    def __str__(self) -> str:
+        v = f"xVPP{self.vpp}" if self.virtual_pp else ""
+        return f"TP{self.tp}xPP{self.pp}{v}xDP{self.dp}"

@@ -1,0 +1,82 @@
+"""Bring up (and tear down) torch.distributed and megatron-core's parallel_state for one worker.
+
+    init_distributed(rank, world_size, master_addr, master_port)   # gloo on CPU, nccl on GPU
+    init_megatron(layout, seed)                                    # parallel_state + RNG
+
+On a machine without a GPU, `cpu_compat.apply()` is installed first (the only place that bends
+megatron towards the CPU).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megappo.parallel import cpu_compat
+from megappo.parallel.layout import ParallelLayout
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500,
+                     backend: Optional[str] = None, timeout_minutes: int = 30) -> None:
+    """torch.distributed.init_process_group for this worker (idempotent)."""
+    cpu_compat.apply()
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        backend=backend or default_backend(),
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(minutes=timeout_minutes),
+    )
+
+
+def init_megatron(layout: ParallelLayout, seed: int = 1234) -> None:
+    """megatron parallel_state groups for `layout` (order tp-cp-ep-dp-pp) and the model-parallel RNG."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    if not dist.is_initialized():
+        raise RuntimeError("init_distributed() must run before init_megatron()")
+    if dist.get_world_size() != layout.world_size:
+        raise ValueError(f"layout {layout} needs {layout.world_size} ranks, world size is {dist.get_world_size()}")
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.virtual_pp,
+        order="tp-cp-ep-dp-pp",
+    )
+    if cpu_compat.needs_cpu_compat():
+        cpu_compat.install_rng_tracker()
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def coords() -> tuple[int, int, int]:
+    """This rank's (dp, pp, tp) as megatron sees it."""
+    from megatron.core import parallel_state as mpu
+
+    return (mpu.get_data_parallel_rank(), mpu.get_pipeline_model_parallel_rank(),
+            mpu.get_tensor_model_parallel_rank())

@@ -1,0 +1,285 @@
+"""Megatron shards (TP / PP / VPP) -> HF-named tensors, streamed in bounded buckets (the hybrid
+engine feeds each bucket into this rank's vLLM engine). Every name and layout conversion goes
+through parallel/weight_mapping.py (`hf_names`, `megatron_shards_to_hf`, `tp_split_dim`).
+
+    rs = Resharder(chunks, dims, layout, rollout_tp=1, bucket_bytes=256 << 20)
+    for bucket in rs.buckets():          # COLLECTIVE: every rank iterates the same buckets in lockstep
+        vllm_load(bucket.tensors)        # [(hf_name, tensor), ...]: fused groups kept together
+    rs.expected_fingerprints             # {hf_name: (fp, scale)} of the trainer's weights (all ranks)
+    rs.stats                             # bytes received per rank, buckets, seconds
+
+Plan (computed once from metadata all-gathered over the pipeline group):
+- units: one megatron MODULE (its weight and bias together), so fused groups never split:
+  linear_qkv -> q,k,v (+ biases), linear_fc1 -> gate,up. Units are packed in model order into
+  buckets of at most `bucket_bytes` (HF bytes; a unit larger than that gets a bucket of its own).
+  A bucket never spans two pipeline stages.
+- per bucket, on the owning stage: one all-gather over the TP group of the bucket's shards (flat),
+  `megatron_shards_to_hf` -> HF tensors written into one flat buffer; then one broadcast of that
+  buffer over the pipeline group, so every stage's vLLM gets it (PP stages are extra DP replicas at
+  rollout). DP replicas of the trainer hold identical weights and each does the same independently.
+- "sliced" mode (train TP == rollout TP): vLLM's TP rank r only reads the rows/columns that
+  megatron's TP rank r already holds (same head groups, same gate/up halves, same row-parallel
+  columns), so those units skip the TP all-gather: each rank ships (over PP) and loads only its own
+  shard, placed into a zero HF tensor via `megatron_shards_to_hf` (zeros for the other ranks'
+  shards: vLLM never reads them). Vocab-parallel tensors are still gathered (megatron pads the vocab
+  to a multiple of 128*TP, vLLM to 64, so the row boundaries differ).
+- memory: besides its own shards a rank holds one bucket at a time: its flat broadcast buffer, plus
+  on the owning stage the TP gather buffer and the HF tensors of one megatron param while they are
+  copied in (`stats["peak_bucket_bytes"]`). The caller must finish with a bucket before the next.
+
+Fingerprints (`fingerprint_fn`, e.g. workers/rollout/fingerprint.tensor_fingerprint: linear in
+the tensor, so zero-padded slices add up to the full value) are taken on the owning stage from the weights
+BEFORE they are packed and shipped, and summed over the world (only one rank of each DP replica
+group contributes), so a bucket corrupted after that point does not match what vLLM ends up holding.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megappo.parallel.layout import ParallelLayout
+from megappo.parallel.weight_mapping import ModelDims, hf_names, megatron_shards_to_hf, tp_split_dim
+
+
+@dataclass
+class _Param:
+    name: str  # global megatron name
+    shape: tuple  # this TP rank's shard shape
+    gather: bool  # TP all-gather it (else: sliced, own shard only)
+    tp_dim: Optional[int]  # the split dim (None: replicated)
+    hf: list  # HF names it maps to
+    hf_shapes: list  # full HF shapes
+
+
+@dataclass
+class _Bucket:
+    stage: int
+    params: list = field(default_factory=list)
+
+
+@dataclass
+class Bucket:
+    index: int
+    stage: int
+    tensors: list  # [(hf_name, tensor)]
+    nbytes: int
+
+
+def _module_key(name: str) -> str:
+    return name.rsplit(".", 1)[0]
+
+
+class Resharder:
+    def __init__(self, chunks: list, dims: ModelDims, layout: ParallelLayout, rollout_tp: int,
+                 bucket_bytes: int = 256 << 20, dtype: Optional[torch.dtype] = None,
+                 fingerprint_fn: Optional[Callable[[torch.Tensor], tuple]] = None):
+        from megatron.core import parallel_state as mpu
+
+        from megappo.models.gpt import global_named_parameters
+
+        self.chunks, self.dims, self.layout = chunks, dims, layout
+        self.rollout_tp = int(rollout_tp)
+        self.bucket_bytes = int(bucket_bytes)
+        self.fingerprint_fn = fingerprint_fn  # HF tensor -> (value, scale); linear in the tensor
+        self.fingerprint = fingerprint_fn is not None
+        self.world = dist.get_world_size()
+        if self.world % self.rollout_tp:
+            raise ValueError(f"rollout tp={self.rollout_tp} must divide the actor world size {self.world}")
+        self.sliced = self.rollout_tp == layout.tp and layout.tp > 1
+        self.tp_rank = mpu.get_tensor_model_parallel_rank()
+        self.pp_rank = mpu.get_pipeline_model_parallel_rank()
+        self.dp_rank = mpu.get_data_parallel_rank()
+        self.tp_group = mpu.get_tensor_model_parallel_group()
+        self.pp_group = mpu.get_pipeline_model_parallel_group()
+        self.pp_ranks = dist.get_process_group_ranks(self.pp_group) if layout.pp > 1 else [dist.get_rank()]
+
+        # this rank's params by global name (tied output layer: the embedding is the one sent)
+        self._local = {}
+        for c in chunks:
+            for name, p in global_named_parameters(c):
+                if name == "output_layer.weight" and dims.tied_embeddings:
+                    continue
+                self._local[name] = p
+        dtypes = {p.dtype for p in self._local.values()}
+        if len(dtypes) > 1:
+            raise ValueError(f"resharding needs one parameter dtype, found {dtypes}")
+        self.dtype = dtype or next(iter(dtypes))
+        meta = [(n, tuple(p.shape)) for n, p in self._local.items()]
+        per_stage = [None] * layout.pp
+        if layout.pp > 1:
+            dist.all_gather_object(per_stage, meta, group=self.pp_group)
+        else:
+            per_stage = [meta]
+        self._plan = self._make_plan(per_stage)
+        self.expected_fingerprints: dict = {}
+        self.stats: dict = {}
+
+    # ---- plan ------------------------------------------------------------------------------------
+
+    def _param(self, name: str, shape: tuple) -> _Param:
+        d = self.dims
+        dim = tp_split_dim(name, d)
+        vocab = name in ("embedding.word_embeddings.weight", "output_layer.weight") and not d.value_head
+        gather = self.layout.tp > 1 and dim is not None and (not self.sliced or vocab)
+        hfn = hf_names(name, d)
+        # full HF shapes, from the shard shape and weight_mapping's own conversion
+        zeros = [torch.empty(shape, dtype=torch.float32, device="meta")] * (self.layout.tp if dim is not None else 1)
+        hf = megatron_shards_to_hf(name, zeros, d) if dim is not None else {hfn[0]: zeros[0]}
+        return _Param(name, shape, gather, dim, hfn, [tuple(hf[n].shape) for n in hfn])
+
+    def _make_plan(self, per_stage) -> list[_Bucket]:
+        buckets: list[_Bucket] = []
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        for stage, meta in enumerate(per_stage):
+            units: dict[str, list[_Param]] = {}
+            for name, shape in meta:
+                units.setdefault(_module_key(name), []).append(self._param(name, shape))
+            cur, cur_bytes = None, 0
+            for unit in units.values():
+                ub = sum(sum(_numel(s) for s in p.hf_shapes) for p in unit) * elem
+                if cur is None or (cur_bytes + ub > self.bucket_bytes and cur.params):
+                    cur, cur_bytes = _Bucket(stage), 0
+                    buckets.append(cur)
+                cur.params.extend(unit)
+                cur_bytes += ub
+        return buckets
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._plan)
+
+    def hf_name_list(self) -> list[str]:
+        return [n for b in self._plan for p in b.params for n in p.hf]
+
+    # ---- streaming -------------------------------------------------------------------------------
+
+    def _ships_full(self, p: _Param) -> bool:
+        return p.gather or p.tp_dim is None or self.layout.tp == 1
+
+    def _shipped_numel(self, p: _Param) -> int:
+        """What the owning stage broadcasts for this param: full HF tensors, or (sliced) the shard."""
+        return sum(_numel(s) for s in p.hf_shapes) if self._ships_full(p) else _numel(p.shape)
+
+    @torch.no_grad()
+    def buckets(self, corrupt: Optional[Callable[[Bucket], None]] = None) -> Iterator[Bucket]:
+        """Yield every bucket on every rank (collective). `corrupt(bucket)` is a test hook that may
+        modify a bucket's tensors after the fingerprints were taken (simulating corruption in flight)."""
+        t0 = time.perf_counter()
+        names = self.hf_name_list()
+        index = {n: i for i, n in enumerate(names)}
+        fp = torch.zeros(2 * len(names), dtype=torch.float64)
+        recv_bytes = 0
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        peak = 0
+        tensor_fingerprint = self.fingerprint_fn
+        self._gather_bytes = 0
+        comm_s = 0.0  # in TP all-gathers and PP broadcasts
+        consumer_s = 0.0  # in the caller's hands (e.g. vLLM loading the bucket)
+        for bi, b in enumerate(self._plan):
+            owner = b.stage == self.pp_rank
+            total = sum(self._shipped_numel(p) for p in b.params)
+            flat = torch.empty(total, dtype=self.dtype) if (owner or self.layout.pp > 1) else None
+            contributes = owner and self.dp_rank == 0
+            if owner:
+                t_g = time.perf_counter()
+                gathered = self._gather(b)
+                comm_s += time.perf_counter() - t_g
+                off = 0
+                for p in b.params:
+                    if p.name in gathered:
+                        hf, full = megatron_shards_to_hf(p.name, gathered[p.name], self.dims), True
+                    else:
+                        shard = self._local[p.name].detach()
+                        hf = self._hf_view(p, shard)  # full tensors (tp 1 / replicated) or zero-padded
+                        full = self._ships_full(p)
+                    if self.fingerprint and contributes and (self.tp_rank == 0 or not full):
+                        for n in p.hf:
+                            v, sc = tensor_fingerprint(hf[n])
+                            fp[index[n]] += v
+                            fp[len(names) + index[n]] += sc
+                    if full:
+                        for n in p.hf:
+                            t = hf[n]
+                            flat[off:off + t.numel()].copy_(t.reshape(-1))
+                            off += t.numel()
+                    else:  # sliced: ship only this rank's shard
+                        flat[off:off + shard.numel()].copy_(shard.reshape(-1))
+                        off += shard.numel()
+                    del hf
+                del gathered
+            t_comm = time.perf_counter()
+            if self.layout.pp > 1:
+                src = self.pp_ranks[b.stage]
+                dist.broadcast(flat, src=src, group=self.pp_group)
+                if not owner:
+                    recv_bytes += total * elem
+            comm_s += time.perf_counter() - t_comm
+            # unpack into HF tensors (views into `flat`, or zero-padded full tensors when sliced)
+            tensors, off = [], 0
+            for p in b.params:
+                k = self._shipped_numel(p)
+                seg = flat[off:off + k]
+                off += k
+                if self._ships_full(p):
+                    o2 = 0
+                    for n, s in zip(p.hf, p.hf_shapes):
+                        tensors.append((n, seg[o2:o2 + _numel(s)].view(s)))
+                        o2 += _numel(s)
+                else:
+                    tensors.extend(self._hf_view(p, seg.view(p.shape)).items())
+            nbytes = sum(t.numel() for _, t in tensors) * elem
+            peak = max(peak, nbytes + total * elem)
+            bucket = Bucket(bi, b.stage, tensors, nbytes)
+            if corrupt is not None:
+                corrupt(bucket)
+            t_y = time.perf_counter()
+            yield bucket
+            consumer_s += time.perf_counter() - t_y
+            del flat, tensors, bucket
+        if self.fingerprint:
+            dist.all_reduce(fp)
+            k = len(names)
+            self.expected_fingerprints = {n: (float(fp[i]), float(fp[k + i])) for i, n in enumerate(names)}
+        self.stats = {"buckets": len(self._plan), "bytes_received": recv_bytes + self._gather_bytes,
+                      "bytes_broadcast_received": recv_bytes, "bytes_tp_gathered": self._gather_bytes, "seconds": time.perf_counter() - t0,
+                      "peak_bucket_bytes": peak, "sliced": self.sliced, "comm_s": comm_s, "consumer_s": consumer_s}
+
+    def _gather(self, b: _Bucket) -> dict[str, list[torch.Tensor]]:
+        """One all-gather over the TP group for the bucket's gathered params -> {name: [shards]}."""
+        todo = [p for p in b.params if p.gather]
+        if not todo:
+            return {}
+        if self.layout.tp == 1:
+            return {p.name: [self._local[p.name].detach()] for p in todo}
+        sizes = [_numel(p.shape) for p in todo]
+        send = torch.cat([self._local[p.name].detach().reshape(-1).to(self.dtype) for p in todo])
+        recv = torch.empty(self.layout.tp * send.numel(), dtype=self.dtype)
+        dist.all_gather_into_tensor(recv, send, group=self.tp_group)
+        self._gather_bytes += (self.layout.tp - 1) * send.numel() * send.element_size()
+        out, per = {}, send.numel()
+        for r in range(self.layout.tp):
+            off = r * per
+            for p, k in zip(todo, sizes):
+                out.setdefault(p.name, []).append(recv[off:off + k].view(p.shape))
+                off += k
+        return out
+
+    def _hf_view(self, p: _Param, shard: torch.Tensor) -> dict[str, torch.Tensor]:
+        """HF tensors that hold this rank's shard in place and zeros elsewhere (a replicated param is
+        simply itself). Built with weight_mapping's conversion: the other ranks' shards are zeros."""
+        if p.tp_dim is None or self.layout.tp == 1:
+            return megatron_shards_to_hf(p.name, [shard], self.dims)
+        shards = [shard if r == self.tp_rank else torch.zeros_like(shard) for r in range(self.layout.tp)]
+        return megatron_shards_to_hf(p.name, shards, self.dims)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n

@@ -1,0 +1,314 @@
+"""ONE source of truth for HuggingFace <-> Megatron-core names and tensor layouts (llama / qwen2 /
+mistral families). Pure functions over single tensors, so a converter or a resharder can stream one
+parameter at a time. Used by models/gpt.py (HF load), the checkpoint converter and the resharder.
+
+Megatron names use the GLOBAL layer index (`decoder.layers.{L}.`); a pipeline stage that holds layers
+[o, o+n) names its local layer i as global o+i (see `global_param_name`).
+
+Layouts (per TP rank r of T):
+- `self_attention.linear_qkv` (column parallel): rows grouped per query group g:
+  [q heads of g (heads/groups * head_dim rows), k of g (head_dim), v of g (head_dim)], groups in order;
+  rank r holds the contiguous groups [r*G/T, (r+1)*G/T). The same for the qkv bias (qwen2).
+- `mlp.linear_fc1` (column parallel, SwiGLU): rank r holds [gate rows of r ; up rows of r] (megatron
+  chunks the local output in two), so the unsharded tensor depends on T: always go HF <-> shard.
+- `self_attention.linear_proj`, `mlp.linear_fc2` (row parallel): split along dim 1.
+- `embedding.word_embeddings`, `output_layer` (vocab parallel): rows padded with zeros to
+  `padded_vocab_size` then split along dim 0; padding rows are dropped when going back to HF.
+- norms, and the critic's value head (`output_layer` of shape [1, hidden], HF `score`): replicated.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+DEFAULT_VOCAB_DIVISOR = 128
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> int:
+    """Round the vocab up to a multiple of lcm(divisible_by, tp).
+
+    Megatron-LM pads to divisible_by * tp, which makes the embedding's global shape depend on TP
+    (32000 rows at TP2, 32256 at TP4), so a dist checkpoint saved at one TP no longer loads at
+    another. lcm keeps the padded size the same for every power-of-two TP up to divisible_by."""
+    multiple = math.lcm(divisible_by, tp)
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def rope_theta(hf_config) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
+    if rope_type not in ("default", None):
+        raise ValueError(f"rope_type {rope_type!r} is not supported (only default RoPE)")
+    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    return float(theta if theta is not None else getattr(hf_config, "rope_theta", 10000.0))
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The shapes weight mapping needs, from a HF config (+ TP size for the padded vocab)."""
+
+    model_type: str
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    padded_vocab_size: int
+    tied_embeddings: bool
+    qkv_bias: bool
+    value_head: bool = False  # critic: output_layer is the [1, hidden] value head
+
+    @classmethod
+    def from_hf_config(cls, hf_config, tp: int = 1, value_head: bool = False,
+                       vocab_divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> "ModelDims":
+        mt = hf_config.model_type
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {mt!r} not supported; choose one of {', '.join(SUPPORTED_MODEL_TYPES)}")
+        heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        qkv_bias = mt == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
+        if mt != "qwen2" and getattr(hf_config, "mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported")
+        return cls(
+            model_type=mt,
+            hidden_size=hf_config.hidden_size,
+            ffn_hidden_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            vocab_size=hf_config.vocab_size,
+            padded_vocab_size=padded_vocab_size(hf_config.vocab_size, tp, vocab_divisible_by),
+            tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head,
+            qkv_bias=qkv_bias,
+            value_head=value_head,
+        )
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def transformer_config_kwargs(hf_config) -> dict:
+    """The megatron TransformerConfig fields that describe a HF llama/qwen2/mistral model (dropout
+    off: every PPO model runs without dropout). Device/precision/fusion fields are set by the caller."""
+    import torch.nn.functional as F
+
+    dims = ModelDims.from_hf_config(hf_config)
+    if hf_config.hidden_act != "silu":
+        raise ValueError(f"hidden_act {hf_config.hidden_act!r} not supported (SwiGLU/silu only)")
+    if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True) \
+            and hf_config.model_type == "mistral":
+        raise ValueError("mistral sliding_window attention is not supported; set sliding_window=None")
+    return dict(
+        num_layers=dims.num_layers,
+        hidden_size=dims.hidden_size,
+        ffn_hidden_size=dims.ffn_hidden_size,
+        num_attention_heads=dims.num_heads,
+        num_query_groups=dims.num_kv_heads,
+        kv_channels=dims.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(hf_config.rms_norm_eps),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=dims.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
+    )
+
+
+# ---- names --------------------------------------------------------------------------------------
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+# megatron per-layer suffix -> HF per-layer suffixes (in merge order)
+_LAYER_MAP = {
+    "input_layernorm.weight": ["input_layernorm.weight"],
+    "self_attention.linear_qkv.layer_norm_weight": ["input_layernorm.weight"],  # TE fused spec
+    "self_attention.linear_qkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+    "self_attention.linear_qkv.bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
+    "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
+    "pre_mlp_layernorm.weight": ["post_attention_layernorm.weight"],
+    "mlp.linear_fc1.layer_norm_weight": ["post_attention_layernorm.weight"],  # TE fused spec
+    "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    "mlp.linear_fc2.weight": ["mlp.down_proj.weight"],
+}
+_TOP_MAP = {
+    "embedding.word_embeddings.weight": ["model.embed_tokens.weight"],
+    "decoder.final_layernorm.weight": ["model.norm.weight"],
+    "output_layer.weight": ["lm_head.weight"],
+}
+_VALUE_HEAD_MAP = {"output_layer.weight": ["score.weight"], "output_layer.bias": ["score.bias"]}
+
+
+def megatron_param_names(dims: ModelDims, te_fused_norms: bool = False) -> list[str]:
+    """Every (global-layer) megatron parameter name of the full model, in model order."""
+    names = ["embedding.word_embeddings.weight"]
+    for layer in range(dims.num_layers):
+        p = f"decoder.layers.{layer}."
+        names.append(p + ("self_attention.linear_qkv.layer_norm_weight" if te_fused_norms else "input_layernorm.weight"))
+        names.append(p + "self_attention.linear_qkv.weight")
+        if dims.qkv_bias:
+            names.append(p + "self_attention.linear_qkv.bias")
+        names.append(p + "self_attention.linear_proj.weight")
+        names.append(p + ("mlp.linear_fc1.layer_norm_weight" if te_fused_norms else "pre_mlp_layernorm.weight"))
+        names.append(p + "mlp.linear_fc1.weight")
+        names.append(p + "mlp.linear_fc2.weight")
+    names.append("decoder.final_layernorm.weight")
+    if dims.value_head:
+        names += ["output_layer.weight", "output_layer.bias"]
+    elif not dims.tied_embeddings:
+        names.append("output_layer.weight")
+    return names
+
+
+def hf_names(mcore_name: str, dims: ModelDims) -> list[str]:
+    """The HF tensor names that make up one megatron parameter (global layer index)."""
+    m = _LAYER_RE.match(mcore_name)
+    if m:
+        layer, suffix = m.groups()
+        if suffix not in _LAYER_MAP:
+            raise KeyError(f"no HF mapping for megatron parameter {mcore_name!r}")
+        return [f"model.layers.{layer}.{s}" for s in _LAYER_MAP[suffix]]
+    if dims.value_head and mcore_name in _VALUE_HEAD_MAP:
+        return list(_VALUE_HEAD_MAP[mcore_name])
+    if mcore_name == "output_layer.weight" and dims.tied_embeddings:
+        return ["model.embed_tokens.weight"]
+    if mcore_name in _TOP_MAP:
+        return list(_TOP_MAP[mcore_name])
+    raise KeyError(f"no HF mapping for megatron parameter {mcore_name!r}")
+
+
+def megatron_name(hf_name: str, dims: ModelDims, te_fused_norms: bool = False) -> str:
+    """The megatron parameter (global layer index) that a HF tensor belongs to."""
+    m = _HF_LAYER_RE.match(hf_name)
+    if m:
+        layer, suffix = m.groups()
+        for msuffix, sources in _LAYER_MAP.items():
+            is_norm = "layernorm" in suffix
+            if suffix in sources and (not is_norm or msuffix.endswith("layer_norm_weight") == te_fused_norms):
+                return f"decoder.layers.{layer}.{msuffix}"
+        raise KeyError(f"no megatron mapping for HF tensor {hf_name!r}")
+    if dims.value_head:
+        for k, v in _VALUE_HEAD_MAP.items():
+            if hf_name in v:
+                return k
+    for k, v in _TOP_MAP.items():
+        if hf_name in v:
+            return k
+    raise KeyError(f"no megatron mapping for HF tensor {hf_name!r}")
+
+
+def global_param_name(local_name: str, layer_offset: int) -> str:
+    """`decoder.layers.{i}.x` of a pipeline stage whose first layer is `layer_offset` -> global name."""
+    m = _LAYER_RE.match(local_name)
+    if not m:
+        return local_name
+    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{m.group(2)}"
+
+
+# ---- tensor layouts -----------------------------------------------------------------------------
+
+
+def _kind(mcore_name: str, dims: ModelDims) -> str:
+    if mcore_name.endswith("linear_qkv.weight") or mcore_name.endswith("linear_qkv.bias"):
+        return "qkv"
+    if mcore_name.endswith("linear_fc1.weight"):
+        return "fc1"
+    if mcore_name.endswith("linear_proj.weight") or mcore_name.endswith("linear_fc2.weight"):
+        return "row"
+    if mcore_name == "embedding.word_embeddings.weight" or (mcore_name == "output_layer.weight" and not dims.value_head):
+        return "vocab"
+    return "replicated"
+
+
+def tp_split_dim(mcore_name: str, dims: ModelDims) -> Optional[int]:
+    """Which dim of the megatron tensor TP splits (None: replicated)."""
+    return {"qkv": 0, "fc1": 0, "vocab": 0, "row": 1, "replicated": None}[_kind(mcore_name, dims)]
+
+
+def _pad_vocab(t: torch.Tensor, dims: ModelDims) -> torch.Tensor:
+    if t.shape[0] == dims.padded_vocab_size:
+        return t
+    pad = t.new_zeros((dims.padded_vocab_size - t.shape[0],) + tuple(t.shape[1:]))
+    return torch.cat([t, pad], dim=0)
+
+
+def hf_to_megatron_shard(mcore_name: str, hf: Mapping[str, torch.Tensor], dims: ModelDims,
+                         tp_rank: int = 0, tp_size: int = 1) -> torch.Tensor:
+    """Build TP rank `tp_rank`'s shard of megatron parameter `mcore_name` from its HF tensors
+    (`hf` maps each name in `hf_names(mcore_name)` to the full HF tensor)."""
+    srcs = [hf[n] for n in hf_names(mcore_name, dims)]
+    kind = _kind(mcore_name, dims)
+    if kind == "replicated":
+        return srcs[0].clone()
+    if kind == "row":
+        return srcs[0].chunk(tp_size, dim=1)[tp_rank].clone()
+    if kind == "vocab":
+        return _pad_vocab(srcs[0], dims).chunk(tp_size, dim=0)[tp_rank].clone()
+    if kind == "fc1":
+        gate, up = srcs
+        return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]], dim=0)
+    # qkv: interleave per query group, then take this rank's contiguous groups
+    q, k, v = srcs
+    g, hpg, d = dims.num_kv_heads, dims.heads_per_group, dims.head_dim
+    if g % tp_size:
+        raise ValueError(f"tp={tp_size} does not divide num_key_value_heads={g}")
+    tail = tuple(q.shape[1:])
+    qg = q.reshape((g, hpg * d) + tail)
+    kg = k.reshape((g, d) + tail)
+    vg = v.reshape((g, d) + tail)
+    full = torch.cat([qg, kg, vg], dim=1)  # [g, (hpg+2)*d, ...]
+    per = g // tp_size
+    return full[tp_rank * per:(tp_rank + 1) * per].reshape((-1,) + tail).clone()
+
+
+def megatron_shards_to_hf(mcore_name: str, shards: list[torch.Tensor], dims: ModelDims) -> dict[str, torch.Tensor]:
+    """Inverse of `hf_to_megatron_shard`: all TP shards (rank order) of one megatron parameter ->
+    {hf_name: full HF tensor}. A tied `output_layer.weight` maps to the embedding name."""
+    names = hf_names(mcore_name, dims)
+    kind = _kind(mcore_name, dims)
+    tp_size = len(shards)
+    if kind == "replicated":
+        return {names[0]: shards[0].clone()}
+    if kind == "row":
+        return {names[0]: torch.cat(shards, dim=1)}
+    if kind == "vocab":
+        return {names[0]: torch.cat(shards, dim=0)[: dims.vocab_size].clone()}
+    if kind == "fc1":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return {names[0]: torch.cat([h[0] for h in halves], 0), names[1]: torch.cat([h[1] for h in halves], 0)}
+    g, hpg, d = dims.num_kv_heads, dims.heads_per_group, dims.head_dim
+    full = torch.cat(shards, dim=0)
+    tail = tuple(full.shape[1:])
+    grouped = full.reshape((g, (hpg + 2) * d) + tail)
+    q = grouped[:, : hpg * d].reshape((-1,) + tail)
+    k = grouped[:, hpg * d: (hpg + 1) * d].reshape((-1,) + tail)
+    v = grouped[:, (hpg + 1) * d:].reshape((-1,) + tail)
+    return {names[0]: q.clone(), names[1]: k.clone(), names[2]: v.clone()}
+
+
+def hf_to_megatron_full(mcore_name: str, hf: Mapping[str, torch.Tensor], dims: ModelDims, tp_size: int = 1) -> torch.Tensor:
+    """The concatenation of all TP shards (what a TP-gather would produce at this tp_size)."""
+    dim = tp_split_dim(mcore_name, dims)
+    if dim is None:
+        return hf_to_megatron_shard(mcore_name, hf, dims)
+    return torch.cat([hf_to_megatron_shard(mcore_name, hf, dims, r, tp_size) for r in range(tp_size)], dim=dim)
+
+
+def iter_hf_to_megatron(get_hf, mcore_names: Iterable[str], dims: ModelDims, tp_rank: int, tp_size: int):
+    """Stream (mcore_name, shard) for the given names; `get_hf(name)` returns one full HF tensor."""
+    for name in mcore_names:
+        hf = {n: get_hf(n) for n in hf_names(name, dims)}
+        yield name, hf_to_megatron_shard(name, hf, dims, tp_rank, tp_size)

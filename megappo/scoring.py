@@ -1,0 +1,146 @@
+"""`megappo logprobs`: score token rows with a model sharded over local processes (audit a checkpoint).
+
+    megappo logprobs --model DIR --tp T --pp P [--vpp V] [--dp D] --input tokens.jsonl \\
+        --out logprobs.safetensors [--critic] [--temperature 1.0] [--micro-batch-size 1]
+
+Spawns T*P*D local processes (gloo on CPU, nccl on GPU), builds the megatron model from DIR (a
+HuggingFace model dir, or a megatron dist checkpoint dir holding the HF config.json), and writes one
+tensor per input row to --out (safetensors): `logprobs.{i}` (or `values.{i}` with --critic) of length
+len(input_ids) - response_start, where `logprobs.{i}[j]` = log p(input_ids[k+j] | input_ids[:k+j])
+(k = response_start) and `values.{i}[j]` is the critic's value of the state before that token.
+Input: JSON lines {"input_ids": [...], "response_start": k} with 1 <= k < len(input_ids).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="HF model dir, or megatron dist checkpoint dir with config.json")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (interleaved)")
+    parser.add_argument("--dp", type=int, default=1, help="data parallel size")
+    parser.add_argument("--input", required=True, help='JSON lines: {"input_ids": [...], "response_start": k}')
+    parser.add_argument("--out", required=True, help="output .safetensors")
+    parser.add_argument("--critic", action="store_true", help="score values with a value head instead of log-probs")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1234, help="value-head init seed when DIR has no `score` weights")
+
+
+def read_rows(path) -> list[dict]:
+    rows = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        ids, k = row.get("input_ids"), row.get("response_start")
+        if not isinstance(ids, list) or not isinstance(k, int) or not 1 <= k < len(ids):
+            raise ValueError(f"{path}:{n}: need input_ids (list) and 1 <= response_start < len(input_ids)")
+        rows.append({"input_ids": ids, "response_start": k})
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    return rows
+
+
+def build_batch(rows: list[dict], pad_id: int = 0):
+    """Left-pad every row to the longest; all rows end at the last column."""
+    import torch
+
+    s = max(len(r["input_ids"]) for r in rows)
+    ids = torch.full((len(rows), s), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), s), dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[i, s - n:] = torch.tensor(r["input_ids"], dtype=torch.long)
+        mask[i, s - n:] = 1
+    resp = max(len(r["input_ids"]) - r["response_start"] for r in rows)
+    return ids, mask, resp
+
+
+def _worker(rank, world, port, args_dict, rows):
+    import torch
+
+    from megappo.parallel.layout import ParallelLayout
+    from megappo.parallel.megatron_init import destroy, init_distributed, init_megatron
+    from megappo.workers.megatron_engine import EngineConfig, MegatronEngine
+
+    layout = ParallelLayout(tp=args_dict["tp"], pp=args_dict["pp"], dp=args_dict["dp"], vpp=args_dict["vpp"])
+    init_distributed(rank, world, "127.0.0.1", port)
+    init_megatron(layout, seed=args_dict["seed"])
+    from megatron.core import parallel_state as mpu
+
+    engine = MegatronEngine(args_dict["model"], layout, EngineConfig(
+        role="critic" if args_dict["critic"] else "actor", temperature=args_dict["temperature"], seed=args_dict["seed"]))
+    dp_rank = mpu.get_data_parallel_rank()
+    mbs = args_dict["micro_batch_size"]
+    # equal shards per DP rank, padded with copies of row 0 to a multiple of mbs (and of pp micro-batches
+    # for the interleaved schedule); padded rows are dropped by the parent
+    per_unit = mbs * (layout.pp if layout.virtual_pp else 1)
+    per_rank = -(-len(rows) // layout.dp)
+    per_rank = -(-per_rank // per_unit) * per_unit
+    padded = rows + [rows[0]] * (per_rank * layout.dp - len(rows))
+    ids, mask, resp = build_batch(padded)
+    sl = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    out = engine.forward_only({"input_ids": ids[sl], "attention_mask": mask[sl]}, response_length=resp,
+                              micro_batch_size=mbs, compute_entropy=False)
+    result = None
+    if out is not None and mpu.get_tensor_model_parallel_rank() == 0:
+        key = "values" if args_dict["critic"] else "logprobs"
+        result = {"start": dp_rank * per_rank, key: out[key].float().contiguous()}
+    destroy()
+    return result
+
+
+def score(args) -> dict:
+    """Run the scoring workers; returns {f"{key}.{i}": tensor} for every input row."""
+    from megappo.parallel.launch import spawn_local
+
+    rows = read_rows(args.input)
+    args_dict = {k: getattr(args, k) for k in ("model", "tp", "pp", "dp", "vpp", "critic", "temperature",
+                                                 "micro_batch_size", "seed")}
+    world = args.tp * args.pp * args.dp
+    results = spawn_local(_worker, world, args_dict, rows)
+    key = "values" if args.critic else "logprobs"
+    tensors = {}
+    for res in results:
+        if res is None:
+            continue
+        for j in range(res[key].shape[0]):
+            i = res["start"] + j
+            if i >= len(rows):
+                break
+            n = len(rows[i]["input_ids"]) - rows[i]["response_start"]
+            tensors[f"{key}.{i}"] = res[key][j, res[key].shape[1] - n:].clone()
+    missing = [i for i in range(len(rows)) if f"{key}.{i}" not in tensors]
+    if missing:
+        raise RuntimeError(f"no result for rows {missing[:10]}")
+    return tensors
+
+
+def main(args: argparse.Namespace) -> int:
+    from megappo.parallel.layout import ParallelLayout
+
+    try:
+        ParallelLayout(tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp)
+    except ValueError as e:
+        print(f"megappo logprobs: {e}", file=sys.stderr)
+        return 2
+    from safetensors.torch import save_file
+
+    tensors = score(args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, args.out, metadata={"model": str(args.model), "rows": str(len(tensors))})
+    print(f"wrote {len(tensors)} rows to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="megappo logprobs")
+    add_arguments(p)
+    sys.exit(main(p.parse_args()))

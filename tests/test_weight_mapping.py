@@ -1,0 +1,119 @@
+"""weight_mapping: HF <-> megatron names and TP shard layouts (pure functions, no processes)."""
+
+import torch
+
+from megappo.parallel import weight_mapping as wm
+from megappo.testing import TINY_SHAPES
+
+
+def dims(tp=1, qkv_bias=True, tied=False, value_head=False):
+    return wm.ModelDims(model_type="qwen2", hidden_size=8, ffn_hidden_size=12, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=2, vocab_size=10, padded_vocab_size=wm.padded_vocab_size(10, tp, 4),
+                        tied_embeddings=tied, qkv_bias=qkv_bias, value_head=value_head)
+
+
+def hf_tensors(d):
+    g = torch.Generator().manual_seed(0)
+    t = {"model.embed_tokens.weight": torch.randn(d.vocab_size, d.hidden_size, generator=g),
+         "model.norm.weight": torch.randn(d.hidden_size, generator=g),
+         "lm_head.weight": torch.randn(d.vocab_size, d.hidden_size, generator=g)}
+    for i in range(d.num_layers):
+        p = f"model.layers.{i}."
+        t[p + "self_attn.q_proj.weight"] = torch.randn(d.num_heads * d.head_dim, d.hidden_size, generator=g)
+        t[p + "self_attn.k_proj.weight"] = torch.randn(d.num_kv_heads * d.head_dim, d.hidden_size, generator=g)
+        t[p + "self_attn.v_proj.weight"] = torch.randn(d.num_kv_heads * d.head_dim, d.hidden_size, generator=g)
+        for n in "qkv":
+            t[p + f"self_attn.{n}_proj.bias"] = torch.randn(t[p + f"self_attn.{n}_proj.weight"].shape[0], generator=g)
+        t[p + "self_attn.o_proj.weight"] = torch.randn(d.hidden_size, d.num_heads * d.head_dim, generator=g)
+        t[p + "mlp.gate_proj.weight"] = torch.randn(d.ffn_hidden_size, d.hidden_size, generator=g)
+        t[p + "mlp.up_proj.weight"] = torch.randn(d.ffn_hidden_size, d.hidden_size, generator=g)
+        t[p + "mlp.down_proj.weight"] = torch.randn(d.hidden_size, d.ffn_hidden_size, generator=g)
+        t[p + "input_layernorm.weight"] = torch.randn(d.hidden_size, generator=g)
+        t[p + "post_attention_layernorm.weight"] = torch.randn(d.hidden_size, generator=g)
+    return t
+
+
+def test_padded_vocab_does_not_depend_on_tp():
+    # multiple of lcm(128, tp): the same global embedding shape at every power-of-two TP, so a
+    # checkpoint saved at one TP loads at another (megatron-LM's 128*tp rule gives 32256 at TP4)
+    for tp in (1, 2, 4, 8):
+        assert wm.padded_vocab_size(1000, tp) == 1024
+        assert wm.padded_vocab_size(32000, tp) == 32000
+        assert wm.padded_vocab_size(151936, tp) == 151936  # 1187 * 128
+    assert wm.padded_vocab_size(1025, 2) == 1152
+    assert wm.padded_vocab_size(1000, 3) == 1152  # lcm(128, 3) = 384; 3 * 384
+
+
+def test_qkv_shard_is_grouped_q_k_v_per_query_group():
+    d = dims(tp=2)
+    hf = hf_tensors(d)
+    name = "decoder.layers.1.self_attention.linear_qkv.weight"
+    s0 = wm.hf_to_megatron_shard(name, hf, d, 0, 2)
+    s1 = wm.hf_to_megatron_shard(name, hf, d, 1, 2)
+    q, k, v = (hf[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv")
+    # group g holds q heads [2g, 2g+1] (head_dim 2 -> rows 4g:4g+4), then k_g, v_g
+    assert torch.equal(s0, torch.cat([q[0:4], k[0:2], v[0:2]]))
+    assert torch.equal(s1, torch.cat([q[4:8], k[2:4], v[2:4]]))
+
+
+def test_fc1_shard_is_gate_then_up_of_this_rank():
+    d = dims(tp=2)
+    hf = hf_tensors(d)
+    s1 = wm.hf_to_megatron_shard("decoder.layers.0.mlp.linear_fc1.weight", hf, d, 1, 2)
+    gate, up = hf["model.layers.0.mlp.gate_proj.weight"], hf["model.layers.0.mlp.up_proj.weight"]
+    assert torch.equal(s1, torch.cat([gate[6:], up[6:]]))
+
+
+def test_round_trip_every_param_at_tp_1_2():
+    for tp in (1, 2):
+        d = dims(tp=tp)
+        hf = hf_tensors(d)
+        back = {}
+        names = wm.megatron_param_names(d)
+        assert len(names) == 1 + 2 * 7 + 2
+        for name in names:
+            shards = [wm.hf_to_megatron_shard(name, hf, d, r, tp) for r in range(tp)]
+            if wm.tp_split_dim(name, d) is None:
+                assert all(torch.equal(s, shards[0]) for s in shards)
+            back.update(wm.megatron_shards_to_hf(name, shards, d))
+        assert back.keys() == hf.keys()
+        for k in hf:
+            assert torch.equal(back[k], hf[k]), k
+
+
+def test_vocab_padding_rows_are_zero_and_dropped_on_the_way_back():
+    d = dims(tp=2)  # vocab 10 padded to 12 (a multiple of lcm(4, 2)): rank 1 holds rows 6..11
+    hf = hf_tensors(d)
+    s1 = wm.hf_to_megatron_shard("embedding.word_embeddings.weight", hf, d, 1, 2)
+    assert s1.shape == (6, 8) and torch.equal(s1[:4], hf["model.embed_tokens.weight"][6:]) and not s1[4:].any()
+
+
+def test_names_both_ways_tied_te_and_value_head():
+    d = dims()
+    for name in wm.megatron_param_names(d):
+        for hf_name in wm.hf_names(name, d):
+            assert wm.megatron_name(hf_name, d) == name
+    te = wm.megatron_param_names(d, te_fused_norms=True)
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in te
+    assert wm.megatron_name("model.layers.0.input_layernorm.weight", d, te_fused_norms=True) == \
+        "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"
+    tied = dims(tied=True)
+    assert "output_layer.weight" not in wm.megatron_param_names(tied)
+    assert wm.hf_names("output_layer.weight", tied) == ["model.embed_tokens.weight"]
+    vh = dims(value_head=True)
+    assert wm.hf_names("output_layer.weight", vh) == ["score.weight"]
+    assert wm.tp_split_dim("output_layer.weight", vh) is None
+    assert wm.global_param_name("decoder.layers.1.mlp.linear_fc2.weight", 2) == "decoder.layers.3.mlp.linear_fc2.weight"
+
+
+def test_transformer_config_kwargs_from_tiny_qwen2_config():
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(**TINY_SHAPES, vocab_size=1000, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True)
+    kw = wm.transformer_config_kwargs(cfg)
+    assert kw["num_query_groups"] == 2 and kw["kv_channels"] == 32 and kw["add_qkv_bias"] is True
+    assert kw["layernorm_epsilon"] == 1e-6 and kw["gated_linear_unit"] and kw["normalization"] == "RMSNorm"
+    assert kw["hidden_dropout"] == 0.0 and kw["attention_dropout"] == 0.0
+    assert wm.rope_theta(cfg) == 1e6
+    assert wm.ModelDims.from_hf_config(cfg, tp=2).tied_embeddings
+    assert not wm.ModelDims.from_hf_config(cfg, tp=2, value_head=True).tied_embeddings
