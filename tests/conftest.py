@@ -21,3 +21,15 @@ def tiny_assets() -> dict[str, Path]:
     from megappo.testing import ensure_assets
 
     return ensure_assets(REPO / "assets")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for the whole pytest session (each ray.init costs 4-7 s)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 namespace="megappo-tests")
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,79 @@
+"""Worker: the base class of every Ray worker (one process = one rank of one worker group).
+
+The group starts each worker with its place in the group in the environment:
+RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (+ MEGAPPO_GROUP, the group's name). Rank 0 is started
+first without MASTER_PORT and picks a free port on its own node (127.0.0.1 when the whole pool is on
+one node, else its node IP); the group reads it back with `info()` and starts the other ranks with it.
+So each group has its own torch.distributed world and, per process, its own megatron parallel_state.
+
+Subclasses call `super().__init__()` first and mark the methods the driver may call with
+`@register(Dispatch.X)` (see dispatch.py).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from megappo.workers.dispatch import Dispatch, register
+
+__all__ = ["Worker"]
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray (unit use): this host
+        return "127.0.0.1"
+
+
+class Worker:
+    def __init__(self):
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.group_name = os.environ.get("MEGAPPO_GROUP", "worker")
+        if "MASTER_PORT" not in os.environ:
+            if self.rank != 0:
+                raise RuntimeError(f"{self.group_name} rank {self.rank}: MASTER_PORT missing from the environment")
+            addr = os.environ.get("MASTER_ADDR") or _node_ip()
+            os.environ["MASTER_ADDR"] = addr
+            os.environ["MASTER_PORT"] = str(_free_port(addr))
+        self.master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self.master_port = int(os.environ["MASTER_PORT"])
+
+    # ------------------------------------------------------------------ group plumbing (not registered)
+    def info(self) -> dict:
+        """Cheap identity the group records at spawn (for error messages and the master address)."""
+        return {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(), "node_ip": _node_ip(),
+                "hostname": socket.gethostname(), "master_addr": self.master_addr, "master_port": self.master_port}
+
+    def init_distributed(self, backend: str | None = None) -> None:
+        """torch.distributed for this group (gloo on CPU, nccl on GPU); idempotent."""
+        from megappo.parallel.megatron_init import init_distributed
+
+        init_distributed(self.rank, self.world_size, self.master_addr, self.master_port, backend=backend)
+
+    def init_megatron(self, layout, seed: int = 1234) -> None:
+        """torch.distributed + megatron parallel_state for `layout` (a ParallelLayout of this group)."""
+        from megappo.parallel.megatron_init import init_megatron
+
+        if layout.world_size != self.world_size:
+            raise ValueError(f"{self.group_name}: layout {layout} needs {layout.world_size} workers, "
+                             f"the group has {self.world_size}")
+        self.init_distributed()
+        init_megatron(layout, seed=seed)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def megatron_coords(self) -> tuple[int, int, int]:
+        """This rank's (dp, pp, tp) as megatron's parallel_state sees it."""
+        from megappo.parallel.megatron_init import coords
+
+        return coords()

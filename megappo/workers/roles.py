@@ -1,0 +1,355 @@
+"""The PPO workers the driver talks to, on top of MegatronEngine (one engine per model per process).
+
+- ActorRolloutRefWorker(config, role): role is one of "actor", "rollout", "ref", "actor_rollout"
+  (hybrid engine) or "actor_rollout_ref". Fused roles share one process, one torch.distributed world
+  and one megatron parallel_state (so a fused ref uses the actor's layout); a separate ref group uses
+  `ref.parallel`.
+- CriticWorker(config): value model (megatron GPT + value head), init from `model.critic_path` (a causal
+  LM or a *ForSequenceClassification dir) or `model.path`.
+- RewardModelWorker(config): a HF *ForSequenceClassification reward model (num_labels=1) that shares the
+  policy's vocab (checked: a different vocab is a ValueError).
+
+Batch keys (DataProto, one row per sequence; prompts left-padded, responses right-padded):
+  in:   input_ids [B, S], attention_mask [B, S], responses [B, R] (R = response length, the last R
+        columns of input_ids), optional position_ids [B, S]
+  out:  compute_log_prob -> old_log_probs [B, R], entropy [B, R]
+        compute_ref_log_prob -> ref_log_prob [B, R]
+        compute_values -> values [B, R]
+        compute_rm_score -> rm_scores [B] (the RM's score at the last valid token)
+  update_actor needs old_log_probs, advantages, response_mask (+ ref_log_prob with actor.use_kl_loss,
+  + rollout_log_probs for truncated importance sampling when present); update_critic needs values,
+  returns, response_mask. Both return a metrics dict (same on every rank) and do not pad: the batch
+  must be a multiple of dp and of ppo_mini_batch_size / dp.
+
+Every method is declared with @register: ONE_TO_ALL for init/checkpoints, MEGATRON_COMPUTE for the
+batch methods (the group pads, splits by dp and reads tp==0 on the last pp stage).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional
+
+from megappo.protocol import DataProto
+from megappo.workers.base_worker import Worker
+from megappo.workers.dispatch import Dispatch, register
+
+__all__ = ["ActorRolloutRefWorker", "CriticWorker", "RewardModelWorker", "ACTOR_ROLES", "check_reward_model_vocab"]
+
+ACTOR_ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+_MODEL_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def _layout(parallel):
+    from megappo.parallel.layout import ParallelLayout
+
+    return ParallelLayout(tp=parallel.tp, pp=parallel.pp, dp=parallel.dp, vpp=parallel.vpp)
+
+
+def _engine_optim(optim, total_steps: int):
+    from megappo.workers.megatron_engine import OptimConfig
+
+    return OptimConfig(lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+                       adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                       clip_grad=optim.clip_grad, lr_schedule=optim.lr_schedule, warmup_steps=optim.warmup_steps,
+                       total_steps=total_steps, use_distributed_optimizer=optim.distributed_optimizer)
+
+
+def _optimizer_steps(cfg, role_cfg) -> int:
+    """Optimizer steps over the whole run (the LR schedule's length): steps x epochs x mini-batches."""
+    sequences = cfg.data.train_batch_size * cfg.rollout.n
+    return cfg.trainer.total_steps * max(1, role_cfg.ppo_epochs) * max(1, sequences // role_cfg.ppo_mini_batch_size)
+
+
+def _params_dtype(dtype: str):
+    import torch
+
+    return {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+
+
+def _response_length(data: DataProto) -> int:
+    if "responses" not in data.batch:
+        raise KeyError("batch needs 'responses' [B, R] (the last R columns of input_ids) to know the response length")
+    return int(data.batch["responses"].shape[1])
+
+
+def _forward(engine, data: DataProto, response_length: int, micro_batch_size: int, **kw) -> Optional[dict]:
+    """engine.forward_only over this rank's rows, padding them to a multiple of the micro-batch size."""
+    n = len(data)
+    mbs = max(1, min(int(micro_batch_size), n))
+    keys = [k for k in _MODEL_KEYS if k in data.batch]
+    padded, _ = data.select(batch_keys=keys, non_tensor_keys=[], meta_info_keys=[]).pad_to_divisor(mbs)
+    out = engine.forward_only(dict(padded.batch), response_length=response_length, micro_batch_size=mbs, **kw)
+    if out is None:  # not the last pipeline stage: the group does not read this rank
+        return None
+    return {k: v[:n] for k, v in out.items()}
+
+
+def _dp_all_reduce_sum(value: float) -> float:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    if mpu.get_data_parallel_world_size() > 1:
+        dist.all_reduce(t, group=mpu.get_data_parallel_group())
+    return float(t)
+
+
+def _mini_batches(data: DataProto, mini_batch_size: int, dp: int, what: str) -> list[DataProto]:
+    if mini_batch_size % dp:
+        raise ValueError(f"{what}.ppo_mini_batch_size={mini_batch_size} is not a multiple of dp={dp}")
+    local = mini_batch_size // dp
+    if len(data) % local:
+        raise ValueError(f"{what}: {len(data)} rows per dp rank is not a multiple of the per-rank mini-batch "
+                         f"{local} (= ppo_mini_batch_size {mini_batch_size} / dp {dp})")
+    return data.split(local)
+
+
+def check_reward_model_vocab(rm_path, policy_path) -> None:
+    """A reward model scores the policy's token ids, so both must share one vocab."""
+    from transformers import AutoConfig
+
+    rm_vocab = AutoConfig.from_pretrained(str(rm_path)).vocab_size
+    policy_vocab = AutoConfig.from_pretrained(str(policy_path)).vocab_size
+    if rm_vocab != policy_vocab:
+        raise ValueError(f"reward model vocab_size {rm_vocab} ({rm_path}) != policy vocab_size {policy_vocab} "
+                         f"({policy_path}): the reward model must use the policy's tokenizer")
+
+
+class _MegatronRoleWorker(Worker):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+
+    def _bring_up(self, parallel) -> None:
+        self.layout = _layout(parallel)
+        self.init_megatron(self.layout, seed=self.config.trainer.seed)
+
+    def _make_engine(self, path, role: str, optim=None):
+        from megappo.workers.megatron_engine import EngineConfig, MegatronEngine
+
+        cfg = EngineConfig(role=role, optim=optim, params_dtype=_params_dtype(self.config.model.dtype),
+                           seed=self.config.trainer.seed, temperature=self.config.rollout.temperature)
+        return MegatronEngine(path, self.layout, cfg)
+
+    def _ckpt(self, path, name: str) -> Path:
+        return Path(path) / name
+
+
+class ActorRolloutRefWorker(_MegatronRoleWorker):
+    def __init__(self, config, role: str = "actor_rollout_ref"):
+        super().__init__(config)
+        if role not in ACTOR_ROLES:
+            raise ValueError(f"ActorRolloutRefWorker role must be one of {ACTOR_ROLES}, got {role!r}")
+        self.role = role
+        self.is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref")
+        self.is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
+        self.is_ref = role in ("ref", "actor_rollout_ref")
+        self.actor = None
+        self.ref = None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> dict:
+        cfg = self.config
+        self._bring_up(cfg.ref.parallel if self.role == "ref" else cfg.actor.parallel)
+        if self.is_actor:
+            optim = _engine_optim(cfg.actor.optim, _optimizer_steps(cfg, cfg.actor))
+            self.actor = self._make_engine(cfg.model.path, "actor", optim)
+        if self.is_ref:
+            self.ref = self._make_engine(cfg.model.path, "actor", None)
+        return {"role": self.role, "layout": str(self.layout)}
+
+    def _need(self, engine, what: str):
+        if engine is None:
+            raise RuntimeError(f"ActorRolloutRefWorker(role={self.role!r}) has no {what} engine "
+                               "(call init_model first, or use a role that includes it)")
+        return engine
+
+    def _temperature(self, data: DataProto) -> float:
+        return float(data.meta_info.get("temperature", self.config.rollout.temperature))
+
+    @register(Dispatch.MEGATRON_COMPUTE)
+    def compute_log_prob(self, data: DataProto) -> Optional[DataProto]:
+        engine = self._need(self.actor, "actor")
+        out = _forward(engine, data, _response_length(data), self.config.actor.log_prob_micro_batch_size,
+                       temperature=self._temperature(data), compute_entropy=True)
+        if out is None:
+            return None
+        return DataProto.from_dict({"old_log_probs": out["logprobs"], "entropy": out["entropy"]},
+                                   meta_info={"temperature": self._temperature(data)})
+
+    @register(Dispatch.MEGATRON_COMPUTE)
+    def compute_ref_log_prob(self, data: DataProto) -> Optional[DataProto]:
+        engine = self._need(self.ref, "ref")
+        out = _forward(engine, data, _response_length(data), self.config.ref.log_prob_micro_batch_size,
+                       temperature=self._temperature(data), compute_entropy=False)
+        if out is None:
+            return None
+        return DataProto.from_dict({"ref_log_prob": out["logprobs"]})
+
+    @register(Dispatch.MEGATRON_COMPUTE, pad=False)
+    def update_actor(self, data: DataProto) -> dict:
+        from megappo.ppo import core_algos as algos
+
+        engine = self._need(self.actor, "actor")
+        cfg = self.config.actor
+        r = _response_length(data)
+        mode = cfg.loss_agg_mode
+        needed = ["old_log_probs", "advantages", "response_mask"] + (["ref_log_prob"] if cfg.use_kl_loss else [])
+        missing = [k for k in needed if k not in data.batch]
+        if missing:
+            raise KeyError(f"update_actor: batch lacks {missing}")
+        keys = [k for k in _MODEL_KEYS if k in data.batch] + needed + \
+            (["rollout_log_probs"] if "rollout_log_probs" in data.batch else [])
+        temperature = self._temperature(data)
+        history = defaultdict(list)
+        for _ in range(cfg.ppo_epochs):
+            for mini in _mini_batches(data.select(batch_keys=keys), cfg.ppo_mini_batch_size, self.layout.dp, "actor"):
+                norm = _dp_all_reduce_sum(algos.loss_normalizer(mini.batch["response_mask"], mode))
+                n_tokens = _dp_all_reduce_sum(float(mini.batch["response_mask"].sum()))
+
+                def loss_fn(outs, mb, norm=norm, n_tokens=n_tokens):
+                    mask = mb["response_mask"]
+                    weights = None
+                    if "rollout_log_probs" in mb:
+                        weights, _ = algos.compute_importance_weights(mb["old_log_probs"], mb["rollout_log_probs"],
+                                                                      mask)
+                    pg, clipfrac, approx_kl, dual = algos.compute_policy_loss(
+                        mb["old_log_probs"], outs["logprobs"], mb["advantages"], mask, cfg.clip_ratio,
+                        cfg.clip_ratio_c, mode, normalizer=1.0, importance_weights=weights)
+                    loss = pg
+                    share = float(mask.sum()) / max(n_tokens, 1.0)  # token-weighted means sum to the mini-batch mean
+                    metrics = {"actor/pg_loss": pg.detach() / norm, "actor/pg_clipfrac": clipfrac * share,
+                               "actor/ppo_kl": approx_kl.detach() * share, "actor/pg_clipfrac_lower": dual * share}
+                    if cfg.entropy_coeff:
+                        ent = algos.compute_entropy_loss(outs["entropy"], mask, mode, normalizer=1.0)
+                        loss = loss - cfg.entropy_coeff * ent
+                        metrics["actor/entropy"] = ent.detach() / norm
+                    if cfg.use_kl_loss:
+                        kl = algos.agg_loss(algos.kl_penalty(outs["logprobs"], mb["ref_log_prob"], cfg.kl_loss_type),
+                                            mask, mode, normalizer=1.0)
+                        loss = loss + cfg.kl_loss_coef * kl
+                        metrics["actor/kl_loss"] = kl.detach() / norm
+                    return loss, metrics
+
+                mbs = min(cfg.micro_batch_size, len(mini))
+                step = engine.train_step(dict(mini.batch), loss_fn, normalizer=norm, response_length=r,
+                                         micro_batch_size=mbs, temperature=temperature)
+                for k, v in step.items():
+                    history[k if "/" in k else f"actor/{k}"].append(float(v))
+        return {k: sum(v) / len(v) for k, v in history.items()}
+
+    @register(Dispatch.MEGATRON_PP_AS_DP)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        raise NotImplementedError("lands with the hybrid engine")
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path) -> None:
+        if self.actor is not None:
+            self.actor.save_checkpoint(self._ckpt(path, "actor"))
+        elif self.ref is not None:
+            self.ref.save_checkpoint(self._ckpt(path, "ref"))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path, load_optimizer: bool = True) -> None:
+        if self.actor is not None:
+            self.actor.load_checkpoint(self._ckpt(path, "actor"), load_optimizer=load_optimizer)
+        elif self.ref is not None:
+            self.ref.load_checkpoint(self._ckpt(path, "ref"), load_optimizer=False)
+
+
+class CriticWorker(_MegatronRoleWorker):
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> dict:
+        cfg = self.config
+        self._bring_up(cfg.critic.parallel)
+        optim = _engine_optim(cfg.critic.optim, _optimizer_steps(cfg, cfg.critic))
+        self.critic = self._make_engine(cfg.model.critic_path or cfg.model.path, "critic", optim)
+        return {"role": "critic", "layout": str(self.layout),
+                "value_head_initialised": list(self.critic.value_head_initialised)}
+
+    @register(Dispatch.MEGATRON_COMPUTE)
+    def compute_values(self, data: DataProto) -> Optional[DataProto]:
+        out = _forward(self.critic, data, _response_length(data), self.config.critic.micro_batch_size)
+        return None if out is None else DataProto.from_dict({"values": out["values"]})
+
+    @register(Dispatch.MEGATRON_COMPUTE, pad=False)
+    def update_critic(self, data: DataProto) -> dict:
+        from megappo.ppo import core_algos as algos
+
+        cfg = self.config.critic
+        r = _response_length(data)
+        needed = ["values", "returns", "response_mask"]
+        missing = [k for k in needed if k not in data.batch]
+        if missing:
+            raise KeyError(f"update_critic: batch lacks {missing}")
+        keys = [k for k in _MODEL_KEYS if k in data.batch] + needed
+        history = defaultdict(list)
+        for _ in range(cfg.ppo_epochs):
+            for mini in _mini_batches(data.select(batch_keys=keys), cfg.ppo_mini_batch_size, self.layout.dp, "critic"):
+                norm = _dp_all_reduce_sum(algos.loss_normalizer(mini.batch["response_mask"], "token-mean"))
+
+                def loss_fn(outs, mb, norm=norm):
+                    mask = mb["response_mask"]
+                    loss, clipfrac = algos.compute_value_loss(outs["values"], mb["values"], mb["returns"], mask,
+                                                              cfg.cliprange_value, "token-mean", normalizer=1.0)
+                    share = float(mask.sum()) / max(norm, 1.0)
+                    return loss, {"critic/vf_loss": loss.detach() / norm, "critic/vf_clipfrac": clipfrac * share}
+
+                step = self.critic.train_step(dict(mini.batch), loss_fn, normalizer=norm, response_length=r,
+                                              micro_batch_size=min(cfg.micro_batch_size, len(mini)))
+                for k, v in step.items():
+                    history[k if "/" in k else f"critic/{k}"].append(float(v))
+        return {k: sum(v) / len(v) for k, v in history.items()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path) -> None:
+        self.critic.save_checkpoint(self._ckpt(path, "critic"))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path, load_optimizer: bool = True) -> None:
+        self.critic.load_checkpoint(self._ckpt(path, "critic"), load_optimizer=load_optimizer)
+
+
+class RewardModelWorker(_MegatronRoleWorker):
+    """Scores whole sequences with a HF *ForSequenceClassification model (value at the last valid token)."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> dict:
+        cfg = self.config
+        rm = cfg.reward.model
+        if not rm.path:
+            raise ValueError("reward.model.path is not set (a HF *ForSequenceClassification dir)")
+        check_reward_model_vocab(rm.path, cfg.model.path)
+        self._bring_up(rm.parallel)
+        self.rm = self._make_engine(rm.path, "critic", None)
+        if self.rm.value_head_initialised and any(n.endswith("weight") for n in self.rm.value_head_initialised):
+            raise ValueError(f"reward model {rm.path} has no `score` head: it must be a *ForSequenceClassification "
+                             "checkpoint (num_labels=1)")
+        return {"role": "reward_model", "layout": str(self.layout)}
+
+    @register(Dispatch.MEGATRON_COMPUTE)
+    def compute_rm_score(self, data: DataProto) -> Optional[DataProto]:
+        import torch
+
+        ids, mask = data.batch["input_ids"], data.batch["attention_mask"]
+        # The engine returns the output at positions [S-R-1, S-2] for R response columns; one appended
+        # pad column makes that [S-R-1, S-1], so the last valid token is always covered.
+        r = _response_length(data)
+        pad_col = torch.zeros_like(ids[:, :1])
+        batch = {"input_ids": torch.cat([ids, pad_col], 1),
+                 "attention_mask": torch.cat([mask, pad_col.to(mask.dtype)], 1)}
+        if "position_ids" in data.batch:
+            pos = data.batch["position_ids"]
+            batch["position_ids"] = torch.cat([pos, pos[:, -1:]], 1)
+        out = _forward(self.rm, DataProto.from_dict(batch), r + 1, self.config.reward.model.micro_batch_size)
+        if out is None:
+            return None
+        s = ids.shape[1]
+        last = (torch.arange(s)[None, :] * mask.long()).amax(-1)  # index of the last valid token
+        col = last - (s - r - 1)  # its column in values[:, 0..R]
+        if (col < 0).any():
+            raise ValueError("compute_rm_score: a sequence ends before its response starts (empty prompt+response?)")
+        return DataProto.from_dict({"rm_scores": out["values"].gather(1, col[:, None])[:, 0]})

