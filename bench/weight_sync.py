@@ -1,0 +1,166 @@
+"""Weight-sync benchmark: Megatron (TP x PP) -> vLLM (rollout TP) through the hybrid engine's resharder.
+Prints one JSON object per configuration:
+
+  sync_s            median seconds of a full sync (all buckets into vLLM + prefix-cache reset), without
+                    the fingerprint check; sync_checked_s with it (what runs every PPO step)
+  bytes_to_vllm     HF bytes handed to this rank's vLLM engine per sync (the full model, or the own TP
+                    slice in zero-padded tensors when train TP == rollout TP)
+  bytes_received    bytes this rank received over the network (TP all-gather + PP broadcast)
+  memcpy_s          a plain torch copy of bytes_to_vllm bytes in this process (the floor)
+  ratio             sync_s / memcpy_s (target <= 2)
+
+    python bench/weight_sync.py                      # tiny llama and a ~100M llama, TP2xPP2 -> TP1, TP2
+    python bench/weight_sync.py --models tiny --rollout-tp 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def make_100m(out: Path, tok_dir: Path) -> Path:
+    """A random ~99M-parameter llama (hidden 768, 8 layers, 12 heads of 64, 4 kv heads, ffn 2048,
+    vocab 32000), fp32 safetensors + the tiny tokenizer."""
+    if (out / "model.safetensors").exists() or (out / "model.safetensors.index.json").exists():
+        return out
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    cfg = LlamaConfig(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
+                      head_dim=64, intermediate_size=2048, vocab_size=32000, max_position_embeddings=512,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="2GB")
+    tok.save_pretrained(out)
+    return out
+
+
+def _memcpy_s(nbytes: int, reps: int = 5) -> float:
+    import torch
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _job(rank, world, port, model_dir, tp, pp, rollout_tp, bucket_mb, reps):
+    import torch.distributed as dist
+
+    from megappo.config.schema import RolloutConfig
+    from megappo.parallel.layout import ParallelLayout
+    from megappo.parallel.megatron_init import init_distributed, init_megatron
+    from megappo.workers.megatron_engine import EngineConfig, MegatronEngine
+    from megappo.workers.rollout.hybrid_engine import HybridEngine
+    from megappo.workers.rollout.vllm_rollout import VLLMRollout
+
+    layout = ParallelLayout(tp=tp, pp=pp, dp=world // (tp * pp))
+    init_distributed(rank, world, master_port=port)
+    init_megatron(layout, seed=1)
+    engine = MegatronEngine(model_dir, layout, EngineConfig(role="actor", optim=None))
+    rollout = VLLMRollout(model_dir, RolloutConfig(tp=rollout_tp, kv_cache_memory_mb=16), dtype="float32",
+                          max_model_len=256)
+    out = {}
+    for checked in (False, True):
+        hybrid = HybridEngine(engine, rollout, bucket_mb=bucket_mb, check_fingerprint=checked)
+        hybrid.sync_weights()  # warm-up (first reload pays one-off costs)
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            hybrid.sync_weights()
+            times.append(time.perf_counter() - t0)
+        out["sync_checked_s" if checked else "sync_s"] = statistics.median(times)
+        if not checked:
+            st = hybrid.resharder.stats
+            out["breakdown_last_sync"] = {"comm_s": round(st["comm_s"], 4), "vllm_load_s": round(st["consumer_s"], 4),
+                                          "reshard_other_s": round(st["seconds"] - st["comm_s"] - st["consumer_s"], 4)}
+        if checked:
+            out["fingerprint_ok"] = hybrid.metrics["rollout/weights_fingerprint_ok"]
+    bytes_to_vllm = 0
+    for b in hybrid.resharder.buckets():
+        bytes_to_vllm += b.nbytes
+    stats = hybrid.resharder.stats
+    out.update(rank=rank, bytes_to_vllm=bytes_to_vllm, bytes_received=stats["bytes_received"],
+               buckets=stats["buckets"], sliced=stats["sliced"], memcpy_s=_memcpy_s(bytes_to_vllm))
+    out["ratio"] = out["sync_s"] / out["memcpy_s"]
+    return out
+
+
+def run(model_dir, name, tp, pp, rollout_tp, bucket_mb, reps, nprocs):
+    from megappo.parallel.launch import spawn_local
+
+    res = spawn_local(_job, nprocs, str(model_dir), tp, pp, rollout_tp, bucket_mb, reps, timeout=900, threads=1)
+    worst = max(res, key=lambda r: r["sync_s"])
+    from safetensors import safe_open
+
+    n_params = 0
+    for f in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                n_params += math.prod(h.get_slice(k).get_shape())
+    return {
+        "model": name, "params": n_params, "train": f"TP{tp}xPP{pp}", "rollout_tp": rollout_tp, "ranks": nprocs,
+        "bucket_mb": bucket_mb, "buckets": worst["buckets"], "sliced": worst["sliced"],
+        "sync_s": round(worst["sync_s"], 4), "sync_checked_s": round(worst["sync_checked_s"], 4),
+        "bytes_to_vllm_per_rank": worst["bytes_to_vllm"],
+        "bytes_received_per_rank": max(r["bytes_received"] for r in res),
+        "memcpy_s": round(worst["memcpy_s"], 5), "ratio_vs_memcpy": round(worst["ratio"], 2),
+        "fingerprint_ok": all(r["fingerprint_ok"] == 1.0 for r in res),
+        "per_rank_sync_s": [round(r["sync_s"], 4) for r in res],
+        "breakdown_slowest_rank": worst["breakdown_last_sync"],
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="tiny,100m", help="comma list: tiny, 100m, or a HF model dir")
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--rollout-tp", default="1,2")
+    p.add_argument("--bucket-mb", type=float, default=64)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--work", default=None, help="where to build the ~100M model (default: a temp dir)")
+    args = p.parse_args(argv)
+
+    from megappo.testing import ensure_assets
+
+    assets = ensure_assets(REPO / "assets")
+    work = Path(args.work or tempfile.mkdtemp(prefix="megappo_bench_"))
+    nprocs = args.tp * args.pp
+    for m in args.models.split(","):
+        if m == "tiny":
+            model_dir = assets["tiny-llama"]
+        elif m == "100m":
+            model_dir = make_100m(work / "llama-100m", assets["tokenizer"])
+        else:
+            model_dir = Path(m)
+        for rtp in [int(x) for x in args.rollout_tp.split(",")]:
+            print(json.dumps(run(model_dir, m, args.tp, args.pp, rtp, args.bucket_mb, args.reps, nprocs)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
