@@ -87,8 +87,9 @@ step_pids=()
 cleanup() {
   local rc=$?
   log "teardown (exit code $rc)"
+  # SIGTERM to each srun step reaches its `ray start --block`, which stops the Ray processes it
+  # started (and Slurm reaps the step). No `ray stop`: it would kill every Ray on a shared node.
   for pid in "${step_pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  ray stop --force >/dev/null 2>&1 || true
   wait 2>/dev/null || true
   exit "$rc"
 }
