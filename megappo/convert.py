@@ -1,0 +1,21 @@
+"""`megappo convert`: HF <-> megatron-core dist checkpoint conversion (forwards to tools.convert_ckpt).
+
+    megappo convert hf-to-mcore --hf DIR --out DIR --tp T --pp P [--vpp V] [--model auto|actor|critic]
+    megappo convert mcore-to-hf --ckpt DIR --out DIR [--config HF_DIR] [--dtype auto|bfloat16|...]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tools.convert_ckpt.cli import add_arguments as add
+
+    add(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    from tools.convert_ckpt.cli import run
+
+    return run(args)

