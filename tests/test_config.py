@@ -69,7 +69,7 @@ INVALID = [
     (["actor.parallel.tp=1", "actor.parallel.pp=2", "actor.parallel.vpp=4"], "pp*vpp = 8 does not divide"),
     (["actor.parallel.vpp=2"], "needs pipeline parallelism"),
     (["rollout.tp=4"], "rollout.tp=4 does not divide the actor world size (2)"),
-    (["actor.ppo_mini_batch_size=12"], "does not divide the 32 sequences"),
+    (["actor.ppo_mini_batch_size=12"], "does not divide the 128 sequences"),
     (["critic.ppo_mini_batch_size=8", "critic.micro_batch_size=8"], "not divisible by dp*micro_batch_size = 2*8"),
     (["actor.loss_agg_mode=mean"], "choose one of: token-mean"),
     (["algorithm.adv_estimator=grpo", "rollout.n=1", "data.train_batch_size=32"], "set rollout.n>=2"),

@@ -406,7 +406,7 @@ def test_colocated_actor_and_critic_match_single_process(ray_session, tiny_asset
         assert len(cmetrics) == 2 and cmetrics[0] == cmetrics[1] and cmetrics[0]["critic/vf_loss"] > 0
         with pytest.raises(ValueError, match="9 rows does not divide into 2"):
             critic.update_critic(nine.union(DataProto.from_dict({"values": values, "returns": torch.ones(9, 6)})))
-        with pytest.raises(NotImplementedError, match="hybrid engine"):
+        with pytest.raises(RuntimeError, match="call init_rollout"):
             actor.generate_sequences(data)
 
         # a reward model with another vocab is refused, saying why

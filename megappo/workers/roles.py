@@ -1,9 +1,12 @@
 """The PPO workers the driver talks to, on top of MegatronEngine (one engine per model per process).
 
 - ActorRolloutRefWorker(config, role): role is one of "actor", "rollout", "ref", "actor_rollout"
-  (hybrid engine) or "actor_rollout_ref". Fused roles share one process, one torch.distributed world
-  and one megatron parallel_state (so a fused ref uses the actor's layout); a separate ref group uses
-  `ref.parallel`.
+  (hybrid engine), "actor_ref" or "actor_rollout_ref". Fused roles share one process, one
+  torch.distributed world and one megatron parallel_state (so a fused ref uses the actor's layout); a
+  separate ref group uses `ref.parallel`. A "rollout" worker (async mode's rollout pool) holds only a
+  vLLM engine: no megatron; its group's torch.distributed world is brought up when it has > 1 worker.
+  The vLLM engine is built by `init_rollout()` (after `init_model()`), so groups that never generate
+  pay nothing for it.
 - CriticWorker(config): value model (megatron GPT + value head), init from `model.critic_path` (a causal
   LM or a *ForSequenceClassification dir) or `model.path`.
 - RewardModelWorker(config): a HF *ForSequenceClassification reward model (num_labels=1) that shares the
@@ -16,13 +19,21 @@ Batch keys (DataProto, one row per sequence; prompts left-padded, responses righ
         compute_ref_log_prob -> ref_log_prob [B, R]
         compute_values -> values [B, R]
         compute_rm_score -> rm_scores [B] (the RM's score at the last valid token)
+        generate_sequences(prompts) -> vllm_rollout.py's output (responses, response_mask,
+        rollout_log_probs, stopped, ...; meta_info["metrics"]: rollout/*, timing/*), from rank 0
   update_actor needs old_log_probs, advantages, response_mask (+ ref_log_prob with actor.use_kl_loss,
   + rollout_log_probs for truncated importance sampling when present); update_critic needs values,
   returns, response_mask. Both return a metrics dict (same on every rank) and do not pad: the batch
   must be a multiple of dp and of ppo_mini_batch_size / dp.
 
-Every method is declared with @register: ONE_TO_ALL for init/checkpoints, MEGATRON_COMPUTE for the
-batch methods (the group pads, splits by dp and reads tp==0 on the last pp stage).
+Every method is declared with @register: ONE_TO_ALL for init/checkpoints/generation (every rank gets
+the whole prompt batch; the vLLM replicas split it themselves, see hybrid_engine.replicated_generate,
+because rollout replicas = world / rollout.tp, not megatron's dp), MEGATRON_COMPUTE for the batch
+methods (the group pads, splits by dp and reads tp==0 on the last pp stage).
+
+Async weight sync (see rollout/weight_sync.py): `weight_sync_address()` on the actor group, then
+`init_weight_sync(host, port, world)` on the actor and rollout groups concurrently; per step
+`send_weights()` (actor) together with `receive_weights()` (rollout).
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ from megappo.workers.dispatch import Dispatch, register
 
 __all__ = ["ActorRolloutRefWorker", "CriticWorker", "RewardModelWorker", "ACTOR_ROLES", "check_reward_model_vocab"]
 
-ACTOR_ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+ACTOR_ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_ref", "actor_rollout_ref")
 _MODEL_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
@@ -97,6 +108,45 @@ def _dp_all_reduce_sum(value: float) -> float:
     return float(t)
 
 
+def _rng_state() -> dict:
+    """This process's RNG states as JSON-able lists (torch, megatron's tracker, numpy, python)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    state = {"torch": torch.get_rng_state().tolist(), "python": list(random.getstate()[1]),
+             "python_pos": random.getstate()[2], "numpy": np.random.get_state()[1].tolist(),
+             "numpy_pos": int(np.random.get_state()[2])}
+    try:
+        from megatron.core import tensor_parallel
+
+        state["tracker"] = {k: v.tolist() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
+    except Exception:  # noqa: BLE001 - no megatron tracker in this process
+        pass
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    random.setstate((3, tuple(state["python"]), state["python_pos"]))
+    np.random.set_state(("MT19937", np.array(state["numpy"], dtype=np.uint32), state["numpy_pos"], 0, 0.0))
+    if "tracker" in state:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.get_cuda_rng_tracker().set_states(
+            {k: torch.tensor(v, dtype=torch.uint8) for k, v in state["tracker"].items()})
+
+
+def _vllm_dtype(dtype: str):
+    return {"auto": None, "fp32": "float32", "bf16": "bfloat16"}[dtype]
+
+
 def _mini_batches(data: DataProto, mini_batch_size: int, dp: int, what: str) -> list[DataProto]:
     if mini_batch_size % dp:
         raise ValueError(f"{what}.ppo_mini_batch_size={mini_batch_size} is not a multiple of dp={dp}")
@@ -137,6 +187,20 @@ class _MegatronRoleWorker(Worker):
     def _ckpt(self, path, name: str) -> Path:
         return Path(path) / name
 
+    def _save_rng(self, path, name: str) -> None:
+        import json
+
+        d = Path(path) / "rng"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{name}_rank{self.rank}.json").write_text(json.dumps(_rng_state()))
+
+    def _load_rng(self, path, name: str) -> None:
+        import json
+
+        f = Path(path) / "rng" / f"{name}_rank{self.rank}.json"
+        if f.is_file():  # checkpoints written before RNG states were saved have none
+            _set_rng_state(json.loads(f.read_text()))
+
 
 class ActorRolloutRefWorker(_MegatronRoleWorker):
     def __init__(self, config, role: str = "actor_rollout_ref"):
@@ -144,15 +208,24 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
         if role not in ACTOR_ROLES:
             raise ValueError(f"ActorRolloutRefWorker role must be one of {ACTOR_ROLES}, got {role!r}")
         self.role = role
-        self.is_actor = role in ("actor", "actor_rollout", "actor_rollout_ref")
+        self.is_actor = role in ("actor", "actor_rollout", "actor_ref", "actor_rollout_ref")
         self.is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
-        self.is_ref = role in ("ref", "actor_rollout_ref")
+        self.is_ref = role in ("ref", "actor_ref", "actor_rollout_ref")
         self.actor = None
         self.ref = None
+        self.rollout = None  # VLLMRollout, built by init_rollout()
+        self.hybrid = None  # HybridEngine (actor + rollout in this process)
+        self._sync_group = None  # async mode: the trainer <-> rollout-pool weight group
+        self._sender = None
+        self._receiver = None
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
         cfg = self.config
+        if self.role == "rollout":  # a rollout-pool worker: vLLM only, no megatron
+            if self.world_size > 1:
+                self.init_distributed()
+            return {"role": self.role, "layout": f"rollout TP{cfg.rollout.tp} x {self.world_size // cfg.rollout.tp}"}
         self._bring_up(cfg.ref.parallel if self.role == "ref" else cfg.actor.parallel)
         if self.is_actor:
             optim = _engine_optim(cfg.actor.optim, _optimizer_steps(cfg, cfg.actor))
@@ -241,9 +314,91 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
                     history[k if "/" in k else f"actor/{k}"].append(float(v))
         return {k: sum(v) / len(v) for k, v in history.items()}
 
-    @register(Dispatch.MEGATRON_PP_AS_DP)
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
-        raise NotImplementedError("lands with the hybrid engine")
+    # ---- rollout ---------------------------------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_rollout(self) -> dict:
+        """Build this process's vLLM engine (+ the hybrid engine when the actor lives here too)."""
+        from megappo.workers.rollout.hybrid_engine import HybridEngine
+        from megappo.workers.rollout.vllm_rollout import VLLMRollout
+
+        cfg = self.config
+        if not self.is_rollout:
+            raise RuntimeError(f"ActorRolloutRefWorker(role={self.role!r}) has no rollout")
+        self.rollout = VLLMRollout(cfg.model.path, cfg.rollout, seed=cfg.trainer.seed,
+                                   dtype=_vllm_dtype(cfg.model.dtype),
+                                   max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
+                                   tokenizer_path=cfg.model.tokenizer or cfg.model.path)
+        if self.actor is not None:
+            self.hybrid = HybridEngine(self.actor, self.rollout, bucket_mb=cfg.rollout.weight_sync_bucket_mb)
+        return {"role": self.role, "hybrid": self.hybrid is not None}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def generate_sequences(self, prompts: DataProto) -> Optional[DataProto]:
+        """Every rank gets the whole prompt batch; the vLLM replicas split it (seeded per row) and
+        gather. Hybrid: enter the hybrid engine (reshard the actor's weights into vLLM), generate, exit.
+        Returns the full output (meta_info["metrics"]: rollout/*, timing/*) on rank 0, None elsewhere."""
+        import time
+
+        from megappo.workers.rollout.hybrid_engine import replicated_generate
+
+        if self.rollout is None:
+            raise RuntimeError(f"ActorRolloutRefWorker(role={self.role!r}) has no rollout engine: call "
+                               "init_rollout() first (it builds vLLM and the hybrid engine)")
+        if self.hybrid is not None:
+            with self.hybrid:
+                out = self.hybrid.generate_sequences(prompts)
+            metrics = dict(self.hybrid.metrics)
+        else:
+            t0 = time.perf_counter()
+            out = replicated_generate(self.rollout, prompts)
+            metrics = {"timing/rollout_s": time.perf_counter() - t0}
+        out.meta_info["metrics"] = metrics
+        return out if self.rank == 0 else None
+
+    # ---- async weight sync (rollout/weight_sync.py) ----------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    def weight_sync_address(self) -> tuple:
+        """(host, free port) for the weight-sync group's rendezvous (the driver uses rank 0's)."""
+        from megappo.workers.base_worker import _free_port
+
+        return self.master_addr, _free_port(self.master_addr)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_weight_sync(self, host: str, port: int, world: int) -> dict:
+        """Join the sync group: actor rank 0 as its rank 0, rollout worker r as rank 1 + r (the other
+        actor ranks take part in the resharding only)."""
+        from megappo.workers.rollout.weight_sync import StatelessGroup, WeightReceiver, WeightSender
+
+        timeout = self.config.trainer.worker_timeout_s
+        if self.is_actor:
+            if self.rank == 0:
+                self._sync_group = StatelessGroup(host, port, 0, world, timeout_s=timeout)
+            self._sender = WeightSender(self._need(self.actor, "actor"), self._sync_group,
+                                        self.config.rollout.weight_sync_bucket_mb)
+        elif self.role == "rollout":
+            if self.rollout is None:
+                raise RuntimeError("call init_rollout() before init_weight_sync()")
+            self._sync_group = StatelessGroup(host, port, 1 + self.rank, world, timeout_s=timeout)
+            self._receiver = WeightReceiver(self.rollout, self._sync_group)
+        else:
+            raise RuntimeError(f"role {self.role!r} takes no part in the weight sync")
+        return {"role": self.role, "sync_rank": None if self._sync_group is None else self._sync_group.rank}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def send_weights(self) -> dict:
+        if self._sender is None:
+            raise RuntimeError("call init_weight_sync() first")
+        return self._sender.send()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def receive_weights(self) -> dict:
+        if self._receiver is None:
+            raise RuntimeError("call init_weight_sync() first")
+        return self._receiver.receive()
+
+    # ---- checkpoints -----------------------------------------------------------------------------
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path) -> None:
@@ -251,6 +406,7 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
             self.actor.save_checkpoint(self._ckpt(path, "actor"))
         elif self.ref is not None:
             self.ref.save_checkpoint(self._ckpt(path, "ref"))
+        self._save_rng(path, "actor" if self.actor is not None else self.role)
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path, load_optimizer: bool = True) -> None:
@@ -258,6 +414,7 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
             self.actor.load_checkpoint(self._ckpt(path, "actor"), load_optimizer=load_optimizer)
         elif self.ref is not None:
             self.ref.load_checkpoint(self._ckpt(path, "ref"), load_optimizer=False)
+        self._load_rng(path, "actor" if self.actor is not None else self.role)
 
 
 class CriticWorker(_MegatronRoleWorker):
@@ -307,10 +464,12 @@ class CriticWorker(_MegatronRoleWorker):
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path) -> None:
         self.critic.save_checkpoint(self._ckpt(path, "critic"))
+        self._save_rng(path, "critic")
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path, load_optimizer: bool = True) -> None:
         self.critic.load_checkpoint(self._ckpt(path, "critic"), load_optimizer=load_optimizer)
+        self._load_rng(path, "critic")
 
 
 class RewardModelWorker(_MegatronRoleWorker):

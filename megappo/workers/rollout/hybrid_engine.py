@@ -12,9 +12,10 @@ parallel/resharding.py into vLLM bucket by bucket (`reload_weights` via collecti
 prefix cache, check the weight fingerprint (a mismatch raises `WeightSyncError`), wake the KV cache.
 Exit: put vLLM to sleep (GPU: KV cache freed, weights offloaded) and restore the trainer's RNG state.
 
-Rollout data parallelism: vLLM's TP groups are consecutive blocks of `rollout.tp` global ranks, so
-the world holds world/rollout_tp replicas (megatron DP replicas and pipeline stages alike); replica k
-generates chunk k of the prompts. Metrics (logged every step):
+Rollout data parallelism (`replicated_generate`, also used by a standalone rollout pool): vLLM's TP
+groups are consecutive blocks of `rollout.tp` global ranks, so the world holds world/rollout_tp
+replicas (megatron DP replicas and pipeline stages alike); replica k generates chunk k of the prompts,
+with the call's seed offset by the chunk's first row (sampling does not depend on the replica count). Metrics (logged every step):
 rollout/weights_fingerprint_ok, rollout/logprob_diff_mean, rollout/logprob_diff_max,
 rollout/token_mult_prob_error (mean over response tokens of exp|logp_vllm - logp_megatron|),
 timing/weight_sync_s, timing/rollout_s.
@@ -135,17 +136,10 @@ class HybridEngine:
         """Every rank passes the same full prompt batch; replica k generates chunk k. gather=True:
         every rank returns the whole output (replicas' chunks in order), else only its own chunk."""
         t0 = time.perf_counter()
-        padded, pad = prompts.pad_to_divisor(self.num_replicas)
-        mine = padded.chunk(self.num_replicas)[self.replica]
-        out = self.rollout.generate_sequences(mine)
-        if gather and self.num_replicas > 1:
-            parts = [None] * self.world
-            dist.all_gather_object(parts, out if self.rank % self.rollout.tp == 0 else None)
-            out = DataProto.concat([p for p in parts if p is not None])
-            if pad:
-                out = out.unpad(pad * out.meta_info.get("rollout_n", 1))
+        out = replicated_generate(self.rollout, prompts, gather=gather)
         self.metrics["timing/rollout_s"] = time.perf_counter() - t0
         return out
+
 
     # ---- parity ---------------------------------------------------------------------------------
 
@@ -181,3 +175,29 @@ class HybridEngine:
              "rollout/token_mult_prob_error": vec[2].item() / cnt}
         self.metrics.update(m)
         return m
+
+
+def replicated_generate(rollout, prompts: DataProto, gather: bool = True) -> DataProto:
+    """Data-parallel generation over the replicas of this process group (consecutive blocks of
+    `rollout.tp` ranks form one vLLM replica): every rank passes the same full batch, replica k
+    generates chunk k. A `seed` in meta_info is offset by the chunk's first row, so request i of the
+    whole batch is always sampled with seed + i * n + j, whatever the number of replicas.
+    Without torch.distributed (one standalone engine) this is a plain generate."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return rollout.generate_sequences(prompts)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    num_replicas, replica = world // rollout.tp, rank // rollout.tp
+    padded, pad = prompts.pad_to_divisor(num_replicas)
+    mine = padded.chunk(num_replicas)[replica]
+    if "seed" in mine.meta_info:
+        n = int(mine.meta_info.get("n", rollout.config.n)) if mine.meta_info.get("do_sample", True) else 1
+        mine.meta_info["seed"] = int(mine.meta_info["seed"]) + replica * len(mine) * n
+    out = rollout.generate_sequences(mine)
+    if gather and num_replicas > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, out if rank % rollout.tp == 0 else None)
+        out = DataProto.concat([p for p in parts if p is not None])
+        if pad:
+            out = out.unpad(pad * out.meta_info.get("rollout_n", 1))
+        out.meta_info["rollout_seed"] = prompts.meta_info.get("seed", out.meta_info.get("rollout_seed"))
+    return out

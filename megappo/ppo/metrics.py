@@ -1,0 +1,124 @@
+"""Per-step PPO metrics, computed on the driver from the step's batch and the workers' update metrics.
+
+Names follow open-instruct's PPO (docs in the seed; definitions here where they leave room):
+
+  episode                    responses trained on so far (steps x data.train_batch_size x rollout.n)
+  lr                         the actor's learning rate at this step
+  epoch                      prompts trained on so far / dataset size (2.7 = 70% into the third pass)
+  objective/kl               mean over responses of the summed per-token KL(pi_old || ref) (algorithm.kl_penalty)
+  objective/scores           mean final score (rule reward (+ RM score), non-stop penalty applied)
+  objective/rlhf_reward      objective/scores + objective/non_score_reward
+  objective/non_score_reward mean over responses of -beta * summed KL (0 when the KL is not in the reward)
+  objective/entropy          mean over responses of the summed per-token entropy of pi_old
+  objective/loss             loss/policy_avg + loss/value_avg (actor and critic have their own optimizers)
+  objective/verifiable_correct_rate  fraction of responses whose rule score is the full score
+  loss/policy_avg, loss/value_avg    mean PPO clipped policy / value loss over the step's mini-batches
+  policy/approxkl_avg        mean of 0.5 * (logp - logp_old)^2 over the updates
+  policy/clipfrac_avg        fraction of tokens where the policy ratio was clipped
+  policy/entropy_avg         token-mean entropy of pi_old over the response tokens
+  val/sequence_lengths       mean response length (tokens) of this step's rollouts
+  val/num_stop_token_ids     number of this step's responses that ended with a stop token
+  time/from_scratch, time/training   seconds since fit() started / this step's seconds
+
+Plus: rollout/* (vLLM vs Megatron log-prob gap, importance weights, weight-sync checks), timing/* (one
+per phase), eval/* (validation), and the workers' actor/*, critic/* update metrics as they come.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from megappo.ppo import core_algos as algos
+
+OPEN_INSTRUCT_KEYS = (
+    "episode", "lr", "epoch", "objective/kl", "objective/scores", "objective/rlhf_reward",
+    "objective/non_score_reward", "objective/entropy", "objective/loss", "objective/verifiable_correct_rate",
+    "loss/policy_avg", "loss/value_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg",
+    "val/sequence_lengths", "val/num_stop_token_ids", "time/from_scratch", "time/training",
+)
+
+
+def kl_metrics(old_log_probs: torch.Tensor, ref_log_prob: torch.Tensor, mask: torch.Tensor, beta: float,
+               kind: str) -> dict:
+    """objective/kl (+ the reward terms with beta) when the KL is not applied in the reward."""
+    seq_kl = (algos.kl_penalty(old_log_probs, ref_log_prob, kind) * mask).sum(-1)
+    return {"objective/kl": seq_kl.mean().item(), "objective/kl_coef": beta,
+            "objective/non_score_reward": (-beta * seq_kl).mean().item()}
+
+
+def rollout_parity_metrics(batch) -> dict:
+    """vLLM's sampling log-probs vs the trainer's pi_old on the same tokens. Sync mode: the numeric gap
+    between the two engines on identical weights; async mode: that plus one step of policy lag."""
+    b = batch.batch
+    if "rollout_log_probs" not in b or "old_log_probs" not in b:
+        return {}
+    mask = b["response_mask"].bool()
+    d = (b["old_log_probs"].double() - b["rollout_log_probs"].double()).abs()[mask]
+    if not d.numel():
+        return {}
+    _, tis = algos.compute_importance_weights(b["old_log_probs"], b["rollout_log_probs"], b["response_mask"])
+    return {"rollout/logprob_diff_mean": d.mean().item(), "rollout/logprob_diff_max": d.max().item(),
+            "rollout/token_mult_prob_error": torch.exp(d).mean().item(), **tis}
+
+
+def data_metrics(batch) -> dict:
+    """Shapes of the step's data: lengths, stops, advantages, returns, values (verl's critic/* set)."""
+    b = batch.batch
+    mask = b["response_mask"].to(torch.float32)
+    lengths = mask.sum(-1)
+    R = b["responses"].shape[1]
+    out = {
+        "val/sequence_lengths": lengths.mean().item(),
+        "val/num_stop_token_ids": float(b["stopped"].sum().item()) if "stopped" in b else float("nan"),
+        "response_length/mean": lengths.mean().item(),
+        "response_length/max": lengths.max().item(),
+        "response_length/clip_ratio": (lengths >= R).float().mean().item(),
+        "prompt_length/mean": (b["attention_mask"][:, :-R].sum(-1).float()).mean().item(),
+    }
+    if "entropy" in b:
+        out["objective/entropy"] = (b["entropy"] * mask).sum(-1).mean().item()
+        out["policy/entropy_avg"] = algos.masked_mean(b["entropy"], mask).item()
+    for key in ("advantages", "returns", "values"):
+        if key in b:
+            v = b[key][mask.bool()]
+            out[f"critic/{key}/mean"] = v.mean().item()
+            out[f"critic/{key}/max"] = v.max().item()
+            out[f"critic/{key}/min"] = v.min().item()
+    if "values" in b and "returns" in b:
+        ret, val = b["returns"][mask.bool()], b["values"][mask.bool()]
+        out["critic/vf_explained_var"] = (1 - (ret - val).var() / (ret.var() + 1e-8)).item()
+    return out
+
+
+def step_metrics(*, step: int, batch, reward_metrics: Mapping, kl: Mapping, actor: Mapping, critic: Mapping,
+                 prompts_per_step: int, responses_per_step: int, dataset_size: int, step_s: float,
+                 since_start_s: float) -> dict:
+    """The open-instruct set for one step (+ data/parity metrics and the workers' update metrics)."""
+    m = {**data_metrics(batch), **rollout_parity_metrics(batch), **dict(reward_metrics), **dict(kl),
+         **dict(actor), **dict(critic)}
+    scores = m["objective/scores"]
+    m.setdefault("objective/kl", 0.0)
+    m.setdefault("objective/non_score_reward", 0.0)
+    m["objective/rlhf_reward"] = scores + m["objective/non_score_reward"]
+    m["loss/policy_avg"] = float(actor.get("actor/pg_loss", float("nan")))
+    m["loss/value_avg"] = float(critic.get("critic/vf_loss", 0.0))
+    m["objective/loss"] = m["loss/policy_avg"] + m["loss/value_avg"]
+    m["policy/approxkl_avg"] = float(actor.get("actor/ppo_kl", float("nan")))
+    m["policy/clipfrac_avg"] = float(actor.get("actor/pg_clipfrac", float("nan")))
+    m["lr"] = float(actor.get("actor/lr", float("nan")))
+    m["episode"] = step * responses_per_step
+    m["epoch"] = step * prompts_per_step / max(dataset_size, 1)
+    m["time/training"] = step_s
+    m["time/from_scratch"] = since_start_s
+    return m
+
+
+def eval_metrics(batch, reward_metrics: Mapping) -> dict:
+    mask = batch.batch["response_mask"].to(torch.float32)
+    return {"eval/scores": reward_metrics["objective/scores"],
+            "eval/verifiable_correct_rate": reward_metrics["objective/verifiable_correct_rate"],
+            "eval/sequence_lengths": mask.sum(-1).mean().item(),
+            "eval/stop_rate": reward_metrics.get("reward/stop_rate", float("nan")),
+            "eval/num_prompts": float(len(batch))}

@@ -1,0 +1,94 @@
+"""`megappo train --config configs/ppo_tiny.yaml [key=value ...]`: run PPO (RayPPOTrainer) end to end.
+
+Starts a local Ray (or joins RAY_ADDRESS), builds the worker groups, runs `trainer.total_steps` steps
+(resuming from the newest complete checkpoint under <output_dir>/checkpoints with trainer.resume=auto),
+and writes <output_dir>/metrics.jsonl, tensorboard/ and reward_curve.png. Worker processes log to
+Ray's session dir (/tmp/ray/session_latest/logs), not to this terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/ppo_tiny.yaml")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.total_steps=5")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. in CI logs)")
+
+
+def _setup_env() -> None:
+    for k, v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                 "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"}.items():
+        os.environ.setdefault(k, v)
+
+
+def start_ray(cfg) -> bool:
+    """Join the cluster in RAY_ADDRESS (e.g. slurm/ray_on_slurm.sh), else start a fresh local Ray sized
+    for the config's pools (logical CPUs; address="local": a stale /tmp/ray/ray_current_cluster left by
+    an earlier `ray start` is ignored). False when Ray was already running in this process."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    res = cfg.resources
+    workers = res.nodes * res.workers_per_node + (res.rollout_workers if cfg.trainer.mode == "async" else 0)
+    kwargs = dict(include_dashboard=False, log_to_driver=False, configure_logging=False, namespace="megappo")
+    address = os.environ.get("RAY_ADDRESS")
+    if address and address != "local":
+        ray.init(address=address, **kwargs)
+    else:
+        ray.init(address="local", num_cpus=max(workers * res.cpus_per_worker, 1), **kwargs)
+    return True
+
+
+def main(args: argparse.Namespace) -> int:
+    _setup_env()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from megappo.config.loader import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, list(args.overrides or []), check_paths=True)
+    except ConfigError as e:
+        print(f"megappo train: {e}", file=sys.stderr)
+        return 2
+    from pathlib import Path
+
+    from megappo.utils.checkpoint import latest_checkpoint, read_step
+
+    out = cfg.trainer.output_dir
+    done = latest_checkpoint(Path(out) / "checkpoints") if cfg.trainer.resume == "auto" else None
+    if done is not None and read_step(done) >= cfg.trainer.total_steps:
+        print(f"nothing to do: {done} is step {read_step(done)} of trainer.total_steps={cfg.trainer.total_steps} "
+              f"(rm -rf {out} to start over, or raise trainer.total_steps to continue)", flush=True)
+        return 0
+    import ray
+
+    from megappo.ppo.ray_trainer import RayPPOTrainer
+
+    t0 = time.perf_counter()
+    started = start_ray(cfg)
+    trainer = None
+    try:
+        trainer = RayPPOTrainer(cfg, show_progress=not args.no_progress)
+        print(f"megappo train: {cfg.trainer.mode} PPO, {cfg.trainer.total_steps} steps, model {cfg.model.path}, "
+              f"output {cfg.trainer.output_dir} (worker logs: /tmp/ray/session_latest/logs)", flush=True)
+        trainer.init_workers()
+        print(f"workers up in {time.perf_counter() - t0:.0f}s", flush=True)
+        history = trainer.fit()
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        if started:
+            ray.shutdown()
+    if history:
+        first = [h["objective/scores"] for h in history[:5]]
+        last = [h["objective/scores"] for h in history[-5:]]
+        print(f"done in {time.perf_counter() - t0:.0f}s: objective/scores first-5 mean {sum(first) / len(first):.3f}"
+              f" -> last-5 mean {sum(last) / len(last):.3f}", flush=True)
+    print(f"metrics: {out}/metrics.jsonl, tensorboard: {out}/tensorboard, curve: {out}/reward_curve.png", flush=True)
+    return 0
