@@ -47,3 +47,32 @@ def test_unknown_key_fails_in_preflight(slurm, tmp_path):
                            env={"OVERRIDES": "trainer.totl_steps=2", "LOG_ROOT": str(tmp_path)})
     assert rc != 0
     assert "unknown config key 'trainer.totl_steps': did you mean trainer.total_steps?" in log, log
+
+
+def test_tiny_ppo_two_steps_through_the_bootstrap(slurm, tmp_path):
+    """The same bootstrap the 70B job uses: preflight -> Ray via srun -> megappo train -> teardown."""
+    import json
+    import socket
+
+    from megappo.data import preprocess_arithmetic
+    from megappo.testing import ensure_assets
+
+    ensure_assets(REPO / "assets", demo=True)
+    preprocess_arithmetic.main(["--out", str(tmp_path / "data"), "--train-size", "64", "--val-size", "16"])
+    out = tmp_path / "run"
+    overrides = [
+        "trainer.total_steps=2", "trainer.save_every=0", "trainer.val_every=0", f"trainer.output_dir={out}",
+        f"data.train_files=[{tmp_path / 'data/arith_train.parquet'}]",
+        f"data.val_files=[{tmp_path / 'data/arith_val.parquet'}]",
+    ]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rc, log = slurm.sbatch(str(REPO / "slurm/ppo_tiny.sbatch"), cwd=REPO, timeout=900,
+                           env={"OVERRIDES": " ".join(overrides), "LOG_ROOT": str(tmp_path / "logs"),
+                                "RAY_PORT": str(port), "RAY_NUM_CPUS": "4"})
+    assert rc == 0, log[-3000:]
+    assert "preflight OK" in log and "Ray cluster up" in log and "training finished" in log
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "objective/scores" in r] == [1, 2]
+    assert list((tmp_path / "logs").glob("*/ray-head-*.log")) and list((tmp_path / "logs").glob("*/train.log"))
