@@ -86,7 +86,7 @@ def _job(rank, world, port, model_dir, rollout_tp):
     init_distributed(rank, world, master_port=port)
     init_megatron(layout, seed=7)
     engine = MegatronEngine(model_dir, layout, EngineConfig(role="actor", optim=OptimConfig(
-        lr=3e-3, use_distributed_optimizer=True)))
+        lr=3e-3, distributed_optimizer=True)))
     cfg = RolloutConfig(tp=rollout_tp, n=1, temperature=1.0, max_new_tokens=10, kv_cache_memory_mb=16)
     rollout = VLLMRollout(model_dir, cfg, seed=0, dtype="float32", max_model_len=256)
     # a small bucket so the sync really streams many buckets (fused groups kept together)

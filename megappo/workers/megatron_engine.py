@@ -31,6 +31,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megappo.config.schema import OptimConfig as SchemaOptimConfig
 from megappo.models.gpt import build_gpt_chunks, build_transformer_config, global_named_parameters, load_hf_config, \
     load_hf_weights
 from megappo.models.logprobs import vocab_parallel_logprobs
@@ -39,18 +40,10 @@ from megappo.parallel.weight_mapping import ModelDims
 
 
 @dataclass
-class OptimConfig:
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    lr_schedule: str = "constant"  # constant | cosine (warmup then cosine decay to min_lr)
-    warmup_steps: int = 0
-    total_steps: int = 1000
-    use_distributed_optimizer: bool = True
+class OptimConfig(SchemaOptimConfig):
+    """The config's optimizer keys (megappo.config.schema.OptimConfig) plus the LR schedule length."""
+
+    total_steps: int = 1000  # optimizer steps the LR schedule spans
 
 
 @dataclass
@@ -134,7 +127,7 @@ class MegatronEngine:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
-            use_distributed_optimizer=self.config.optim.use_distributed_optimizer,
+            use_distributed_optimizer=self.config.optim.distributed_optimizer,
         )
         wrapped = []
         for i, c in enumerate(chunks):
@@ -162,7 +155,7 @@ class MegatronEngine:
             optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
             bf16=self.tf_config.bf16, fp16=False, params_dtype=self.tf_config.params_dtype,
-            use_distributed_optimizer=o.use_distributed_optimizer,
+            use_distributed_optimizer=o.distributed_optimizer,
         )
         self.optimizer = get_megatron_optimizer(oc, self.model)
         decay_steps = max(o.total_steps, o.warmup_steps + 1)

@@ -61,10 +61,9 @@ def _layout(parallel):
 def _engine_optim(optim, total_steps: int):
     from megappo.workers.megatron_engine import OptimConfig
 
-    return OptimConfig(lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
-                       adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-                       clip_grad=optim.clip_grad, lr_schedule=optim.lr_schedule, warmup_steps=optim.warmup_steps,
-                       total_steps=total_steps, use_distributed_optimizer=optim.distributed_optimizer)
+    from omegaconf import OmegaConf
+
+    return OptimConfig(**OmegaConf.to_container(optim), total_steps=total_steps)
 
 
 def _optimizer_steps(cfg, role_cfg) -> int:
