@@ -92,7 +92,8 @@ class ActorConfig:
     kl_loss_type: str = "k3"  # k1 | k2 | k3
     recompute_activations: bool = False
     # GPU only: outside the actor's own phases its params, grads and optimizer states live in host
-    # memory (frees the GPU for vLLM and the other roles); a no-op on CPU.
+    # memory (frees the GPU for vLLM and the other roles); a no-op on CPU. Modelled by `megappo plan`;
+    # the engine does not do it yet, so a GPU run with offload=true is refused at start.
     offload: bool = False
 
 
