@@ -50,22 +50,14 @@ def read_rows(path) -> list[dict]:
 
 def build_batch(rows: list[dict], pad_id: int = 0):
     """Left-pad every row to the longest; all rows end at the last column."""
-    import torch
+    from megappo.data.dataset import left_pad
 
-    s = max(len(r["input_ids"]) for r in rows)
-    ids = torch.full((len(rows), s), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), s), dtype=torch.long)
-    for i, r in enumerate(rows):
-        n = len(r["input_ids"])
-        ids[i, s - n:] = torch.tensor(r["input_ids"], dtype=torch.long)
-        mask[i, s - n:] = 1
+    ids, mask = left_pad([r["input_ids"] for r in rows], pad_id)
     resp = max(len(r["input_ids"]) - r["response_start"] for r in rows)
     return ids, mask, resp
 
 
 def _worker(rank, world, port, args_dict, rows):
-    import torch
-
     from megappo.parallel.layout import ParallelLayout
     from megappo.parallel.megatron_init import destroy, init_distributed, init_megatron
     from megappo.workers.megatron_engine import EngineConfig, MegatronEngine

@@ -194,6 +194,23 @@ def make_arith_sft_model(out_dir: str | os.PathLike, base_dir: str | os.PathLike
     return out
 
 
+def hf_response_logprobs(model_dir: str | os.PathLike, rows: list[dict]) -> list:
+    """The reference the scoring tests compare against: transformers' fp32 log-probs of each row's
+    response tokens (`{"input_ids": [...], "response_start": k}`), one unpadded forward per row."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for row in rows:
+        ids = torch.tensor([row["input_ids"]])
+        with torch.no_grad():
+            logsm = torch.log_softmax(hf(ids).logits[0].float(), -1)
+        k = row["response_start"]
+        out.append(logsm[k - 1:-1].gather(-1, ids[0, k:, None])[:, 0])
+    return out
+
+
 def ensure_assets(root: str | os.PathLike, demo: bool = False) -> dict[str, Path]:
     """Build (once) the tokenizer and the tiny llama/qwen2/mistral models under `root`; with `demo`,
     also the demo's warm-started tiny-llama-arith (a short SFT, ~20 s on 2 cores).

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tools.convert_ckpt import ConvertError, hf_to_mcore, mcore_to_hf
+from megappo.testing import hf_response_logprobs
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = [
@@ -116,7 +117,6 @@ def test_small_shards_and_dtype_cast(tiny_assets, tmp_path):
 def test_logprobs_cli_tp2_pp2_on_converted_checkpoint_matches_hf(tiny_assets, tmp_path):
     """Converted with the megappo CLI (qwen2: tied, qkv bias, padded vocab), scored at TP2xPP2."""
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     src = tiny_assets["tiny-qwen2"]
     mc = tmp_path / "mc"
@@ -131,14 +131,8 @@ def test_logprobs_cli_tp2_pp2_on_converted_checkpoint_matches_hf(tiny_assets, tm
                            "--input", str(inp), "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = load_file(str(out))
-    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     worst = 0.0
-    for i, row in enumerate(ROWS):
-        ids = torch.tensor([row["input_ids"]])
-        with torch.no_grad():
-            logsm = torch.log_softmax(hf(ids).logits[0].float(), -1)
-        k = row["response_start"]
-        ref = logsm[k - 1:-1].gather(-1, ids[0, k:, None])[:, 0]
+    for i, ref in enumerate(hf_response_logprobs(src, ROWS)):
         assert got[f"logprobs.{i}"].shape == ref.shape
         worst = max(worst, (got[f"logprobs.{i}"] - ref).abs().max().item())
     print(f"converted qwen2 TP2xPP2 vs HF: max |logprob diff| {worst:.2e}")
@@ -275,7 +269,7 @@ def test_smollm2_135m_converts_and_scores_like_transformers(tmp_path):
     TP2xPP2 cannot shard it; converted for TP3xPP2 and scored at TP3 (3 processes; TP3xPP2 = 6 processes
     gives the same, max |diff| 1.8e-5, but takes ~2 min on 2 cores)."""
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from tools.smollm2_to_hf import convert
 
@@ -298,14 +292,8 @@ def test_smollm2_135m_converts_and_scores_like_transformers(tmp_path):
                            "--input", str(inp), "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = load_file(str(out))
-    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     worst = 0.0
-    for i, row in enumerate(rows):
-        ids = torch.tensor([row["input_ids"]])
-        with torch.no_grad():
-            logsm = torch.log_softmax(hf(ids).logits[0], -1)
-        k = row["response_start"]
-        ref = logsm[k - 1:-1].gather(-1, ids[0, k:, None])[:, 0]
+    for i, ref in enumerate(hf_response_logprobs(src, rows)):
         worst = max(worst, (got[f"logprobs.{i}"] - ref).abs().max().item())
         assert ref.mean() > -3.0  # a real model: its own answers are likely
     print(f"SmolLM2-135M converted, scored at TP3 vs HF: max |logprob diff| {worst:.2e}")

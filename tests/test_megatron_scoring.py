@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-import torch
+from megappo.testing import hf_response_logprobs
 
 ROWS = [
     {"input_ids": [5, 17, 300, 42, 9, 77, 12, 999, 3], "response_start": 4},
@@ -16,7 +16,6 @@ ROWS = [
 
 def test_logprobs_cli_tp2_pp2_matches_hf(tiny_assets, tmp_path):
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     model = str(tiny_assets["tiny-qwen2"])
     inp = tmp_path / "rows.jsonl"
@@ -27,13 +26,7 @@ def test_logprobs_cli_tp2_pp2_matches_hf(tiny_assets, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = load_file(str(out))
     assert sorted(got) == ["logprobs.0", "logprobs.1", "logprobs.2"]
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    for i, row in enumerate(ROWS):
-        ids = torch.tensor([row["input_ids"]])
-        with torch.no_grad():
-            logsm = torch.log_softmax(hf(ids).logits[0].float(), -1)
-        k = row["response_start"]
-        ref = logsm[k - 1:-1].gather(-1, ids[0, k:, None])[:, 0]
+    for i, ref in enumerate(hf_response_logprobs(model, ROWS)):
         assert got[f"logprobs.{i}"].shape == ref.shape
         assert (got[f"logprobs.{i}"] - ref).abs().max().item() <= 1e-4
 

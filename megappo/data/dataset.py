@@ -103,6 +103,17 @@ def _read_rows(file: Path, prompt_key: str) -> list[dict[str, Any]]:
     return table.to_pylist()
 
 
+def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (input_ids, attention_mask) [B, longest], left-padded: every row ends at the last column."""
+    width = max(len(seq) for seq in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        input_ids[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+        attention_mask[i, width - len(seq):] = 1
+    return input_ids, attention_mask
+
+
 def collate(rows: Sequence[dict[str, Any]], tokenizer, max_prompt_length: int) -> DataProto:
     """Left-pad the prompts to the longest in the batch.
 
@@ -113,13 +124,7 @@ def collate(rows: Sequence[dict[str, Any]], tokenizer, max_prompt_length: int) -
     lengths = [len(r["input_ids"]) for r in rows]
     if max(lengths) > max_prompt_length:
         raise ValueError(f"collate: a prompt has {max(lengths)} tokens > max_prompt_length={max_prompt_length}")
-    width = max(lengths)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        n = len(row["input_ids"])
-        input_ids[i, width - n:] = torch.tensor(row["input_ids"], dtype=torch.long)
-        attention_mask[i, width - n:] = 1
+    input_ids, attention_mask = left_pad([r["input_ids"] for r in rows], pad_id)
     position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
     non_tensors = {key: [r[key] for r in rows] for key in ("data_source", "reward_model", "extra_info", "raw_prompt")}
     non_tensors["index"] = np.array([r["index"] for r in rows], dtype=np.int64)
