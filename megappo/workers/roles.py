@@ -61,9 +61,12 @@ def _layout(parallel):
 def _engine_optim(optim, total_steps: int):
     from megappo.workers.megatron_engine import OptimConfig
 
+    import dataclasses
+
     from omegaconf import OmegaConf
 
-    return OptimConfig(**OmegaConf.to_container(optim), total_steps=total_steps)
+    keys = OmegaConf.to_container(optim) if OmegaConf.is_config(optim) else dataclasses.asdict(optim)
+    return OptimConfig(**keys, total_steps=total_steps)
 
 
 def _optimizer_steps(cfg, role_cfg) -> int:
