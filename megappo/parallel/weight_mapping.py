@@ -274,28 +274,42 @@ def hf_to_megatron_shard(mcore_name: str, hf: Mapping[str, torch.Tensor], dims: 
     return full[tp_rank * per:(tp_rank + 1) * per].reshape((-1,) + tail).clone()
 
 
-def megatron_shards_to_hf(mcore_name: str, shards: list[torch.Tensor], dims: ModelDims) -> dict[str, torch.Tensor]:
+def megatron_shards_to_hf(mcore_name: str, shards: list[torch.Tensor], dims: ModelDims,
+                          copy: bool = True) -> dict[str, torch.Tensor]:
     """Inverse of `hf_to_megatron_shard`: all TP shards (rank order) of one megatron parameter ->
-    {hf_name: full HF tensor}. A tied `output_layer.weight` maps to the embedding name."""
+    {hf_name: full HF tensor}. A tied `output_layer.weight` maps to the embedding name.
+    copy=False: return views of the shards where the layout allows (one shard: everything but
+    q/k/v), for a caller that only reads the result before the shards change (weight sync)."""
     names = hf_names(mcore_name, dims)
     kind = _kind(mcore_name, dims)
-    tp_size = len(shards)
+    one = len(shards) == 1
+
+    def cat(dim):
+        return shards[0] if one else torch.cat(shards, dim=dim)
+
     if kind == "replicated":
-        return {names[0]: shards[0].clone()}
+        return {names[0]: shards[0].clone() if copy else shards[0]}
     if kind == "row":
-        return {names[0]: torch.cat(shards, dim=1)}
+        t = cat(1)
+        return {names[0]: t.clone() if copy and one else t}
     if kind == "vocab":
-        return {names[0]: torch.cat(shards, dim=0)[: dims.vocab_size].clone()}
+        t = cat(0)[: dims.vocab_size]
+        return {names[0]: t.clone() if copy else t}
     if kind == "fc1":
+        if one:
+            gate, up = shards[0].chunk(2, dim=0)
+            return {names[0]: gate.clone() if copy else gate, names[1]: up.clone() if copy else up}
         halves = [s.chunk(2, dim=0) for s in shards]
         return {names[0]: torch.cat([h[0] for h in halves], 0), names[1]: torch.cat([h[1] for h in halves], 0)}
     g, hpg, d = dims.num_kv_heads, dims.heads_per_group, dims.head_dim
-    full = torch.cat(shards, dim=0)
+    full = cat(0)
     tail = tuple(full.shape[1:])
     grouped = full.reshape((g, (hpg + 2) * d) + tail)
     q = grouped[:, : hpg * d].reshape((-1,) + tail)
     k = grouped[:, hpg * d: (hpg + 1) * d].reshape((-1,) + tail)
     v = grouped[:, (hpg + 1) * d:].reshape((-1,) + tail)
+    if not copy:
+        return {names[0]: q, names[1]: k, names[2]: v}
     return {names[0]: q.clone(), names[1]: k.clone(), names[2]: v.clone()}
 
 

@@ -20,9 +20,10 @@ slices). Embeddings, the LM head, norms and biases stay plain tensors and are re
 every weight is a plain tensor. So a corrupted bucket (or a wrong load) that changes what vLLM
 computes with shows up as a mismatch.
 
-Precision: trainer-side and readable tensors are summed in float64 (exact to ~1e-15); a packed
-matvec runs in the weight dtype, so the comparison uses a relative tolerance scaled by
-`sum |W c| u` (1e-5 for fp32 weights, 2e-2 for 16-bit weights).
+Precision and cost: a weight matrix is reduced with one float32 matvec (W c: one read of the weights,
+no float64 copy of them; a packed kernel's matvec runs in the weight dtype anyway), then the row
+sums are taken in float64. Float32 rounding is ~1e-7 relative, so the comparison uses a relative
+tolerance scaled by `sum |W c| u` (1e-5 for fp32 weights, 2e-2 for 16-bit weights).
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def tensor_fingerprint(t: torch.Tensor, row_offset: int = 0, col_offset: int = 0
         return float((x * u).sum()), float((x.abs() * u).sum())
     if t.dim() != 2:
         t = t.reshape(t.shape[0], -1)
-    c = col_weights(col_offset, t.shape[1]).to(t.device)
-    y = t.double() @ c
+    c = col_weights(col_offset, t.shape[1]).to(device=t.device, dtype=torch.float32)
+    y = (t.float() @ c).double()
     u = row_weights(row_offset, t.shape[0]).to(t.device)
     return float((y * u).sum()), float((y.abs() * u).sum())
 
@@ -104,11 +105,11 @@ def compare(expected: Mapping[str, tuple[float, float]], actual: Mapping[str, tu
 
 
 def _linear_matvec(layer, c_local: torch.Tensor) -> torch.Tensor:
-    """W_local @ c_local in float64, from the plain weight when it exists, else through the kernel
-    (CPU: packed oneDNN / sgl weights)."""
+    """W_local @ c_local (float32 matvec, returned as float64), from the plain weight when it exists,
+    else through the kernel (CPU: packed oneDNN / sgl weights)."""
     w = getattr(layer, "weight", None)
     if isinstance(w, torch.Tensor) and w.numel() > 0:
-        return w.detach().double() @ c_local.to(w.device)
+        return (w.detach().float() @ c_local.to(device=w.device, dtype=torch.float32)).double()
     dtype = getattr(layer, "params_dtype", None) or torch.float32
     x = c_local.to(dtype).unsqueeze(0)
     y = layer.cpu_linear(x, getattr(layer, "weight", None), None)

