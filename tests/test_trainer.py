@@ -4,7 +4,9 @@
   rollout/* and timing/*; vLLM's log-probs match Megatron's (fp32); checkpoints are written whole;
   metrics.jsonl, tensorboard and reward_curve.png exist;
 - resume: fresh worker processes resume from the step-2 checkpoint (a torn step-3 dir next to it is
-  skipped) and steps 3-4 reproduce the uninterrupted run's metrics;
+  skipped) and steps 3-4 reproduce the uninterrupted run's metrics; the resumed run has every role
+  offloaded outside its phases (actor/critic/ref.offload=true), so that equality also shows the
+  offload round trips change nothing;
 - async mode, 3 steps: a separate rollout pool fed over the weight-sync group; the weights arrive
   (fingerprints), the data really is one step stale (log-prob gap after the first update), and the
   rollout overlaps training (timing/rollout_overlap_*).
@@ -102,7 +104,8 @@ def test_sync_run_metrics_checkpoints_and_resume(ray_session, tiny_assets, data_
     shutil.copytree(step_dir(full / "checkpoints", 2), step_dir(resumed / "checkpoints", 2))
     torn = step_dir(resumed / "checkpoints", 3)
     shutil.copytree(step_dir(full / "checkpoints", 4) / "actor", torn / "actor")
-    again = _run(_config(tiny_assets, data_dir, resumed, "trainer.save_every=0"))
+    again = _run(_config(tiny_assets, data_dir, resumed, "trainer.save_every=0", "actor.offload=true",
+                         "critic.offload=true", "ref.offload=true"))
     assert [h["episode"] for h in again] == [24, 32]  # resumed at step 3, not 4 (the torn one) or 1
     for a, b in zip(history[2:], again):
         a, b = _comparable(a), _comparable(b)

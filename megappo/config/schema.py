@@ -91,9 +91,9 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "k3"  # k1 | k2 | k3
     recompute_activations: bool = False
-    # GPU only: outside the actor's own phases its params, grads and optimizer states live in host
-    # memory (frees the GPU for vLLM and the other roles); a no-op on CPU. Modelled by `megappo plan`;
-    # the engine does not do it yet, so a GPU run with offload=true is refused at start.
+    # outside the actor's own phases (log-probs, update, weight sync) its params and optimizer states
+    # live in host memory and its grad buffers are freed (frees the GPU for vLLM and the other roles;
+    # workers/offload.py). Modelled by `megappo plan`. On CPU it runs too (same code) but frees nothing.
     offload: bool = False
 
 
@@ -107,7 +107,7 @@ class CriticConfig:
     ppo_epochs: int = 1
     cliprange_value: float = 0.2
     recompute_activations: bool = False
-    offload: bool = False  # GPU only, as actor.offload
+    offload: bool = False  # as actor.offload, outside the critic's values / update
 
 
 @dataclass
@@ -115,7 +115,7 @@ class RefConfig:
     enable: bool = True
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     log_prob_micro_batch_size: int = 4
-    offload: bool = False  # GPU only: weights in host memory outside the ref forward
+    offload: bool = False  # weights in host memory outside the ref forward
 
 
 @dataclass

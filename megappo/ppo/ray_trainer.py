@@ -141,11 +141,6 @@ class RayPPOTrainer:
             spec["rollout"] = [res.rollout_workers]
             mapping[Role.Rollout] = "rollout"
         use_gpu = res.device == "cuda" or (res.device == "auto" and torch.cuda.is_available())
-        offloaded = [r for r in ("actor", "critic", "ref") if cfg[r].offload]
-        if use_gpu and offloaded:  # modelled by `megappo plan`, not yet done by the engine: refuse, never ignore
-            raise NotImplementedError(
-                f"{', '.join(r + '.offload' for r in offloaded)}=true is not implemented in the engine yet; set it "
-                f"to false and pick a layout that `megappo plan` says fits without offload")
         mgr = self.resource_pool_manager = ResourcePoolManager(spec, mapping, use_gpu=use_gpu,
                                                                cpus_per_bundle=res.cpus_per_worker)
         mgr.create_resource_pool()

@@ -22,6 +22,7 @@ Metrics returned by loss_fn are summed the same way (over micro-batches and DP r
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from functools import partial
@@ -37,6 +38,7 @@ from megappo.models.gpt import build_gpt_chunks, build_transformer_config, globa
 from megappo.models.logprobs import vocab_parallel_logprobs
 from megappo.parallel.layout import ParallelLayout
 from megappo.parallel.weight_mapping import ModelDims
+from megappo.workers.offload import HostOffload
 
 
 @dataclass
@@ -53,6 +55,7 @@ class EngineConfig:
     params_dtype: Optional[torch.dtype] = None  # default: bf16 on GPU, fp32 on CPU
     recompute: bool = False  # full activation recompute, one layer at a time
     sequence_parallel: bool = False
+    offload: bool = False  # keep params / grads / optimizer states in host memory outside `resident()`
     seed: int = 1234
     temperature: float = 1.0
     extra: dict = field(default_factory=dict)
@@ -115,8 +118,12 @@ class MegatronEngine:
             self.model = chunks
             for c in chunks:
                 c.eval()
+        self._host = HostOffload()
+        self._resident_depth = 0
         if from_dist_ckpt:  # a megatron dist checkpoint (+ HF config.json) instead of HF weights
             self.load_checkpoint(model_path, load_optimizer=False)
+        if self.config.offload:
+            self.offload()
 
     # ---- setup ------------------------------------------------------------------------------------
 
@@ -165,6 +172,64 @@ class MegatronEngine:
             lr_warmup_steps=o.warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=o.lr_schedule,
             start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
         )
+
+    # ---- host offload ----------------------------------------------------------------------------
+    # With EngineConfig.offload the engine's device memory is in use only inside `resident()` (every
+    # public method below enters it; a role worker wraps a whole phase in it so the mini-batches of
+    # one update do not each move the weights). See workers/offload.py.
+
+    def _offload_sets(self) -> tuple[list, list]:
+        keep = [p for c in self.inner_chunks() for p in c.parameters()]
+        discard = []
+        for m in self.model:  # megatron DDP: the contiguous grad buffers (main_grad views)
+            bufs = []
+            for attr in ("buffers", "expert_parallel_buffers"):  # lists on DDP (`buffers` is a method otherwise)
+                if isinstance(getattr(m, attr, None), list):
+                    bufs.extend(getattr(m, attr))
+            for buf in bufs:
+                if getattr(buf, "grad_data", None) is not None:
+                    discard.append(buf.grad_data)
+        if self.optimizer is not None:
+            opts = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+            for o in opts:
+                inner = getattr(o, "optimizer", None)  # the torch optimizer under megatron's wrapper
+                if inner is None:
+                    continue
+                for st in inner.state.values():
+                    keep.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+                for g in inner.param_groups:
+                    keep.extend(g["params"])  # main (fp32) params: the distributed optimizer's shards
+        return keep, discard
+
+    def offload(self) -> int:
+        """Move this engine's params, optimizer states (values kept) and grad buffers (dropped) off
+        the device now; returns the bytes freed. No-op if already offloaded."""
+        if self._host.offloaded:
+            return 0
+        keep, discard = self._offload_sets()
+        return self._host.offload(keep, discard)
+
+    def reload(self) -> int:
+        """Bring everything `offload()` moved back onto the device (same tensors, same values)."""
+        return self._host.reload()
+
+    @property
+    def offloaded(self) -> bool:
+        return self._host.offloaded
+
+    @contextlib.contextmanager
+    def resident(self):
+        """The engine's weights (and optimizer) on the device for the block; with offload enabled
+        they leave again when the outermost block exits. Re-entrant."""
+        if self._resident_depth == 0:
+            self.reload()
+        self._resident_depth += 1
+        try:
+            yield self
+        finally:
+            self._resident_depth -= 1
+            if self._resident_depth == 0 and self.config.offload:
+                self.offload()
 
     # ---- pipeline plumbing -----------------------------------------------------------------------
 
@@ -242,7 +307,8 @@ class MegatronEngine:
         for m in self.model:
             m.eval()
         t = self.config.temperature if temperature is None else temperature
-        store = self._run(batch, response_length, micro_batch_size, True, None, None, t, compute_entropy)
+        with self.resident():
+            store = self._run(batch, response_length, micro_batch_size, True, None, None, t, compute_entropy)
         if not self.is_last_stage:
             return None
         return {k: torch.cat([d[k] for d in store], dim=0) for k in store[0]}
@@ -251,12 +317,16 @@ class MegatronEngine:
                    micro_batch_size: int = 1, temperature: Optional[float] = None) -> dict:
         """One optimizer step over this DP rank's share of a mini-batch. Returns metrics (same on every
         rank): loss and loss_fn's metrics (summed over micro-batches and DP), grad_norm, lr."""
-        from megatron.core import parallel_state as mpu
-
         if self.optimizer is None:
             raise RuntimeError("this engine was built without an optimizer (EngineConfig.optim=None)")
         if not normalizer or normalizer <= 0:
             raise ValueError(f"normalizer must be a positive global count, got {normalizer!r}")
+        with self.resident():
+            return self._train_step(batch, loss_fn, normalizer, response_length, micro_batch_size, temperature)
+
+    def _train_step(self, batch, loss_fn, normalizer, response_length, micro_batch_size, temperature) -> dict:
+        from megatron.core import parallel_state as mpu
+
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
@@ -324,9 +394,11 @@ class MegatronEngine:
         other layout of the same model. Collective: every rank calls it."""
         from megappo.parallel import dist_checkpoint
 
-        dist_checkpoint.save(path, self._sharded_state_dict(is_loading=False))
+        with self.resident():
+            dist_checkpoint.save(path, self._sharded_state_dict(is_loading=False))
 
     def load_checkpoint(self, path, load_optimizer: bool = True) -> None:
         from megappo.parallel import dist_checkpoint
 
-        dist_checkpoint.load(path, self, load_optimizer=load_optimizer)
+        with self.resident():
+            dist_checkpoint.load(path, self, load_optimizer=load_optimizer)

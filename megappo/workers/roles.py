@@ -179,11 +179,12 @@ class _MegatronRoleWorker(Worker):
         self.layout = _layout(parallel)
         self.init_megatron(self.layout, seed=self.config.trainer.seed)
 
-    def _make_engine(self, path, role: str, optim=None):
+    def _make_engine(self, path, role: str, optim=None, offload: bool = False):
         from megappo.workers.megatron_engine import EngineConfig, MegatronEngine
 
         cfg = EngineConfig(role=role, optim=optim, params_dtype=_params_dtype(self.config.model.dtype),
-                           seed=self.config.trainer.seed, temperature=self.config.rollout.temperature)
+                           seed=self.config.trainer.seed, temperature=self.config.rollout.temperature,
+                           offload=bool(offload))
         return MegatronEngine(path, self.layout, cfg)
 
     def _ckpt(self, path, name: str) -> Path:
@@ -231,9 +232,9 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
         self._bring_up(cfg.ref.parallel if self.role == "ref" else cfg.actor.parallel)
         if self.is_actor:
             optim = _engine_optim(cfg.actor.optim, _optimizer_steps(cfg, cfg.actor))
-            self.actor = self._make_engine(cfg.model.path, "actor", optim)
+            self.actor = self._make_engine(cfg.model.path, "actor", optim, offload=cfg.actor.offload)
         if self.is_ref:
-            self.ref = self._make_engine(cfg.model.path, "actor", None)
+            self.ref = self._make_engine(cfg.model.path, "actor", None, offload=cfg.ref.offload)
         return {"role": self.role, "layout": str(self.layout)}
 
     def _need(self, engine, what: str):
@@ -280,8 +281,9 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
             (["rollout_log_probs"] if "rollout_log_probs" in data.batch else [])
         temperature = self._temperature(data)
         history = defaultdict(list)
-        for _ in range(cfg.ppo_epochs):
-            for mini in _mini_batches(data.select(batch_keys=keys), cfg.ppo_mini_batch_size, self.layout.dp, "actor"):
+        minis = _mini_batches(data.select(batch_keys=keys), cfg.ppo_mini_batch_size, self.layout.dp, "actor")
+        with engine.resident():  # offload=true: one reload / offload for the whole update
+            for mini in minis * cfg.ppo_epochs:
                 norm = _dp_all_reduce_sum(algos.loss_normalizer(mini.batch["response_mask"], mode))
                 n_tokens = _dp_all_reduce_sum(float(mini.batch["response_mask"].sum()))
 
@@ -425,7 +427,8 @@ class CriticWorker(_MegatronRoleWorker):
         cfg = self.config
         self._bring_up(cfg.critic.parallel)
         optim = _engine_optim(cfg.critic.optim, _optimizer_steps(cfg, cfg.critic))
-        self.critic = self._make_engine(cfg.model.critic_path or cfg.model.path, "critic", optim)
+        self.critic = self._make_engine(cfg.model.critic_path or cfg.model.path, "critic", optim,
+                                        offload=cfg.critic.offload)
         return {"role": "critic", "layout": str(self.layout),
                 "value_head_initialised": list(self.critic.value_head_initialised)}
 
@@ -446,8 +449,9 @@ class CriticWorker(_MegatronRoleWorker):
             raise KeyError(f"update_critic: batch lacks {missing}")
         keys = [k for k in _MODEL_KEYS if k in data.batch] + needed
         history = defaultdict(list)
-        for _ in range(cfg.ppo_epochs):
-            for mini in _mini_batches(data.select(batch_keys=keys), cfg.ppo_mini_batch_size, self.layout.dp, "critic"):
+        minis = _mini_batches(data.select(batch_keys=keys), cfg.ppo_mini_batch_size, self.layout.dp, "critic")
+        with self.critic.resident():  # offload=true: one reload / offload for the whole update
+            for mini in minis * cfg.ppo_epochs:
                 norm = _dp_all_reduce_sum(algos.loss_normalizer(mini.batch["response_mask"], "token-mean"))
 
                 def loss_fn(outs, mb, norm=norm):

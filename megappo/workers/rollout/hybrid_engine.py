@@ -8,8 +8,9 @@
     metrics.update(hybrid.logprob_parity(out))                # vLLM vs Megatron log-probs
 
 Enter: save the trainer's RNG state, wake the weights (GPU), stream the Megatron shards through
-parallel/resharding.py into vLLM bucket by bucket (`reload_weights` via collective_rpc), reset the
-prefix cache, check the weight fingerprint (a mismatch raises `WeightSyncError`), wake the KV cache.
+parallel/resharding.py into vLLM bucket by bucket (`rollout.weight_load`: reload_weights or the
+model's load_weights, via collective_rpc) with the actor resident (an `offload=true` actor is
+brought back for the sync and leaves again before generation), reset the prefix cache, check the weight fingerprint (a mismatch raises `WeightSyncError`), wake the KV cache.
 Exit: put vLLM to sleep (GPU: KV cache freed, weights offloaded) and restore the trainer's RNG state.
 
 Rollout data parallelism (`replicated_generate`, also used by a standalone rollout pool): vLLM's TP
@@ -23,6 +24,7 @@ timing/weight_sync_s, timing/rollout_s.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from typing import Callable, Optional
@@ -63,8 +65,9 @@ class HybridEngine:
     def sync_weights(self) -> dict:
         """Stream the trainer's weights into vLLM (collective over the actor world)."""
         t0 = time.perf_counter()
-        for bucket in self.resharder.buckets(corrupt=self.corrupt_hook):
-            self.rollout.load_weights(bucket.tensors, reset_prefix_cache=False)
+        with self._resident():  # an offloaded actor comes back for the sync only
+            for bucket in self.resharder.buckets(corrupt=self.corrupt_hook):
+                self.rollout.load_weights(bucket.tensors, reset_prefix_cache=False)
         self.rollout.reset_prefix_cache()
         sync_s = time.perf_counter() - t0
         m = {"timing/weight_sync_s": sync_s,
@@ -85,6 +88,10 @@ class HybridEngine:
                 raise WeightSyncError(f"rank {self.rank}: weight fingerprint mismatch on another rank")
         self.metrics.update(m)
         return m
+
+    def _resident(self):
+        resident = getattr(self.engine, "resident", None)
+        return resident() if resident is not None else contextlib.nullcontext()
 
     # ---- context manager ------------------------------------------------------------------------
 

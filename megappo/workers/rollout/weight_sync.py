@@ -92,16 +92,17 @@ class WeightSender:
     def send(self) -> dict:
         t0 = time.perf_counter()
         sent = 0
-        for bucket in self.resharder.buckets():  # collective over the actor world
-            if self.group is None:
-                continue
-            names = [n for n, _ in bucket.tensors]
-            shapes = [list(t.shape) for _, t in bucket.tensors]
-            dtype = str(bucket.tensors[0][1].dtype).removeprefix("torch.")
-            self.group.broadcast_json({"names": names, "shapes": shapes, "dtype": dtype})
-            flat = torch.cat([t.reshape(-1) for _, t in bucket.tensors])
-            self.group.broadcast(flat)
-            sent += flat.numel() * flat.element_size()
+        with self.engine.resident():  # an offloaded actor comes back for the send only
+            for bucket in self.resharder.buckets():  # collective over the actor world
+                if self.group is None:
+                    continue
+                names = [n for n, _ in bucket.tensors]
+                shapes = [list(t.shape) for _, t in bucket.tensors]
+                dtype = str(bucket.tensors[0][1].dtype).removeprefix("torch.")
+                self.group.broadcast_json({"names": names, "shapes": shapes, "dtype": dtype})
+                flat = torch.cat([t.reshape(-1) for _, t in bucket.tensors])
+                self.group.broadcast(flat)
+                sent += flat.numel() * flat.element_size()
         if self.group is not None:
             fps = with_tied_head(self.resharder.expected_fingerprints, self.engine.dims.tied_embeddings)
             self.group.broadcast_json({"end": True, "fingerprints": fps})

@@ -1,0 +1,82 @@
+"""Move an engine's parameters, gradients and optimizer states to host memory between its phases,
+and back, IN PLACE: every tensor object (megatron's DDP parameter views into its contiguous buffer,
+`main_grad` views, the distributed optimizer's shard views, Adam's states) stays the same object,
+only the bytes under it leave the device. This is verl's approach for colocated Megatron roles
+(resize the storage to 0, keep a host copy, resize back and copy in), done here at the storage
+level so aliases are handled once:
+
+    off = HostOffload()
+    off.offload(keep=[params, optimizer states...], discard=[grad buffers])   # device storages -> 0 bytes
+    ...                                                                       # another role uses the GPU
+    off.reload()                                                              # same tensors, same values
+
+- keep: their values are copied to host (pinned on CUDA) and copied back on reload.
+- discard: their values are dropped (gradient buffers: zeroed at the start of every step anyway) and
+  come back zero-filled.
+A storage reachable from both lists is kept. Storages are deduplicated by address, so a buffer with
+many views is copied once.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+
+def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
+    out = {}
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            continue
+        s = t.untyped_storage()
+        if s.nbytes() > 0:
+            out.setdefault(s.data_ptr(), s)
+    return out
+
+
+class HostOffload:
+    def __init__(self):
+        self._held: list[tuple[torch.UntypedStorage, int, torch.Tensor | None]] = []  # (storage, nbytes, host)
+        self.offloaded = False
+        self.device_bytes_freed = 0
+
+    def offload(self, keep: Iterable[torch.Tensor], discard: Iterable[torch.Tensor] = ()) -> int:
+        """Free the device storages of `keep` (values saved to host) and `discard` (values dropped).
+        Returns the bytes freed."""
+        if self.offloaded:
+            raise RuntimeError("HostOffload.offload() called twice without a reload()")
+        kept = _storages(keep)
+        dropped = {k: s for k, s in _storages(discard).items() if k not in kept}
+        freed = 0
+        for ptr, s in list(kept.items()) + list(dropped.items()):
+            n = s.nbytes()
+            host = None
+            if ptr in kept:
+                pin = s.device.type == "cuda"
+                host = torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=pin)
+                host.untyped_storage().copy_(s)
+            s.resize_(0)
+            self._held.append((s, n, host))
+            freed += n
+        self.offloaded = True
+        self.device_bytes_freed = freed
+        return freed
+
+    def reload(self) -> int:
+        """Re-allocate every freed storage in place and restore its values (or zeros)."""
+        if not self.offloaded:
+            return 0
+        restored = 0
+        for s, n, host in self._held:
+            s.resize_(n)
+            if host is not None:
+                s.copy_(host.untyped_storage())
+            else:
+                torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).zero_()
+            restored += n
+        if any(s.device.type == "cuda" for s, _, _ in self._held):
+            torch.cuda.synchronize()
+        self._held = []
+        self.offloaded = False
+        return restored
