@@ -9,6 +9,7 @@ same prompts on the same engine. Prints one JSON object:
   bare_plain_s     bare llm.generate with one SamplingParams(n=N), no seeds, no log-probs (for scale)
 
     python bench/rollout.py [--model DIR] [--prompts 64] [--n 4] [--max-new-tokens 64] [--reps 5]
+                            [--weight-load auto|reload|direct]
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--weight-load", default="auto", help="rollout.weight_load: auto, reload (CPU: oneDNN-packed "
+                   "linears) or direct (CPU: plain torch linears); compare tokens_per_s")
     args = p.parse_args(argv)
 
     import random
@@ -49,7 +52,7 @@ def main(argv=None):
 
     model = args.model or ensure_assets(REPO / "assets")["tiny-llama"]
     cfg = RolloutConfig(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                        kv_cache_memory_mb=64)
+                        kv_cache_memory_mb=64, weight_load=args.weight_load)
     t0 = time.perf_counter()
     rollout = VLLMRollout(model, cfg, seed=0, dtype="float32", max_model_len=256)
     init_s = time.perf_counter() - t0
@@ -92,7 +95,7 @@ def main(argv=None):
     med = {k: statistics.median(v) for k, v in times.items()}
     gen_tokens = int(out.batch["response_mask"].sum())
     print(json.dumps({
-        "model": str(model), "prompts": args.prompts, "n": n, "max_new_tokens": args.max_new_tokens,
+        "model": str(model), "weight_load": args.weight_load, "prompts": args.prompts, "n": n, "max_new_tokens": args.max_new_tokens,
         "generated_tokens": gen_tokens, "init_s": round(init_s, 2), "warmup_s": round(warm_s, 2),
         "rollout_s": round(med["rollout"], 4), "bare_same_s": round(med["bare_same"], 4),
         "bare_plain_s": round(med["bare_plain"], 4),

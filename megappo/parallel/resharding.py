@@ -25,20 +25,29 @@ Plan (computed once from metadata all-gathered over the pipeline group):
   columns), so those units skip the TP all-gather: each rank ships (over PP) and loads only its own
   shard, placed into a zero HF tensor via `megatron_shards_to_hf` (zeros for the other ranks'
   shards: vLLM never reads them). Vocab-parallel tensors are still gathered (megatron pads the vocab
-  to a multiple of 128*TP, vLLM to 64, so the row boundaries differ).
+  to a multiple of lcm(128, TP), vLLM to 64, so the row boundaries differ).
+- transport "shm" (default when every rank is on one host and the weights are on CPU): instead of
+  the TP all-gather and the PP broadcast, the owning stage's ranks write their shards once into a
+  node-wide shared-memory slot and every rank reads the whole bucket from it (see `_shm_bucket`);
+  the HF tensors handed to vLLM are views of the slot wherever the layout allows. "collective" (GPU,
+  or ranks on several hosts): the all-gather / broadcast path above.
 - memory: besides its own shards a rank holds one bucket at a time: its flat broadcast buffer, plus
   on the owning stage the TP gather buffer and the HF tensors of one megatron param while they are
   copied in (`stats["peak_bucket_bytes"]`). The caller must finish with a bucket before the next.
 
 Fingerprints (`fingerprint_fn`, e.g. workers/rollout/fingerprint.tensor_fingerprint: linear in
-the tensor, so zero-padded slices add up to the full value) are taken on the owning stage from the weights
-BEFORE they are packed and shipped, and summed over the world (only one rank of each DP replica
-group contributes), so a bucket corrupted after that point does not match what vLLM ends up holding.
+the tensor, so zero-padded slices add up to the full value) are taken on the owning stage from the
+weights BEFORE they are packed and shipped (shm: from the slot right after the owners wrote it), and
+summed over the world (only one rank of each DP replica group contributes), so a bucket corrupted
+after that point does not match what vLLM ends up holding.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
@@ -80,7 +89,7 @@ def _module_key(name: str) -> str:
 class Resharder:
     def __init__(self, chunks: list, dims: ModelDims, layout: ParallelLayout, rollout_tp: int,
                  bucket_bytes: int = 256 << 20, dtype: Optional[torch.dtype] = None,
-                 fingerprint_fn: Optional[Callable[[torch.Tensor], tuple]] = None):
+                 fingerprint_fn: Optional[Callable[[torch.Tensor], tuple]] = None, transport: str = "auto"):
         from megatron.core import parallel_state as mpu
 
         from megappo.models.gpt import global_named_parameters
@@ -121,6 +130,20 @@ class Resharder:
         self._plan = self._make_plan(per_stage)
         self.expected_fingerprints: dict = {}
         self.stats: dict = {}
+        if transport not in ("auto", "shm", "collective"):
+            raise ValueError(f"transport must be auto, shm or collective, got {transport!r}")
+        self._shm = None
+        self._shm_seq = 0  # buckets ever shipped through shm: consecutive buckets alternate slots
+        if transport != "collective" and (layout.tp > 1 or layout.pp > 1):  # TP1 x PP1: nothing to move
+            on_cpu = all(p.device.type == "cpu" for p in self._local.values())
+            hosts = [None] * self.world
+            dist.all_gather_object(hosts, socket.gethostname())
+            local = len(set(hosts)) == 1 and on_cpu and os.path.isdir(SHM_DIR)
+            if transport == "shm" and not local:
+                raise ValueError("transport=shm needs every rank on one host, CPU tensors and /dev/shm")
+            if local:
+                self._shm = _ShmSlots(max(self._slot_layout(b)[1] for b in self._plan))
+        self.transport = "shm" if self._shm is not None else "collective"
 
     # ---- plan ------------------------------------------------------------------------------------
 
@@ -159,6 +182,47 @@ class Resharder:
     def hf_name_list(self) -> list[str]:
         return [n for b in self._plan for p in b.params for n in p.hf]
 
+    # ---- shared-memory transport (every rank on one host, CPU) ----------------------------------
+    # A bucket's slot holds every param's TP shards back to back, in rank order ([p0 r0, p0 r1, p1
+    # r0, ...]; one block for a replicated param): exactly what a TP all-gather + PP broadcast would
+    # deliver, written once per node instead of sent to every rank. Dim-0 shards then already form
+    # the full tensor (`megatron_shards_to_hf(copy=False)` returns a view). The owning stage's
+    # DP-rank-0 ranks write their shards, one barrier, then every rank reads. Two slots alternate, so
+    # writing bucket k+1 (after the barrier of bucket k, which every rank enters only once done with
+    # bucket k-1) never overwrites a slot someone still reads.
+
+    def _slot_layout(self, b: _Bucket) -> tuple[list, int]:
+        """[(param, byte offset, blocks)], total bytes of the bucket's slot."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        out, off = [], 0
+        for p in b.params:
+            blocks = self.layout.tp if (p.tp_dim is not None and self.layout.tp > 1) else 1
+            out.append((p, off, blocks))
+            off += blocks * _numel(p.shape) * elem
+        return out, off
+
+    def _shm_bucket(self, b: _Bucket) -> tuple[list, int]:
+        """Write this rank's part of bucket `b` into the next slot, barrier, and return
+        [(param, [shard views of the slot])] for every param, plus the bytes other ranks wrote."""
+        layout, total = self._slot_layout(b)
+        slot = self._shm.slot(self._shm_seq % 2, total)
+        self._shm_seq += 1
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        writer = b.stage == self.pp_rank and self.dp_rank == 0
+        written = 0
+        views = []
+        for p, off, blocks in layout:
+            n = _numel(p.shape)
+            shards = [slot[off + r * n * elem: off + (r + 1) * n * elem].view(self.dtype).view(p.shape)
+                      for r in range(blocks)]
+            if writer and (blocks > 1 or self.tp_rank == 0):
+                mine = shards[self.tp_rank if blocks > 1 else 0]
+                mine.copy_(self._local[p.name].detach())
+                written += n * elem
+            views.append((p, shards))
+        dist.barrier()
+        return views, total - written
+
     # ---- streaming -------------------------------------------------------------------------------
 
     def _ships_full(self, p: _Param) -> bool:
@@ -184,7 +248,36 @@ class Resharder:
         comm_s = 0.0  # in TP all-gathers and PP broadcasts
         consumer_s = 0.0  # in the caller's hands (e.g. vLLM loading the bucket)
         pp = self.layout.pp
+        shm_bytes = 0
         for bi, b in enumerate(self._plan):
+            if self._shm is not None:
+                t_c = time.perf_counter()
+                views, got = self._shm_bucket(b)
+                comm_s += time.perf_counter() - t_c
+                recv_bytes += got
+                shm_bytes += got
+                tensors = []
+                contributes = b.stage == self.pp_rank and self.dp_rank == 0
+                for p, shards in views:  # every shard is in the slot: full HF tensors, views where possible
+                    hf = megatron_shards_to_hf(p.name, shards, self.dims, copy=False)
+                    if self.fingerprint and contributes and self.tp_rank == 0:
+                        for n in p.hf:
+                            v, sc = tensor_fingerprint(hf[n])
+                            fp[index[n]] += v
+                            fp[len(names) + index[n]] += sc
+                    tensors.extend((n, hf[n]) for n in p.hf)
+                nbytes = sum(t.numel() for _, t in tensors) * elem
+                peak = max(peak, nbytes)
+                if corrupt is not None:  # the hook edits copies: the shared slot stays intact
+                    tensors = [(n, t.clone()) for n, t in tensors]
+                bucket = Bucket(bi, b.stage, tensors, nbytes)
+                if corrupt is not None:
+                    corrupt(bucket)
+                t_y = time.perf_counter()
+                yield bucket
+                consumer_s += time.perf_counter() - t_y
+                del views, tensors, bucket
+                continue
             owner = b.stage == self.pp_rank
             total = sum(self._shipped_numel(p) for p in b.params)
             # pp > 1: the owning stage packs the bucket into one flat buffer and broadcasts it over
@@ -258,7 +351,8 @@ class Resharder:
             self.expected_fingerprints = {n: (float(fp[i]), float(fp[k + i])) for i, n in enumerate(names)}
         self.stats = {"buckets": len(self._plan), "bytes_received": recv_bytes + self._gather_bytes,
                       "bytes_broadcast_received": recv_bytes, "bytes_tp_gathered": self._gather_bytes, "seconds": time.perf_counter() - t0,
-                      "peak_bucket_bytes": peak, "sliced": self.sliced, "comm_s": comm_s, "consumer_s": consumer_s}
+                      "peak_bucket_bytes": peak, "sliced": self.sliced, "comm_s": comm_s, "consumer_s": consumer_s,
+                      "transport": self.transport, "bytes_shm_read": shm_bytes}
 
     def _gather(self, b: _Bucket) -> dict[str, list[torch.Tensor]]:
         """One all-gather over the TP group for the bucket's gathered params -> {name: [shards]}."""
@@ -287,6 +381,32 @@ class Resharder:
             return megatron_shards_to_hf(p.name, [shard], self.dims, copy=False)
         shards = [shard if r == self.tp_rank else torch.zeros_like(shard) for r in range(self.layout.tp)]
         return megatron_shards_to_hf(p.name, shards, self.dims, copy=False)
+
+
+SHM_DIR = "/dev/shm"
+
+
+class _ShmSlots:
+    """Two slots of `slot_bytes` in one /dev/shm file mapped by every rank of the default group
+    (collective to create; the file is unlinked once all have mapped it, so nothing is left behind)."""
+
+    def __init__(self, slot_bytes: int):
+        self.slot_bytes = max(int(slot_bytes), 1)
+        name = [f"{SHM_DIR}/megappo-reshard-{uuid.uuid4().hex}" if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(name, src=0)
+        path = name[0]
+        size = 2 * self.slot_bytes
+        if dist.get_rank() == 0:
+            with open(path, "wb") as f:
+                f.truncate(size)
+        dist.barrier()
+        self.buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            os.unlink(path)
+
+    def slot(self, i: int, nbytes: int) -> torch.Tensor:
+        return self.buf[i * self.slot_bytes: i * self.slot_bytes + nbytes]
 
 
 def _numel(shape) -> int:

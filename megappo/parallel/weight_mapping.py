@@ -274,18 +274,35 @@ def hf_to_megatron_shard(mcore_name: str, hf: Mapping[str, torch.Tensor], dims: 
     return full[tp_rank * per:(tp_rank + 1) * per].reshape((-1,) + tail).clone()
 
 
+def _adjacent(shards: list[torch.Tensor]) -> bool:
+    """Equal contiguous shards that sit back to back, in order, in one storage."""
+    s0 = shards[0]
+    step = s0.numel() * s0.element_size()
+    ptr = s0.untyped_storage().data_ptr()
+    return all(t.is_contiguous() and t.shape == s0.shape and t.dtype == s0.dtype and t.device == s0.device
+               and t.untyped_storage().data_ptr() == ptr and t.data_ptr() == s0.data_ptr() + r * step
+               for r, t in enumerate(shards))
+
+
 def megatron_shards_to_hf(mcore_name: str, shards: list[torch.Tensor], dims: ModelDims,
                           copy: bool = True) -> dict[str, torch.Tensor]:
     """Inverse of `hf_to_megatron_shard`: all TP shards (rank order) of one megatron parameter ->
     {hf_name: full HF tensor}. A tied `output_layer.weight` maps to the embedding name.
-    copy=False: return views of the shards where the layout allows (one shard: everything but
-    q/k/v), for a caller that only reads the result before the shards change (weight sync)."""
+    copy=False: return views of the shards where the layout allows (one shard, or dim-0 shards that
+    already sit back to back in one buffer: everything but q/k/v, row-parallel and gate/up), for a
+    caller that only reads the result before the shards change (weight sync)."""
     names = hf_names(mcore_name, dims)
     kind = _kind(mcore_name, dims)
     one = len(shards) == 1
 
     def cat(dim):
-        return shards[0] if one else torch.cat(shards, dim=dim)
+        if one:
+            return shards[0]
+        if not copy and dim == 0 and _adjacent(shards):  # already laid out as their concatenation
+            s0 = shards[0]
+            return s0.new_empty(0).set_(s0.untyped_storage(), s0.storage_offset(),
+                                        (len(shards) * s0.shape[0],) + tuple(s0.shape[1:]))
+        return torch.cat(shards, dim=dim)
 
     if kind == "replicated":
         return {names[0]: shards[0].clone() if copy else shards[0]}

@@ -24,6 +24,11 @@ from typing import Iterable
 import torch
 
 
+def _as_bytes(s: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole storage (tensor copies work across devices)."""
+    return torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)
+
+
 def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
     out = {}
     for t in tensors:
@@ -55,7 +60,7 @@ class HostOffload:
             if ptr in kept:
                 pin = s.device.type == "cuda"
                 host = torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=pin)
-                host.untyped_storage().copy_(s)
+                host.copy_(_as_bytes(s))
             s.resize_(0)
             self._held.append((s, n, host))
             freed += n
@@ -71,9 +76,9 @@ class HostOffload:
         for s, n, host in self._held:
             s.resize_(n)
             if host is not None:
-                s.copy_(host.untyped_storage())
+                _as_bytes(s).copy_(host)
             else:
-                torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).zero_()
+                _as_bytes(s).zero_()
             restored += n
         if any(s.device.type == "cuda" for s, _, _ in self._held):
             torch.cuda.synchronize()

@@ -43,14 +43,16 @@ class WeightSyncError(RuntimeError):
 
 
 class HybridEngine:
-    def __init__(self, engine, rollout, bucket_mb: Optional[int] = None, check_fingerprint: bool = True):
+    def __init__(self, engine, rollout, bucket_mb: Optional[int] = None, check_fingerprint: bool = True,
+                 transport: str = "auto"):
         self.engine = engine
         self.rollout = rollout
         cfg = rollout.config
         mb = bucket_mb if bucket_mb is not None else cfg.weight_sync_bucket_mb
         self.resharder = Resharder(engine.inner_chunks(), engine.dims, engine.layout, rollout_tp=rollout.tp,
                                    bucket_bytes=int(mb * (1 << 20)),
-                                   fingerprint_fn=tensor_fingerprint if check_fingerprint else None)
+                                   fingerprint_fn=tensor_fingerprint if check_fingerprint else None,
+                                   transport=transport)
         self.check_fingerprint = check_fingerprint
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
@@ -72,7 +74,8 @@ class HybridEngine:
         sync_s = time.perf_counter() - t0
         m = {"timing/weight_sync_s": sync_s,
              "rollout/weight_sync_bytes_received": float(self.resharder.stats.get("bytes_received", 0)),
-             "rollout/weight_sync_buckets": float(self.resharder.num_buckets)}
+             "rollout/weight_sync_buckets": float(self.resharder.num_buckets),
+             "rollout/weight_sync_shm": float(self.resharder.transport == "shm")}
         if self.check_fingerprint:
             expected = with_tied_head(self.resharder.expected_fingerprints, self.engine.dims.tied_embeddings)
             held = self.rollout.fingerprint()

