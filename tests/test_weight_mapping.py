@@ -117,3 +117,20 @@ def test_transformer_config_kwargs_from_tiny_qwen2_config():
     assert wm.rope_theta(cfg) == 1e6
     assert wm.ModelDims.from_hf_config(cfg, tp=2).tied_embeddings
     assert not wm.ModelDims.from_hf_config(cfg, tp=2, value_head=True).tied_embeddings
+
+
+def test_shard_hf_slices_fill_every_hf_tensor_exactly():
+    # each rank writing its own shard in place (the resharder's shared-memory slots) builds the same
+    # full HF tensors as gathering all shards and converting (megatron_shards_to_hf)
+    for tp in (1, 2):
+        d = dims(tp=tp)
+        hf = hf_tensors(d)
+        out = {k: torch.full_like(v, float("nan")) for k, v in hf.items()}
+        for name in wm.megatron_param_names(d):
+            for r in range(tp if wm.tp_split_dim(name, d) is not None else 1):
+                shard = wm.hf_to_megatron_shard(name, hf, d, r, tp)
+                for hf_name, idx, values in wm.megatron_shard_hf_slices(name, shard, d, r, tp):
+                    dst = out[hf_name][idx]
+                    (dst if dst.shape == values.shape else dst.view(values.shape)).copy_(values)
+        for k in hf:
+            assert torch.equal(out[k], hf[k]), (tp, k)  # no NaN left: every element written

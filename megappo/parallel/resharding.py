@@ -28,8 +28,8 @@ Plan (computed once from metadata all-gathered over the pipeline group):
   to a multiple of lcm(128, TP), vLLM to 64, so the row boundaries differ).
 - transport "shm" (default when every rank is on one host and the weights are on CPU): instead of
   the TP all-gather and the PP broadcast, the owning stage's ranks write their shards once into a
-  node-wide shared-memory slot and every rank reads the whole bucket from it (see `_shm_bucket`);
-  the HF tensors handed to vLLM are views of the slot wherever the layout allows. "collective" (GPU,
+  node-wide shared-memory slot, each straight into its place in the full HF tensors, and every rank
+  hands views of the slot to vLLM (see `_shm_bucket`). "collective" (GPU,
   or ranks on several hosts): the all-gather / broadcast path above.
 - memory: besides its own shards a rank holds one bucket at a time: its flat broadcast buffer, plus
   on the owning stage the TP gather buffer and the HF tensors of one megatron param while they are
@@ -55,7 +55,8 @@ import torch
 import torch.distributed as dist
 
 from megappo.parallel.layout import ParallelLayout
-from megappo.parallel.weight_mapping import ModelDims, hf_names, megatron_shards_to_hf, tp_split_dim
+from megappo.parallel.weight_mapping import ModelDims, hf_names, megatron_shard_hf_slices, megatron_shards_to_hf, \
+    tp_split_dim
 
 
 @dataclass
@@ -183,45 +184,49 @@ class Resharder:
         return [n for b in self._plan for p in b.params for n in p.hf]
 
     # ---- shared-memory transport (every rank on one host, CPU) ----------------------------------
-    # A bucket's slot holds every param's TP shards back to back, in rank order ([p0 r0, p0 r1, p1
-    # r0, ...]; one block for a replicated param): exactly what a TP all-gather + PP broadcast would
-    # deliver, written once per node instead of sent to every rank. Dim-0 shards then already form
-    # the full tensor (`megatron_shards_to_hf(copy=False)` returns a view). The owning stage's
-    # DP-rank-0 ranks write their shards, one barrier, then every rank reads. Two slots alternate, so
-    # writing bucket k+1 (after the barrier of bucket k, which every rank enters only once done with
-    # bucket k-1) never overwrites a slot someone still reads.
+    # A bucket's slot holds its FULL HF tensors, in plan order. The owning stage's DP-rank-0 ranks
+    # each write their own shard straight into its place there (`megatron_shard_hf_slices`: q/k/v
+    # rows of its query groups, its gate/up rows, its row-parallel columns, its vocab rows; a
+    # replicated param by TP rank 0), one barrier, then every rank hands views of the slot to vLLM:
+    # the conversion happens once per node, split over the TP ranks, and no rank gathers anything.
+    # Two slots alternate, so writing bucket k+1 (after the barrier of bucket k, which every rank
+    # enters only once done with bucket k-1) never overwrites a slot someone still reads.
 
     def _slot_layout(self, b: _Bucket) -> tuple[list, int]:
-        """[(param, byte offset, blocks)], total bytes of the bucket's slot."""
+        """[(param, [(hf_name, byte offset, shape)])], total bytes of the bucket's slot."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
         out, off = [], 0
         for p in b.params:
-            blocks = self.layout.tp if (p.tp_dim is not None and self.layout.tp > 1) else 1
-            out.append((p, off, blocks))
-            off += blocks * _numel(p.shape) * elem
+            entries = []
+            for n, shape in zip(p.hf, p.hf_shapes):
+                entries.append((n, off, shape))
+                off += _numel(shape) * elem
+            out.append((p, entries))
         return out, off
 
     def _shm_bucket(self, b: _Bucket) -> tuple[list, int]:
-        """Write this rank's part of bucket `b` into the next slot, barrier, and return
-        [(param, [shard views of the slot])] for every param, plus the bytes other ranks wrote."""
+        """Write this rank's shards of bucket `b` into the next slot, barrier, and return the bucket's
+        HF tensors as views of the slot [(param, {hf_name: tensor})], plus the bytes others wrote."""
         layout, total = self._slot_layout(b)
         slot = self._shm.slot(self._shm_seq % 2, total)
         self._shm_seq += 1
         elem = torch.tensor([], dtype=self.dtype).element_size()
         writer = b.stage == self.pp_rank and self.dp_rank == 0
         written = 0
-        views = []
-        for p, off, blocks in layout:
-            n = _numel(p.shape)
-            shards = [slot[off + r * n * elem: off + (r + 1) * n * elem].view(self.dtype).view(p.shape)
-                      for r in range(blocks)]
-            if writer and (blocks > 1 or self.tp_rank == 0):
-                mine = shards[self.tp_rank if blocks > 1 else 0]
-                mine.copy_(self._local[p.name].detach())
-                written += n * elem
-            views.append((p, shards))
+        out = []
+        for p, entries in layout:
+            hf = {n: slot[off: off + _numel(shape) * elem].view(self.dtype).view(shape) for n, off, shape in entries}
+            split = p.tp_dim is not None and self.layout.tp > 1
+            if writer and (split or self.tp_rank == 0):
+                shard = self._local[p.name].detach()
+                for n, idx, values in megatron_shard_hf_slices(p.name, shard, self.dims, self.tp_rank,
+                                                               self.layout.tp if split else 1):
+                    dst = hf[n][idx]
+                    (dst if dst.shape == values.shape else dst.view(values.shape)).copy_(values)
+                    written += values.numel() * elem
+            out.append((p, hf))
         dist.barrier()
-        return views, total - written
+        return out, total - written
 
     # ---- streaming -------------------------------------------------------------------------------
 
@@ -258,8 +263,7 @@ class Resharder:
                 shm_bytes += got
                 tensors = []
                 contributes = b.stage == self.pp_rank and self.dp_rank == 0
-                for p, shards in views:  # every shard is in the slot: full HF tensors, views where possible
-                    hf = megatron_shards_to_hf(p.name, shards, self.dims, copy=False)
+                for p, hf in views:  # full HF tensors, views of the slot
                     if self.fingerprint and contributes and self.tp_rank == 0:
                         for n in p.hf:
                             v, sc = tensor_fingerprint(hf[n])

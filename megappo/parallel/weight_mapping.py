@@ -274,35 +274,18 @@ def hf_to_megatron_shard(mcore_name: str, hf: Mapping[str, torch.Tensor], dims: 
     return full[tp_rank * per:(tp_rank + 1) * per].reshape((-1,) + tail).clone()
 
 
-def _adjacent(shards: list[torch.Tensor]) -> bool:
-    """Equal contiguous shards that sit back to back, in order, in one storage."""
-    s0 = shards[0]
-    step = s0.numel() * s0.element_size()
-    ptr = s0.untyped_storage().data_ptr()
-    return all(t.is_contiguous() and t.shape == s0.shape and t.dtype == s0.dtype and t.device == s0.device
-               and t.untyped_storage().data_ptr() == ptr and t.data_ptr() == s0.data_ptr() + r * step
-               for r, t in enumerate(shards))
-
-
 def megatron_shards_to_hf(mcore_name: str, shards: list[torch.Tensor], dims: ModelDims,
                           copy: bool = True) -> dict[str, torch.Tensor]:
     """Inverse of `hf_to_megatron_shard`: all TP shards (rank order) of one megatron parameter ->
     {hf_name: full HF tensor}. A tied `output_layer.weight` maps to the embedding name.
-    copy=False: return views of the shards where the layout allows (one shard, or dim-0 shards that
-    already sit back to back in one buffer: everything but q/k/v, row-parallel and gate/up), for a
-    caller that only reads the result before the shards change (weight sync)."""
+    copy=False: return views of the shards where the layout allows (one shard: everything but
+    q/k/v), for a caller that only reads the result before the shards change (weight sync)."""
     names = hf_names(mcore_name, dims)
     kind = _kind(mcore_name, dims)
     one = len(shards) == 1
 
     def cat(dim):
-        if one:
-            return shards[0]
-        if not copy and dim == 0 and _adjacent(shards):  # already laid out as their concatenation
-            s0 = shards[0]
-            return s0.new_empty(0).set_(s0.untyped_storage(), s0.storage_offset(),
-                                        (len(shards) * s0.shape[0],) + tuple(s0.shape[1:]))
-        return torch.cat(shards, dim=dim)
+        return shards[0] if one else torch.cat(shards, dim=dim)
 
     if kind == "replicated":
         return {names[0]: shards[0].clone() if copy else shards[0]}
@@ -328,6 +311,38 @@ def megatron_shards_to_hf(mcore_name: str, shards: list[torch.Tensor], dims: Mod
     if not copy:
         return {names[0]: q, names[1]: k, names[2]: v}
     return {names[0]: q.clone(), names[1]: k.clone(), names[2]: v.clone()}
+
+
+def megatron_shard_hf_slices(mcore_name: str, shard: torch.Tensor, dims: ModelDims, tp_rank: int,
+                             tp_size: int) -> list[tuple[str, tuple, torch.Tensor]]:
+    """Where TP rank `tp_rank`'s shard lands in the full HF tensors: [(hf_name, index, values)] such
+    that `hf[hf_name][index]` (viewed as `values.shape` when the block is contiguous and shaped
+    differently) equals `values`. Over all ranks the entries fill every HF tensor exactly
+    (`megatron_shards_to_hf` without the gather: each rank writes its own part in place). A
+    replicated param is the same on every rank: one rank's entry covers it."""
+    names = hf_names(mcore_name, dims)
+    kind = _kind(mcore_name, dims)
+    r = tp_rank
+    if kind == "replicated":
+        return [(names[0], (slice(None),), shard)]
+    if kind == "row":
+        k = shard.shape[1]
+        return [(names[0], (slice(None), slice(r * k, (r + 1) * k)), shard)]
+    if kind == "vocab":
+        n = shard.shape[0]
+        lo, hi = r * n, min((r + 1) * n, dims.vocab_size)
+        return [(names[0], (slice(lo, hi),), shard[: hi - lo])] if hi > lo else []
+    if kind == "fc1":
+        h = shard.shape[0] // 2
+        rows = (slice(r * h, (r + 1) * h),)
+        return [(names[0], rows, shard[:h]), (names[1], rows, shard[h:])]
+    g, hpg, d = dims.num_kv_heads, dims.heads_per_group, dims.head_dim
+    per = g // tp_size  # query groups on this rank
+    tail = tuple(shard.shape[1:])
+    grouped = shard.reshape((per, (hpg + 2) * d) + tail)
+    return [(names[0], (slice(r * per * hpg * d, (r + 1) * per * hpg * d),), grouped[:, : hpg * d]),
+            (names[1], (slice(r * per * d, (r + 1) * per * d),), grouped[:, hpg * d: (hpg + 1) * d]),
+            (names[2], (slice(r * per * d, (r + 1) * per * d),), grouped[:, (hpg + 1) * d:])]
 
 
 def hf_to_megatron_full(mcore_name: str, hf: Mapping[str, torch.Tensor], dims: ModelDims, tp_size: int = 1) -> torch.Tensor:
