@@ -1,6 +1,6 @@
 """Bring up (and tear down) torch.distributed and megatron-core's parallel_state for one worker.
 
-    init_distributed(rank, world_size, master_addr, master_port)   # gloo on CPU, nccl on GPU
+    init_distributed(rank, world_size, master_addr, master_port)   # gloo on CPU, nccl (+gloo) on GPU
     init_megatron(layout, seed)                                    # parallel_state + RNG
 
 On a machine without a GPU, `cpu_compat.apply()` is installed first (the only place that bends
@@ -21,7 +21,10 @@ from megappo.parallel.layout import ParallelLayout
 
 
 def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """gloo on CPU. On GPU both: CUDA tensors go over nccl, CPU tensors (metric vectors, fingerprints,
+    object collectives) over gloo, so no small CPU-side collective needs a device round trip; megatron's
+    groups (new_group with backend=None) inherit both."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500,

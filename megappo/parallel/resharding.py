@@ -122,6 +122,7 @@ class Resharder:
         if len(dtypes) > 1:
             raise ValueError(f"resharding needs one parameter dtype, found {dtypes}")
         self.dtype = dtype or next(iter(dtypes))
+        self.device = next(iter(self._local.values())).device  # transfer buffers live here (nccl on GPU)
         meta = [(n, tuple(p.shape)) for n, p in self._local.items()]
         per_stage = [None] * layout.pp
         if layout.pp > 1:
@@ -136,7 +137,7 @@ class Resharder:
         self._shm = None
         self._shm_seq = 0  # buckets ever shipped through shm: consecutive buckets alternate slots
         if transport != "collective" and (layout.tp > 1 or layout.pp > 1):  # TP1 x PP1: nothing to move
-            on_cpu = all(p.device.type == "cpu" for p in self._local.values())
+            on_cpu = self.device.type == "cpu"
             hosts = [None] * self.world
             dist.all_gather_object(hosts, socket.gethostname())
             local = len(set(hosts)) == 1 and on_cpu and os.path.isdir(SHM_DIR)
@@ -287,7 +288,7 @@ class Resharder:
             # pp > 1: the owning stage packs the bucket into one flat buffer and broadcasts it over
             # the pipeline group. pp == 1: nothing to ship; the HF tensors are handed over as they
             # are (views of the shards where the layout allows: no copy before vLLM's own).
-            flat = torch.empty(total, dtype=self.dtype) if pp > 1 else None
+            flat = torch.empty(total, dtype=self.dtype, device=self.device) if pp > 1 else None
             tensors = []
             contributes = owner and self.dp_rank == 0
             if owner:
@@ -367,7 +368,7 @@ class Resharder:
             return {p.name: [self._local[p.name].detach()] for p in todo}
         sizes = [_numel(p.shape) for p in todo]
         send = torch.cat([self._local[p.name].detach().reshape(-1).to(self.dtype) for p in todo])
-        recv = torch.empty(self.layout.tp * send.numel(), dtype=self.dtype)
+        recv = torch.empty(self.layout.tp * send.numel(), dtype=self.dtype, device=self.device)
         dist.all_gather_into_tensor(recv, send, group=self.tp_group)
         self._gather_bytes += (self.layout.tp - 1) * send.numel() * send.element_size()
         out, per = {}, send.numel()

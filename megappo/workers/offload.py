@@ -43,6 +43,9 @@ def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage
 class HostOffload:
     def __init__(self):
         self._held: list[tuple[torch.UntypedStorage, int, torch.Tensor | None]] = []  # (storage, nbytes, host)
+        # host buffers by storage identity, reused from one offload to the next (pinned allocations
+        # are slow; the storages are the same objects every time, only resized)
+        self._host_bufs: dict[int, torch.Tensor] = {}
         self.offloaded = False
         self.device_bytes_freed = 0
 
@@ -53,13 +56,17 @@ class HostOffload:
             raise RuntimeError("HostOffload.offload() called twice without a reload()")
         kept = _storages(keep)
         dropped = {k: s for k, s in _storages(discard).items() if k not in kept}
+        live = {s._cdata for s in kept.values()}  # forget buffers of storages that are gone (e.g. a reloaded optimizer)
+        self._host_bufs = {k: v for k, v in self._host_bufs.items() if k in live}
         freed = 0
         for ptr, s in list(kept.items()) + list(dropped.items()):
             n = s.nbytes()
             host = None
             if ptr in kept:
-                pin = s.device.type == "cuda"
-                host = torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=pin)
+                host = self._host_bufs.get(s._cdata)
+                if host is None or host.numel() != n:
+                    host = torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=s.device.type == "cuda")
+                    self._host_bufs[s._cdata] = host
                 host.copy_(_as_bytes(s))
             s.resize_(0)
             self._held.append((s, n, host))
