@@ -246,102 +246,27 @@ class Resharder:
         names = self.hf_name_list()
         index = {n: i for i, n in enumerate(names)}
         fp = torch.zeros(2 * len(names), dtype=torch.float64)
-        recv_bytes = 0
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        peak = 0
-        tensor_fingerprint = self.fingerprint_fn
-        self._gather_bytes = 0
-        comm_s = 0.0  # in TP all-gathers and PP broadcasts
-        consumer_s = 0.0  # in the caller's hands (e.g. vLLM loading the bucket)
-        pp = self.layout.pp
-        shm_bytes = 0
+        # comm_s: TP all-gathers, PP broadcasts, shm writes + barrier; consumer_s: in the caller's
+        # hands (e.g. vLLM loading the bucket)
+        self._run = {"broadcast_received": 0, "tp_gathered": 0, "shm_read": 0, "comm_s": 0.0}
+        consumer_s, peak = 0.0, 0
+
+        def add_fingerprints(p: _Param, hf: dict) -> None:
+            for n in p.hf:
+                v, sc = self.fingerprint_fn(hf[n])
+                fp[index[n]] += v
+                fp[len(names) + index[n]] += sc
+
+        add = add_fingerprints if self.fingerprint else None
         for bi, b in enumerate(self._plan):
             if self._shm is not None:
-                t_c = time.perf_counter()
-                views, got = self._shm_bucket(b)
-                comm_s += time.perf_counter() - t_c
-                recv_bytes += got
-                shm_bytes += got
-                tensors = []
-                contributes = b.stage == self.pp_rank and self.dp_rank == 0
-                for p, hf in views:  # full HF tensors, views of the slot
-                    if self.fingerprint and contributes and self.tp_rank == 0:
-                        for n in p.hf:
-                            v, sc = tensor_fingerprint(hf[n])
-                            fp[index[n]] += v
-                            fp[len(names) + index[n]] += sc
-                    tensors.extend((n, hf[n]) for n in p.hf)
-                nbytes = sum(t.numel() for _, t in tensors) * elem
-                peak = max(peak, nbytes)
-                if corrupt is not None:  # the hook edits copies: the shared slot stays intact
-                    tensors = [(n, t.clone()) for n, t in tensors]
-                bucket = Bucket(bi, b.stage, tensors, nbytes)
-                if corrupt is not None:
-                    corrupt(bucket)
-                t_y = time.perf_counter()
-                yield bucket
-                consumer_s += time.perf_counter() - t_y
-                del views, tensors, bucket
-                continue
-            owner = b.stage == self.pp_rank
-            total = sum(self._shipped_numel(p) for p in b.params)
-            # pp > 1: the owning stage packs the bucket into one flat buffer and broadcasts it over
-            # the pipeline group. pp == 1: nothing to ship; the HF tensors are handed over as they
-            # are (views of the shards where the layout allows: no copy before vLLM's own).
-            flat = torch.empty(total, dtype=self.dtype, device=self.device) if pp > 1 else None
-            tensors = []
-            contributes = owner and self.dp_rank == 0
-            if owner:
-                t_g = time.perf_counter()
-                gathered = self._gather(b)
-                comm_s += time.perf_counter() - t_g
-                off = 0
-                for p in b.params:
-                    if p.name in gathered:
-                        hf, full = megatron_shards_to_hf(p.name, gathered[p.name], self.dims, copy=False), True
-                    else:
-                        shard = self._local[p.name].detach()
-                        hf = self._hf_view(p, shard)  # full tensors (tp 1 / replicated) or zero-padded
-                        full = self._ships_full(p)
-                    if self.fingerprint and contributes and (self.tp_rank == 0 or not full):
-                        for n in p.hf:
-                            v, sc = tensor_fingerprint(hf[n])
-                            fp[index[n]] += v
-                            fp[len(names) + index[n]] += sc
-                    if flat is None:
-                        tensors.extend((n, hf[n]) for n in p.hf)
-                    elif full:
-                        for n in p.hf:
-                            t = hf[n]
-                            flat[off:off + t.numel()].view(t.shape).copy_(t)
-                            off += t.numel()
-                    else:  # sliced: ship only this rank's shard
-                        flat[off:off + shard.numel()].view(shard.shape).copy_(shard)
-                        off += shard.numel()
-                    del hf
-                del gathered
-            if flat is not None:
-                t_comm = time.perf_counter()
-                dist.broadcast(flat, src=self.pp_ranks[b.stage], group=self.pp_group)
-                if not owner:
-                    recv_bytes += total * elem
-                comm_s += time.perf_counter() - t_comm
-                # unpack into HF tensors (views into `flat`, or zero-padded full tensors when sliced)
-                off = 0
-                for p in b.params:
-                    k = self._shipped_numel(p)
-                    seg = flat[off:off + k]
-                    off += k
-                    if self._ships_full(p):
-                        o2 = 0
-                        for n, s in zip(p.hf, p.hf_shapes):
-                            tensors.append((n, seg[o2:o2 + _numel(s)].view(s)))
-                            o2 += _numel(s)
-                    else:
-                        tensors.extend(self._hf_view(p, seg.view(p.shape)).items())
+                tensors, buffer_bytes = self._shm_tensors(b, add)
+            else:
+                tensors, buffer_bytes = self._collective_tensors(b, add)
             nbytes = sum(t.numel() for _, t in tensors) * elem
-            peak = max(peak, nbytes + (total * elem if flat is not None else 0))
-            if corrupt is not None:  # the hook edits copies: views of the trainer's weights stay intact
+            peak = max(peak, nbytes + buffer_bytes)
+            if corrupt is not None:  # the hook edits copies: the trainer's weights / the slot stay intact
                 tensors = [(n, t.clone()) for n, t in tensors]
             bucket = Bucket(bi, b.stage, tensors, nbytes)
             if corrupt is not None:
@@ -349,15 +274,90 @@ class Resharder:
             t_y = time.perf_counter()
             yield bucket
             consumer_s += time.perf_counter() - t_y
-            del flat, tensors, bucket
+            del tensors, bucket
         if self.fingerprint:
             dist.all_reduce(fp)
             k = len(names)
             self.expected_fingerprints = {n: (float(fp[i]), float(fp[k + i])) for i, n in enumerate(names)}
-        self.stats = {"buckets": len(self._plan), "bytes_received": recv_bytes + self._gather_bytes,
-                      "bytes_broadcast_received": recv_bytes, "bytes_tp_gathered": self._gather_bytes, "seconds": time.perf_counter() - t0,
-                      "peak_bucket_bytes": peak, "sliced": self.sliced, "comm_s": comm_s, "consumer_s": consumer_s,
-                      "transport": self.transport, "bytes_shm_read": shm_bytes}
+        run = self._run
+        self.stats = {"buckets": len(self._plan), "transport": self.transport, "sliced": self.sliced,
+                      "bytes_received": run["broadcast_received"] + run["tp_gathered"] + run["shm_read"],
+                      "bytes_broadcast_received": run["broadcast_received"], "bytes_tp_gathered": run["tp_gathered"],
+                      "bytes_shm_read": run["shm_read"], "seconds": time.perf_counter() - t0,
+                      "peak_bucket_bytes": peak, "comm_s": run["comm_s"], "consumer_s": consumer_s}
+
+    def _shm_tensors(self, b: _Bucket, add_fingerprints) -> tuple[list, int]:
+        """Bucket `b` through the shared-memory slots: its full HF tensors (views of the slot)."""
+        t_c = time.perf_counter()
+        views, got = self._shm_bucket(b)
+        self._run["comm_s"] += time.perf_counter() - t_c
+        self._run["shm_read"] += got
+        contributes = b.stage == self.pp_rank and self.dp_rank == 0 and self.tp_rank == 0
+        tensors = []
+        for p, hf in views:
+            if add_fingerprints is not None and contributes:
+                add_fingerprints(p, hf)
+            tensors.extend((n, hf[n]) for n in p.hf)
+        return tensors, 0
+
+    def _collective_tensors(self, b: _Bucket, add_fingerprints) -> tuple[list, int]:
+        """Bucket `b` through a TP all-gather on the owning stage and (pp > 1) one broadcast of the
+        packed bucket over the pipeline group. Returns the HF tensors and the transfer buffer's bytes."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        owner = b.stage == self.pp_rank
+        total = sum(self._shipped_numel(p) for p in b.params)
+        # pp > 1: the owning stage packs the bucket into one flat buffer and broadcasts it over the
+        # pipeline group. pp == 1: nothing to ship; the HF tensors are handed over as they are
+        # (views of the shards where the layout allows: no copy before vLLM's own).
+        flat = torch.empty(total, dtype=self.dtype, device=self.device) if self.layout.pp > 1 else None
+        tensors = []
+        if owner:
+            t_g = time.perf_counter()
+            gathered = self._gather(b)
+            self._run["comm_s"] += time.perf_counter() - t_g
+            off = 0
+            for p in b.params:
+                if p.name in gathered:
+                    hf, full = megatron_shards_to_hf(p.name, gathered[p.name], self.dims, copy=False), True
+                else:
+                    shard = self._local[p.name].detach()
+                    hf = self._hf_view(p, shard)  # full tensors (tp 1 / replicated) or zero-padded
+                    full = self._ships_full(p)
+                if add_fingerprints is not None and self.dp_rank == 0 and (self.tp_rank == 0 or not full):
+                    add_fingerprints(p, hf)
+                if flat is None:
+                    tensors.extend((n, hf[n]) for n in p.hf)
+                elif full:
+                    for n in p.hf:
+                        t = hf[n]
+                        flat[off:off + t.numel()].view(t.shape).copy_(t)
+                        off += t.numel()
+                else:  # sliced: ship only this rank's shard
+                    flat[off:off + shard.numel()].view(shard.shape).copy_(shard)
+                    off += shard.numel()
+                del hf
+            del gathered
+        if flat is None:
+            return tensors, 0
+        t_comm = time.perf_counter()
+        dist.broadcast(flat, src=self.pp_ranks[b.stage], group=self.pp_group)
+        if not owner:
+            self._run["broadcast_received"] += total * elem
+        self._run["comm_s"] += time.perf_counter() - t_comm
+        # unpack into HF tensors (views into `flat`, or zero-padded full tensors when sliced)
+        off = 0
+        for p in b.params:
+            k = self._shipped_numel(p)
+            seg = flat[off:off + k]
+            off += k
+            if self._ships_full(p):
+                o2 = 0
+                for n, s in zip(p.hf, p.hf_shapes):
+                    tensors.append((n, seg[o2:o2 + _numel(s)].view(s)))
+                    o2 += _numel(s)
+            else:
+                tensors.extend(self._hf_view(p, seg.view(p.shape)).items())
+        return tensors, total * elem
 
     def _gather(self, b: _Bucket) -> dict[str, list[torch.Tensor]]:
         """One all-gather over the TP group for the bucket's gathered params -> {name: [shards]}."""
@@ -370,7 +370,7 @@ class Resharder:
         send = torch.cat([self._local[p.name].detach().reshape(-1).to(self.dtype) for p in todo])
         recv = torch.empty(self.layout.tp * send.numel(), dtype=self.dtype, device=self.device)
         dist.all_gather_into_tensor(recv, send, group=self.tp_group)
-        self._gather_bytes += (self.layout.tp - 1) * send.numel() * send.element_size()
+        self._run["tp_gathered"] += (self.layout.tp - 1) * send.numel() * send.element_size()
         out, per = {}, send.numel()
         for r in range(self.layout.tp):
             off = r * per
