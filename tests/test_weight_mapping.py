@@ -134,3 +134,4 @@ def test_shard_hf_slices_fill_every_hf_tensor_exactly():
                     (dst if dst.shape == values.shape else dst.view(values.shape)).copy_(values)
         for k in hf:
             assert torch.equal(out[k], hf[k]), (tp, k)  # no NaN left: every element written
+

@@ -137,14 +137,11 @@ class Resharder:
         self._shm = None
         self._shm_seq = 0  # buckets ever shipped through shm: consecutive buckets alternate slots
         if transport != "collective" and (layout.tp > 1 or layout.pp > 1):  # TP1 x PP1: nothing to move
-            on_cpu = self.device.type == "cpu"
-            hosts = [None] * self.world
-            dist.all_gather_object(hosts, socket.gethostname())
-            local = len(set(hosts)) == 1 and on_cpu and os.path.isdir(SHM_DIR)
-            if transport == "shm" and not local:
-                raise ValueError("transport=shm needs every rank on one host, CPU tensors and /dev/shm")
-            if local:
-                self._shm = _ShmSlots(max(self._slot_layout(b)[1] for b in self._plan))
+            info = [None] * self.world  # decided together: every rank takes the same branch
+            dist.all_gather_object(info, (socket.gethostname(), _shm_free_bytes()))
+            slot_bytes = max(self._slot_layout(b)[1] for b in self._plan)
+            if choose_transport(transport, info, self.device.type == "cpu", slot_bytes) == "shm":
+                self._shm = _ShmSlots(slot_bytes)
         self.transport = "shm" if self._shm is not None else "collective"
 
     # ---- plan ------------------------------------------------------------------------------------
@@ -391,6 +388,30 @@ class Resharder:
 SHM_DIR = "/dev/shm"
 
 
+def choose_transport(requested: str, ranks: list[tuple[str, int]], on_cpu: bool, slot_bytes: int) -> str:
+    """"shm" or "collective" for `requested` in auto | shm | collective, from every rank's (host, free
+    bytes in /dev/shm). shm needs one host, CPU weights and room for both slots plus 64 MiB: a tmpfs
+    smaller than the slots (docker's default /dev/shm is 64 MB) would SIGBUS on write."""
+    if requested == "collective":
+        return "collective"
+    free = min(f for _, f in ranks)
+    need = 2 * slot_bytes + (64 << 20)
+    ok = len({h for h, _ in ranks}) == 1 and on_cpu and free >= need
+    if requested == "shm" and not ok:
+        raise ValueError(f"transport=shm needs every rank on one host, CPU weights and {need >> 20} MiB free in "
+                         f"{SHM_DIR} ({free >> 20} MiB free); lower rollout.weight_sync_bucket_mb or use "
+                         f"transport=collective")
+    return "shm" if ok else "collective"
+
+
+def _shm_free_bytes() -> int:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
 class _ShmSlots:
     """Two slots of `slot_bytes` in one /dev/shm file mapped by every rank of the default group
     (collective to create; the file is unlinked once all have mapped it, so nothing is left behind)."""
@@ -401,10 +422,19 @@ class _ShmSlots:
         dist.broadcast_object_list(name, src=0)
         path = name[0]
         size = 2 * self.slot_bytes
+        err = [None]
         if dist.get_rank() == 0:
-            with open(path, "wb") as f:
-                f.truncate(size)
-        dist.barrier()
+            try:
+                with open(path, "wb") as f:
+                    os.posix_fallocate(f.fileno(), 0, size)  # reserve the pages now: ENOSPC here, not SIGBUS later
+            except OSError as e:
+                err = [f"cannot reserve {size >> 20} MiB in {SHM_DIR} for the weight-sync slots ({e}); lower "
+                       f"rollout.weight_sync_bucket_mb or free {SHM_DIR}"]
+                if os.path.exists(path):
+                    os.unlink(path)
+        dist.broadcast_object_list(err, src=0)  # every rank raises the same error instead of hanging
+        if err[0]:
+            raise RuntimeError(err[0])
         self.buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         dist.barrier()
         if dist.get_rank() == 0:
