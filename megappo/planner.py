@@ -17,6 +17,8 @@ The model (stated so it can be checked by hand):
   A role with `offload: true` is resident only in its own phase; otherwise always. vLLM sleeps
   (KV freed, weights offloaded) outside rollout when rollout.free_cache_engine is true.
 - Fixed overhead per GPU (CUDA context, NCCL buffers, fragmentation): 3 GB.
+- Host memory for offload (workers/offload.py): an offloaded role's weights and optimizer states
+  (main params + Adam) sit in pinned host memory; its grad buffer is dropped, not copied.
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ def plan(cfg) -> dict:
     phases["actor_update"] = resident("actor") + a.resident_gb + a.activations_gb + sleeping_vllm()
     phases = {k: v + OVERHEAD_GB for k, v in phases.items()}
     peak_phase = max(phases, key=phases.get)
+    host_gb = sum(m.weights_gb + m.optimizer_gb for r, m in roles.items() if offload[r])
     sync_bytes_per_gpu = vllm_weights_gb * GB
     replicas = cfg.resources.nodes * cfg.resources.workers_per_node // cfg.rollout.tp
     return {
@@ -148,6 +151,8 @@ def plan(cfg) -> dict:
         "peak_phase": peak_phase,
         "peak_gpu_gb": round(phases[peak_phase], 2),
         "fits": phases[peak_phase] <= gpu_gb and vllm_gb > vllm_weights_gb,
+        "host_offload_gb_per_gpu": round(host_gb, 2),
+        "host_offload_gb_per_node": round(host_gb * cfg.resources.workers_per_node, 1),
         "weight_sync": {"bytes_per_gpu": int(sync_bytes_per_gpu), "replicas": replicas,
                         "bytes_total": int(sync_bytes_per_gpu * cfg.rollout.tp * replicas)},
     }
@@ -271,5 +276,8 @@ def render(result: dict) -> str:
     ws = result["weight_sync"]
     lines.append(f"weight sync per step: {ws['bytes_per_gpu'] / GB:.2f} GB into each rollout GPU, "
                  f"{ws['bytes_total'] / GB:.1f} GB in all ({ws['replicas']} vLLM replicas)")
+    if result["host_offload_gb_per_gpu"]:
+        lines.append(f"host memory for offloaded roles: {result['host_offload_gb_per_gpu']:.1f} GB per GPU, "
+                     f"{result['host_offload_gb_per_node']:.0f} GB per node (pinned)")
     lines.append(f"peak {result['peak_gpu_gb']:.1f} GB ({result['peak_phase']}): " + ("fits" if result["fits"] else "DOES NOT FIT"))
     return "\n".join(lines)

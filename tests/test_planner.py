@@ -57,6 +57,13 @@ def test_shipped_70b_fits_80gb():
     result = plan(load_config(REPO / "configs/ppo_70b.yaml"))
     assert result["gpus"] == 64 and result["gpu_mem_gb"] == 80
     assert result["fits"] and result["peak_gpu_gb"] <= 80
+    # every role offloaded: host holds bf16 weights (2 B) of all three + fp32 main/Adam (12 B / dp) of
+    # actor and critic; grads are dropped, not copied
+    r = result["roles"]
+    n_actor, n_critic, n_ref = (r[k]["params_per_gpu_m"] * 1e6 for k in ("actor", "critic", "ref"))
+    host = (2 * (n_actor + n_critic + n_ref) + 12 * (n_actor + n_critic) / 4) / 1024**3  # DP4
+    assert abs(result["host_offload_gb_per_gpu"] - host) < 0.05, (result["host_offload_gb_per_gpu"], host)
+    assert abs(result["host_offload_gb_per_node"] - 8 * result["host_offload_gb_per_gpu"]) < 0.1
 
 
 def _plan_cli(*args):
