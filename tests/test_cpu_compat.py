@@ -23,6 +23,12 @@ def _checks(rank, world, port):
     out["type"] = torch.ones(1).type()
     out["type_bf16"] = torch.ones(1, dtype=torch.bfloat16).type()
     out["type_cast"] = torch.ones(1).type(torch.float64).dtype == torch.float64
+    # suspended(): the block runs without the mode (vLLM generation), and the mode comes back after
+    with cpu_compat.suspended():
+        out["suspended_type"] = torch.ones(1).type()
+        with cpu_compat.suspended():  # nested: nothing left to pop
+            out["nested_type"] = torch.ones(1).type()
+    out["resumed_type"] = torch.ones(1).type()
     # shim 2: current_device / synchronize
     out["current_device"] = torch.cuda.current_device()
     out["sync"] = torch.cuda.synchronize() is None
@@ -88,6 +94,11 @@ def test_tensor_type_reports_cuda_names(results):
     assert results["type"] == "torch.cuda.FloatTensor"
     assert results["type_bf16"] == "torch.cuda.BFloat16Tensor"
     assert results["type_cast"]
+
+
+def test_suspended_block_runs_without_the_mode(results):
+    assert results["suspended_type"] == results["nested_type"] == "torch.FloatTensor"
+    assert results["resumed_type"] == "torch.cuda.FloatTensor"
 
 
 def test_current_device_and_synchronize(results):

@@ -191,6 +191,21 @@ def _noop_factory(name: str):
     return noop
 
 
+@contextlib.contextmanager
+def suspended():
+    """Run a block without `CudaToCpuMode` (no-op where it is not the innermost mode). For code that
+    never reaches megatron, such as vLLM's generation in the hybrid engine: the mode's Python hook
+    runs on every torch call and costs ~30% of a tiny model's decode."""
+    from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
+
+    stack = _get_current_function_mode_stack()
+    if _MODE is None or not stack or stack[-1] is not _MODE:
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
+
+
 def apply() -> bool:
     """Install shims 1-2 in this process (idempotent). Returns True when they are active.
     Call early, before megatron builds anything; a no-op on a machine with a GPU."""

@@ -55,6 +55,7 @@ from typing import Iterable, Optional
 import numpy as np
 import torch
 
+from megappo.parallel import cpu_compat
 from megappo.protocol import DataProto
 
 _ENV_DONE = False
@@ -237,12 +238,13 @@ class VLLMRollout:
         """Load HF-named full tensors (vLLM fuses and TP-slices them itself). Fused groups (q,k,v;
         gate,up; a layer's weight and bias) must arrive in the same call."""
         weights = list(weights)
-        if weights and self.direct_load:
-            self.llm.collective_rpc(_direct_load, args=(weights,))
-        elif weights:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-            if self.tie_word_embeddings and any(n == "model.embed_tokens.weight" for n, _ in weights):
-                self.llm.collective_rpc(_refresh_tied_lm_head)
+        with cpu_compat.suspended():
+            if weights and self.direct_load:
+                self.llm.collective_rpc(_direct_load, args=(weights,))
+            elif weights:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+                if self.tie_word_embeddings and any(n == "model.embed_tokens.weight" for n, _ in weights):
+                    self.llm.collective_rpc(_refresh_tied_lm_head)
         if reset_prefix_cache:
             self.reset_prefix_cache()
 
@@ -312,7 +314,7 @@ class VLLMRollout:
             for j in range(n):
                 requests.append({"prompt_token_ids": toks})
                 params.append(SamplingParams(seed=base_seed + i * n + j, logprobs=0, **s))
-        with preserve_rng_state():
+        with preserve_rng_state(), cpu_compat.suspended():  # vLLM needs no megatron shim
             outs = self.llm.generate(requests, params, use_tqdm=False)
 
         rows = B * n
