@@ -7,8 +7,8 @@
   skipped) and steps 3-4 reproduce the uninterrupted run's metrics; the resumed run has every role
   offloaded outside its phases (actor/critic/ref.offload=true), so that equality also shows the
   offload round trips change nothing;
-- async mode, 3 steps: a separate rollout pool fed over the weight-sync group; the weights arrive
-  (fingerprints), the data really is one step stale (log-prob gap after the first update), and the
+- async mode, 3 steps (actor offloaded between its phases): a separate rollout pool fed over the
+  weight-sync group; the weights arrive (fingerprints), the data really is one step stale (log-prob gap after the first update), and the
   rollout overlaps training (timing/rollout_overlap_*).
 
 One Ray session (conftest `ray_session`), tiny sizes: 4 prompts x 2 responses of <= 8 tokens per step.
@@ -117,7 +117,7 @@ def test_sync_run_metrics_checkpoints_and_resume(ray_session, tiny_assets, data_
 def test_async_one_step_off_policy(ray_session, tiny_assets, data_dir, tmp_path):
     history = _run(_config(tiny_assets, data_dir, tmp_path / "async", "trainer.mode=async",
                            "resources.rollout_workers=1", "trainer.total_steps=3", "trainer.save_every=0",
-                           "trainer.val_every=3"))
+                           "trainer.val_every=3", "actor.offload=true"))  # the sender brings the actor back
     assert len(history) == 3
     for h in history:
         assert not [k for k in OPEN_INSTRUCT_KEYS if k not in h]
