@@ -218,6 +218,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, help="override resources.nodes (dp refills the pool)")
     parser.add_argument("--gpus-per-node", type=int, help="override resources.workers_per_node")
     parser.add_argument("--gpu-mem-gb", type=float, help="override resources.gpu_memory_gb")
+    parser.add_argument("--host-mem-gb", type=float, help="host RAM per node: refuse when the offloaded roles' pinned "
+                        "copies would not fit in 90%% of it (the sbatch passes the head node's MemTotal)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (peak_gpu_gb, per-role breakdown)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.parallel.tp=4")
 
@@ -233,12 +235,24 @@ def main(args: argparse.Namespace) -> int:
     result = plan(cfg)
     if not result["fits"]:
         result["suggestion"] = suggest(cfg)
+    host_msg = None
+    host = getattr(args, "host_mem_gb", None)
+    if host:
+        result["host_mem_gb"] = host
+        result["host_fits"] = result["host_offload_gb_per_node"] <= 0.9 * host
+        if not result["host_fits"]:
+            host_msg = (f"offloaded roles need {result['host_offload_gb_per_node']:.0f} GB of pinned host memory per "
+                        f"node but the node has {host:.0f} GB (90% usable); offload fewer roles or add nodes "
+                        f"(more dp shards the optimizer states)")
     if args.json:
         print(json.dumps(result))
     else:
         print(render(result))
     if not result["fits"]:
         print(refusal(result), file=sys.stderr)
+        return 1
+    if host_msg:
+        print(host_msg, file=sys.stderr)
         return 1
     return 0
 

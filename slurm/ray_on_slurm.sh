@@ -2,7 +2,8 @@
 # Shared bootstrap for every slurm/*.sbatch: preflight, Ray on the allocation, `megappo train`, teardown.
 #
 #   preflight (seconds, before any Ray start): env imports megappo, config validates (model/data paths
-#   exist, output dir writable), the planner says the layout fits
+#   exist, output dir writable), the planner says the layout fits the GPUs and, with offloaded roles,
+#   the head node's RAM
 #   -> Ray head on the first node, workers on the others (srun, fixed ports)
 #   -> wait (bounded) until every node's GPUs/CPUs are registered
 #   -> megappo train on the head; exit non-zero as soon as any srun step dies
@@ -62,8 +63,10 @@ megappo config check --paths --config "$CONFIG" "${override_args[@]}" \
 NNODES=${SLURM_JOB_NUM_NODES:-1}
 GPUS_PER_NODE=${SLURM_GPUS_ON_NODE:-0}
 if [[ "${SKIP_PLAN:-0}" != 1 ]]; then
-  megappo plan --config "$CONFIG" --nodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" "${override_args[@]}" \
-    > "$JOB_DIR/plan.txt" || { cat "$JOB_DIR/plan.txt"; die "the planner says this layout does not fit (above)"; }
+  HOST_MEM_GB=$(awk '/^MemTotal:/ {printf "%.0f", $2 / 1048576}' /proc/meminfo)  # nodes alike: the head's
+  megappo plan --config "$CONFIG" --nodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" --host-mem-gb "$HOST_MEM_GB" \
+    "${override_args[@]}" > "$JOB_DIR/plan.txt" 2> "$JOB_DIR/plan.err" \
+    || { cat "$JOB_DIR/plan.txt" "$JOB_DIR/plan.err"; die "the planner says this layout does not fit: $(tail -n 1 "$JOB_DIR/plan.err")"; }
 fi
 log "preflight OK"
 

@@ -91,3 +91,14 @@ def test_refusal_suggests_nearest_fitting_layout():
     # with --nodes the dp of every role refills the new pool
     cfg = with_pool(load_config(REPO / "configs/ppo_13b.yaml"), nodes=4, gpus_per_node=8, gpu_mem_gb=None)
     assert cfg.actor.parallel.dp == 4 and cfg.resources.nodes == 4
+
+
+def test_host_memory_for_offload_checked_against_the_node():
+    small = _plan_cli("--config", "configs/ppo_70b.yaml", "--host-mem-gb", "256", "--json")
+    assert small.returncode == 1
+    out = json.loads(small.stdout)
+    assert out["fits"] and not out["host_fits"]  # the GPUs are fine, the host is not
+    assert f"need {out['host_offload_gb_per_node']:.0f} GB of pinned host memory" in small.stderr
+    assert "256 GB" in small.stderr
+    big = _plan_cli("--config", "configs/ppo_70b.yaml", "--host-mem-gb", "1024", "--json")
+    assert big.returncode == 0 and json.loads(big.stdout)["host_fits"]
