@@ -60,7 +60,7 @@ def _worker(rank, world, port, model, reps):
         res["reload_s"].append(time.perf_counter() - t)
     eng.config.offload = True  # from here on every public call reloads / offloads around itself
     eng.offload()
-    copied = sum(n for _, n, host in eng._host._held if host is not None)
+    copied = eng.offload_stats["host_bytes"]
     for _ in range(reps):
         t = time.perf_counter()
         step()  # reload, step, offload

@@ -138,7 +138,7 @@ def _offload_worker(rank, world, port, path):
         a = plain.train_step(batch, pg_loss, norm, response_length=R, micro_batch_size=4)
         b = off.train_step(batch, pg_loss, norm, response_length=R, micro_batch_size=4)
         report["metrics"].append((a, b))
-        report["freed"].append(off._host.device_bytes_freed)
+        report["freed"].append(off.offload_stats["device_bytes_freed"])
         report["storages_empty"].append(off.offloaded and all(
             p.untyped_storage().nbytes() == 0 for _, p in off.named_parameters_global()))
     with off.resident():  # weights and Adam states came back exactly

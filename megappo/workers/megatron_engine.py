@@ -217,6 +217,11 @@ class MegatronEngine:
     def offloaded(self) -> bool:
         return self._host.offloaded
 
+    @property
+    def offload_stats(self) -> dict:
+        """Of the last offload: device bytes freed, bytes now in host copies (0 when resident)."""
+        return {"device_bytes_freed": self._host.device_bytes_freed, "host_bytes": self._host.host_bytes}
+
     @contextlib.contextmanager
     def resident(self):
         """The engine's weights (and optimizer) on the device for the block; with offload enabled

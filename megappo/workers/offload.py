@@ -75,6 +75,11 @@ class HostOffload:
         self.device_bytes_freed = freed
         return freed
 
+    @property
+    def host_bytes(self) -> int:
+        """Bytes now held in host copies (0 when nothing is offloaded)."""
+        return sum(n for _, n, host in self._held if host is not None)
+
     def reload(self) -> int:
         """Re-allocate every freed storage in place and restore its values (or zeros)."""
         if not self.offloaded:
