@@ -122,6 +122,7 @@ class Resharder:
         if len(dtypes) > 1:
             raise ValueError(f"resharding needs one parameter dtype, found {dtypes}")
         self.dtype = dtype or next(iter(dtypes))
+        self.elem = torch.tensor([], dtype=self.dtype).element_size()  # bytes per transferred element
         self.device = next(iter(self._local.values())).device  # transfer buffers live here (nccl on GPU)
         meta = [(n, tuple(p.shape)) for n, p in self._local.items()]
         per_stage = [None] * layout.pp
@@ -139,9 +140,11 @@ class Resharder:
         if transport != "collective" and (layout.tp > 1 or layout.pp > 1):  # TP1 x PP1: nothing to move
             info = [None] * self.world  # decided together: every rank takes the same branch
             dist.all_gather_object(info, (socket.gethostname(), _shm_free_bytes()))
-            slot_bytes = max(self._slot_layout(b)[1] for b in self._plan)
+            layouts = [self._slot_layout(b) for b in self._plan]
+            slot_bytes = max(total for _, total in layouts)
             if choose_transport(transport, info, self.device.type == "cpu", slot_bytes) == "shm":
                 self._shm = _ShmSlots(slot_bytes)
+                self._slot_layouts = layouts  # per bucket, fixed for the resharder's life
         self.transport = "shm" if self._shm is not None else "collective"
 
     # ---- plan ------------------------------------------------------------------------------------
@@ -159,7 +162,7 @@ class Resharder:
 
     def _make_plan(self, per_stage) -> list[_Bucket]:
         buckets: list[_Bucket] = []
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = self.elem
         for stage, meta in enumerate(per_stage):
             units: dict[str, list[_Param]] = {}
             for name, shape in meta:
@@ -192,7 +195,7 @@ class Resharder:
 
     def _slot_layout(self, b: _Bucket) -> tuple[list, int]:
         """[(param, [(hf_name, byte offset, shape)])], total bytes of the bucket's slot."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = self.elem
         out, off = [], 0
         for p in b.params:
             entries = []
@@ -202,13 +205,14 @@ class Resharder:
             out.append((p, entries))
         return out, off
 
-    def _shm_bucket(self, b: _Bucket) -> tuple[list, int]:
-        """Write this rank's shards of bucket `b` into the next slot, barrier, and return the bucket's
+    def _shm_bucket(self, bi: int) -> tuple[list, int]:
+        """Write this rank's shards of bucket `bi` into the next slot, barrier, and return the bucket's
         HF tensors as views of the slot [(param, {hf_name: tensor})], plus the bytes others wrote."""
-        layout, total = self._slot_layout(b)
+        b = self._plan[bi]
+        layout, total = self._slot_layouts[bi]
         slot = self._shm.slot(self._shm_seq % 2, total)
         self._shm_seq += 1
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = self.elem
         writer = b.stage == self.pp_rank and self.dp_rank == 0
         written = 0
         out = []
@@ -243,7 +247,7 @@ class Resharder:
         names = self.hf_name_list()
         index = {n: i for i, n in enumerate(names)}
         fp = torch.zeros(2 * len(names), dtype=torch.float64)
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = self.elem
         # comm_s: TP all-gathers, PP broadcasts, shm writes + barrier; consumer_s: in the caller's
         # hands (e.g. vLLM loading the bucket)
         self._run = {"broadcast_received": 0, "tp_gathered": 0, "shm_read": 0, "comm_s": 0.0}
@@ -258,7 +262,7 @@ class Resharder:
         add = add_fingerprints if self.fingerprint else None
         for bi, b in enumerate(self._plan):
             if self._shm is not None:
-                tensors, buffer_bytes = self._shm_tensors(b, add)
+                tensors, buffer_bytes = self._shm_tensors(bi, add)
             else:
                 tensors, buffer_bytes = self._collective_tensors(b, add)
             nbytes = sum(t.numel() for _, t in tensors) * elem
@@ -283,10 +287,11 @@ class Resharder:
                       "bytes_shm_read": run["shm_read"], "seconds": time.perf_counter() - t0,
                       "peak_bucket_bytes": peak, "comm_s": run["comm_s"], "consumer_s": consumer_s}
 
-    def _shm_tensors(self, b: _Bucket, add_fingerprints) -> tuple[list, int]:
-        """Bucket `b` through the shared-memory slots: its full HF tensors (views of the slot)."""
+    def _shm_tensors(self, bi: int, add_fingerprints) -> tuple[list, int]:
+        """Bucket `bi` through the shared-memory slots: its full HF tensors (views of the slot)."""
+        b = self._plan[bi]
         t_c = time.perf_counter()
-        views, got = self._shm_bucket(b)
+        views, got = self._shm_bucket(bi)
         self._run["comm_s"] += time.perf_counter() - t_c
         self._run["shm_read"] += got
         contributes = b.stage == self.pp_rank and self.dp_rank == 0 and self.tp_rank == 0
@@ -300,7 +305,7 @@ class Resharder:
     def _collective_tensors(self, b: _Bucket, add_fingerprints) -> tuple[list, int]:
         """Bucket `b` through a TP all-gather on the owning stage and (pp > 1) one broadcast of the
         packed bucket over the pipeline group. Returns the HF tensors and the transfer buffer's bytes."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = self.elem
         owner = b.stage == self.pp_rank
         total = sum(self._shipped_numel(p) for p in b.params)
         # pp > 1: the owning stage packs the bucket into one flat buffer and broadcasts it over the
