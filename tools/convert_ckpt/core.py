@@ -40,7 +40,7 @@ import torch
 from megappo.parallel.weight_mapping import (ModelDims, hf_names, hf_to_megatron_full,
                                              megatron_param_names, megatron_shards_to_hf, transformer_config_kwargs)
 from tools.convert_ckpt.dcp_io import CheckpointReader, Item, save_lazy
-from tools.convert_ckpt.errors import ConvertError
+from tools.convert_ckpt.errors import ConvertError, read_json
 from tools.convert_ckpt.safetensors_io import SafetensorsDir, ShardedWriter, parse_size
 
 ARCHITECTURES = {
@@ -74,12 +74,7 @@ def read_hf_config(model_dir) -> tuple[dict, str, str, str]:
     """(raw config.json, architecture, family, 'causal-lm' | 'reward'), or a one-line ConvertError."""
     d = Path(model_dir)
     f = d if d.is_file() else d / "config.json"
-    try:
-        raw = json.loads(f.read_text())
-    except FileNotFoundError:
-        raise ConvertError(f"no config.json in {d}") from None
-    except json.JSONDecodeError:
-        raise ConvertError(f"corrupt {f}: not JSON") from None
+    raw = read_json(f, f"no config.json in {d}")
     mt = raw.get("model_type")
     archs = raw.get("architectures") or ([CAUSAL_LM[mt]] if mt in CAUSAL_LM else [])
     arch = archs[0] if archs else f"(none, model_type {mt!r})"

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, ReadIte
                                                   WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from tools.convert_ckpt.errors import ConvertError
+from tools.convert_ckpt.errors import ConvertError, read_json
 
 # megatron's dist_checkpointing config file (megatron.core.dist_checkpointing.core.CheckpointingConfig)
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -210,13 +210,8 @@ class CheckpointReader:
         from torch.distributed.checkpoint import FileSystemReader
 
         self.dir = Path(ckpt_dir)
-        mfile = self.dir / "metadata.json"
-        try:
-            cfg = json.loads(mfile.read_text())
-        except FileNotFoundError:
-            raise ConvertError(f"{self.dir} is not a megatron dist checkpoint (no metadata.json)") from None
-        except json.JSONDecodeError:
-            raise ConvertError(f"corrupt {mfile}: not JSON") from None
+        cfg = read_json(self.dir / "metadata.json",
+                        f"{self.dir} is not a megatron dist checkpoint (no metadata.json)")
         if cfg.get("sharded_backend") != "torch_dist":
             raise ConvertError(f"{self.dir}: sharded_backend {cfg.get('sharded_backend')!r} is not supported (only torch_dist)")
 
