@@ -9,13 +9,15 @@ per rank (external_launcher). Each spawned job runs several checks in the same p
   the tensor), on every rank; a clean sync afterwards is ok again;
 - the trainer's RNG state is the same after `with hybrid:` as before.
 
-Jobs (trainer TP2xPP2 always): llama and qwen2 (tied embeddings, qkv bias) each to rollout TP1 (TP
+Jobs (trainer TP2xPP2): llama and qwen2 (tied embeddings, qkv bias) each to rollout TP1 (TP
 all-gather path) and rollout TP2 (train TP == rollout TP: sliced path, no TP gather except the vocab),
 with the three ways into vLLM (`rollout.weight_load` reload: vLLM reload_weights; direct: the model's
 load_weights, into `rollout.cpu_linear` plain torch linears or into packed oneDNN linears re-packed
 after the load, the default, on tied qwen2) and both resharder transports (TP all-gather + PP
 broadcast over gloo, or the node-local shared-memory slots) spread over the four pairs. With packed
-linears, a sync that skips the re-pack must fail the fingerprint check (stale kernels).
+linears, a sync that skips the re-pack must fail the fingerprint check (stale kernels). One more job
+runs a virtual-pipeline trainer (PP2 x VPP2, two DP replicas: each rank holds two interleaved model
+chunks) into rollout TP2.
 """
 
 import os
@@ -76,7 +78,10 @@ def _hf_check(model, out, temperature):
         logits.argmax(-1)[m], out.batch["responses"][m])
 
 
-def _job(rank, world, port, model_dir, rollout_tp, weight_load, cpu_linear, transport):
+LAYOUTS = {"tp2pp2": dict(tp=2, pp=2), "pp2vpp2dp2": dict(tp=1, pp=2, vpp=2, dp=2)}
+
+
+def _job(rank, world, port, model_dir, layout_name, rollout_tp, weight_load, cpu_linear, transport):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["MASTER_PORT"] = str(port)
     from megappo.config.schema import RolloutConfig
@@ -87,7 +92,7 @@ def _job(rank, world, port, model_dir, rollout_tp, weight_load, cpu_linear, tran
     from megappo.workers.rollout.hybrid_engine import HybridEngine, WeightSyncError
     from megappo.workers.rollout.vllm_rollout import VLLMRollout, left_pad
 
-    layout = ParallelLayout(tp=2, pp=2)
+    layout = ParallelLayout(**LAYOUTS[layout_name])
     init_distributed(rank, world, master_port=port)
     init_megatron(layout, seed=7)
     engine = MegatronEngine(model_dir, layout, EngineConfig(role="actor", optim=OptimConfig(
@@ -104,6 +109,7 @@ def _job(rank, world, port, model_dir, rollout_tp, weight_load, cpu_linear, tran
                                            tok.pad_token_id), {"uid": [str(i) for i in range(len(texts))]})
     assert prompts.batch["input_ids"].shape[1] > 128
     report = {"rounds": [], "buckets": hybrid.resharder.num_buckets, "sliced": hybrid.resharder.sliced,
+              "chunks": len(engine.inner_chunks()),
               "transport": hybrid.resharder.transport}
     prev_state = None
     for step in range(3):
@@ -189,17 +195,19 @@ def _job(rank, world, port, model_dir, rollout_tp, weight_load, cpu_linear, tran
     return report
 
 
-def _run(model_dir, rollout_tp, weight_load, cpu_linear, transport):
+def _run(model_dir, layout_name, rollout_tp, weight_load, cpu_linear, transport):
     from megappo.parallel.launch import spawn_local
 
-    return spawn_local(_job, 4, str(model_dir), rollout_tp, weight_load, cpu_linear, transport, timeout=420,
-                       threads=1)
+    return spawn_local(_job, 4, str(model_dir), layout_name, rollout_tp, weight_load, cpu_linear, transport,
+                       timeout=420, threads=1)
 
 
-def _check(reports, rollout_tp, repack):
+def _check(reports, layout_name, rollout_tp, repack):
     r0 = reports[0]
+    train_tp = LAYOUTS[layout_name]["tp"]
     assert r0["buckets"] >= 6, r0["buckets"]
-    assert r0["sliced"] == (rollout_tp == 2)
+    assert r0["sliced"] == (rollout_tp == train_tp > 1)
+    assert r0["chunks"] == (LAYOUTS[layout_name].get("vpp") or 1)
     for i, rnd in enumerate(r0["rounds"]):
         m = rnd["metrics"]
         assert m["rollout/weights_fingerprint_ok"] == 1.0
@@ -229,10 +237,15 @@ def _check(reports, rollout_tp, repack):
             assert rep["stale_kernel_error"] is None
 
 
-@pytest.mark.parametrize("family,rollout_tp,weight_load,cpu_linear,transport", [
-    ("tiny-llama", 1, "reload", "packed", "collective"), ("tiny-qwen2", 2, "reload", "packed", "shm"),
-    ("tiny-llama", 2, "direct", "plain", "collective"), ("tiny-qwen2", 1, "direct", "packed", "shm")])
-def test_hybrid_engine_tp2pp2(tiny_assets, family, rollout_tp, weight_load, cpu_linear, transport):
-    reports = _run(tiny_assets[family], rollout_tp, weight_load, cpu_linear, transport)
+@pytest.mark.parametrize("family,layout_name,rollout_tp,weight_load,cpu_linear,transport", [
+    ("tiny-llama", "tp2pp2", 1, "reload", "packed", "collective"),
+    ("tiny-qwen2", "tp2pp2", 2, "reload", "packed", "shm"),
+    ("tiny-llama", "tp2pp2", 2, "direct", "plain", "collective"),
+    ("tiny-qwen2", "tp2pp2", 1, "direct", "packed", "shm"),
+    # virtual pipeline (two model chunks per rank, interleaved layers) and data parallel replicas
+    ("tiny-llama", "pp2vpp2dp2", 2, "direct", "packed", "shm"),
+])
+def test_hybrid_engine(tiny_assets, family, layout_name, rollout_tp, weight_load, cpu_linear, transport):
+    reports = _run(tiny_assets[family], layout_name, rollout_tp, weight_load, cpu_linear, transport)
     assert reports[0]["transport"] == transport
-    _check(reports, rollout_tp, repack=weight_load == "direct" and cpu_linear == "packed")
+    _check(reports, layout_name, rollout_tp, repack=weight_load == "direct" and cpu_linear == "packed")

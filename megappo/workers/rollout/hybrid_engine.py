@@ -158,7 +158,8 @@ class HybridEngine:
         """Megatron's log-probs of the generated tokens (same temperature) vs vLLM's. `out` is the
         full (gathered) rollout on every rank; each megatron DP rank scores its chunk. Collective."""
         layout = self.engine.layout
-        padded, _ = out.pad_to_divisor(layout.dp * micro_batch_size)
+        # an interleaved pipeline runs a multiple of pp micro-batches; padding rows are not counted
+        padded, _ = out.pad_to_divisor(layout.dp * micro_batch_size * (layout.pp if layout.virtual_pp else 1))
         mine = padded.chunk(layout.dp)[self.engine.dp_rank]
         n_real = len(out)
         R = mine.batch["responses"].shape[1]
