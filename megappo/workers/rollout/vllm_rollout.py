@@ -159,10 +159,11 @@ def repack_cpu_linears(model: torch.nn.Module, loaded: Optional[set]) -> int:
 
     params = dict(model.named_parameters(remove_duplicate=False))
     touched = None if loaded is None else {id(params[n]) for n in loaded if n in params}
+    head = getattr(model, "lm_head", None)  # some models reuse the embedding module as the head
     n = 0
     for layer in model.modules():
         w = getattr(layer, "weight", None)
-        if (isinstance(layer, (LinearBase, ParallelLMHead)) and hasattr(layer, "cpu_linear")
+        if ((isinstance(layer, (LinearBase, ParallelLMHead)) or layer is head) and hasattr(layer, "cpu_linear")
                 and isinstance(w, torch.Tensor) and w.dim() == 2 and w.numel() > 0
                 and (touched is None or id(w) in touched)):
             dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
