@@ -133,7 +133,10 @@ def _cpu_linear_dispatch(mode: Optional[str]):
         return
     from vllm.model_executor.layers import utils
 
-    original = utils.dispatch_cpu_unquantized_gemm
+    original = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
+    if original is None:
+        raise RuntimeError(f"{_vllm_version()} has no layers.utils.dispatch_cpu_unquantized_gemm, which a "
+                           "direct CPU weight load hooks; set rollout.weight_load=reload")
 
     def dispatch(layer, remove_weight):
         if mode == "plain" and not layer.weight.is_meta and layer.weight.ndim == 2:
@@ -146,6 +149,12 @@ def _cpu_linear_dispatch(mode: Optional[str]):
         yield
     finally:
         utils.dispatch_cpu_unquantized_gemm = original
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return f"vllm {getattr(vllm, '__version__', '?')}"
 
 
 def repack_cpu_linears(model: torch.nn.Module, loaded: Optional[set]) -> int:
