@@ -12,7 +12,9 @@ Plan (computed once from metadata all-gathered over the pipeline group):
 - units: one megatron MODULE (its weight and bias together), so fused groups never split:
   linear_qkv -> q,k,v (+ biases), linear_fc1 -> gate,up. Units are packed in model order into
   buckets of at most `bucket_bytes` (HF bytes; a unit larger than that gets a bucket of its own).
-  A bucket never spans two pipeline stages.
+  Collective transport: a bucket never spans two pipeline stages (its owning stage broadcasts it).
+  Shared-memory transport: the stages' units are interleaved, so a bucket holds units of every
+  stage and all stages write their parts at once (one barrier per bucket for the whole model).
 - per bucket, on the owning stage: one all-gather over the TP group of the bucket's shards (flat),
   `megatron_shards_to_hf` -> HF tensors written into one flat buffer; then one broadcast of that
   buffer over the pipeline group, so every stage's vLLM gets it (PP stages are extra DP replicas at
@@ -67,18 +69,19 @@ class _Param:
     tp_dim: Optional[int]  # the split dim (None: replicated)
     hf: list  # HF names it maps to
     hf_shapes: list  # full HF shapes
+    stage: int = 0  # the pipeline stage that holds it
 
 
 @dataclass
 class _Bucket:
-    stage: int
+    stage: int  # owning pipeline stage; -1: units of several stages (shm transport)
     params: list = field(default_factory=list)
 
 
 @dataclass
 class Bucket:
     index: int
-    stage: int
+    stage: int  # -1: several stages
     tensors: list  # [(hf_name, tensor)]
     nbytes: int
 
@@ -130,7 +133,7 @@ class Resharder:
             dist.all_gather_object(per_stage, meta, group=self.pp_group)
         else:
             per_stage = [meta]
-        self._plan = self._make_plan(per_stage)
+        self._plan = self._make_plan(per_stage, interleave=False)
         self.expected_fingerprints: dict = {}
         self.stats: dict = {}
         if transport not in ("auto", "shm", "collective"):
@@ -140,16 +143,18 @@ class Resharder:
         if transport != "collective" and (layout.tp > 1 or layout.pp > 1):  # TP1 x PP1: nothing to move
             info = [None] * self.world  # decided together: every rank takes the same branch
             dist.all_gather_object(info, (socket.gethostname(), _shm_free_bytes()))
-            layouts = [self._slot_layout(b) for b in self._plan]
+            shm_plan = self._make_plan(per_stage, interleave=True)
+            layouts = [self._slot_layout(b) for b in shm_plan]
             slot_bytes = max(total for _, total in layouts)
             if choose_transport(transport, info, self.device.type == "cpu", slot_bytes) == "shm":
                 self._shm = _ShmSlots(slot_bytes)
+                self._plan = shm_plan
                 self._slot_layouts = layouts  # per bucket, fixed for the resharder's life
         self.transport = "shm" if self._shm is not None else "collective"
 
     # ---- plan ------------------------------------------------------------------------------------
 
-    def _param(self, name: str, shape: tuple) -> _Param:
+    def _param(self, name: str, shape: tuple, stage: int) -> _Param:
         d = self.dims
         dim = tp_split_dim(name, d)
         vocab = name in ("embedding.word_embeddings.weight", "output_layer.weight") and not d.value_head
@@ -158,23 +163,36 @@ class Resharder:
         # full HF shapes, from the shard shape and weight_mapping's own conversion
         zeros = [torch.empty(shape, dtype=torch.float32, device="meta")] * (self.layout.tp if dim is not None else 1)
         hf = megatron_shards_to_hf(name, zeros, d) if dim is not None else {hfn[0]: zeros[0]}
-        return _Param(name, shape, gather, dim, hfn, [tuple(hf[n].shape) for n in hfn])
+        return _Param(name, shape, gather, dim, hfn, [tuple(hf[n].shape) for n in hfn], stage)
 
-    def _make_plan(self, per_stage) -> list[_Bucket]:
-        buckets: list[_Bucket] = []
+    def _make_plan(self, per_stage, interleave: bool) -> list[_Bucket]:
+        """Units in model order packed into buckets of at most bucket_bytes. interleave=False: stage
+        by stage (a bucket has one owner); True: the stages' unit lists taken in turn."""
         elem = self.elem
+        per_stage_units = []
         for stage, meta in enumerate(per_stage):
             units: dict[str, list[_Param]] = {}
             for name, shape in meta:
-                units.setdefault(_module_key(name), []).append(self._param(name, shape))
+                units.setdefault(_module_key(name), []).append(self._param(name, shape, stage))
+            per_stage_units.append(list(units.values()))
+        if interleave:
+            longest = max(len(u) for u in per_stage_units)
+            order = [[u[i] for u in per_stage_units if i < len(u)] for i in range(longest)]
+            streams = [[unit for turn in order for unit in turn]]
+        else:
+            streams = per_stage_units
+        buckets: list[_Bucket] = []
+        for units in streams:
             cur, cur_bytes = None, 0
-            for unit in units.values():
+            for unit in units:
                 ub = sum(sum(_numel(s) for s in p.hf_shapes) for p in unit) * elem
                 if cur is None or (cur_bytes + ub > self.bucket_bytes and cur.params):
-                    cur, cur_bytes = _Bucket(stage), 0
+                    cur, cur_bytes = _Bucket(unit[0].stage), 0
                     buckets.append(cur)
                 cur.params.extend(unit)
                 cur_bytes += ub
+                if cur.stage != unit[0].stage:
+                    cur.stage = -1
         return buckets
 
     @property
@@ -185,8 +203,8 @@ class Resharder:
         return [n for b in self._plan for p in b.params for n in p.hf]
 
     # ---- shared-memory transport (every rank on one host, CPU) ----------------------------------
-    # A bucket's slot holds its FULL HF tensors, in plan order. The owning stage's DP-rank-0 ranks
-    # each write their own shard straight into its place there (`megatron_shard_hf_slices`: q/k/v
+    # A bucket's slot holds its FULL HF tensors, in plan order (units of every stage). Each param's
+    # stage's DP-rank-0 ranks write their own shard straight into its place there (`megatron_shard_hf_slices`: q/k/v
     # rows of its query groups, its gate/up rows, its row-parallel columns, its vocab rows; a
     # replicated param by TP rank 0), one barrier, then every rank hands views of the slot to vLLM:
     # the conversion happens once per node, split over the TP ranks, and no rank gathers anything.
@@ -208,18 +226,16 @@ class Resharder:
     def _shm_bucket(self, bi: int) -> tuple[list, int]:
         """Write this rank's shards of bucket `bi` into the next slot, barrier, and return the bucket's
         HF tensors as views of the slot [(param, {hf_name: tensor})], plus the bytes others wrote."""
-        b = self._plan[bi]
         layout, total = self._slot_layouts[bi]
         slot = self._shm.slot(self._shm_seq % 2, total)
         self._shm_seq += 1
         elem = self.elem
-        writer = b.stage == self.pp_rank and self.dp_rank == 0
         written = 0
         out = []
         for p, entries in layout:
             hf = {n: slot[off: off + _numel(shape) * elem].view(self.dtype).view(shape) for n, off, shape in entries}
             split = p.tp_dim is not None and self.layout.tp > 1
-            if writer and (split or self.tp_rank == 0):
+            if p.stage == self.pp_rank and self.dp_rank == 0 and (split or self.tp_rank == 0):
                 shard = self._local[p.name].detach()
                 for n, idx, values in megatron_shard_hf_slices(p.name, shard, self.dims, self.tp_rank,
                                                                self.layout.tp if split else 1):
@@ -289,15 +305,13 @@ class Resharder:
 
     def _shm_tensors(self, bi: int, add_fingerprints) -> tuple[list, int]:
         """Bucket `bi` through the shared-memory slots: its full HF tensors (views of the slot)."""
-        b = self._plan[bi]
         t_c = time.perf_counter()
         views, got = self._shm_bucket(bi)
         self._run["comm_s"] += time.perf_counter() - t_c
         self._run["shm_read"] += got
-        contributes = b.stage == self.pp_rank and self.dp_rank == 0 and self.tp_rank == 0
         tensors = []
         for p, hf in views:
-            if add_fingerprints is not None and contributes:
+            if add_fingerprints is not None and p.stage == self.pp_rank and self.dp_rank == 0 and self.tp_rank == 0:
                 add_fingerprints(p, hf)
             tensors.extend((n, hf[n]) for n in p.hf)
         return tensors, 0
