@@ -21,7 +21,8 @@ Prints one JSON object per configuration:
                     (the extra floor a packed kernel adds: a format conversion, not a copy);
                     ratio_vs_memcpy_and_pack = sync_s / (memcpy_s + pack_s)
 
-    python bench/weight_sync.py                      # tiny llama and a ~100M llama, TP2xPP2 -> TP1, TP2
+    python bench/weight_sync.py                      # tiny llama and a ~100M llama, TP2xPP2 -> TP1, TP2,
+                                                     # reload / direct+packed / direct+plain
     python bench/weight_sync.py --models tiny --rollout-tp 2 --weight-load direct
     python bench/weight_sync.py --tp 1 --pp 1 --rollout-tp 1       # one process: no network at all
     python bench/weight_sync.py --models 100m --weight-load direct --cpu-linear packed,plain
@@ -203,7 +204,7 @@ def main(argv=None):
     p.add_argument("--rollout-tp", default="1,2")
     p.add_argument("--bucket-mb", type=float, default=64)
     p.add_argument("--weight-load", default="reload,direct", help="comma list: reload, direct")
-    p.add_argument("--cpu-linear", default="packed", help="comma list: packed, plain (rollout.cpu_linear; plain "
+    p.add_argument("--cpu-linear", default="packed,plain", help="comma list: packed, plain (rollout.cpu_linear; plain "
                    "only with direct)")
     p.add_argument("--transport", default="auto", help="comma list: auto, shm, collective (resharder transport)")
     p.add_argument("--reps", type=int, default=3)
