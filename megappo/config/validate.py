@@ -84,6 +84,16 @@ def check_batches(name: str, sequences: int, mini: int, micro: int, dp: int) -> 
                           f"{dp}*{micro} = {dp * micro}; make it a multiple of {dp * micro}")
 
 
+def check_weight_load(r) -> None:
+    """rollout.weight_load / rollout.cpu_linear (also checked by VLLMRollout built without a config)."""
+    if r.weight_load not in ("auto", "reload", "direct"):
+        raise ConfigError(f"rollout.weight_load={r.weight_load!r} is not one of auto, reload, direct")
+    if r.cpu_linear not in ("packed", "plain"):
+        raise ConfigError(f"rollout.cpu_linear={r.cpu_linear!r} is not one of packed, plain")
+    if r.cpu_linear == "plain" and r.weight_load == "reload":
+        raise ConfigError("rollout.cpu_linear=plain needs rollout.weight_load=direct (reload re-packs every linear)")
+
+
 def validate_config(cfg, check_paths: bool = False) -> None:
     check_choices(cfg)
     dims = model_dims(cfg)
@@ -117,12 +127,7 @@ def validate_config(cfg, check_paths: bool = False) -> None:
         raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1]")
     if r.max_new_tokens < 1:
         raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
-    if r.weight_load not in ("auto", "reload", "direct"):
-        raise ConfigError(f"rollout.weight_load={r.weight_load!r} is not one of auto, reload, direct")
-    if r.cpu_linear not in ("packed", "plain"):
-        raise ConfigError(f"rollout.cpu_linear={r.cpu_linear!r} is not one of packed, plain")
-    if r.cpu_linear == "plain" and r.weight_load == "reload":
-        raise ConfigError("rollout.cpu_linear=plain needs rollout.weight_load=direct (reload re-packs every linear)")
+    check_weight_load(r)
 
     if cfg.algorithm.adv_estimator in ("grpo", "rloo") and r.n < 2:
         raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses to the same "

@@ -203,10 +203,10 @@ class Resharder:
         return [n for b in self._plan for p in b.params for n in p.hf]
 
     # ---- shared-memory transport (every rank on one host, CPU) ----------------------------------
-    # A bucket's slot holds its FULL HF tensors, in plan order (units of every stage). Each param's
-    # stage's DP-rank-0 ranks write their own shard straight into its place there (`megatron_shard_hf_slices`: q/k/v
-    # rows of its query groups, its gate/up rows, its row-parallel columns, its vocab rows; a
-    # replicated param by TP rank 0), one barrier, then every rank hands views of the slot to vLLM:
+    # A bucket's slot holds its FULL HF tensors, in plan order (units of every stage). The DP-rank-0
+    # ranks of a param's stage each write their own shard straight into its place there
+    # (`megatron_shard_hf_slices`: q/k/v rows of its query groups, its gate/up rows, its row-parallel
+    # columns, its vocab rows; a replicated param by TP rank 0), one barrier, then every rank hands views of the slot to vLLM:
     # the conversion happens once per node, split over the TP ranks, and no rank gathers anything.
     # Two slots alternate, so writing bucket k+1 (after the barrier of bucket k, which every rank
     # enters only once done with bucket k-1) never overwrites a slot someone still reads.

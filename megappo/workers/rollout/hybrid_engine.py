@@ -9,8 +9,10 @@
 
 Enter: save the trainer's RNG state, wake the weights (GPU), stream the Megatron shards through
 parallel/resharding.py into vLLM bucket by bucket (`rollout.weight_load`: the model's load_weights,
-then on CPU a re-pack of the packed linears it loaded, or vLLM's reload_weights; via collective_rpc) with the actor resident (an `offload=true` actor is
-brought back for the sync and leaves again before generation), reset the prefix cache, check the weight fingerprint (a mismatch raises `WeightSyncError`), wake the KV cache.
+then on CPU a re-pack of the packed linears it loaded, or vLLM's reload_weights; via
+collective_rpc) with the actor resident (an `offload=true` actor is brought back for the sync and
+leaves again before generation), reset the prefix cache, check the weight fingerprint (a mismatch
+raises `WeightSyncError`), wake the KV cache.
 Exit: put vLLM to sleep (GPU: KV cache freed, weights offloaded) and restore the trainer's RNG state.
 
 Rollout data parallelism (`replicated_generate`, also used by a standalone rollout pool): vLLM's TP

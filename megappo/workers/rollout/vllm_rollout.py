@@ -210,6 +210,7 @@ class VLLMRollout:
     def __init__(self, model_path, config=None, *, seed: int = 0, dtype: Optional[str] = None,
                  max_model_len: Optional[int] = None, tokenizer_path=None, load_format: str = "auto"):
         from megappo.config.schema import RolloutConfig
+        from megappo.config.validate import check_weight_load
 
         self.config = config or RolloutConfig()
         self.model_path = str(model_path)
@@ -261,14 +262,9 @@ class VLLMRollout:
             # ("CPU Generator does not use offset"): with per-request seeds, prefill whole prompts only.
             kwargs["enable_chunked_prefill"] = False
 
-        mode, linear = self.config.weight_load, self.config.cpu_linear
-        if mode not in ("auto", "reload", "direct"):
-            raise ValueError(f"rollout.weight_load={mode!r} is not one of auto, reload, direct")
-        if linear not in ("packed", "plain"):
-            raise ValueError(f"rollout.cpu_linear={linear!r} is not one of packed, plain")
-        self.direct_load = mode in ("auto", "direct")
-        if not self.direct_load and linear == "plain":
-            raise ValueError("rollout.cpu_linear=plain needs rollout.weight_load=direct (reload re-packs every linear)")
+        check_weight_load(self.config)
+        self.direct_load = self.config.weight_load in ("auto", "direct")
+        linear = self.config.cpu_linear
         # CPU + direct: packed linears keep their plain weight and are re-packed after each load
         self.repack = self.direct_load and linear == "packed" and not on_gpu()
         dispatch = None if on_gpu() or not self.direct_load else ("keep" if self.repack else "plain")
