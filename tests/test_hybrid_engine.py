@@ -78,6 +78,17 @@ def _hf_check(model, out, temperature):
         logits.argmax(-1)[m], out.batch["responses"][m])
 
 
+def _train_on(engine, data) -> None:
+    """One real optimizer step raising the log-likelihood of a rollout's responses."""
+    def loss_fn(outs, mb):
+        return -(outs["logprobs"] * mb["response_mask"].float()).sum(), {}
+
+    batch = {k: data.batch[k] for k in ("input_ids", "attention_mask", "position_ids", "response_mask")}
+    tm = engine.train_step(batch, loss_fn, normalizer=float(data.batch["response_mask"].sum()),
+                           response_length=data.batch["responses"].shape[1], micro_batch_size=3)
+    assert tm["update_successful"], tm
+
+
 LAYOUTS = {"tp2pp2": dict(tp=2, pp=2), "pp2vpp2dp2": dict(tp=1, pp=2, vpp=2, dp=2)}
 
 
@@ -115,17 +126,7 @@ def _job(rank, world, port, model_dir, layout_name, rollout_tp, weight_load, cpu
     for step in range(3):
         # a real optimizer step on the last rollout (round 0: on the prompts' greedy continuation)
         if step > 0:
-            data = last
-            R = data.batch["responses"].shape[1]
-            mask = data.batch["response_mask"].float()
-            ntok = float(mask.sum())
-
-            def loss_fn(outs, mb):
-                return -(outs["logprobs"] * mb["response_mask"].float()).sum(), {}
-
-            batch = {k: data.batch[k] for k in ("input_ids", "attention_mask", "position_ids", "response_mask")}
-            tm = engine.train_step(batch, loss_fn, normalizer=ntok, response_length=R, micro_batch_size=3)
-            assert tm["update_successful"], tm
+            _train_on(engine, last)
         rng_before = torch.get_rng_state().clone()
         with hybrid:
             greedy = hybrid.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch,
@@ -173,10 +174,7 @@ def _job(rank, world, port, model_dir, layout_name, rollout_tp, weight_load, cpu
     # which the fingerprint (read through the kernels) must catch
     report["stale_kernel_error"] = None
     if rollout.repack:
-        batch = {k: last.batch[k] for k in ("input_ids", "attention_mask", "position_ids", "response_mask")}
-        engine.train_step(batch, lambda outs, mb: (-(outs["logprobs"] * mb["response_mask"].float()).sum(), {}),
-                          normalizer=float(last.batch["response_mask"].sum()),
-                          response_length=last.batch["responses"].shape[1], micro_batch_size=3)
+        _train_on(engine, last)
         rollout.repack = False
         try:
             with hybrid:
