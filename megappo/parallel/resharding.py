@@ -133,7 +133,8 @@ class Resharder:
             dist.all_gather_object(per_stage, meta, group=self.pp_group)
         else:
             per_stage = [meta]
-        self._plan = self._make_plan(per_stage, interleave=False)
+        units = self._stage_units(per_stage)
+        self._plan = self._make_plan(units, interleave=False)
         self.expected_fingerprints: dict = {}
         self.stats: dict = {}
         if transport not in ("auto", "shm", "collective"):
@@ -143,7 +144,7 @@ class Resharder:
         if transport != "collective" and (layout.tp > 1 or layout.pp > 1):  # TP1 x PP1: nothing to move
             info = [None] * self.world  # decided together: every rank takes the same branch
             dist.all_gather_object(info, (socket.gethostname(), _shm_free_bytes()))
-            shm_plan = self._make_plan(per_stage, interleave=True)
+            shm_plan = self._make_plan(units, interleave=True)
             layouts = [self._slot_layout(b) for b in shm_plan]
             slot_bytes = max(total for _, total in layouts)
             if choose_transport(transport, info, self.device.type == "cpu", slot_bytes) == "shm":
@@ -165,16 +166,20 @@ class Resharder:
         hf = megatron_shards_to_hf(name, zeros, d) if dim is not None else {hfn[0]: zeros[0]}
         return _Param(name, shape, gather, dim, hfn, [tuple(hf[n].shape) for n in hfn], stage)
 
-    def _make_plan(self, per_stage, interleave: bool) -> list[_Bucket]:
-        """Units in model order packed into buckets of at most bucket_bytes. interleave=False: stage
-        by stage (a bucket has one owner); True: the stages' unit lists taken in turn."""
-        elem = self.elem
-        per_stage_units = []
+    def _stage_units(self, per_stage) -> list[list[list[_Param]]]:
+        """Per pipeline stage, its units (one megatron module's params) in model order."""
+        out = []
         for stage, meta in enumerate(per_stage):
             units: dict[str, list[_Param]] = {}
             for name, shape in meta:
                 units.setdefault(_module_key(name), []).append(self._param(name, shape, stage))
-            per_stage_units.append(list(units.values()))
+            out.append(list(units.values()))
+        return out
+
+    def _make_plan(self, per_stage_units, interleave: bool) -> list[_Bucket]:
+        """Units in model order packed into buckets of at most bucket_bytes. interleave=False: stage
+        by stage (a bucket has one owner); True: the stages' unit lists taken in turn."""
+        elem = self.elem
         if interleave:
             longest = max(len(u) for u in per_stage_units)
             order = [[u[i] for u in per_stage_units if i < len(u)] for i in range(longest)]
