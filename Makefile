@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-$(shell cat requirements-cpu.txt constraints-cpu.txt setup.py Makefile | sha1sum | cut -c1-12)
 
-.PHONY: install system-deps demo test test-fast clean-venv
+.PHONY: install system-deps demo test test-fast gpu-check clean-venv
 
 install: $(STAMP)
 
@@ -51,6 +51,13 @@ test: install system-deps
 
 test-fast: install
 	$(PY) -m pytest -q tests -m "not slow"
+
+# The first command on a GPU machine, run with the GPU env's python (requirements-gpu.txt): the CUDA stack
+# against the pins, then the tiny config through every GPU-only path, as a pass/fail table. Without a
+# visible GPU it prints "skipped" and exits 0.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PY) tools/gpu_check.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -75,7 +75,7 @@ def _worker(rank, world, port, model, reps):
 
 def main(argv=None) -> None:
     from megappo.parallel.launch import spawn_local
-    from megappo.testing import ensure_assets
+    from megappo.assets import ensure_assets
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="tiny,100m", help="comma list: tiny, 100m, or a HF model dir")

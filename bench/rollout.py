@@ -55,7 +55,7 @@ def main(argv=None):
 
     from megappo.config.schema import RolloutConfig
     from megappo.protocol import DataProto
-    from megappo.testing import ensure_assets
+    from megappo.assets import ensure_assets
     from megappo.workers.rollout.vllm_rollout import VLLMRollout, left_pad
 
     model = args.model or ensure_assets(REPO / "assets")["tiny-llama"]
@@ -76,13 +76,13 @@ def main(argv=None):
     from vllm import SamplingParams
 
     llm = rollout.llm
-    s = rollout._sampling({})
-    n = s.pop("n")
+    spec = rollout.default_sampling
+    s, n = spec.vllm_kwargs(), spec.num_samples
     base = 12345
     reqs = [{"prompt_token_ids": t} for t in ids for _ in range(n)]
 
     def rollout_call():
-        return rollout.generate_sequences(DataProto(batch.batch, batch.non_tensor_batch, {"seed": base}))
+        return rollout.generate_sequences(DataProto(batch.batch, batch.non_tensor_batch, {"sampling": spec.with_seed(base)}))
 
     def bare_same():
         params = [SamplingParams(seed=base + k, logprobs=0, **s) for k in range(len(reqs))]

@@ -43,7 +43,7 @@ def _worker(rank, world, port, model, layout, batch, seq, resp, mbs, warmup, ste
 def main() -> None:
     from megappo.parallel.launch import spawn_local
     from megappo.parallel.layout import ParallelLayout
-    from megappo.testing import ensure_assets
+    from megappo.assets import ensure_assets
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="HF model dir (default: the tiny llama under assets/)")

@@ -132,7 +132,7 @@ def _job(rank, world, port, model_dir, tp, pp, rollout_tp, bucket_mb, reps, weig
     layout = ParallelLayout(tp=tp, pp=pp, dp=world // (tp * pp))
     init_distributed(rank, world, master_port=port)
     init_megatron(layout, seed=1)
-    engine = MegatronEngine(model_dir, layout, EngineConfig(role="actor", optim=None))
+    engine = MegatronEngine(model_dir, layout, EngineConfig(head="lm", optim=None))
     rollout = VLLMRollout(model_dir, RolloutConfig(tp=rollout_tp, kv_cache_memory_mb=16, weight_load=weight_load,
                                                      cpu_linear=cpu_linear), dtype="float32",
                           max_model_len=256)
@@ -211,7 +211,7 @@ def main(argv=None):
     p.add_argument("--work", default=None, help="where to build the ~100M model (default: a temp dir)")
     args = p.parse_args(argv)
 
-    from megappo.testing import ensure_assets
+    from megappo.assets import ensure_assets
 
     assets = ensure_assets(REPO / "assets")
     work = Path(args.work or tempfile.mkdtemp(prefix="megappo_bench_"))

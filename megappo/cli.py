@@ -12,10 +12,12 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "config": ("megappo.config.cli", "show or check a resolved config (YAML defaults chain + overrides)"),
     "plan": ("megappo.planner", "per-GPU memory of every role and phase for a layout; refuses one that does not fit"),
-    "logprobs": ("megappo.scoring", "score token rows (log-probs or values) with a TP/PP/DP-sharded megatron model"),
+    "logprobs": ("megappo.logprobs", "score token rows (log-probs or values) with a TP/PP/DP-sharded megatron model"),
     "convert": ("megappo.convert", "convert checkpoints HF <-> megatron-core dist checkpoint (streaming, any TP/PP)"),
-    "assets": ("megappo.testing", "build the tiny tokenizer and tiny llama/qwen2 models used by tests and the demo"),
+    "assets": ("megappo.assets", "build the tiny tokenizer and tiny llama/qwen2 models used by tests and the demo"),
     "train": ("megappo.train", "run PPO (sync hybrid engine or async one-step off-policy) from a config"),
+    "eval": ("megappo.evaluate", "accuracy of a HF model or a checkpoint on a parquet (greedy or pass@k, vLLM)"),
+    "export": ("megappo.export", "a checkpoint's policy (or critic) as a plain HF model dir"),
 }
 
 

@@ -13,12 +13,19 @@ The model (stated so it can be checked by hand):
   layer's full activations). 1F1B keeps min(pp, micro-batches) micro-batches in flight on stage 0.
   The last stage also holds fp32 logits (and their grad) s*b*V/tp*4*2 for the actor.
 - vLLM (rollout phase): gpu_memory_utilization * GPU memory (weights/rollout_tp + KV cache + workspace).
-- Phases never overlap on a GPU: rollout, ref/old-log-prob forward, critic update, actor update.
-  A role with `offload: true` is resident only in its own phase; otherwise always. vLLM sleeps
-  (KV freed, weights offloaded) outside rollout when rollout.free_cache_engine is true.
-- Fixed overhead per GPU (CUDA context, NCCL buffers, fragmentation): 3 GB.
-- Host memory for offload (workers/offload.py): an offloaded role's weights and optimizer states
-  (main params + Adam) sit in pinned host memory; its grad buffer is dropped, not copied.
+- Phases never overlap on a GPU: weight sync, rollout, ref/old-log-prob forward, critic update,
+  actor update. A role with `offload: true` is resident only in its own phase (its memory goes back
+  to the device: workers/offload.py empties PyTorch's cache); otherwise it stays resident, and its
+  process keeps its activation peak reserved in PyTorch's caching allocator after its phase. vLLM
+  sleeps (KV cache freed; weights discarded with rollout.sleep_level 2, kept in pinned host memory
+  with 1) outside rollout when rollout.free_cache_engine is true.
+- Weight sync (the hybrid engine's enter): vLLM's weights are awake, its KV cache not yet; the
+  actor's weights only are resident (an offloaded actor brings back neither grads nor optimizer
+  states for it), plus the resharder's buffers (about 2 x rollout.weight_sync_bucket_mb).
+- Overhead per GPU: 3 GB (NCCL buffers, fragmentation) + a CUDA context of 0.6 GB per process on the
+  GPU (one per worker group sharing the pool: actor/rollout/ref fused, critic, reward model).
+- Host memory (pinned, per node): an offloaded role's weights and optimizer states (main params +
+  Adam; its grad buffer is dropped, not copied), and vLLM's sleeping weights with sleep_level 1.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from megappo.config.validate import validate_config
 
 GB = 1024**3
 OVERHEAD_GB = 3.0
+CUDA_CONTEXT_GB = 0.6
 ROLES = ("actor", "critic", "ref")
 
 
@@ -116,22 +124,31 @@ def plan(cfg) -> dict:
     vllm_weights_gb = 2 * total_params(cfg) / cfg.rollout.tp / GB
 
     def resident(active: str | None) -> float:
-        return sum(m.resident_gb for r, m in roles.items() if r != active and not offload[r])
+        """What the other roles hold on the GPU: weights + grads + optimizer, and the activation peak
+        their allocator keeps cached (an offloaded role: nothing)."""
+        return sum(m.resident_gb + m.activations_gb for r, m in roles.items() if r != active and not offload[r])
 
     def sleeping_vllm() -> float:
         return 0.0 if cfg.rollout.free_cache_engine else vllm_gb
 
-    phases = {"rollout": resident(None) + vllm_gb}
+    a = roles["actor"]
+    bucket_gb = 2 * cfg.rollout.weight_sync_bucket_mb / 1024
+    actor_for_sync = a.weights_gb if offload["actor"] else a.resident_gb + a.activations_gb
+    phases = {"weight_sync": resident("actor") + actor_for_sync + vllm_weights_gb + bucket_gb,
+              "rollout": resident(None) + vllm_gb}
     if "ref" in roles:
         phases["ref_log_prob"] = resident("ref") + roles["ref"].weights_gb + sleeping_vllm()
     if "critic" in roles:
         c = roles["critic"]
         phases["critic_update"] = resident("critic") + c.resident_gb + c.activations_gb + sleeping_vllm()
-    a = roles["actor"]
     phases["actor_update"] = resident("actor") + a.resident_gb + a.activations_gb + sleeping_vllm()
-    phases = {k: v + OVERHEAD_GB for k, v in phases.items()}
+    processes = 1 + sum(1 for r in ("critic",) if r in roles) + int(bool(cfg.reward.model.enable)) + \
+        int("ref" in roles and not _same_layout(cfg.ref.parallel, cfg.actor.parallel))
+    overhead = OVERHEAD_GB + CUDA_CONTEXT_GB * processes
+    phases = {k: v + overhead for k, v in phases.items()}
     peak_phase = max(phases, key=phases.get)
     host_gb = sum(m.weights_gb + m.optimizer_gb for r, m in roles.items() if offload[r])
+    vllm_host_gb = vllm_weights_gb if cfg.rollout.free_cache_engine and cfg.rollout.sleep_level == 1 else 0.0
     sync_bytes_per_gpu = vllm_weights_gb * GB
     replicas = cfg.resources.nodes * cfg.resources.workers_per_node // cfg.rollout.tp
     return {
@@ -142,7 +159,7 @@ def plan(cfg) -> dict:
         "roles": {r: {"params_per_gpu_m": round(m.params_per_gpu / 1e6, 1), "weights_gb": round(m.weights_gb, 2),
                       "grads_gb": round(m.grads_gb, 2), "optimizer_gb": round(m.optimizer_gb, 2),
                       "activations_gb": round(m.activations_gb, 2), "offload": offload[r],
-                      "freed_by_offload_gb": round(m.resident_gb, 2)}
+                      "freed_by_offload_gb": round(m.resident_gb + m.activations_gb, 2)}
                   for r, m in roles.items()}
         | {"rollout": {"vllm_gb": round(vllm_gb, 2), "weights_gb": round(vllm_weights_gb, 2),
                        "kv_cache_and_workspace_gb": round(vllm_gb - vllm_weights_gb, 2),
@@ -151,11 +168,18 @@ def plan(cfg) -> dict:
         "peak_phase": peak_phase,
         "peak_gpu_gb": round(phases[peak_phase], 2),
         "fits": phases[peak_phase] <= gpu_gb and vllm_gb > vllm_weights_gb,
+        "processes_per_gpu": processes,
         "host_offload_gb_per_gpu": round(host_gb, 2),
         "host_offload_gb_per_node": round(host_gb * cfg.resources.workers_per_node, 1),
+        "host_vllm_sleep_gb_per_gpu": round(vllm_host_gb, 2),
+        "host_gb_per_node": round((host_gb + vllm_host_gb) * cfg.resources.workers_per_node, 1),
         "weight_sync": {"bytes_per_gpu": int(sync_bytes_per_gpu), "replicas": replicas,
                         "bytes_total": int(sync_bytes_per_gpu * cfg.rollout.tp * replicas)},
     }
+
+
+def _same_layout(a, b) -> bool:
+    return (a.tp, a.pp, a.dp, a.vpp) == (b.tp, b.pp, b.dp, b.vpp)
 
 
 def _layout_str(par) -> str:
@@ -218,8 +242,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, help="override resources.nodes (dp refills the pool)")
     parser.add_argument("--gpus-per-node", type=int, help="override resources.workers_per_node")
     parser.add_argument("--gpu-mem-gb", type=float, help="override resources.gpu_memory_gb")
-    parser.add_argument("--host-mem-gb", type=float, help="host RAM per node: refuse when the offloaded roles' pinned "
-                        "copies would not fit in 90%% of it (the sbatch passes the head node's MemTotal)")
+    parser.add_argument("--host-mem-gb", type=float, help="host RAM per node: refuse when the pinned host copies "
+                        "(offloaded roles, vLLM's sleeping weights with sleep_level 1) would not fit in 90%% of it "
+                        "(the sbatch passes the job's memory limit per node)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (peak_gpu_gb, per-role breakdown)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.parallel.tp=4")
 
@@ -239,11 +264,11 @@ def main(args: argparse.Namespace) -> int:
     host = getattr(args, "host_mem_gb", None)
     if host:
         result["host_mem_gb"] = host
-        result["host_fits"] = result["host_offload_gb_per_node"] <= 0.9 * host
+        result["host_fits"] = result["host_gb_per_node"] <= 0.9 * host
         if not result["host_fits"]:
-            host_msg = (f"offloaded roles need {result['host_offload_gb_per_node']:.0f} GB of pinned host memory per "
-                        f"node but the node has {host:.0f} GB (90% usable); offload fewer roles or add nodes "
-                        f"(more dp shards the optimizer states)")
+            host_msg = (f"offloaded roles and vLLM's sleeping weights need {result['host_gb_per_node']:.0f} GB of "
+                        f"pinned host memory per node but the node has {host:.0f} GB (90% usable); offload fewer "
+                        f"roles, set rollout.sleep_level=2, or add nodes (more dp shards the optimizer states)")
     if args.json:
         print(json.dumps(result))
     else:
@@ -290,8 +315,8 @@ def render(result: dict) -> str:
     ws = result["weight_sync"]
     lines.append(f"weight sync per step: {ws['bytes_per_gpu'] / GB:.2f} GB into each rollout GPU, "
                  f"{ws['bytes_total'] / GB:.1f} GB in all ({ws['replicas']} vLLM replicas)")
-    if result["host_offload_gb_per_gpu"]:
-        lines.append(f"host memory for offloaded roles: {result['host_offload_gb_per_gpu']:.1f} GB per GPU, "
-                     f"{result['host_offload_gb_per_node']:.0f} GB per node (pinned)")
+    if result["host_gb_per_node"]:
+        lines.append(f"pinned host memory: offloaded roles {result['host_offload_gb_per_gpu']:.1f} GB + vLLM asleep "
+                     f"{result['host_vllm_sleep_gb_per_gpu']:.1f} GB per GPU, {result['host_gb_per_node']:.0f} GB per node")
     lines.append(f"peak {result['peak_gpu_gb']:.1f} GB ({result['peak_phase']}): " + ("fits" if result["fits"] else "DOES NOT FIT"))
     return "\n".join(lines)

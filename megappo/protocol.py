@@ -8,7 +8,9 @@ A DataProto holds
 Every operation returns a new DataProto (only `pop` also changes `self`) and every result is
 validated: a tensor or array whose length differs from the others raises a one-line ValueError
 naming the key and both sizes. Tensors are not copied unless the operation has to (slicing gives
-views, as torch does). It is a plain picklable object, so it travels through Ray as is.
+views, as torch does). It is a plain picklable object, so it travels through Ray as is, and only
+with CPU tensors: pickling one that holds a device tensor raises (workers hand the driver CPU copies;
+a CUDA tensor would otherwise be unpickled onto a GPU the receiver may not have).
 """
 
 from __future__ import annotations
@@ -90,6 +92,13 @@ class DataProto:
         }
         self.meta_info = dict(self.meta_info or {})
         self.check()
+
+    def __getstate__(self) -> dict:
+        off = [f"{k} ({v.device})" for k, v in self.batch.items() if v.device.type != "cpu"]
+        if off:
+            raise ValueError(f"DataProto leaving this process holds device tensors: {', '.join(off)}; move them to "
+                             "the CPU first (`.cpu()`): the driver and Ray's object store take CPU tensors only")
+        return self.__dict__.copy()
 
     @classmethod
     def from_dict(

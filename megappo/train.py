@@ -3,7 +3,8 @@
 Starts a local Ray (or joins RAY_ADDRESS), builds the worker groups, runs `trainer.total_steps` steps
 (resuming from the newest complete checkpoint under <output_dir>/checkpoints with trainer.resume=auto),
 and writes <output_dir>/metrics.jsonl, tensorboard/ and reward_curve.png. Worker processes log to
-Ray's session dir (/tmp/ray/session_latest/logs), not to this terminal.
+Ray's session dir (/tmp/ray/session_latest/logs), not to this terminal. Exit code 75 after SIGTERM /
+SIGUSR1: the step in flight finished and was checkpointed; running the command again resumes.
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ import logging
 import os
 import sys
 import time
+
+
+# SIGTERM / SIGUSR1 stopped the run after a checkpoint: slurm/ray_on_slurm.sh requeues the job on it
+# (EX_TEMPFAIL: "try again later")
+EXIT_PREEMPTED = 75
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +52,24 @@ def start_ray(cfg) -> bool:
     return True
 
 
+def _one_line(e: BaseException) -> str:
+    """A failure as one line: a worker's exception (Ray's RayTaskError) by its cause, first line only."""
+    cause = getattr(e, "cause", None) or e
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[0] if text else ''}"
+
+
 def main(args: argparse.Namespace) -> int:
+    try:
+        return _main(args)
+    except Exception as e:  # noqa: BLE001 - the run failed: say why in one line (MEGAPPO_TRACEBACK=1 for more)
+        if os.environ.get("MEGAPPO_TRACEBACK"):
+            raise
+        print(f"megappo train: {_one_line(e)} (MEGAPPO_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+        return 1
+
+
+def _main(args: argparse.Namespace) -> int:
     _setup_env()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from megappo.config.loader import ConfigError, load_config
@@ -68,21 +91,26 @@ def main(args: argparse.Namespace) -> int:
         return 0
     import ray
 
+    from megappo.ppo.core_algos import algorithm_name
     from megappo.ppo.ray_trainer import RayPPOTrainer
 
     t0 = time.perf_counter()
-    started = start_ray(cfg)
-    trainer = None
-    try:
+    try:  # tokenizer, data, reward rules: checked before Ray or any worker starts
         trainer = RayPPOTrainer(cfg, show_progress=not args.no_progress)
-        print(f"megappo train: {cfg.trainer.mode} PPO, {cfg.trainer.total_steps} steps, model {cfg.model.path}, "
+    except (ValueError, FileNotFoundError) as e:
+        print(f"megappo train: {_one_line(e)}", file=sys.stderr)
+        return 2
+    started = start_ray(cfg)
+    try:
+        print(f"megappo train: {cfg.trainer.mode} {algorithm_name(cfg.algorithm.adv_estimator)}, "
+              f"{cfg.trainer.total_steps} steps, model {cfg.model.path}, "
               f"output {cfg.trainer.output_dir} (worker logs: /tmp/ray/session_latest/logs)", flush=True)
         trainer.init_workers()
         print(f"workers up in {time.perf_counter() - t0:.0f}s", flush=True)
         history = trainer.fit()
+        preempted = trainer.preempted
     finally:
-        if trainer is not None:
-            trainer.shutdown()
+        trainer.shutdown()
         if started:
             ray.shutdown()
     if history:
@@ -91,4 +119,4 @@ def main(args: argparse.Namespace) -> int:
         print(f"done in {time.perf_counter() - t0:.0f}s: objective/scores first-5 mean {sum(first) / len(first):.3f}"
               f" -> last-5 mean {sum(last) / len(last):.3f}", flush=True)
     print(f"metrics: {out}/metrics.jsonl, tensorboard: {out}/tensorboard, curve: {out}/reward_curve.png", flush=True)
-    return 0
+    return EXIT_PREEMPTED if preempted else 0

@@ -7,6 +7,10 @@
 #   -> Ray head on the first node, workers on the others (srun, fixed ports)
 #   -> wait (bounded) until every node's GPUs/CPUs are registered
 #   -> megappo train on the head; exit non-zero as soon as any srun step dies
+#   -> preemption: SIGUSR1 / SIGTERM to this script (Slurm's `--signal=B:USR1@120` before a time limit
+#      or preemption; scancel --signal=USR1 --batch) is passed to the driver, which finishes the step in
+#      flight, checkpoints and exits 75; the job is then requeued (`scontrol requeue`, needs
+#      `#SBATCH --requeue`) and the requeued run resumes from that checkpoint
 #   -> teardown on any exit.
 #
 # Environment (all optional):
@@ -15,7 +19,9 @@
 #   MEGAPPO_ROOT      checkout to run from (default: the directory sbatch was called from)
 #   MEGAPPO_ENV       what to activate: a venv dir, or a file to source (module loads, conda, container)
 #                     (default: $MEGAPPO_ROOT/.venv when it exists)
-#   NETWORK_INTERFACE interface whose IPv4 address Ray should use (default: the node's main address)
+#   NETWORK_INTERFACE interface whose IPv4 address Ray should use (default: the node's first non-loopback
+#                     address); also NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME unless those are set
+#   NCCL_IB_HCA, NCCL_SOCKET_IFNAME, ...  NCCL knobs are passed through to every Ray node as set
 #   RAY_PORT          head GCS port (default 6379); worker ports use RAY_MIN_WORKER_PORT..RAY_MAX_WORKER_PORT
 #   RAY_WAIT_S        how long to wait for the cluster to register (default 300)
 #   LOG_ROOT          where the job directory with per-node logs goes (default $MEGAPPO_ROOT/outputs/slurm)
@@ -61,9 +67,19 @@ python -c "import megappo" 2>"$JOB_DIR/preflight.err" \
 megappo config check --paths --config "$CONFIG" "${override_args[@]}" \
   || die "config check failed (message above); fix $CONFIG or OVERRIDES"
 NNODES=${SLURM_JOB_NUM_NODES:-1}
-GPUS_PER_NODE=${SLURM_GPUS_ON_NODE:-0}
+gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-0}}
+GPUS_PER_NODE=${gpus##*:}  # "h100:8" -> 8
+DEVICE=$(python -c "import sys; from megappo.config import load_config; print(load_config(sys.argv[1], sys.argv[2:]).resources.device)" \
+  "$CONFIG" "${override_args[@]}")
+if [[ "$DEVICE" == cuda && "$GPUS_PER_NODE" -lt 1 ]]; then
+  die "resources.device=cuda but this job has no GPUs (SLURM_GPUS_ON_NODE unset): submit with --gpus-per-node=N"
+fi
 if [[ "${SKIP_PLAN:-0}" != 1 ]]; then
-  HOST_MEM_GB=$(awk '/^MemTotal:/ {printf "%.0f", $2 / 1048576}' /proc/meminfo)  # nodes alike: the head's
+  # host RAM the job may use on a node: its Slurm limit (--mem; 0 = the whole node), else MemTotal
+  HOST_MEM_GB=$(awk '/^MemTotal:/ {printf "%.0f", $2 / 1048576}' /proc/meminfo)
+  if [[ -n "${SLURM_MEM_PER_NODE:-}" && "${SLURM_MEM_PER_NODE}" != 0 ]]; then
+    HOST_MEM_GB=$(( SLURM_MEM_PER_NODE / 1024 < HOST_MEM_GB ? SLURM_MEM_PER_NODE / 1024 : HOST_MEM_GB ))
+  fi
   megappo plan --config "$CONFIG" --nodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" --host-mem-gb "$HOST_MEM_GB" \
     "${override_args[@]}" > "$JOB_DIR/plan.txt" 2> "$JOB_DIR/plan.err" \
     || { cat "$JOB_DIR/plan.txt" "$JOB_DIR/plan.err"; die "the planner says this layout does not fit: $(tail -n 1 "$JOB_DIR/plan.err")"; }
@@ -73,15 +89,23 @@ log "preflight OK"
 # ---------- nodes and head address ----------
 mapfile -t nodes < <(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(hostname)}")
 head_node=${nodes[0]}
-node_ip() {  # the IPv4 address of node $1 (on NETWORK_INTERFACE when set)
+node_ip() {  # one IPv4 address of node $1: on NETWORK_INTERFACE when set, else its first non-loopback one
   if [[ -n "${NETWORK_INTERFACE:-}" ]]; then
-    srun --nodes=1 --ntasks=1 --overlap -w "$1" ip -4 -o addr show "$NETWORK_INTERFACE" | awk '{print $4}' | cut -d/ -f1
-  else
-    srun --nodes=1 --ntasks=1 --overlap -w "$1" hostname --ip-address | awk '{print $1}'
+    srun --nodes=1 --ntasks=1 --overlap -w "$1" ip -4 -o addr show "$NETWORK_INTERFACE" | awk '{print $4}' | cut -d/ -f1 | head -n 1
+  else  # `hostname --ip-address` may list several, or 127.0.1.1 from /etc/hosts
+    srun --nodes=1 --ntasks=1 --overlap -w "$1" hostname --all-ip-addresses | tr ' ' '\n' \
+      | grep -E '^[0-9]+(\.[0-9]+){3}$' | grep -v '^127\.' | head -n 1
   fi
 }
+if [[ -n "${NETWORK_INTERFACE:-}" ]]; then  # NCCL / gloo collectives over the same interface as Ray
+  export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$NETWORK_INTERFACE}
+  export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$NETWORK_INTERFACE}
+fi
 head_ip=$(node_ip "$head_node")
 [[ -n "$head_ip" ]] || die "could not resolve the IP of head node $head_node (set NETWORK_INTERFACE?)"
+srun --nodes=1 --ntasks=1 --overlap -w "$head_node" \
+  python -c "import socket, sys; socket.socket().bind(('', int(sys.argv[1])))" "$RAY_PORT" 2>/dev/null \
+  || die "RAY_PORT=$RAY_PORT is in use on $head_node (another Ray, or another service); set RAY_PORT to a free port"
 export RAY_ADDRESS="$head_ip:$RAY_PORT"
 log "head $head_node ($head_ip), ${#nodes[@]} node(s): ${nodes[*]}"
 
@@ -110,8 +134,10 @@ srun --nodes=1 --ntasks=1 --overlap -w "$head_node" \
 step_pids+=($!)
 sleep 5
 for node in "${nodes[@]:1}"; do
+  ip=$(node_ip "$node")
+  [[ -n "$ip" ]] || die "could not resolve the IP of node $node (set NETWORK_INTERFACE?)"
   srun --nodes=1 --ntasks=1 --overlap -w "$node" \
-    ray start --address="$RAY_ADDRESS" "${ray_args[@]}" "${res_args[@]}" \
+    ray start --address="$RAY_ADDRESS" --node-ip-address="$ip" "${ray_args[@]}" "${res_args[@]}" \
     > "$JOB_DIR/ray-worker-$node.log" 2>&1 &
   step_pids+=($!)
 done
@@ -142,15 +168,31 @@ PY
 done
 log "Ray cluster up: $have_gpus GPUs, $have_cpus CPUs"
 
-# ---------- train; stop at once if any srun step dies ----------
-megappo train --config "$CONFIG" "${override_args[@]}" > >(tee "$JOB_DIR/train.log") 2>&1 &
+# ---------- train; stop at once if any srun step dies; pass preemption signals on ----------
+EXIT_PREEMPTED=75  # megappo train: checkpointed after SIGTERM / SIGUSR1, resume by running it again
+megappo train --config "$CONFIG" "${override_args[@]}" > >(tee -a "$JOB_DIR/train.log") 2>&1 &
 train_pid=$!
+preempt() {
+  log "received $1: the driver finishes its step, checkpoints and stops"
+  kill "-$1" "$train_pid" 2>/dev/null || true
+}
+trap 'preempt USR1' USR1
+trap 'preempt TERM' TERM
 while kill -0 "$train_pid" 2>/dev/null; do
   if ! steps_alive; then
     kill "$train_pid" 2>/dev/null || true
     die "a Ray node's srun step died during training; see $JOB_DIR"
   fi
-  sleep 5
+  sleep 5 & wait $! || true  # in the background: a signal's trap runs at once, not after the sleep
 done
-wait "$train_pid"
+rc=0
+wait "$train_pid" || rc=$?
+if [[ "$rc" == "$EXIT_PREEMPTED" ]]; then
+  if [[ -n "${SLURM_JOB_ID:-}" ]] && scontrol requeue "$SLURM_JOB_ID"; then
+    log "preempted: checkpoint written, job $SLURM_JOB_ID requeued (restart ${SLURM_RESTART_COUNT:-0}); it resumes there"
+    exit 0
+  fi
+  die "preempted: checkpoint written, but the job could not be requeued (submit with --requeue); resubmit to resume"
+fi
+[[ "$rc" == 0 ]] || die "megappo train exited with $rc; see $JOB_DIR/train.log"
 log "training finished"

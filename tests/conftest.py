@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def tiny_assets() -> dict[str, Path]:
-    from megappo.testing import ensure_assets
+    from megappo.assets import ensure_assets
 
     return ensure_assets(REPO / "assets")
 
@@ -35,3 +35,23 @@ def ray_session():
                  namespace="megappo-tests")
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """The arithmetic task's parquet files (64 train / 8 val prompts) for the trainer tests."""
+    from megappo.data.preprocess_arithmetic import main
+
+    out = tmp_path_factory.mktemp("data")
+    main(["--out", str(out), "--train-size", "64", "--val-size", "8"])
+    return out
+
+
+@pytest.fixture(scope="session")
+def sync_baseline(ray_session, tiny_assets, data_dir, tmp_path_factory):
+    """One uninterrupted 4-step sync run of the trainer tests' config: (its metrics, its output dir).
+    The resume, restart and preemption tests must reproduce it step for step."""
+    from trainer_utils import config, run
+
+    out = tmp_path_factory.mktemp("sync_baseline")
+    return run(config(tiny_assets, data_dir, out)), out

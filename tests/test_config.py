@@ -32,8 +32,8 @@ def test_defaults_chain_and_overrides():
     assert cfg.reward.non_stop_penalty_value == -10.0
     # from the schema only
     assert cfg.trainer.worker_timeout_s == 600.0
-    # the file itself wins over its defaults
-    assert cfg.actor.parallel.tp == 2
+    # the file itself wins over its defaults (base.yaml: lr 1e-6)
+    assert cfg.actor.optim.lr == 3.0e-4
 
 
 def test_nested_defaults_chain(tmp_path):
@@ -42,7 +42,7 @@ def test_nested_defaults_chain(tmp_path):
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "base.yaml").write_text(f"defaults: [{TINY}]\ntrainer: {{seed: 5, total_steps: 2}}\n")
     cfg = load_config(tmp_path / "a" / "a.yaml")
-    assert (cfg.trainer.seed, cfg.trainer.total_steps, cfg.actor.parallel.tp) == (7, 2, 2)
+    assert (cfg.trainer.seed, cfg.trainer.total_steps, cfg.actor.optim.lr) == (7, 2, 3.0e-4)
 
 
 def test_defaults_loop(tmp_path):
@@ -60,13 +60,15 @@ INVALID = [
     (["trainer.total_steps=abc"], "trainer.total_steps"),
     (["critic.parallel.dp=1"], "tp*pp*dp = 1*1*1 = 1 but the pool has 2 workers"),
     (["ref.parallel.tp=2", "ref.parallel.dp=2"], "tp*pp*dp = 2*1*2 = 4 but the pool has 2"),
-    (["resources.workers_per_node=8", "actor.parallel.tp=8", "critic.parallel.dp=8", "ref.parallel.dp=8"],
+    (["resources.workers_per_node=8", "actor.parallel.tp=8", "actor.parallel.dp=1", "critic.parallel.dp=8",
+      "ref.parallel.dp=8"],
      "does not divide the model's 4 attention heads"),
-    (["resources.workers_per_node=4", "actor.parallel.tp=4", "critic.parallel.dp=4", "ref.parallel.dp=4"],
+    (["resources.workers_per_node=4", "actor.parallel.tp=4", "actor.parallel.dp=1", "critic.parallel.dp=4",
+      "ref.parallel.dp=4"],
      "does not divide the model's 2 key/value heads"),
-    (["model.arch.num_layers=3", "model.path=null", "actor.parallel.tp=1", "actor.parallel.pp=2"],
+    (["model.arch.num_layers=3", "model.path=null", "actor.parallel.dp=1", "actor.parallel.pp=2"],
      "does not divide the model's 3 layers"),
-    (["actor.parallel.tp=1", "actor.parallel.pp=2", "actor.parallel.vpp=4"], "pp*vpp = 8 does not divide"),
+    (["actor.parallel.dp=1", "actor.parallel.pp=2", "actor.parallel.vpp=4"], "pp*vpp = 8 does not divide"),
     (["actor.parallel.vpp=2"], "needs pipeline parallelism"),
     (["rollout.tp=4"], "rollout.tp=4 does not divide the actor world size (2)"),
     (["actor.ppo_mini_batch_size=12"], "does not divide the 128 sequences"),
@@ -74,8 +76,8 @@ INVALID = [
     (["actor.loss_agg_mode=mean"], "choose one of: token-mean"),
     (["algorithm.adv_estimator=grpo", "rollout.n=1", "data.train_batch_size=32"], "set rollout.n>=2"),
     (["rollout.temperature=0"], "must be > 0"),
-    (["rollout.weight_load=fast"], "is not one of auto, reload, direct"),
-    (["rollout.cpu_linear=onednn"], "is not one of packed, plain"),
+    (["rollout.weight_load=fast"], "choose one of: auto, reload, direct"),
+    (["rollout.cpu_linear=onednn"], "choose one of: packed, plain"),
     (["rollout.weight_load=reload", "rollout.cpu_linear=plain"], "needs rollout.weight_load=direct"),
     (["trainer.mode=async"], "resources.rollout_workers>=1"),
     (["trainer.loggers=[console,mlflow]"], "unknown logger 'mlflow'"),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tools.convert_ckpt import ConvertError, hf_to_mcore, mcore_to_hf
-from megappo.testing import hf_response_logprobs
+from megappo.assets import hf_response_logprobs
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = [
@@ -144,13 +144,13 @@ def _critic_worker(rank, world, port, ckpt, save_dir, rows):
 
     from megappo.parallel.layout import ParallelLayout
     from megappo.parallel.megatron_init import destroy, init_distributed, init_megatron
-    from megappo.scoring import build_batch
+    from megappo.logprobs import build_batch
     from megappo.workers.megatron_engine import EngineConfig, MegatronEngine
 
     layout = ParallelLayout(tp=2)
     init_distributed(rank, world, "127.0.0.1", port)
     init_megatron(layout)
-    eng = MegatronEngine(ckpt, layout, EngineConfig(role="critic"))
+    eng = MegatronEngine(ckpt, layout, EngineConfig(head="value"))
     ids, mask, resp = build_batch(rows)
     out = eng.forward_only({"input_ids": ids, "attention_mask": mask}, response_length=resp, micro_batch_size=len(rows),
                            compute_entropy=False)

@@ -261,3 +261,152 @@ def test_core_algos_is_pure_torch():
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not imported & {"ray", "megatron", "vllm"}
+
+
+def test_estimator_table_has_exactly_the_config_choices():
+    from megappo.config.schema import CHOICES
+
+    assert tuple(ca.ADV_ESTIMATORS) == CHOICES["algorithm.adv_estimator"]
+    with pytest.raises(ValueError, match="unknown algorithm.adv_estimator 'nope'"):
+        ca.compute_advantages(torch.zeros(2, 3), torch.ones(2, 3), SimpleNamespace(adv_estimator="nope"))
+
+
+def test_policy_loss_micro_batches_sum_to_the_mini_batch_loss():
+    """PolicyLoss returns a SUM; divided by the mini-batch's normaliser the micro-batches add up to
+    the loss of the whole mini-batch (core_algos with its own count), entropy and KL terms included."""
+    from megappo.ppo.losses import PolicyLoss, ValueLoss
+
+    g = torch.Generator().manual_seed(0)
+    B, T = 6, 5
+    mask = (torch.rand(B, T, generator=g) > 0.3).float()
+    mask[:, 0] = 1
+    mb = {"old_log_probs": -torch.rand(B, T, generator=g), "advantages": torch.randn(B, T, generator=g),
+          "response_mask": mask, "ref_log_prob": -torch.rand(B, T, generator=g),
+          "values": torch.randn(B, T, generator=g), "returns": torch.randn(B, T, generator=g)}
+    outs = {"logprobs": -torch.rand(B, T, generator=g), "entropy": torch.rand(B, T, generator=g),
+            "values": torch.randn(B, T, generator=g)}
+    for loss in (PolicyLoss(loss_agg_mode="seq-mean-token-mean", entropy_coeff=0.01, use_kl_loss=True,
+                            kl_loss_coef=0.1), PolicyLoss(), ValueLoss(cliprange_value=0.5)):
+        norm, n_tokens = loss.normalizer(mask), float(mask.sum())
+        parts = [loss({k: v[i:i + 2] for k, v in outs.items()}, {k: v[i:i + 2] for k, v in mb.items()},
+                      norm=norm, n_tokens=n_tokens) for i in range(0, B, 2)]
+        whole, metrics = loss(outs, mb, norm=norm, n_tokens=n_tokens)
+        torch.testing.assert_close(sum(p[0] for p in parts), whole)
+        for k in metrics:  # every metric is additive over micro-batches
+            torch.testing.assert_close(sum(torch.as_tensor(p[1][k]) for p in parts), torch.as_tensor(metrics[k]))
+        if isinstance(loss, ValueLoss):
+            ref, _ = ca.compute_value_loss(outs["values"], mb["values"], mb["returns"], mask, 0.5)
+        else:
+            ref, *_ = ca.compute_policy_loss(mb["old_log_probs"], outs["logprobs"], mb["advantages"], mask,
+                                             loss.clip_ratio, loss.clip_ratio_c, loss.loss_agg_mode)
+            if loss.use_kl_loss:
+                ref = ref - 0.01 * ca.compute_entropy_loss(outs["entropy"], mask, loss.loss_agg_mode) + \
+                    0.1 * ca.agg_loss(ca.kl_penalty(outs["logprobs"], mb["ref_log_prob"], "k3"), mask,
+                                      loss.loss_agg_mode)
+        torch.testing.assert_close(whole / norm, ref)
+
+
+# ---- what a verl user expects (issue: algorithms) -----------------------------------------------------
+
+def test_adaptive_kl_controller_holds_the_per_token_target_on_long_responses():
+    """The controller sees each response's token-mean KL (verl's convention), so a long response at the
+    target KL per token leaves beta alone; above it, beta grows at the clipped rate, whatever T is."""
+    B, T = 4, 200
+    mask = torch.ones(B, T)
+    scores = torch.zeros(B, T)
+    ref = torch.zeros(B, T)
+    ctl = ca.AdaptiveKLController(0.05, target_kl=0.1, horizon=100)
+    for _ in range(5):  # exactly on target per token (summed over 200 tokens it would be 20x the target)
+        _, m = ca.apply_kl_penalty(scores, ref + 0.1, ref, mask, ctl, kind="k1")
+    assert ctl.value == pytest.approx(0.05) and m["objective/kl_token_mean"] == pytest.approx(0.1)
+    assert m["objective/kl"] == pytest.approx(20.0)  # open-instruct's objective/kl stays the summed KL
+    trajectory = []
+    for _ in range(3):  # twice the target: error clipped at 0.2, beta *= 1 + 0.2 * B / horizon per update
+        ca.apply_kl_penalty(scores, ref + 0.2, ref, mask, ctl, kind="k1")
+        trajectory.append(ctl.value)
+    assert trajectory == pytest.approx([0.05 * 1.008 ** k for k in (1, 2, 3)])
+    half = ca.AdaptiveKLController(0.05, target_kl=0.1, horizon=100)  # shorter responses, same per-token KL
+    ca.apply_kl_penalty(scores[:, :10], ref[:, :10] + 0.2, ref[:, :10], mask[:, :10], half, kind="k1")
+    assert half.value == pytest.approx(trajectory[0])
+
+
+def test_kl_estimator_aliases_and_abs():
+    logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
+    for alias, kind in (("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3")):
+        assert torch.equal(ca.kl_penalty(logp, ref, alias), ca.kl_penalty(logp, ref, kind))
+    assert ca.kl_penalty(logp, ref, "abs").tolist() == [0.5, 1.0]
+
+
+def test_gae_with_gapped_masks_matches_a_loop_over_the_valid_tokens():
+    g = torch.Generator().manual_seed(3)
+    B, T = 5, 9
+    mask = (torch.rand(B, T, generator=g) > 0.35).float()
+    mask[:, 0] = 1
+    rewards, values = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    adv, ret = ca.compute_gae_advantages(rewards, values, mask, gamma=0.9, lam=0.8, whiten=False)
+    for b in range(B):
+        idx = mask[b].nonzero()[:, 0].tolist()  # the valid tokens, gaps squeezed out
+        r, v = rewards[b, idx], values[b, idx]
+        a, last = torch.zeros(len(idx)), 0.0
+        for k in reversed(range(len(idx))):
+            nxt = v[k + 1] if k + 1 < len(idx) else 0.0
+            last = r[k] + 0.9 * nxt - v[k] + 0.9 * 0.8 * last
+            a[k] = last
+        torch.testing.assert_close(adv[b, idx], a)
+        torch.testing.assert_close(ret[b, idx], a + v)
+        assert adv[b][mask[b] == 0].abs().sum() == 0
+    # right padding alone (no gaps): exactly the plain recursion, as before
+    right = torch.tensor([[1.0, 1, 1, 0, 0]])
+    a2, _ = ca.compute_gae_advantages(torch.tensor([[0.0, 0, 1, 0, 0]]), torch.tensor([[0.5, 0.4, 0.3, 9, 9]]),
+                                      right, gamma=1.0, lam=1.0, whiten=False)
+    torch.testing.assert_close(a2, torch.tensor([[0.5, 0.6, 0.7, 0.0, 0.0]]))
+
+
+def test_new_estimators_on_a_hand_worked_batch():
+    # two prompts x 3 responses; outcome reward on the last token; lengths 2,3,1 and 3,3,2
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1], [1, 1, 1], [1, 1, 0]], dtype=torch.float32)
+    s = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 2.0])
+    rewards = torch.zeros(6, 3)
+    for i, n in enumerate(mask.sum(-1).long().tolist()):
+        rewards[i, n - 1] = s[i]
+    index = ["a", "a", "a", "b", "b", "b"]
+    algo = SimpleNamespace(gamma=1.0, lam=1.0, whiten_advantages=False, norm_adv_by_std_in_grpo=False)
+    # REINFORCE++-baseline: group mean removed, then whitened over the batch's tokens
+    algo.adv_estimator = "reinforce_plus_plus_baseline"
+    rb, _ = ca.compute_advantages(rewards, mask, algo, index=index)
+    centred = (s - torch.tensor([0.5] * 3 + [2 / 3] * 3)).unsqueeze(-1) * mask
+    torch.testing.assert_close(rb, ca.masked_whiten(centred, mask) * mask)
+    # GPG: alpha = B / nonzero = 6 / 3
+    algo.adv_estimator = "gpg"
+    gpg, _ = ca.compute_advantages(rewards, mask, algo, index=index)
+    torch.testing.assert_close(gpg[:, 0], 2.0 * (s - torch.tensor([0.5] * 3 + [2 / 3] * 3)))
+    # OPO: length-weighted group baseline: a: (2*1 + 3*0 + 1*.5)/6; b: (0 + 0 + 2*2)/8
+    algo.adv_estimator = "opo"
+    opo, _ = ca.compute_advantages(rewards, mask, algo, index=index)
+    torch.testing.assert_close(opo[:, 0], s - torch.tensor([2.5 / 6] * 3 + [0.5] * 3))
+    # pass@k: only each group's best learns, best - second best (no std normalisation here)
+    algo.adv_estimator = "grpo_passk"
+    pk, _ = ca.compute_advantages(rewards, mask, algo, index=index)
+    torch.testing.assert_close(pk[:, 0], torch.tensor([0.5, 0, 0, 0, 0, 2.0]))
+    # ReMax: reward-to-go minus the greedy response's reward
+    algo.adv_estimator = "remax"
+    rm, ret = ca.compute_advantages(rewards, mask, algo, baselines=torch.full((6,), 0.25))
+    torch.testing.assert_close(ret[:, 0], s)
+    torch.testing.assert_close(rm, (s.unsqueeze(-1) - 0.25) * mask)
+    # Dr. GRPO: no std normalisation, and the loss is not normalised per response length
+    algo.adv_estimator = "grpo"
+    dr, _ = ca.compute_advantages(rewards, mask, algo, index=index)
+    torch.testing.assert_close(dr[:, 0], s - torch.tensor([0.5] * 3 + [2 / 3] * 3))
+    loss = torch.ones(6, 3)
+    assert ca.loss_normalizer(mask, "seq-mean-token-sum-norm") == 18.0  # 6 sequences x T = 3
+    assert ca.agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(mask.sum().item() / 18)
+
+
+def test_ppo_kl_is_k1_and_approx_kl_is_k2():
+    from megappo.ppo.losses import PolicyLoss
+
+    old, new = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+    mb = {"old_log_probs": old, "advantages": torch.ones(1, 2), "response_mask": torch.ones(1, 2)}
+    _, m = PolicyLoss()({"logprobs": new}, mb, norm=2.0, n_tokens=2.0)
+    assert m["actor/ppo_kl"].item() == pytest.approx(((-1.0 + 1.5) + (-2.0 + 1.0)) / 2)  # mean(old - new)
+    assert m["actor/approx_kl"].item() == pytest.approx((0.5 * 0.25 + 0.5 * 1.0) / 2)

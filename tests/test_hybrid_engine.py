@@ -101,16 +101,18 @@ def _job(rank, world, port, model_dir, layout_name, rollout_tp, weight_load, cpu
     from megappo.protocol import DataProto
     from megappo.workers.megatron_engine import EngineConfig, MegatronEngine, OptimConfig
     from megappo.workers.rollout.hybrid_engine import HybridEngine, WeightSyncError
+    from megappo.workers.rollout.sampling import SamplingSpec
     from megappo.workers.rollout.vllm_rollout import VLLMRollout, left_pad
 
     layout = ParallelLayout(**LAYOUTS[layout_name])
     init_distributed(rank, world, master_port=port)
     init_megatron(layout, seed=7)
-    engine = MegatronEngine(model_dir, layout, EngineConfig(role="actor", optim=OptimConfig(
+    engine = MegatronEngine(model_dir, layout, EngineConfig(head="lm", optim=OptimConfig(
         lr=3e-3, distributed_optimizer=True)))
     cfg = RolloutConfig(tp=rollout_tp, n=1, temperature=1.0, max_new_tokens=10, kv_cache_memory_mb=16,
                         weight_load=weight_load, cpu_linear=cpu_linear)
     rollout = VLLMRollout(model_dir, cfg, seed=0, dtype="float32", max_model_len=256)
+    spec = SamplingSpec(temperature=0.8, max_new_tokens=10)
     # a small bucket so the sync really streams many buckets (fused groups kept together)
     hybrid = HybridEngine(engine, rollout, bucket_mb=0.15, transport=transport)
     tok = rollout.tokenizer
@@ -130,9 +132,9 @@ def _job(rank, world, port, model_dir, layout_name, rollout_tp, weight_load, cpu
         rng_before = torch.get_rng_state().clone()
         with hybrid:
             greedy = hybrid.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch,
-                                                         {"do_sample": False}))
+                                                         {"sampling": spec.greedy()}))
             sampled = hybrid.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch,
-                                                          {"temperature": 0.8, "seed": 100 + step}))
+                                                          {"sampling": spec.with_seed(100 + step)}))
         assert torch.equal(torch.get_rng_state(), rng_before), "trainer RNG state not restored"
         metrics = dict(hybrid.metrics)
         par_g = hybrid.logprob_parity(greedy, micro_batch_size=3)

@@ -10,7 +10,7 @@ from megappo.parallel.layout import ParallelLayout
 
 from test_megatron_engine import R, make_batch, pg_loss, to_hf  # noqa: E402
 
-OPTIM = dict(lr=1e-3, adam_eps=1e-6, clip_grad=1.0, lr_schedule="cosine", warmup_steps=1, total_steps=10)
+OPTIM = dict(lr=1e-3, adam_eps=1e-6, clip_grad=1.0, lr_schedule="cosine", warmup_steps=1)
 
 
 def _worker(rank, world, port, path, ckpt):
@@ -23,7 +23,7 @@ def _worker(rank, world, port, path, ckpt):
     b1 = make_batch()
     b2 = dict(b1, advantages=-b1["advantages"].flip(0))
     norm = b1["response_mask"].sum().item()
-    cfg = EngineConfig(optim=OptimConfig(**OPTIM))
+    cfg = EngineConfig(optim=OptimConfig(**OPTIM), schedule_steps=10)
 
     def snapshot(eng, metrics):
         return {"params": {k: v.detach().clone() for k, v in eng.named_parameters_global()},

@@ -141,6 +141,15 @@ def _offload_worker(rank, world, port, path):
         report["freed"].append(off.offload_stats["device_bytes_freed"])
         report["storages_empty"].append(off.offloaded and all(
             p.untyped_storage().nbytes() == 0 for _, p in off.named_parameters_global()))
+    with off.resident(parts=["params"]):  # a weight sync's view: the weights only, optimizer and grads stay off
+        states = [v for st in off.optimizer.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        grads = [b.grad_data for b in off.model[0].buffers]
+        report["params_only"] = (all(p.untyped_storage().nbytes() > 0 for _, p in off.named_parameters_global())
+                                 and all(t.untyped_storage().nbytes() == 0 for t in states + grads)
+                                 and all(torch.equal(p, q) for (_, p), (_, q) in zip(
+                                     plain.named_parameters_global(), off.named_parameters_global())))
+    report["params_only_offloaded_after"] = off.offloaded and all(
+        p.untyped_storage().nbytes() == 0 for _, p in off.named_parameters_global())
     with off.resident():  # weights and Adam states came back exactly
         report["params_equal"] = all(torch.equal(p, q) for (_, p), (_, q) in zip(
             plain.named_parameters_global(), off.named_parameters_global()))
@@ -169,6 +178,7 @@ def test_offload_round_trip_is_exact(tiny_assets):
         # params + grads (fp32 buffer) + two Adam states (sharded or not, each >= its shard share)
         assert min(r["freed"]) >= 2 * r["param_bytes"], (r["freed"], r["param_bytes"])
         assert r["params_equal"] and r["adam_equal"] and r["resident_inside"]
+        assert r["params_only"] and r["params_only_offloaded_after"]
         assert r["offloaded_after"] and r["ref_forward_ran_offloaded_after"]
         assert r["ref_is_initial_weights"] and r["ref_forward_equal"]
 
@@ -212,3 +222,36 @@ def test_sequence_parallel_and_recompute_match_plain_tp2(tiny_assets):
             assert (v["logprobs"] - base["logprobs"]).abs().max() <= 1e-6, name
             for k, p in base["params"].items():
                 assert torch.allclose(v["params"][k], p, rtol=0, atol=1e-7), (name, k)
+
+
+# ---- right alignment (no mask tensor, no all-padding columns) ----------------------------------
+
+
+def test_right_align_moves_rows_to_column_zero_and_maps_response_outputs():
+    from megappo.workers.megatron_engine import right_align
+
+    # rows: [pads | prompt | response | pads], S = 7, R = 3
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 0],
+                        [0, 4, 5, 6, 7, 8, 9],
+                        [0, 0, 0, 6, 7, 0, 0]])
+    mask = (ids > 0).long()
+    out = right_align({"input_ids": ids, "attention_mask": mask, "x": torch.arange(3)}, response_length=3)
+    # cut to the longest row (6 tokens); every row starts at column 0
+    assert out["input_ids"].tolist() == [[5, 6, 7, 8, 0, 0], [4, 5, 6, 7, 8, 9], [6, 7, 0, 0, 0, 0]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0], [1] * 6, [1, 1, 0, 0, 0, 0]]
+    assert out["position_ids"][1].tolist() == list(range(6)) and out["position_ids"][0, :4].tolist() == [0, 1, 2, 3]
+    # response token j sat at column S-R+j = 4+j; its logits come from the column before it, shifted
+    assert out["_targets"].tolist() == ids[:, 4:].tolist()
+    assert out["_out_index"].tolist() == [[1, 2, 3], [2, 3, 4], [0, 1, 2]]
+    for b in range(3):  # the predicting column holds the token right before the response token
+        for j in range(3):
+            if mask[b, 4 + j]:
+                assert out["input_ids"][b, out["_out_index"][b, j]] == ids[b, 3 + j]
+    assert torch.equal(out["x"], torch.arange(3))  # other keys untouched
+    # sequence parallel needs a multiple of tp
+    assert right_align({"input_ids": ids, "attention_mask": mask}, 3, seq_multiple=4)["input_ids"].shape[1] == 8
+    with pytest.raises(ValueError, match="one contiguous run"):
+        right_align({"input_ids": ids, "attention_mask": torch.tensor([[0, 1, 0, 1, 1, 1, 1]] * 3)}, 3)
+    # a row shorter than the response window (scoring batches): its columns there are padding, clamped
+    short = right_align({"input_ids": ids, "attention_mask": torch.tensor([[0, 0, 0, 0, 0, 1, 1]] * 3)}, 3)
+    assert short["_out_index"][0].tolist() == [0, 0, 0]

@@ -46,8 +46,9 @@ def _worker(rank, world, port, paths):
         mbs = n // (2 if layout.pp > 1 else 1)
         for fam in FAMILIES:
             for role in ("actor", "critic") if li == 0 else ("actor",):
-                eng = MegatronEngine(paths[fam], layout, EngineConfig(role=role, temperature=TEMPERATURE, seed=SEED))
-                res = eng.forward_only(batch, response_length=R, micro_batch_size=mbs)
+                head = {"actor": "lm", "critic": "value"}[role]
+                eng = MegatronEngine(paths[fam], layout, EngineConfig(head=head, seed=SEED))
+                res = eng.forward_only(batch, response_length=R, micro_batch_size=mbs, temperature=TEMPERATURE)
                 if res is not None and mpu.get_tensor_model_parallel_rank() == 0:
                     out["results"][(li, fam, role, dp)] = res
                 del eng

@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from megappo.testing import hf_response_logprobs
+from megappo.assets import hf_response_logprobs
 
 ROWS = [
     {"input_ids": [5, 17, 300, 42, 9, 77, 12, 999, 3], "response_start": 4},

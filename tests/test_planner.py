@@ -33,9 +33,12 @@ def test_7b_matches_hand_calculation():
     # the critic swaps the 32000-row output layer for a 1 x 4096 value head
     critic_params = params - 32_768_000 + 4_096
     assert result["roles"]["critic"]["params_per_gpu_m"] == round(critic_params / 1e6, 1)
-    # rollout phase = everything resident (no offload) + vLLM's 0.4 * 80 GB + 3 GB overhead
+    # rollout phase = everything resident (no offload; the trained roles' allocators keep their activation
+    # peak cached) + vLLM's 0.4 * 80 GB + 3 GB + a 0.6 GB CUDA context per process (actor+rollout+ref, critic)
     resident = (2 + 4 + 6) * params / GB + (2 + 4 + 6) * critic_params / GB + 2 * params / GB
-    assert abs(result["phases_gb"]["rollout"] - (resident + 0.4 * 80 + 3.0)) < 0.01
+    activations = result["roles"]["actor"]["activations_gb"] + result["roles"]["critic"]["activations_gb"]
+    assert result["processes_per_gpu"] == 2
+    assert abs(result["phases_gb"]["rollout"] - (resident + activations + 0.4 * 80 + 3.0 + 2 * 0.6)) < 0.02
     assert result["peak_gpu_gb"] == max(result["phases_gb"].values())
     # weight sync: bf16 weights of the whole model / rollout tp 2 into every rollout GPU
     total = 32 * 202_383_360 + 2 * 32000 * 4096 + 4096
@@ -54,9 +57,18 @@ def test_offload_frees_the_role_outside_its_phase():
 
 
 def test_shipped_70b_fits_80gb():
-    result = plan(load_config(REPO / "configs/ppo_70b.yaml"))
+    cfg = load_config(REPO / "configs/ppo_70b.yaml")
+    result = plan(cfg)
     assert result["gpus"] == 64 and result["gpu_mem_gb"] == 80
     assert result["fits"] and result["peak_gpu_gb"] <= 80
+    # the weight sync: vLLM's weights awake (no KV cache yet) + the offloaded actor's weights only (no grads,
+    # no optimizer states) + two 256 MB resharder buckets + overhead (3 GB + 2 CUDA contexts)
+    sync = result["roles"]["actor"]["weights_gb"] + result["roles"]["rollout"]["weights_gb"] + 0.5 + 3.0 + 2 * 0.6
+    assert abs(result["phases_gb"]["weight_sync"] - sync) < 0.02 and sync < 80
+    # sleep level 1 would keep vLLM's weights in pinned host memory too: 8 GPUs x 16.4 GB more per node
+    cfg.rollout.sleep_level = 1
+    level1 = plan(cfg)
+    assert abs(level1["host_gb_per_node"] - result["host_gb_per_node"] - 8 * result["roles"]["rollout"]["weights_gb"]) < 0.2
     # every role offloaded: host holds bf16 weights (2 B) of all three + fp32 main/Adam (12 B / dp) of
     # actor and critic; grads are dropped, not copied
     r = result["roles"]
@@ -102,3 +114,15 @@ def test_host_memory_for_offload_checked_against_the_node():
     assert "256 GB" in small.stderr
     big = _plan_cli("--config", "configs/ppo_70b.yaml", "--host-mem-gb", "1024", "--json")
     assert big.returncode == 0 and json.loads(big.stdout)["host_fits"]
+
+
+def test_gpu_check_reads_the_pins_and_skips_without_a_gpu():
+    sys.path.insert(0, str(REPO))
+    from tools.gpu_check import pinned_versions
+
+    pins = pinned_versions()
+    assert pins["vllm"] == "==0.32.0" and pins["torch"] == "==2.13.0" and pins["megatron-core"] == "==0.16.1"
+    assert pins["transformer-engine"] == "==2.11.0" and pins["transformers"].startswith(">=")
+    res = subprocess.run([sys.executable, "tools/gpu_check.py"], cwd=REPO, capture_output=True, text=True,
+                         env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert res.returncode == 0 and "gpu-check: skipped" in res.stdout, res.stdout + res.stderr

@@ -30,7 +30,8 @@ def test_step_metrics_names_and_definitions():
     b = _batch()
     reward = {"objective/scores": 0.4, "objective/verifiable_correct_rate": 0.25, "reward/stop_rate": 2 / 3}
     kl = {"objective/kl": 2.0, "objective/kl_coef": 0.1, "objective/non_score_reward": -0.2}
-    actor = {"actor/pg_loss": 0.3, "actor/ppo_kl": 0.01, "actor/pg_clipfrac": 0.05, "actor/lr": 1e-4}
+    actor = {"actor/pg_loss": 0.3, "actor/approx_kl": 0.01, "actor/ppo_kl": 0.02, "actor/pg_clipfrac": 0.05,
+             "actor/lr": 1e-4}
     critic = {"critic/vf_loss": 0.7}
     m = step_metrics(step=3, batch=b, reward_metrics=reward, kl=kl, actor=actor, critic=critic, prompts_per_step=8,
                      responses_per_step=32, dataset_size=64, step_s=1.5, since_start_s=10.0)
@@ -47,7 +48,8 @@ def test_step_metrics_names_and_definitions():
     # no KL in the reward: the reward is the score
     m2 = step_metrics(step=1, batch=b, reward_metrics=reward, kl={}, actor=actor, critic={}, prompts_per_step=8,
                       responses_per_step=32, dataset_size=64, step_s=1.0, since_start_s=1.0)
-    assert m2["objective/rlhf_reward"] == 0.4 and m2["objective/kl"] == 0.0 and m2["loss/value_avg"] == 0.0
+    assert m2["objective/rlhf_reward"] == 0.4 and m2["objective/kl"] == 0.0
+    assert "loss/value_avg" not in m2 and m2["objective/loss"] == 0.3  # no critic, no value loss
 
 
 def test_parity_and_data_metrics():

@@ -337,3 +337,15 @@ def test_pickle_roundtrip():
     assert back.batch["half"].dtype == torch.bfloat16 and back.batch["mask"].dtype == torch.bool
     assert back.non_tensor_batch["num"].dtype == np.int32
     assert back.non_tensor_batch["extra"][1] == {"i": 1, "tags": [1, 2]}
+
+
+def test_only_cpu_tensors_leave_a_process():
+    """The DataProto boundary: a batch holding a device tensor refuses to be pickled (Ray, all_gather_object),
+    naming the key, so a worker that forgets `.cpu()` fails at once instead of on the driver's missing GPU."""
+    import pickle
+
+    d = DataProto.from_dict({"ok": torch.zeros(2, 3), "logprobs": torch.zeros(2, 3, device="meta")})
+    with pytest.raises(ValueError, match=r"device tensors: logprobs \(meta\).*move them to the CPU"):
+        pickle.dumps(d)
+    back = pickle.loads(pickle.dumps(d.select(batch_keys=["ok"])))
+    assert torch.equal(back.batch["ok"], torch.zeros(2, 3))

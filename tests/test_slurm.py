@@ -49,30 +49,64 @@ def test_unknown_key_fails_in_preflight(slurm, tmp_path):
     assert "unknown config key 'trainer.totl_steps': did you mean trainer.total_steps?" in log, log
 
 
-def test_tiny_ppo_two_steps_through_the_bootstrap(slurm, tmp_path):
-    """The same bootstrap the 70B job uses: preflight -> Ray via srun -> megappo train -> teardown."""
+def test_cuda_job_without_gpus_is_refused(slurm, tmp_path):
+    rc, log = slurm.sbatch(str(REPO / "slurm/ppo_tiny.sbatch"), cwd=REPO,
+                           env={"OVERRIDES": "resources.device=cuda", "LOG_ROOT": str(tmp_path)})
+    assert rc != 0
+    assert "resources.device=cuda but this job has no GPUs (SLURM_GPUS_ON_NODE unset): submit with " \
+           "--gpus-per-node=N" in log, log
+    assert not list(tmp_path.glob("*/ray-head-*.log"))
+
+
+def _squeue(slurm, fmt: str) -> list[str]:
+    return subprocess.run(["squeue", "-h", "-o", fmt], env=slurm.env, capture_output=True, text=True).stdout.split()
+
+
+def test_preempted_job_requeues_and_finishes_like_an_uninterrupted_run(slurm, sync_baseline, tiny_assets, data_dir,
+                                                                       tmp_path):
+    """The bootstrap the 70B job uses (preflight -> Ray via srun -> megappo train -> teardown), preempted:
+    USR1 to the batch script mid-run (what `--signal=B:USR1@120` sends) -> the driver finishes its step,
+    checkpoints, exits 75 -> `scontrol requeue` -> the requeued job resumes and finishes at total_steps
+    with the metrics of an uninterrupted run of the same config, step for step."""
     import json
     import socket
+    import threading
 
-    from megappo.data import preprocess_arithmetic
-    from megappo.testing import ensure_assets
+    from trainer_utils import assert_same_steps, overrides
 
-    ensure_assets(REPO / "assets", demo=True)
-    preprocess_arithmetic.main(["--out", str(tmp_path / "data"), "--train-size", "64", "--val-size", "16"])
+    baseline, _ = sync_baseline
     out = tmp_path / "run"
-    overrides = [
-        "trainer.total_steps=2", "trainer.save_every=0", "trainer.val_every=0", f"trainer.output_dir={out}",
-        f"data.train_files=[{tmp_path / 'data/arith_train.parquet'}]",
-        f"data.val_files=[{tmp_path / 'data/arith_val.parquet'}]",
-    ]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    rc, log = slurm.sbatch(str(REPO / "slurm/ppo_tiny.sbatch"), cwd=REPO, timeout=900,
-                           env={"OVERRIDES": " ".join(overrides), "LOG_ROOT": str(tmp_path / "logs"),
-                                "RAY_PORT": str(port), "RAY_NUM_CPUS": "4"})
+    result = {}
+
+    def submit():
+        result["rc"], result["log"] = slurm.sbatch(
+            str(REPO / "slurm/ppo_tiny.sbatch"), cwd=REPO, timeout=1200,
+            env={"OVERRIDES": " ".join(overrides(tiny_assets, data_dir, out)), "LOG_ROOT": str(tmp_path / "logs"),
+                 "RAY_PORT": str(port), "RAY_NUM_CPUS": "4"})
+
+    job = threading.Thread(target=submit)
+    job.start()
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and metrics.read_text().strip()):  # step 1 logged: 3 steps to go
+        assert time.monotonic() < deadline and job.is_alive(), result.get("log", "")[-3000:]
+        time.sleep(1)
+    (job_id,) = _squeue(slurm, "%i")
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm.env, check=True)
+    while "PENDING" not in _squeue(slurm, "%T"):  # requeued (Slurm holds a requeued job for 2 min: release it)
+        assert time.monotonic() < deadline and job.is_alive(), result.get("log", "")[-3000:]
+        time.sleep(1)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm.env, check=True)
+    job.join(timeout=900)
+    rc, log = result["rc"], result["log"]
     assert rc == 0, log[-3000:]
-    assert "preflight OK" in log and "Ray cluster up" in log and "training finished" in log
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "objective/scores" in r] == [1, 2]
-    assert list((tmp_path / "logs").glob("*/ray-head-*.log")) and list((tmp_path / "logs").glob("*/train.log"))
+    assert "preflight OK" in log and "Ray cluster up" in log
+    assert "received USR1" in log and f"job {job_id} requeued" in log and "training finished" in log
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # each step once, across both runs of the job
+    assert_same_steps(baseline, [{k: v for k, v in r.items() if k != "step"} for r in rows])
+    train_log = next((tmp_path / "logs").glob("*/train.log")).read_text()
+    assert "USR1" in train_log and "resumed from" in train_log

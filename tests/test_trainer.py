@@ -23,60 +23,16 @@ import pytest
 
 from megappo.ppo.metrics import OPEN_INSTRUCT_KEYS
 
+from trainer_utils import assert_same_steps, config as _config, run as _run
+
 REPO_CONFIG = "configs/ppo_tiny.yaml"
-# metrics that legitimately differ between two runs of the same steps
-NONDETERMINISTIC = ("time/", "timing/")
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from megappo.data.preprocess_arithmetic import main
-
-    out = tmp_path_factory.mktemp("data")
-    main(["--out", str(out), "--train-size", "64", "--val-size", "8"])
-    return out
-
-
-def _config(tiny_assets, data_dir, out, *extra):
-    from pathlib import Path
-
-    from megappo.config.loader import load_config
-
-    repo = Path(__file__).resolve().parents[1]
-    overrides = [
-        f"model.path={tiny_assets['tiny-llama']}",
-        f"data.train_files=[{data_dir / 'arith_train.parquet'}]", f"data.val_files=[{data_dir / 'arith_val.parquet'}]",
-        "data.train_batch_size=4", "rollout.n=2", "rollout.max_new_tokens=8", "rollout.kv_cache_memory_mb=16",
-        "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=4", "actor.ppo_epochs=1",
-        "critic.ppo_mini_batch_size=8", "critic.micro_batch_size=4",
-        "trainer.total_steps=4", "trainer.save_every=2", "trainer.val_every=2", f"trainer.output_dir={out}",
-        "trainer.loggers=[jsonl,tensorboard]", "reward.num_examine=0", "trainer.worker_timeout_s=300",
-        *extra,
-    ]
-    return load_config(repo / REPO_CONFIG, overrides)
-
-
-def _run(cfg):
-    from megappo.ppo.ray_trainer import RayPPOTrainer
-
-    trainer = RayPPOTrainer(cfg, show_progress=False)
-    try:
-        trainer.init_workers()
-        return trainer.fit()
-    finally:
-        trainer.shutdown()
-
-
-def _comparable(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith(NONDETERMINISTIC)}
-
-
-def test_sync_run_metrics_checkpoints_and_resume(ray_session, tiny_assets, data_dir, tmp_path):
+def test_sync_run_metrics_checkpoints_and_resume(sync_baseline, tiny_assets, data_dir, tmp_path):
     from megappo.utils.checkpoint import is_complete, step_dir
     from megappo.utils.tracking import read_metrics
 
-    full = tmp_path / "full"
-    history = _run(_config(tiny_assets, data_dir, full))
+    history, full = sync_baseline
     assert [h["episode"] for h in history] == [8, 16, 24, 32]
     for h in history:
         missing = [k for k in OPEN_INSTRUCT_KEYS if k not in h]
@@ -98,6 +54,7 @@ def test_sync_run_metrics_checkpoints_and_resume(ray_session, tiny_assets, data_
                                                                  "critic_rank0.json", "critic_rank1.json"]
     assert (full / "reward_curve.png").stat().st_size > 1000 and any((full / "tensorboard").iterdir())
     assert [r["step"] for r in read_metrics(full)] == [1, 2, 3, 4]
+    _check_export_and_eval(full, step_dir(full / "checkpoints", 4), history[3])
 
     # "stopped after step 2": only the step-2 checkpoint, plus a torn step-3 one (no manifest)
     resumed = tmp_path / "resumed"
@@ -107,11 +64,40 @@ def test_sync_run_metrics_checkpoints_and_resume(ray_session, tiny_assets, data_
     again = _run(_config(tiny_assets, data_dir, resumed, "trainer.save_every=0", "actor.offload=true",
                          "critic.offload=true", "ref.offload=true"))
     assert [h["episode"] for h in again] == [24, 32]  # resumed at step 3, not 4 (the torn one) or 1
-    for a, b in zip(history[2:], again):
-        a, b = _comparable(a), _comparable(b)
-        assert set(a) == set(b)
-        diff = {k: (a[k], b[k]) for k in a if not math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-6)}
-        assert not diff, diff
+    assert_same_steps(history[2:], again)
+
+
+def _check_export_and_eval(out, ckpt, last):
+    """trainer.export_hf wrote <output_dir>/hf_final: transformers reads it with no megappo import and its
+    log-probs equal Megatron's on the checkpoint it came from (fp32); `megappo eval` of it with the run's
+    config repeats the run's last eval/*."""
+    import argparse
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    from megappo.assets import hf_response_logprobs
+    from megappo.logprobs import score
+
+    hf = out / "hf_final"
+    assert (hf / "config.json").is_file() and (hf / "tokenizer.json").is_file() and list(hf.glob("*.safetensors"))
+    rows = [{"input_ids": [5, 17, 33, 9, 41, 2, 8, 60], "response_start": 3},
+            {"input_ids": [7, 7, 12, 90, 3, 14], "response_start": 2}]
+    (out / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = argparse.Namespace(model=str(ckpt / "actor"), tp=1, pp=1, dp=1, vpp=None, critic=False, temperature=1.0,
+                              micro_batch_size=2, seed=1, device="cpu", input=str(out / "rows.jsonl"))
+    megatron = score(args)
+    for i, ref in enumerate(hf_response_logprobs(hf, rows)):
+        torch.testing.assert_close(megatron[f"logprobs.{i}"], ref, rtol=0, atol=1e-5)
+    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "eval", "--model", str(hf), "--config",
+                           str(out / "config.json"), "--out", str(out / "eval.json")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "eval.json").read_text())
+    for key in ("eval/verifiable_correct_rate", "eval/scores", "eval/sequence_lengths", "eval/num_prompts"):
+        assert report[key] == pytest.approx(last[key], abs=1e-9), (key, report[key], last[key])
+    assert "arithmetic:" in proc.stdout and "all:" in proc.stdout
 
 
 def test_async_one_step_off_policy(ray_session, tiny_assets, data_dir, tmp_path):

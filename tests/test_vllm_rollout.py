@@ -39,12 +39,19 @@ def hf_model(qwen):
     return m.eval()
 
 
-def _prompts(tok, texts, **meta):
+def _prompts(tok, texts, **sampling):
+    """Prompts with a SamplingSpec: the module rollout's config, changed by `sampling`."""
+    import dataclasses
+
+    from megappo.workers.rollout.sampling import SamplingSpec
     from megappo.workers.rollout.vllm_rollout import left_pad
 
+    if "stop_token_ids" in sampling:
+        sampling["stop_token_ids"] = tuple(sampling["stop_token_ids"])
+    spec = dataclasses.replace(SamplingSpec(n=1, temperature=1.0, max_new_tokens=12), **sampling)
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     b = left_pad(ids, tok.pad_token_id)
-    return DataProto.from_dict(b, {"uid": [f"p{i}" for i in range(len(texts))]}, meta)
+    return DataProto.from_dict(b, {"uid": [f"p{i}" for i in range(len(texts))]}, {"sampling": spec})
 
 
 TEXTS = ["What is 3 + 4? The answer is", "the water is", "Solve: 12 * 3 equals what number? think step by step"]
@@ -108,7 +115,8 @@ def test_temperature_logprobs_match_trainer_definition(rollout, hf_model):
     hf1, _ = _hf_logprobs(hf_model, out, 1.0)
     m = out.batch["response_mask"].bool()
     assert (hf1 - out.batch["rollout_log_probs"]).abs()[m].max() > 100 * max(d, 1e-6)
-    assert out.meta_info["rollout_temperature"] == pytest.approx(0.7)
+    assert out.meta_info["sampling"].logprob_temperature == pytest.approx(0.7)
+    assert out.meta_info["sampling"].seed == 11
 
 
 def test_stop_token_truncates_and_flags(rollout):

@@ -3,7 +3,7 @@
 import torch
 
 from megappo.parallel import weight_mapping as wm
-from megappo.testing import TINY_SHAPES
+from megappo.assets import TINY_SHAPES
 
 
 def dims(tp=1, qkv_bias=True, tied=False, value_head=False):

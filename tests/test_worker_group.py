@@ -18,10 +18,11 @@ import torch
 
 from megappo.parallel.layout import ParallelLayout
 from megappo.protocol import DataProto
-from megappo.workers.base_worker import Worker
-from megappo.workers.dispatch import Dispatch, MegatronTopology, plan_call, register, registered_methods
-from megappo.workers.resource_pool import RayResourcePool, ResourcePoolManager, Role, WorkerError
-from megappo.workers.worker_group import NVMegatronRayWorkerGroup, RayWorkerGroup
+from megappo.controller.worker import Worker
+from megappo.controller.dispatch import Dispatch, MegatronTopology, plan_call, register, registered_methods
+from megappo.controller.resource_pool import RayResourcePool, ResourcePoolManager, WorkerError
+from megappo.ppo.ray_trainer import Role
+from megappo.controller.worker_group import NVMegatronRayWorkerGroup, RayWorkerGroup
 
 
 # Ray workers cannot import this test module by name: ship its classes by value.
@@ -339,9 +340,11 @@ def _config(tiny_assets, tmp_path):
 
 
 def test_colocated_actor_and_critic_match_single_process(ray_session, tiny_assets, tmp_path):
+    from megappo.ppo.losses import PolicyLoss, ValueLoss
     from megappo.workers.roles import ActorRolloutRefWorker, CriticWorker, RewardModelWorker, check_reward_model_vocab
 
     cfg = _config(tiny_assets, tmp_path)
+    policy_loss, value_loss = PolicyLoss.from_config(cfg.actor), ValueLoss.from_config(cfg.critic)
     rm_ref = _seq_cls_model(tiny_assets["tiny-llama"], tmp_path / "rm")
     cfg.model.critic_path = str(tmp_path / "rm")  # critic initialised from the same seq-cls checkpoint
     mgr = ResourcePoolManager({"global_pool": [4]}, {Role.ActorRollout: "global_pool", Role.Critic: "global_pool",
@@ -390,22 +393,24 @@ def test_colocated_actor_and_critic_match_single_process(ray_session, tiny_asset
         # one PPO update each: the metrics come back, the policy moves
         batch = data.union(out.select(["old_log_probs"]))
         batch.batch["advantages"] = torch.linspace(-1, 1, 10)[:, None].expand(10, 6).clone()
-        metrics = actor.update_actor(batch)
+        metrics = actor.update_actor(batch, policy_loss)
         assert len(metrics) == 1 and {"actor/pg_loss", "actor/grad_norm", "actor/lr"} <= set(metrics[0])  # one per dp
         after = actor.compute_log_prob(data).batch["old_log_probs"]
         assert not torch.allclose(after[mask], ref[mask], atol=1e-3)
         # checkpoint round trip through the group: save, move on, load back -> the saved policy again
         actor.save_checkpoint(str(tmp_path / "ckpt"))
-        actor.update_actor(batch)
+        actor.update_actor(batch, policy_loss)
         moved = actor.compute_log_prob(data).batch["old_log_probs"]
         assert not torch.allclose(moved[mask], after[mask], atol=1e-5)
         actor.load_checkpoint(str(tmp_path / "ckpt"))
         torch.testing.assert_close(actor.compute_log_prob(data).batch["old_log_probs"], after, rtol=0, atol=1e-6)
         values10 = critic.compute_values(data)
-        cmetrics = critic.update_critic(data.union(values10.union(DataProto.from_dict({"returns": torch.ones(10, 6)}))))
+        cmetrics = critic.update_critic(data.union(values10.union(DataProto.from_dict({"returns": torch.ones(10, 6)}))),
+                                       value_loss)
         assert len(cmetrics) == 2 and cmetrics[0] == cmetrics[1] and cmetrics[0]["critic/vf_loss"] > 0
         with pytest.raises(ValueError, match="9 rows does not divide into 2"):
-            critic.update_critic(nine.union(DataProto.from_dict({"values": values, "returns": torch.ones(9, 6)})))
+            critic.update_critic(nine.union(DataProto.from_dict({"values": values, "returns": torch.ones(9, 6)})),
+                                 value_loss)
         with pytest.raises(RuntimeError, match="call init_rollout"):
             actor.generate_sequences(data)
 

@@ -18,11 +18,9 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megappo.config.schema import CHOICES, LOGGERS, MegappoConfig
-
-
-class ConfigError(ValueError):
-    """A bad config value or key; str() is one line that says what to change."""
+from megappo.config.errors import ConfigError
+from megappo.config.schema import MegappoConfig
+from megappo.config.validate import validate_config
 
 
 def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> DictConfig:
@@ -88,20 +86,8 @@ def load_config(path: str | os.PathLike, overrides: list[str] = (), validate: bo
         key = getattr(e, "full_key", None)
         raise ConfigError(f"config key '{key}': {first}" if key else first) from None
     if validate:
-        from megappo.config.validate import validate_config
-
         validate_config(cfg, check_paths=check_paths)
     return cfg
-
-
-def check_choices(cfg) -> None:
-    for key, allowed in CHOICES.items():
-        value = OmegaConf.select(cfg, key)
-        if value not in allowed:
-            raise ConfigError(f"{key}={value!r} is not supported; choose one of: {', '.join(map(str, allowed))}")
-    for name in cfg.trainer.loggers:
-        if name not in LOGGERS:
-            raise ConfigError(f"trainer.loggers has unknown logger {name!r}; choose from: {', '.join(LOGGERS)}")
 
 
 def to_yaml(cfg) -> str:

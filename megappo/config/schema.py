@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from megappo.parallel.weight_mapping import SUPPORTED_MODEL_TYPES
+
 
 @dataclass
 class ParallelConfig:
@@ -59,6 +61,9 @@ class ResourcesConfig:
     gpu_memory_gb: float = 80.0  # per GPU, for the planner
     # async mode: rollout runs on its own pool of this many workers (0 = colocated hybrid engine)
     rollout_workers: int = 0
+    # roles with the actor's layout share its worker processes (the ref always did; the critic too
+    # when true): one megatron world and one process per device instead of one per role
+    colocate: bool = True
 
 
 @dataclass
@@ -86,10 +91,10 @@ class ActorConfig:
     clip_ratio: float = 0.2
     clip_ratio_c: Optional[float] = 3.0  # dual-clip lower bound for negative advantages; None = off
     entropy_coeff: float = 0.0
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     use_kl_loss: bool = False  # KL to the reference in the loss (GRPO style) instead of in the reward
     kl_loss_coef: float = 0.001
-    kl_loss_type: str = "k3"  # k1 | k2 | k3
+    kl_loss_type: str = "k3"  # k1 | k2 | k3 | abs (verl's names kl, mse, low_var_kl = k1, k2, k3)
     recompute_activations: bool = False
     # outside the actor's own phases (log-probs, update, weight sync) its params and optimizer states
     # live in host memory and its grad buffers are freed (frees the GPU for vLLM and the other roles;
@@ -140,7 +145,10 @@ class RolloutConfig:
     # needs weight_load direct)
     cpu_linear: str = "packed"
     enforce_eager: bool = True
-    free_cache_engine: bool = True  # GPU: sleep (free KV cache, offload weights) outside rollout
+    free_cache_engine: bool = True  # GPU: put vLLM to sleep outside rollout (KV cache freed)
+    # what sleep does with vLLM's weights: 2 = discard them (the hybrid engine re-syncs every weight
+    # before each rollout anyway), 1 = keep a pinned host copy (host RAM: the model's weights per GPU)
+    sleep_level: int = 2
 
 
 @dataclass
@@ -159,18 +167,21 @@ class DataConfig:
 class KLControlConfig:
     type: str = "fixed"  # fixed | adaptive
     kl_coef: float = 0.05
-    target_kl: float = 0.1  # adaptive only
+    target_kl: float = 0.1  # adaptive only: the per-token KL (each response's token mean) to hold
     horizon: int = 10000  # adaptive only
 
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "gae"  # gae | grpo | rloo | reinforce_plus_plus
+    # gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | gpg | opo | grpo_passk
+    # (Dr. GRPO = grpo + norm_adv_by_std_in_grpo: false + actor.loss_agg_mode: seq-mean-token-sum-norm)
+    adv_estimator: str = "gae"
+    norm_adv_by_std_in_grpo: bool = True  # grpo / grpo_passk: divide by the group's std
     gamma: float = 1.0
     lam: float = 0.95
     whiten_advantages: bool = True
     use_kl_in_reward: bool = True
-    kl_penalty: str = "k1"  # k1 | k2 | k3 (estimator used for the KL in the reward)
+    kl_penalty: str = "k1"  # k1 | k2 | k3 | abs | kl | mse | low_var_kl (estimator of the KL in the reward)
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
 
 
@@ -196,13 +207,21 @@ class TrainerConfig:
     total_steps: int = 10
     output_dir: str = "outputs/run"
     resume: str = "auto"  # auto (newest complete checkpoint) | never | <path to a checkpoint dir>
+    on_nan: str = "skip"  # a non-finite loss in an update: skip that optimizer step (counted) | stop the run
     save_every: int = 0  # 0 = never
     val_every: int = 0  # 0 = never
     seed: int = 1
     project: str = "megappo"
     experiment: str = "run"
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
-    worker_timeout_s: float = 600.0  # any single worker call longer than this is an error, not a hang
+    worker_timeout_s: float = 600.0  # starting a worker group and building its models longer than this is an error
+    phase_timeout_s: float = 600.0  # a phase (one worker call) longer than this is a hung worker: restart
+    # a dead or hung worker: tear every worker group down, bring them up again and resume from the
+    # newest complete checkpoint, at most this many times in a row (0 = end the run at once)
+    max_restarts: int = 3
+    # at the end of the run: the final checkpoint's policy as a plain HF dir in <output_dir>/hf_final
+    # (megappo export; a final checkpoint is written for it when save_every would not)
+    export_hf: bool = True
 
 
 @dataclass
@@ -219,18 +238,29 @@ class MegappoConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
-# Keys whose value must be one of a fixed set (OmegaConf has no Literal type).
+# Keys whose value must be one of a fixed set (OmegaConf has no Literal type). The one list of each
+# choice: code that branches on a key reads its list from here (core_algos' estimator table must
+# have exactly the names listed, tests/test_core_algos.py checks).
+LR_SCHEDULES = ("constant", "cosine")
+# advantage estimators that compare the responses to one prompt (they need rollout.n >= 2)
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "gpg", "opo", "grpo_passk")
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "kl", "mse", "low_var_kl")  # kl/mse/low_var_kl: verl's k1/k2/k3
 CHOICES: dict[str, tuple[Any, ...]] = {
-    "model.arch.family": ("llama", "qwen2", "mistral"),
+    "model.arch.family": SUPPORTED_MODEL_TYPES,  # what parallel/weight_mapping.py maps
     "model.dtype": ("auto", "fp32", "bf16"),
     "resources.device": ("auto", "cpu", "cuda"),
-    "actor.optim.lr_schedule": ("constant", "cosine"),
-    "critic.optim.lr_schedule": ("constant", "cosine"),
-    "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
-    "actor.kl_loss_type": ("k1", "k2", "k3"),
-    "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus"),
-    "algorithm.kl_penalty": ("k1", "k2", "k3"),
+    "actor.optim.lr_schedule": LR_SCHEDULES,
+    "critic.optim.lr_schedule": LR_SCHEDULES,
+    "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "actor.kl_loss_type": KL_ESTIMATORS,
+    "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                "remax", "gpg", "opo", "grpo_passk"),
+    "algorithm.kl_penalty": KL_ESTIMATORS,
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "rollout.weight_load": ("auto", "reload", "direct"),
+    "rollout.cpu_linear": ("packed", "plain"),
+    "rollout.sleep_level": (1, 2),
     "trainer.mode": ("sync", "async"),
+    "trainer.on_nan": ("skip", "stop"),
 }
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")

@@ -1,42 +1,58 @@
 """Cross-key checks on a resolved config. Each failure is one ConfigError line naming the keys and
-the fix. Model shapes come from `<model.path>/config.json` when it exists, else from `model.arch`."""
+the fix. Model shapes come from `<model.path>/config.json` when it exists, else from `model.arch`,
+as parallel/weight_mapping.py's ModelDims (the one description of a model's shapes)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
-from megappo.config.loader import ConfigError, check_choices
+from omegaconf import OmegaConf
+
+from megappo.config.errors import ConfigError
+from megappo.config.schema import CHOICES, GROUP_ESTIMATORS, LOGGERS
+from megappo.parallel.weight_mapping import ModelDims
 
 
-@dataclass(frozen=True)
-class ModelDims:
-    family: str
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_kv_heads: int
-    vocab_size: int
+def _hf_config_json(cfg) -> dict | None:
+    path = cfg.model.path
+    if path and (Path(path) / "config.json").is_file():
+        return json.loads((Path(path) / "config.json").read_text())
+    return None
 
 
-HF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+def _arch_as_hf(arch) -> dict:
+    """model.arch in HF config.json's names (planning a model without its weights at hand)."""
+    return {"model_type": arch.family, "hidden_size": arch.hidden_size, "intermediate_size": arch.intermediate_size,
+            "num_hidden_layers": arch.num_layers, "num_attention_heads": arch.num_attention_heads,
+            "num_key_value_heads": arch.num_kv_heads, "vocab_size": arch.vocab_size,
+            "max_position_embeddings": arch.max_position_embeddings,
+            "tie_word_embeddings": arch.tie_word_embeddings, "attention_bias": arch.qkv_bias}
 
 
 def model_dims(cfg) -> ModelDims:
     """Shapes of the configured model: from the HF config.json when model.path has one, else model.arch."""
-    path = cfg.model.path
-    if path and (Path(path) / "config.json").is_file():
-        hf = json.loads((Path(path) / "config.json").read_text())
-        family = hf.get("model_type", "?")
-        if family not in HF_FAMILIES:
-            raise ConfigError(
-                f"model.path {path} is a {family!r} model; supported families: {', '.join(HF_FAMILIES)}")
-        heads = hf["num_attention_heads"]
-        return ModelDims(family, hf["hidden_size"], hf["num_hidden_layers"], heads,
-                         hf.get("num_key_value_heads") or heads, hf["vocab_size"])
-    a = cfg.model.arch
-    return ModelDims(a.family, a.hidden_size, a.num_layers, a.num_attention_heads, a.num_kv_heads, a.vocab_size)
+    hf = _hf_config_json(cfg)
+    try:
+        return ModelDims.from_hf_dict(hf if hf is not None else _arch_as_hf(cfg.model.arch))
+    except ValueError as e:
+        where = f"model.path {cfg.model.path}" if hf is not None else "model.arch"
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def max_positions(cfg) -> int:
+    hf = _hf_config_json(cfg)
+    return hf.get("max_position_embeddings", 1 << 30) if hf is not None else cfg.model.arch.max_position_embeddings
+
+
+def check_choices(cfg) -> None:
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not supported; choose one of: {', '.join(map(str, allowed))}")
+    for name in cfg.trainer.loggers:
+        if name not in LOGGERS:
+            raise ConfigError(f"trainer.loggers has unknown logger {name!r}; choose from: {', '.join(LOGGERS)}")
 
 
 def pool_size(cfg) -> int:
@@ -55,8 +71,8 @@ def check_parallel(name: str, par, dims: ModelDims, world: int) -> None:
             if world % (par.tp * par.pp) == 0 else
             f"{name}.parallel tp*pp = {par.tp * par.pp} does not divide the pool's {world} workers "
             f"(resources.nodes*resources.workers_per_node); pick tp and pp whose product divides {world}")
-    if dims.num_attention_heads % par.tp:
-        raise ConfigError(f"{name}.parallel.tp={par.tp} does not divide the model's {dims.num_attention_heads} "
+    if dims.num_heads % par.tp:
+        raise ConfigError(f"{name}.parallel.tp={par.tp} does not divide the model's {dims.num_heads} "
                           f"attention heads; use a tp that divides it")
     if dims.num_kv_heads % par.tp:
         raise ConfigError(f"{name}.parallel.tp={par.tp} does not divide the model's {dims.num_kv_heads} "
@@ -86,10 +102,10 @@ def check_batches(name: str, sequences: int, mini: int, micro: int, dp: int) -> 
 
 def check_weight_load(r) -> None:
     """rollout.weight_load / rollout.cpu_linear (also checked by VLLMRollout built without a config)."""
-    if r.weight_load not in ("auto", "reload", "direct"):
-        raise ConfigError(f"rollout.weight_load={r.weight_load!r} is not one of auto, reload, direct")
-    if r.cpu_linear not in ("packed", "plain"):
-        raise ConfigError(f"rollout.cpu_linear={r.cpu_linear!r} is not one of packed, plain")
+    for key in ("weight_load", "cpu_linear"):
+        allowed = CHOICES[f"rollout.{key}"]
+        if getattr(r, key) not in allowed:
+            raise ConfigError(f"rollout.{key}={getattr(r, key)!r} is not one of {', '.join(allowed)}")
     if r.cpu_linear == "plain" and r.weight_load == "reload":
         raise ConfigError("rollout.cpu_linear=plain needs rollout.weight_load=direct (reload re-packs every linear)")
 
@@ -97,10 +113,19 @@ def check_weight_load(r) -> None:
 def validate_config(cfg, check_paths: bool = False) -> None:
     check_choices(cfg)
     dims = model_dims(cfg)
+    _check_layouts(cfg, dims)
+    _check_rollout(cfg, dims)
+    _check_algorithm(cfg)
+    _check_data_and_batches(cfg)
+    _check_trainer(cfg, check_paths)
+    if check_paths:
+        _check_paths(cfg)
+
+
+def _check_layouts(cfg, dims: ModelDims) -> None:
     world = pool_size(cfg)
     if world < 1:
         raise ConfigError("resources.nodes and resources.workers_per_node must be >= 1")
-
     check_parallel("actor", cfg.actor.parallel, dims, world)
     if cfg.critic.enable:
         check_parallel("critic", cfg.critic.parallel, dims, world)
@@ -111,13 +136,15 @@ def validate_config(cfg, check_paths: bool = False) -> None:
         if not cfg.reward.model.path:
             raise ConfigError("reward.model.enable=true needs reward.model.path (a HF *ForSequenceClassification dir)")
 
+
+def _check_rollout(cfg, dims: ModelDims) -> None:
     r = cfg.rollout
-    rollout_world = cfg.resources.rollout_workers or world
+    rollout_world = cfg.resources.rollout_workers or pool_size(cfg)
     if r.tp < 1 or rollout_world % r.tp:
         which = "resources.rollout_workers" if cfg.resources.rollout_workers else "the actor world size"
         raise ConfigError(f"rollout.tp={r.tp} does not divide {which} ({rollout_world}); pick a divisor of it")
-    if dims.num_attention_heads % r.tp or dims.num_kv_heads % r.tp:
-        raise ConfigError(f"rollout.tp={r.tp} does not divide the model's {dims.num_attention_heads} attention / "
+    if dims.num_heads % r.tp or dims.num_kv_heads % r.tp:
+        raise ConfigError(f"rollout.tp={r.tp} does not divide the model's {dims.num_heads} attention / "
                           f"{dims.num_kv_heads} key/value heads; use a tp that divides both")
     if r.n < 1:
         raise ConfigError(f"rollout.n={r.n} must be >= 1")
@@ -128,30 +155,40 @@ def validate_config(cfg, check_paths: bool = False) -> None:
     if r.max_new_tokens < 1:
         raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
     check_weight_load(r)
+    if cfg.data.max_prompt_length + r.max_new_tokens > max_positions(cfg):
+        raise ConfigError(f"data.max_prompt_length + rollout.max_new_tokens = {cfg.data.max_prompt_length + r.max_new_tokens}"
+                          f" exceeds the model's {max_positions(cfg)} positions; shorten one of them")
 
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and r.n < 2:
-        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses to the same "
+
+def _check_algorithm(cfg) -> None:
+    a = cfg.algorithm
+    if a.adv_estimator in GROUP_ESTIMATORS and cfg.rollout.n < 2:
+        raise ConfigError(f"algorithm.adv_estimator={a.adv_estimator} compares responses to the same "
                           f"prompt; set rollout.n>=2")
-    if cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enable:
+    if a.adv_estimator == "remax" and cfg.trainer.mode != "sync":
+        raise ConfigError("algorithm.adv_estimator=remax needs a greedy baseline rollout of the same weights each "
+                          "step; use trainer.mode=sync")
+    if a.adv_estimator == "gae" and not cfg.critic.enable:
         raise ConfigError("algorithm.adv_estimator=gae needs a value model; set critic.enable=true or choose grpo/rloo")
-    if cfg.algorithm.use_kl_in_reward and cfg.actor.use_kl_loss:
+    if a.use_kl_in_reward and cfg.actor.use_kl_loss:
         raise ConfigError("KL is applied twice: set algorithm.use_kl_in_reward=false or actor.use_kl_loss=false")
-    if (cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss) and not cfg.ref.enable:
+    if (a.use_kl_in_reward or cfg.actor.use_kl_loss) and not cfg.ref.enable:
         raise ConfigError("a KL penalty needs the reference model; set ref.enable=true or turn the KL off")
 
+
+def _check_data_and_batches(cfg) -> None:
     d = cfg.data
     if d.train_batch_size < 1:
         raise ConfigError(f"data.train_batch_size={d.train_batch_size} must be >= 1")
-    sequences = d.train_batch_size * r.n
+    sequences = d.train_batch_size * cfg.rollout.n
     check_batches("actor", sequences, cfg.actor.ppo_mini_batch_size, cfg.actor.micro_batch_size,
                   cfg.actor.parallel.dp)
     if cfg.critic.enable:
         check_batches("critic", sequences, cfg.critic.ppo_mini_batch_size, cfg.critic.micro_batch_size,
                       cfg.critic.parallel.dp)
-    if d.max_prompt_length + r.max_new_tokens > dims_max_positions(cfg):
-        raise ConfigError(f"data.max_prompt_length + rollout.max_new_tokens = {d.max_prompt_length + r.max_new_tokens}"
-                          f" exceeds the model's {dims_max_positions(cfg)} positions; shorten one of them")
 
+
+def _check_trainer(cfg, check_paths: bool) -> None:
     t = cfg.trainer
     if t.total_steps < 1:
         raise ConfigError(f"trainer.total_steps={t.total_steps} must be >= 1")
@@ -162,41 +199,90 @@ def validate_config(cfg, check_paths: bool = False) -> None:
     if t.resume not in ("auto", "never") and check_paths and not Path(t.resume).is_dir():
         raise ConfigError(f"trainer.resume={t.resume} is not a checkpoint directory; use auto, never or an existing dir")
 
-    if check_paths:
-        _check_paths(cfg)
 
-
-def dims_max_positions(cfg) -> int:
-    path = cfg.model.path
-    if path and (Path(path) / "config.json").is_file():
-        return json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings", 1 << 30)
-    return cfg.model.arch.max_position_embeddings
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def _check_paths(cfg) -> None:
-    """Existence checks for files the run will read (used by `config check --paths` and the trainer)."""
+    """What the run will read, before any worker starts (`config check --paths`, `megappo train`):
+    model dirs with a config.json and readable weights, a tokenizer, the data files, a writable output
+    dir, and a resume checkpoint that is whole and of this model."""
     if not cfg.model.path:
         raise ConfigError("model.path is not set; point it at a HF model directory (config.json + *.safetensors)")
-    checks = [("model.path", cfg.model.path, "config.json")]
-    if cfg.model.tokenizer:
-        checks.append(("model.tokenizer", cfg.model.tokenizer, None))
+    checks = [("model.path", cfg.model.path)]
     if cfg.model.critic_path:
-        checks.append(("model.critic_path", cfg.model.critic_path, "config.json"))
+        checks.append(("model.critic_path", cfg.model.critic_path))
     if cfg.reward.model.enable:
-        checks.append(("reward.model.path", cfg.reward.model.path, "config.json"))
-    for key, path, must_have in checks:
-        p = Path(path)
-        if not p.is_dir():
-            raise ConfigError(f"{key}={path} does not exist; point it at a HF model directory")
-        if must_have and not (p / must_have).is_file():
-            raise ConfigError(f"{key}={path} has no {must_have}; point it at a HF model directory")
+        checks.append(("reward.model.path", cfg.reward.model.path))
+    for key, path in checks:
+        _check_model_dir(key, Path(path))
+    tok_key, tok = ("model.tokenizer", cfg.model.tokenizer) if cfg.model.tokenizer else ("model.path", cfg.model.path)
+    if not Path(tok).is_dir():
+        raise ConfigError(f"{tok_key}={tok} does not exist; point it at the model's tokenizer dir")
+    if not any((Path(tok) / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError(f"{tok_key}={tok} has no tokenizer ({' / '.join(TOKENIZER_FILES)}); copy the tokenizer "
+                          "files of the model there, or set model.tokenizer")
     for key in ("train_files", "val_files"):
         for f in cfg.data[key]:
             if not Path(f).is_file():
                 raise ConfigError(f"data.{key} entry {f} does not exist; create it (see megappo/data) or fix the path")
-    out = Path(cfg.trainer.output_dir)
-    probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
+    _check_output_dir(Path(cfg.trainer.output_dir))
+    _check_resume(cfg)
+
+
+def _check_model_dir(key: str, p: Path) -> None:
+    """config.json plus weights whose headers read: HF safetensors, or a megatron dist checkpoint."""
+    if not p.is_dir():
+        raise ConfigError(f"{key}={p} does not exist; point it at a HF model directory")
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"{key}={p} has no config.json; point it at a HF model directory")
+    files = sorted(p.glob("*.safetensors"))
+    if not files and not (p / "metadata.json").is_file():
+        raise ConfigError(f"{key}={p} has no weights (*.safetensors, or a megatron dist checkpoint's metadata.json); "
+                          "point it at a complete model directory")
+    from safetensors import safe_open
+
+    for f in files:
+        try:
+            with safe_open(str(f), "pt") as h:
+                list(h.keys())
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise ConfigError(f"{key}: {f} is not a readable safetensors file ({str(e).splitlines()[0][:120]}); "
+                              "re-download or re-export the model") from None
+
+
+def _check_output_dir(out: Path) -> None:
     import os
 
+    blocker = next((p for p in [out, *out.parents] if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ConfigError(f"trainer.output_dir={out} cannot be created: {blocker} is a file; choose another dir")
+    probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
     if not os.access(probe, os.W_OK):
         raise ConfigError(f"trainer.output_dir={out} is not writable ({probe} denies writes); choose another dir")
+
+
+def _check_resume(cfg) -> None:
+    """trainer.resume: an explicit checkpoint must be whole; any checkpoint resumed must be of this model."""
+    from megappo.utils.checkpoint import MANIFEST, is_complete, latest_checkpoint
+
+    mode = cfg.trainer.resume
+    if mode == "never":
+        return
+    if mode == "auto":
+        path = latest_checkpoint(Path(cfg.trainer.output_dir) / "checkpoints")
+    else:
+        path = Path(mode)
+        if not is_complete(path):
+            raise ConfigError(f"trainer.resume={mode} is a torn checkpoint (no valid {MANIFEST}: its save was cut "
+                              "short); point it at an earlier step, or use resume=auto")
+    theirs = None if path is None else path / "actor" / "config.json"
+    if theirs is None or not theirs.is_file():
+        return  # checkpoints written before they carried their config: nothing to compare
+    mine, saved = _hf_config_json(cfg), json.loads(theirs.read_text())
+    keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size")
+    diff = [f"{k} {saved.get(k)} vs {mine.get(k)}" for k in keys if mine and saved.get(k) != mine.get(k)]
+    if diff:
+        raise ConfigError(f"trainer.resume: checkpoint {path} is of another model ({', '.join(diff)} in model.path); "
+                          "use its model, another trainer.output_dir, or trainer.resume=never")

@@ -100,7 +100,13 @@ def _read_rows(file: Path, prompt_key: str) -> list[dict[str, Any]]:
                 f"RLHFDataset: {str(file)!r} has no column {column!r} (columns: {table.column_names}); "
                 f"regenerate it with `{PREPROCESS_HINT}` or set data.prompt_key"
             )
-    return table.to_pylist()
+    rows = table.to_pylist()
+    bad = next((i for i, r in enumerate(rows) if not isinstance(r["reward_model"], dict)
+                or r["reward_model"].get("ground_truth") is None), None)
+    if bad is not None:
+        raise ValueError(f"RLHFDataset: {str(file)!r} row {bad} has no reward_model.ground_truth (the answer the "
+                         f"reward rule checks); regenerate it with `{PREPROCESS_HINT}`")
+    return rows
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

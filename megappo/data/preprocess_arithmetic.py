@@ -1,11 +1,15 @@
 """Write the synthetic arithmetic task: `python -m megappo.data.preprocess_arithmetic --out DIR`.
 
-Single-digit addition ("What is 3 + 4? ..."), ground truth "7", data_source "arithmetic", scored by
-megappo.rewards.arithmetic (1.0 correct, 0.1 for a well-formed but wrong "#### <int>"). Kept very
-easy so a tiny random-init model can pick it up on CPU in a few dozen PPO steps; the tiny tokenizer
-was trained on text of exactly this shape. Deterministic by --seed. Writes arith_train.parquet and
-arith_val.parquet (val is drawn from the same 100 sums with another seed: a smoke task, not a
-held-out generalisation test).
+Addition ("What is 3 + 4? ..."), ground truth "7", data_source "arithmetic", scored by
+megappo.rewards.arithmetic (1.0 correct, 0.1 for a well-formed but wrong "#### <int>").
+Deterministic by --seed. Writes arith_train.parquet and arith_val.parquet.
+
+- Default (the demo): single-digit sums, so a tiny random-init model picks it up on CPU in a few
+  dozen PPO steps (the tiny tokenizer was trained on text of exactly this shape); val is drawn from
+  the same sums with another seed: a smoke task, not a held-out test.
+- `--held-out`: every operand pair (a, b) in [--min-operand, --max-operand]^2 goes to exactly one
+  split: val holds --val-size pairs that never appear in train (nor does their mirror b + a), so
+  validation accuracy measures generalisation to unseen problems (the SmolLM2 recipe).
 """
 
 from __future__ import annotations
@@ -22,13 +26,19 @@ DATA_SOURCE = "arithmetic"
 INSTRUCTION = "Answer with #### and the number."
 
 
-def make_rows(n: int, seed: int, max_operand: int, split: str) -> list[dict]:
+def make_rows(n: int, seed: int, max_operand: int, split: str, pairs: list | None = None,
+              min_operand: int = 0, instruction: str = INSTRUCTION) -> list[dict]:
+    """n problems: operand pairs drawn from `pairs` (cycled in a seeded order) or at random."""
     rng = random.Random(seed)
+    order = list(pairs) if pairs is not None else None
+    if order is not None:
+        rng.shuffle(order)
     rows = []
     for i in range(n):
-        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        a, b = order[i % len(order)] if order is not None else \
+            (rng.randint(min_operand, max_operand), rng.randint(min_operand, max_operand))
         rows.append({
-            "prompt": [{"role": "user", "content": f"What is {a} + {b}? {INSTRUCTION}"}],
+            "prompt": [{"role": "user", "content": f"What is {a} + {b}? {instruction}".strip()}],
             "data_source": DATA_SOURCE,
             "reward_model": {"ground_truth": str(a + b), "style": "rule"},
             "extra_info": {"split": split, "index": i, "a": a, "b": b},
@@ -47,14 +57,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="outputs/data", help="output directory (default: outputs/data)")
     parser.add_argument("--train-size", type=int, default=1024)
     parser.add_argument("--val-size", type=int, default=64)
+    parser.add_argument("--min-operand", type=int, default=0)
     parser.add_argument("--max-operand", type=int, default=9)
+    parser.add_argument("--held-out", action="store_true", help="val pairs (and their mirrors) never in train")
+    parser.add_argument("--instruction", default=INSTRUCTION, help=f"after the question (default: {INSTRUCTION!r})")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     out = Path(args.out)
+    pairs = {"train": None, "val": None}
+    if args.held_out:
+        pairs = held_out_pairs(args.min_operand, args.max_operand, args.val_size, args.seed)
     for split, size, seed in (("train", args.train_size, args.seed), ("val", args.val_size, args.seed + 1)):
-        path = write_parquet(make_rows(size, seed, args.max_operand, split), out / f"arith_{split}.parquet")
+        rows = make_rows(size, seed, args.max_operand, split, pairs[split], args.min_operand, args.instruction)
+        path = write_parquet(rows, out / f"arith_{split}.parquet")
         print(f"wrote {size} rows to {path}")
     return 0
+
+
+def held_out_pairs(lo: int, hi: int, n_val: int, seed: int) -> dict[str, list]:
+    """Unordered operand pairs split in two: n_val of them (as (a, b)) for val, every other for train."""
+    unordered = sorted({(min(a, b), max(a, b)) for a in range(lo, hi + 1) for b in range(lo, hi + 1)})
+    if n_val >= len(unordered):
+        raise SystemExit(f"--val-size {n_val} leaves no training pairs of the {len(unordered)} in [{lo}, {hi}]")
+    random.Random(seed).shuffle(unordered)
+    val = unordered[:n_val]
+    train = [p for a, b in unordered[n_val:] for p in {(a, b), (b, a)}]
+    return {"train": train, "val": val}
 
 
 if __name__ == "__main__":

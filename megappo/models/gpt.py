@@ -1,4 +1,4 @@
-"""Build megatron-core GPTModel chunks (actor: LM head; critic: value head) from a HuggingFace
+"""Build megatron-core GPTModel chunks (an LM head, or a value head for critics and reward models) from a HuggingFace
 llama / qwen2 / mistral config, and load HF safetensors weights into whatever TP/PP/VPP layout this
 rank holds (through parallel/weight_mapping.py).
 
@@ -16,12 +16,13 @@ from typing import Callable, Optional
 import torch
 
 from megappo.parallel.layout import ParallelLayout
-from megappo.parallel.weight_mapping import ModelDims, global_param_name, hf_names, hf_to_megatron_shard, rope_theta, \
+from megappo.parallel.weight_mapping import ModelDims, global_named_parameters, hf_names, hf_to_megatron_shard, rope_theta, \
     transformer_config_kwargs
 
 
-def have_transformer_engine() -> bool:
-    if not torch.cuda.is_available():
+def have_transformer_engine(device: str = "cuda") -> bool:
+    """Transformer Engine's layer spec is used on GPU when TE imports; never on CPU."""
+    if device != "cuda" or not torch.cuda.is_available():
         return False
     try:
         import transformer_engine  # noqa: F401
@@ -36,15 +37,16 @@ def load_hf_config(model_path):
     return AutoConfig.from_pretrained(str(model_path))
 
 
-def build_transformer_config(hf_config, layout: ParallelLayout, *, params_dtype: Optional[torch.dtype] = None,
-                             recompute: bool = False, sequence_parallel: bool = False, batch_p2p_comm: Optional[bool] = None):
+def build_transformer_config(hf_config, layout: ParallelLayout, *, device: str = "cpu",
+                             params_dtype: Optional[torch.dtype] = None, recompute: bool = False,
+                             sequence_parallel: bool = False, batch_p2p_comm: Optional[bool] = None):
     """megatron TransformerConfig for a HF config under `layout`. bf16 on GPU, fp32 on CPU by default."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    on_gpu = torch.cuda.is_available()
+    on_gpu = device == "cuda"
     dtype = params_dtype or (torch.bfloat16 if on_gpu else torch.float32)
     if batch_p2p_comm is None:
-        # gloo + interleaved schedule with batch_p2p_comm=True gives silently wrong results (ENVIRONMENT.md)
+        # gloo + interleaved schedule with batch_p2p_comm=True gives silently wrong results (docs/ENVIRONMENT.md)
         batch_p2p_comm = on_gpu
     kw = transformer_config_kwargs(hf_config)
     kw.update(
@@ -79,13 +81,13 @@ def build_transformer_config(hf_config, layout: ParallelLayout, *, params_dtype:
 def _layer_spec(config, use_te: bool):
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
-    from megatron.core.transformer.enums import AttnMaskType
 
     if use_te:
-        spec = get_gpt_layer_with_transformer_engine_spec()
-        # PPO batches are left-padded: honour the explicit (causal + pad-key) mask we pass.
-        spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.arbitrary
-        return spec
+        # causal attention (the spec's default): the engine right-aligns every row, so no mask tensor is
+        # needed and TE may pick its flash / fused kernels (an `arbitrary` mask forces unfused attention;
+        # `padding_causal` with left padding is silently wrong in TE's cuDNN backend, which keeps only
+        # the lengths and assumes right padding)
+        return get_gpt_layer_with_transformer_engine_spec()
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     if config.sequence_parallel:
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -105,12 +107,13 @@ class ValueHead(torch.nn.Module):
 
     def __init__(self, hidden_size: int, sequence_parallel: bool = False, dtype=torch.float32, seed: int = 0):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        # built on the CPU like the rest of the model (use_cpu_initialization); the engine moves it
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=dtype, device="cpu"))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device="cpu"))
         self.sequence_parallel = sequence_parallel
         gen = torch.Generator().manual_seed(seed)  # identical on every rank
         with torch.no_grad():
-            self.weight.copy_(torch.randn(1, hidden_size, generator=gen) / math.sqrt(hidden_size + 1))
+            self.weight.copy_(torch.randn(1, hidden_size, generator=gen, device="cpu") / math.sqrt(hidden_size + 1))
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
         if self.sequence_parallel:
@@ -120,16 +123,17 @@ class ValueHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden, self.weight, self.bias), None
 
 
-def build_gpt_chunks(hf_config, config, layout: ParallelLayout, critic: bool = False, seed: int = 0) -> list:
-    """This rank's GPTModel chunks (one per virtual pipeline stage)."""
+def build_gpt_chunks(hf_config, config, layout: ParallelLayout, value_head: bool = False, seed: int = 0,
+                     device: str = "cpu") -> list:
+    """This rank's GPTModel chunks (one per virtual pipeline stage), built on the CPU (the caller moves
+    them to `device`; on GPU with Transformer Engine installed, with TE's layer spec)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.enums import ModelType
     from megatron.core.models.gpt import GPTModel
 
-    dims = ModelDims.from_hf_config(hf_config, tp=layout.tp, value_head=critic)
+    dims = ModelDims.from_hf_config(hf_config, tp=layout.tp, value_head=value_head)
     layout.validate(dims.num_heads, dims.num_kv_heads, dims.num_layers)
-    use_te = have_transformer_engine()
-    spec = _layer_spec(config, use_te)
+    spec = _layer_spec(config, have_transformer_engine(device))
     chunks = []
     for vp in range(layout.num_model_chunks):
         vp_stage = vp if layout.virtual_pp else None
@@ -156,7 +160,7 @@ def build_gpt_chunks(hf_config, config, layout: ParallelLayout, critic: bool = F
         )
         model.model_type = ModelType.encoder_or_decoder
         model.vp_stage = vp_stage
-        if critic and post:
+        if value_head and post:
             model.output_layer = ValueHead(dims.hidden_size, config.sequence_parallel, config.params_dtype, seed)
         mark_tensor_parallel_params(model)
         chunks.append(model)
@@ -176,18 +180,6 @@ def mark_tensor_parallel_params(chunk) -> None:
         w = getattr(mod, "weight", None)
         if dim is not None and isinstance(w, torch.nn.Parameter) and not getattr(w, "tensor_model_parallel", False):
             set_tensor_model_parallel_attributes(w, is_parallel=True, dim=dim, stride=1)
-
-
-def layer_offset(chunk) -> int:
-    layers = getattr(getattr(chunk, "decoder", None), "layers", None)
-    return (layers[0].layer_number - 1) if layers is not None and len(layers) else 0
-
-
-def global_named_parameters(chunk):
-    """(global megatron name, param) for one chunk (layer indices made global)."""
-    off = layer_offset(chunk)
-    for name, p in chunk.named_parameters():
-        yield global_param_name(name.removeprefix("module."), off), p
 
 
 class SafetensorsReader:

@@ -62,7 +62,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, voca
     local_t = targets - start
     in_range = (local_t >= 0) & (local_t < v_local)
     idx = local_t.clamp(0, v_local - 1).unsqueeze(-1)
-    tgt = torch.where(in_range, torch.gather(shifted, -1, idx).squeeze(-1), torch.zeros((), dtype=shifted.dtype))
+    tgt = torch.where(in_range, torch.gather(shifted, -1, idx).squeeze(-1), torch.zeros((), dtype=shifted.dtype, device=shifted.device))
     tgt = _all_reduce_sum(tgt, tp_group, tp_size)
     logp = tgt - lse
 

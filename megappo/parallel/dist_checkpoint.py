@@ -13,6 +13,10 @@ apex / TE FusedAdam; see docs/ENVIRONMENT.md) are handled in `load`:
 3. distrib_optimizer.py:825 gives ONE shared `step` tensor to every param; torch Adam increments it
    in place once per param per step, silently breaking bias correction after resume: we give each
    param its own copy.
+On GPU megatron builds TE's (or apex's) FusedAdam instead, which keeps one integer `step` per param
+GROUP and none per param; megatron handles that layout itself (the three fixes stay off), but a
+checkpoint written with torch Adam (a CPU run) stores the group step as a float, which TE's C++
+`multi_tensor_adam` (`const int step`) rejects: `_integer_group_steps` casts it back.
 """
 
 from __future__ import annotations
@@ -78,6 +82,20 @@ def _unshare_steps(opt) -> None:
             st["step"] = st["step"].detach().clone()
 
 
+def _integer_group_steps(opt) -> None:
+    """FusedAdam (TE / apex): the per-group `step` as an int, whichever optimizer wrote the checkpoint."""
+    for group in opt.optimizer.param_groups:
+        if "step" in group and not isinstance(group["step"], int):
+            group["step"] = int(group["step"])
+
+
+def ensure_optimizer_state(optimizer) -> None:
+    """Bug 1 on save too: a checkpoint written before the first optimizer step (e.g. on preemption)."""
+    for o in _distributed_optimizers(optimizer) if optimizer is not None else []:
+        if _uses_torch_adam(o):
+            _ensure_adam_state(o)
+
+
 def save(path, sharded_state_dict: dict) -> None:
     from megatron.core import dist_checkpointing
 
@@ -115,6 +133,8 @@ def load(path, engine, load_optimizer: bool = True) -> None:
         for o in dopts:
             if _uses_torch_adam(o):
                 _unshare_steps(o)
+            else:
+                _integer_group_steps(o)
         engine.scheduler.load_state_dict(loaded["scheduler"])
         engine.steps = int(loaded.get("steps", 0))
     else:

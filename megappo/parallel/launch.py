@@ -15,9 +15,10 @@ import socket
 import traceback
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (for a rendezvous that starts next)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

@@ -20,6 +20,18 @@ from megappo.parallel import cpu_compat
 from megappo.parallel.layout import ParallelLayout
 
 
+def resolve_device(name: str = "auto") -> str:
+    """`resources.device` -> "cuda" or "cpu" for this process ("auto": cuda when it sees a GPU)."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("resources.device=cuda but this process sees no GPU (check CUDA_VISIBLE_DEVICES and the "
+                           "Ray GPUs of the node); set resources.device=cpu or auto")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r}: choose auto, cpu or cuda")
+    return name
+
+
 def default_backend() -> str:
     """gloo on CPU. On GPU both: CUDA tensors go over nccl, CPU tensors (metric vectors, fingerprints,
     object collectives) over gloo, so no small CPU-side collective needs a device round trip; megatron's

@@ -46,6 +46,7 @@ after that point does not match what vLLM ends up holding.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -57,8 +58,8 @@ import torch
 import torch.distributed as dist
 
 from megappo.parallel.layout import ParallelLayout
-from megappo.parallel.weight_mapping import ModelDims, hf_names, megatron_shard_hf_slices, megatron_shards_to_hf, \
-    tp_split_dim
+from megappo.parallel.weight_mapping import ModelDims, global_named_parameters, hf_names, megatron_shard_hf_slices, \
+    megatron_shards_to_hf, tp_split_dim
 
 
 @dataclass
@@ -96,8 +97,6 @@ class Resharder:
                  fingerprint_fn: Optional[Callable[[torch.Tensor], tuple]] = None, transport: str = "auto"):
         from megatron.core import parallel_state as mpu
 
-        from megappo.models.gpt import global_named_parameters
-
         self.chunks, self.dims, self.layout = chunks, dims, layout
         self.rollout_tp = int(rollout_tp)
         self.bucket_bytes = int(bucket_bytes)
@@ -125,7 +124,7 @@ class Resharder:
         if len(dtypes) > 1:
             raise ValueError(f"resharding needs one parameter dtype, found {dtypes}")
         self.dtype = dtype or next(iter(dtypes))
-        self.elem = torch.tensor([], dtype=self.dtype).element_size()  # bytes per transferred element
+        self.elem = torch.empty(0, dtype=self.dtype, device="cpu").element_size()  # bytes per transferred element
         self.device = next(iter(self._local.values())).device  # transfer buffers live here (nccl on GPU)
         meta = [(n, tuple(p.shape)) for n, p in self._local.items()]
         per_stage = [None] * layout.pp
@@ -267,7 +266,7 @@ class Resharder:
         t0 = time.perf_counter()
         names = self.hf_name_list()
         index = {n: i for i, n in enumerate(names)}
-        fp = torch.zeros(2 * len(names), dtype=torch.float64)
+        fp = torch.zeros(2 * len(names), dtype=torch.float64, device="cpu")
         elem = self.elem
         # comm_s: TP all-gathers, PP broadcasts, shm writes + barrier; consumer_s: in the caller's
         # hands (e.g. vLLM loading the bucket)
@@ -425,6 +424,11 @@ def choose_transport(requested: str, ranks: list[tuple[str, int]], on_cpu: bool,
         raise ValueError(f"transport=shm needs every rank on one host, CPU weights and {need >> 20} MiB free in "
                          f"{SHM_DIR} ({free >> 20} MiB free); lower rollout.weight_sync_bucket_mb or use "
                          f"transport=collective")
+    if not ok and len({h for h, _ in ranks}) == 1 and on_cpu:
+        logging.getLogger(__name__).warning(
+            "weight sync: %s has %d MiB free, the shm transport needs %d MiB; using slower gloo collectives "
+            "(give the container more shared memory, e.g. docker --shm-size=2g, or lower "
+            "rollout.weight_sync_bucket_mb)", SHM_DIR, free >> 20, need >> 20)
     return "shm" if ok else "collective"
 
 

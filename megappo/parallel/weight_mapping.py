@@ -51,7 +51,8 @@ def rope_theta(hf_config) -> float:
 
 @dataclass(frozen=True)
 class ModelDims:
-    """The shapes weight mapping needs, from a HF config (+ TP size for the padded vocab)."""
+    """A model's shapes, from a HF config (+ TP size for the padded vocab): the one description of them
+    that the weight mapping, the engine, the converter and the config checks all use."""
 
     model_type: str
     hidden_size: int
@@ -91,6 +92,13 @@ class ModelDims:
             qkv_bias=qkv_bias,
             value_head=value_head,
         )
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict, tp: int = 1, value_head: bool = False) -> "ModelDims":
+        """From a HF config.json read as a dict (no transformers import)."""
+        import types
+
+        return cls.from_hf_config(types.SimpleNamespace(**raw), tp=tp, value_head=value_head)
 
     @property
     def heads_per_group(self) -> int:
@@ -219,6 +227,19 @@ def global_param_name(local_name: str, layer_offset: int) -> str:
 
 
 # ---- tensor layouts -----------------------------------------------------------------------------
+
+
+def layer_offset(chunk) -> int:
+    """Global index of a megatron model chunk's first transformer layer (its pipeline stage's offset)."""
+    layers = getattr(getattr(chunk, "decoder", None), "layers", None)
+    return (layers[0].layer_number - 1) if layers is not None and len(layers) else 0
+
+
+def global_named_parameters(chunk):
+    """(global megatron name, param) for one megatron model chunk (layer indices made global)."""
+    off = layer_offset(chunk)
+    for name, p in chunk.named_parameters():
+        yield global_param_name(name.removeprefix("module."), off), p
 
 
 def _kind(mcore_name: str, dims: ModelDims) -> str:

@@ -1,1 +1,2 @@
-"""PPO algorithm pieces: core_algos (pure torch math); the trainer lives next to it."""
+"""The PPO algorithm, on the driver: core_algos (pure torch math), losses (the actor's and critic's
+losses the workers apply), metrics, and the trainer (ray_trainer.RayPPOTrainer.fit: the loop)."""

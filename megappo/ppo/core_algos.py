@@ -1,4 +1,5 @@
 """PPO math, written plainly (CleanRL style). Pure torch: never imports Ray or Megatron.
+The advantage estimators are one dict, `ADV_ESTIMATORS` (name -> function), at the end of their section.
 
 Shapes: B = batch (sequences), T = response length. Responses are right-padded and
 `response_mask` [B, T] is 1 on response tokens, 0 on padding after the response end.
@@ -14,8 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-KL_KINDS = ("k1", "k2", "k3")
+from megappo.config.schema import CHOICES
+
+LOSS_AGG_MODES = CHOICES["actor.loss_agg_mode"]
+KL_KINDS = CHOICES["algorithm.kl_penalty"]
+KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}  # verl's estimator names
 
 
 # ----------------------------------------------------------------------------- masked statistics
@@ -62,14 +66,16 @@ def compute_gae_advantages(
     lam: float,
     whiten: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised Advantage Estimation (Schulman et al. 2016).
+    """Generalised Advantage Estimation (Schulman et al. 2016), over the masked tokens only.
 
-        delta_t = r_t + gamma * V_{t+1} - V_t          (V after the response end = 0)
-        A_t     = delta_t + gamma * lam * A_{t+1}
+        delta_t = r_t + gamma * V_{t'} - V_t           (t' = the next token with mask 1; V after the end = 0)
+        A_t     = delta_t + gamma * lam * A_{t'}
         R_t     = A_t + V_t                             (returns: targets for the critic)
 
-    Rewards and values are masked first, so padding after the response end contributes nothing.
-    Returns are computed from the raw advantages; `whiten` then normalises the advantages over the mask.
+    Tokens with mask 0 are skipped, wherever they are: right padding after the response, or gaps in
+    the middle (tool outputs, other turns of a multi-turn response: verl's convention); the recursion
+    carries V and A across them. Returns are computed from the raw advantages; `whiten` then
+    normalises the advantages over the mask.
     """
     mask = response_mask.to(values.dtype)
     rewards = token_level_rewards * mask
@@ -77,10 +83,13 @@ def compute_gae_advantages(
     T = rewards.shape[1]
     advantages_reversed = []
     last_gae = torch.zeros_like(rewards[:, 0])
+    next_value = torch.zeros_like(values[:, 0])
     for t in reversed(range(T)):
-        next_value = values[:, t + 1] if t < T - 1 else torch.zeros_like(values[:, t])
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        last_gae = delta + gamma * lam * last_gae
+        gae_t = delta + gamma * lam * last_gae
+        # a masked token passes the next valid token's value and advantage through unchanged
+        next_value = values[:, t] * mask[:, t] + (1 - mask[:, t]) * next_value
+        last_gae = gae_t * mask[:, t] + (1 - mask[:, t]) * last_gae
         advantages_reversed.append(last_gae)
     advantages = torch.stack(advantages_reversed[::-1], dim=1) * mask
     returns = (advantages + values) * mask
@@ -152,13 +161,127 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return advantages, returns
 
 
+def _group_baseline_advantage(scores: torch.Tensor, index: Any, baseline) -> torch.Tensor:
+    """scores - baseline(group rows) per prompt group; a group of one has baseline 0."""
+    advantages = scores.clone()
+    for rows in _group_rows(index).values():
+        if len(rows) > 1:
+            advantages[rows] = scores[rows] - baseline(rows)
+    return advantages
+
+
+def compute_reinforce_plus_plus_baseline_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline (Hu 2025): A_i = s_i - mean of its prompt group, then whitened over the batch."""
+    scores = token_level_rewards.sum(dim=-1)
+    adv = _group_baseline_advantage(scores, index, lambda rows: scores[rows].mean())
+    adv = masked_whiten(adv.unsqueeze(-1) * response_mask, response_mask) * response_mask
+    return adv, adv
+
+
+def compute_remax_outcome_advantage(
+    token_level_rewards: torch.Tensor, reward_baselines: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2023): A_t = G_t - b, G_t the reward-to-go, b the reward of the prompt's greedy
+    response (`reward_baselines` [B], one per row). Returns G."""
+    returns = (token_level_rewards * response_mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+    advantages = returns - reward_baselines.unsqueeze(-1) * response_mask
+    return advantages, returns
+
+
+def compute_gpg_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any, f_norm: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG (Chu et al. 2025): A_i = alpha * (s_i - mean of its group) / f_norm with alpha = B / (number of
+    rows with a non-zero score), which rescales the gradient when most rows score 0."""
+    scores = token_level_rewards.sum(dim=-1)
+    alpha = scores.shape[0] / max(int(torch.count_nonzero(scores)), 1)
+    adv = alpha * _group_baseline_advantage(scores, index, lambda rows: scores[rows].mean()) / f_norm
+    adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+def compute_opo_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO (Hao et al. 2025): the group baseline weighted by response length, b = sum(|o_j| s_j) / sum |o_j|."""
+    scores = token_level_rewards.sum(dim=-1)
+    lengths = response_mask.sum(dim=-1).to(scores.dtype)
+    adv = _group_baseline_advantage(
+        scores, index, lambda rows: (lengths[rows] * scores[rows]).sum() / lengths[rows].sum().clamp(min=1))
+    adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+def compute_grpo_passk_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any, epsilon: float = 1e-6,
+    norm_by_std: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k GRPO (verl's grpo_passk): only each group's best response learns, with advantage
+    (best - second best) [/ (group std + eps)]: what raises pass@k rather than the mean score."""
+    scores = token_level_rewards.sum(dim=-1)
+    advantages = torch.zeros_like(scores)
+    for uid, rows in _group_rows(index).items():
+        if len(rows) < 2:
+            raise ValueError(f"grpo_passk needs >= 2 responses per prompt (group {uid!r} has {len(rows)}); "
+                             "set rollout.n >= 2")
+        s = scores[rows]
+        top, top_i = torch.topk(s, 2)
+        adv = top[0] - top[1]
+        advantages[rows[int(top_i[0])]] = adv / (s.std() + epsilon) if norm_by_std else adv
+    advantages = advantages.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+# name (algorithm.adv_estimator) -> fn(token_level_rewards, response_mask, algorithm config, **inputs)
+# -> (advantages, returns). inputs: values (the critic's [B, T], GAE), index (each row's prompt uid:
+# the group estimators), baselines (the greedy responses' rewards [B], ReMax).
+ADV_ESTIMATORS = {
+    "gae": lambda r, mask, a, values=None, **_: compute_gae_advantages(r, values, mask, a.gamma, a.lam,
+                                                                       a.whiten_advantages),
+    "grpo": lambda r, mask, a, index=None, **_: compute_grpo_outcome_advantage(
+        r, mask, index, norm_by_std=a.norm_adv_by_std_in_grpo),
+    "rloo": lambda r, mask, a, index=None, **_: compute_rloo_outcome_advantage(r, mask, index),
+    "reinforce_plus_plus": lambda r, mask, a, **_: compute_reinforce_plus_plus_outcome_advantage(r, mask, a.gamma),
+    "reinforce_plus_plus_baseline": lambda r, mask, a, index=None, **_:
+        compute_reinforce_plus_plus_baseline_outcome_advantage(r, mask, index),
+    "remax": lambda r, mask, a, baselines=None, **_: compute_remax_outcome_advantage(r, baselines, mask),
+    "gpg": lambda r, mask, a, index=None, **_: compute_gpg_outcome_advantage(r, mask, index),
+    "opo": lambda r, mask, a, index=None, **_: compute_opo_outcome_advantage(r, mask, index),
+    "grpo_passk": lambda r, mask, a, index=None, **_: compute_grpo_passk_outcome_advantage(
+        r, mask, index, norm_by_std=a.norm_adv_by_std_in_grpo),
+}
+
+
+def algorithm_name(adv_estimator: str) -> str:
+    """What a run is called in logs: PPO (GAE with a critic), GRPO, RLOO, REINFORCE++, ..."""
+    return {"gae": "PPO", "reinforce_plus_plus": "REINFORCE++", "reinforce_plus_plus_baseline": "REINFORCE++-baseline",
+            "remax": "ReMax", "grpo_passk": "GRPO-pass@k"}.get(adv_estimator, adv_estimator.upper())
+
+
+def compute_advantages(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, algorithm,
+                       values: torch.Tensor | None = None, index: Any = None,
+                       baselines: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) with the estimator `algorithm.adv_estimator` names (see ADV_ESTIMATORS)."""
+    name = algorithm.adv_estimator
+    if name not in ADV_ESTIMATORS:
+        raise ValueError(f"unknown algorithm.adv_estimator {name!r}; choose one of {', '.join(ADV_ESTIMATORS)}")
+    return ADV_ESTIMATORS[name](token_level_rewards, response_mask, algorithm, values=values, index=index,
+                                baselines=baselines)
+
+
 # ----------------------------------------------------------------------------- KL
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "k1") -> torch.Tensor:
     """Per-token KL(pi || ref) estimate from samples of pi (Schulman's k1/k2/k3).
 
     k1 = logp - ref;  k2 = 0.5 * (logp - ref)^2;  k3 = exp(ref - logp) - (ref - logp) - 1
-    (k3 is clamped at 10 for stability; it is always >= 0)."""
+    (k3 is clamped at 10 for stability; it is always >= 0); abs = |logp - ref|. verl's names are
+    aliases: kl = k1, mse = k2, low_var_kl = k3."""
+    kind = KL_ALIASES.get(kind, kind)
     log_ratio = logprob - ref_logprob
+    if kind == "abs":
+        return log_ratio.abs()
     if kind == "k1":
         return log_ratio
     if kind == "k2":
@@ -225,20 +348,24 @@ def apply_kl_penalty(
     kl_ctrl: FixedKLController | AdaptiveKLController,
     kind: str = "k1",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """KL in the reward: r_t = score_t - beta * kl_t, then kl_ctrl.update(mean per-sequence KL, B).
+    """KL in the reward: r_t = score_t - beta * kl_t, then kl_ctrl.update(per-token KL, B).
 
-    Metrics (open-instruct names): objective/kl = mean over sequences of the summed token KL,
-    objective/kl_coef = the beta used, objective/non_score_reward = mean summed -beta * kl,
-    objective/rlhf_reward = mean summed reward (scores + non_score_reward)."""
+    The adaptive controller sees the PER-TOKEN KL (each response's token mean, averaged over the
+    batch: verl's convention, which its default target_kl=0.1 is meant for), so its behaviour does not
+    depend on the response length. Metrics (open-instruct names): objective/kl = mean over sequences of
+    the summed token KL, objective/kl_token_mean = what the controller saw, objective/kl_coef = the beta
+    used, objective/non_score_reward = mean summed -beta * kl, objective/rlhf_reward = mean summed
+    reward (scores + non_score_reward)."""
     mask = response_mask.to(token_level_scores.dtype)
     kl = kl_penalty(logprob, ref_logprob, kind) * mask
     beta = kl_ctrl.value
     token_level_rewards = token_level_scores - beta * kl
     seq_kl = kl.sum(dim=-1)
-    current_kl = seq_kl.mean().item()
-    kl_ctrl.update(current_kl, n_steps=token_level_scores.shape[0])
+    token_kl = masked_mean(kl, mask, dim=-1).mean().item()
+    kl_ctrl.update(token_kl, n_steps=token_level_scores.shape[0])
     metrics = {
-        "objective/kl": current_kl,
+        "objective/kl": seq_kl.mean().item(),
+        "objective/kl_token_mean": token_kl,
         "objective/kl_coef": beta,
         "objective/non_score_reward": (-beta * seq_kl).mean().item(),
         "objective/rlhf_reward": token_level_rewards.sum(dim=-1).mean().item(),
@@ -255,6 +382,8 @@ def loss_normalizer(response_mask: torch.Tensor, loss_agg_mode: str) -> float:
         return float(response_mask.sum().item())
     if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
         return float((response_mask.sum(dim=-1) > 0).sum().item())
+    if loss_agg_mode == "seq-mean-token-sum-norm":  # Dr. GRPO: a constant length, the max response length
+        return float((response_mask.sum(dim=-1) > 0).sum().item() * response_mask.shape[-1])
     raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
 
 
@@ -266,9 +395,12 @@ def agg_loss(
 ) -> torch.Tensor:
     """Reduce a [B, T] per-token loss to a scalar.
 
-    token-mean:          sum_{i,t} l_it / N_tokens
-    seq-mean-token-sum:  sum_i (sum_t l_it) / N_seqs
-    seq-mean-token-mean: sum_i (mean_t l_it) / N_seqs
+    token-mean:              sum_{i,t} l_it / N_tokens
+    seq-mean-token-sum:      sum_i (sum_t l_it) / N_seqs
+    seq-mean-token-mean:     sum_i (mean_t l_it) / N_seqs
+    seq-mean-token-sum-norm: sum_i (sum_t l_it) / (N_seqs * T), T = the max response length (Dr. GRPO,
+                             Liu et al. 2025: no per-response length normalisation; verl's mode of this
+                             name divides by T only, a per-batch sum)
     N_* defaults to this batch's count (`loss_normalizer`); pass the mini-batch's global count as
     `normalizer` and the micro-batch losses sum to exactly the mini-batch loss. (With DDP gradient
     averaging over dp ranks, the caller multiplies by dp_size.)"""
@@ -278,7 +410,7 @@ def agg_loss(
     mask = loss_mask.to(loss_mat.dtype)
     if loss_agg_mode == "token-mean":
         return masked_sum(loss_mat, mask) / normalizer
-    if loss_agg_mode == "seq-mean-token-sum":
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
         return masked_sum(loss_mat, mask, dim=-1).sum() / normalizer
     if loss_agg_mode == "seq-mean-token-mean":
         return masked_mean(loss_mat, mask, dim=-1).sum() / normalizer

@@ -10,18 +10,30 @@ Names follow open-instruct's PPO (docs in the seed; definitions here where they 
   objective/rlhf_reward      objective/scores + objective/non_score_reward
   objective/non_score_reward mean over responses of -beta * summed KL (0 when the KL is not in the reward)
   objective/entropy          mean over responses of the summed per-token entropy of pi_old
-  objective/loss             loss/policy_avg + loss/value_avg (actor and critic have their own optimizers)
+  objective/loss             loss/policy_avg + loss/value_avg (actor and critic have their own optimizers;
+                             without a critic: loss/policy_avg, and loss/value_avg is not logged)
   objective/verifiable_correct_rate  fraction of responses whose rule score is the full score
   loss/policy_avg, loss/value_avg    mean PPO clipped policy / value loss over the step's mini-batches
-  policy/approxkl_avg        mean of 0.5 * (logp - logp_old)^2 over the updates
+  policy/approxkl_avg        mean of 0.5 * (logp - logp_old)^2 over the updates (k2; actor/approx_kl);
+                             actor/ppo_kl is verl's: mean of logp_old - logp (k1)
   policy/clipfrac_avg        fraction of tokens where the policy ratio was clipped
   policy/entropy_avg         token-mean entropy of pi_old over the response tokens
   val/sequence_lengths       mean response length (tokens) of this step's rollouts
   val/num_stop_token_ids     number of this step's responses that ended with a stop token
   time/from_scratch, time/training   seconds since fit() started / this step's seconds
 
-Plus: rollout/* (vLLM vs Megatron log-prob gap, importance weights, weight-sync checks), timing/* (one
-per phase), eval/* (validation), and the workers' actor/*, critic/* update metrics as they come.
+Plus: timing/* (one per phase), eval/* (validation), the workers' actor/*, critic/* update metrics as
+they come (critic/* only when there is a critic), advantages/{mean,max,min} over the response tokens,
+and rollout/*:
+
+  rollout/logprob_diff_mean, _max   |log p_vLLM - log p_Megatron| over the sampled tokens (pi_old vs
+                             the sampler: in sync mode the numeric gap of two engines on the same
+                             weights, ~1e-6 in fp32; in async mode also one step of policy lag)
+  rollout/token_mult_prob_error  mean over tokens of exp|log p_vLLM - log p_Megatron| = the
+                             token-level probability ratio's distance from 1 (1.0 = identical; 1.01
+                             = the engines disagree by ~1% on a typical token's probability)
+  rollout/tis_weight_mean, tis_capped_frac  truncated importance weights min(pi_old / pi_rollout, 2)
+  rollout/weights_fingerprint_ok  1 when vLLM's weights matched the trainer's after the sync
 """
 
 from __future__ import annotations
@@ -80,12 +92,13 @@ def data_metrics(batch) -> dict:
     if "entropy" in b:
         out["objective/entropy"] = (b["entropy"] * mask).sum(-1).mean().item()
         out["policy/entropy_avg"] = algos.masked_mean(b["entropy"], mask).item()
-    for key in ("advantages", "returns", "values"):
-        if key in b:
+    prefixes = {"advantages": "advantages", "returns": "critic/returns", "values": "critic/values"}
+    for key, prefix in prefixes.items():
+        if key in b and (key == "advantages" or "values" in b):  # returns/values: only with a critic
             v = b[key][mask.bool()]
-            out[f"critic/{key}/mean"] = v.mean().item()
-            out[f"critic/{key}/max"] = v.max().item()
-            out[f"critic/{key}/min"] = v.min().item()
+            out[f"{prefix}/mean"] = v.mean().item()
+            out[f"{prefix}/max"] = v.max().item()
+            out[f"{prefix}/min"] = v.min().item()
     if "values" in b and "returns" in b:
         ret, val = b["returns"][mask.bool()], b["values"][mask.bool()]
         out["critic/vf_explained_var"] = (1 - (ret - val).var() / (ret.var() + 1e-8)).item()
@@ -103,9 +116,11 @@ def step_metrics(*, step: int, batch, reward_metrics: Mapping, kl: Mapping, acto
     m.setdefault("objective/non_score_reward", 0.0)
     m["objective/rlhf_reward"] = scores + m["objective/non_score_reward"]
     m["loss/policy_avg"] = float(actor.get("actor/pg_loss", float("nan")))
-    m["loss/value_avg"] = float(critic.get("critic/vf_loss", 0.0))
-    m["objective/loss"] = m["loss/policy_avg"] + m["loss/value_avg"]
-    m["policy/approxkl_avg"] = float(actor.get("actor/ppo_kl", float("nan")))
+    m["objective/loss"] = m["loss/policy_avg"]
+    if critic:  # no critic (GRPO, RLOO, ...): no value loss to report
+        m["loss/value_avg"] = float(critic.get("critic/vf_loss", 0.0))
+        m["objective/loss"] += m["loss/value_avg"]
+    m["policy/approxkl_avg"] = float(actor.get("actor/approx_kl", float("nan")))
     m["policy/clipfrac_avg"] = float(actor.get("actor/pg_clipfrac", float("nan")))
     m["lr"] = float(actor.get("actor/lr", float("nan")))
     m["episode"] = step * responses_per_step

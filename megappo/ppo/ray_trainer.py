@@ -46,25 +46,38 @@ from the checkpoint's weights with a fresh pipeline (its first resumed step is o
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
-import random
 import time
+from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
-import numpy as np
 import torch
 
 from megappo.data.dataset import RLHFDataset
 from megappo.data.sampler import EpochSampler
 from megappo.ppo import core_algos as algos
+from megappo.ppo.losses import PolicyLoss, ValueLoss
 from megappo.ppo.metrics import eval_metrics, kl_metrics, step_metrics
 from megappo.protocol import DataProto
 from megappo.rewards.manager import RewardManager
-from megappo.utils.checkpoint import atomic_checkpoint, is_complete, latest_checkpoint
-
+from megappo.utils.checkpoint import atomic_checkpoint, is_complete, latest_checkpoint, rng_state, set_rng_state
+from megappo.workers.rollout.sampling import SamplingSpec
 
 _MODEL_IN = ["input_ids", "attention_mask", "position_ids", "responses"]
+
+
+class Role(Enum):
+    """What a worker group does (one group per role; roles fused in one worker class share processes)."""
+
+    Actor = 0
+    Rollout = 1
+    ActorRollout = 2  # hybrid engine: actor + rollout in one process
+    Critic = 3
+    RefPolicy = 4
+    RewardModel = 5
+    ActorRolloutRef = 6  # actor + rollout + ref in one process
 
 
 @contextlib.contextmanager
@@ -107,31 +120,63 @@ class RayPPOTrainer:
                                        d.apply_chat_template) if d.val_files else None
         self.sampler = EpochSampler(len(self.train_dataset), d.train_batch_size, seed=cfg.trainer.seed,
                                     shuffle=d.shuffle)
+        self._check_inputs()
         self._sampler_before: dict[int, dict] = {}  # step -> sampler state before drawing its prompts
         self.kl_ctrl = algos.make_kl_controller(cfg.algorithm)
+        self.sampling = SamplingSpec.from_config(cfg.rollout)  # how training rollouts sample (seeded per step)
+        self.policy_loss = PolicyLoss.from_config(cfg.actor)
+        self.value_loss = ValueLoss.from_config(cfg.critic)
         self.async_mode = cfg.trainer.mode == "async"
         self.output_dir = Path(cfg.trainer.output_dir)
         self.ckpt_root = self.output_dir / "checkpoints"
         self.show_progress = show_progress
         self.global_step = 0
         self.groups: list = []
+        self.restarts = 0  # worker-group restarts in this process (fit)
+        self.steps_redone = 0  # steps completed before a failure and done again after its restart
+        self._failed_at: Optional[int] = None
+        self.preempted = False  # fit stopped on SIGTERM / SIGUSR1 after checkpointing
+        self.fault_hook: Optional[Callable[[str, int], None]] = None  # tests: fault_hook(phase, step)
+        self._step = 0
+        self._saved_steps: list[int] = []  # checkpoints this process wrote (a restart resumes from them)
+        self._initial_state = self._driver_state(0)
+        # SIGTERM / SIGUSR1 from now on: finish the step in flight, checkpoint, stop (fit)
+        self.preemption = _PreemptionSignals().install()
         self.actor_wg = self.critic_wg = self.ref_wg = self.rm_wg = self.rollout_wg = None
         self.resource_pool_manager = None
+
+    def _check_inputs(self) -> None:
+        """Before any worker starts: the tokenizer fits the model, and every data_source has a reward rule."""
+        from transformers import AutoConfig
+
+        m = self.config.model
+        vocab = AutoConfig.from_pretrained(str(m.path)).vocab_size
+        if len(self.tokenizer) > vocab:
+            raise ValueError(f"the tokenizer ({m.tokenizer or m.path}) has {len(self.tokenizer)} tokens but the model "
+                             f"({m.path}) has vocab_size {vocab}: they do not belong together; use the model's own "
+                             "tokenizer (model.tokenizer)")
+        for ds in (self.train_dataset, self.val_dataset):
+            for source in sorted({str(r["data_source"]) for r in ds.rows} if ds is not None else ()):
+                self.reward_fn.scorer_for(source)  # a ValueError naming the known rules and how to add one
 
     # ---- workers -----------------------------------------------------------------------------------
 
     def init_workers(self) -> None:
-        """Pools (Ray placement groups), one worker group per role, models, then vLLM engines."""
-        from megappo.workers.roles import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
-        from megappo.workers.worker_group import NVMegatronRayWorkerGroup, RayWorkerGroup
-        from megappo.workers.resource_pool import ResourcePoolManager, Role
+        """Pools (Ray placement groups), one worker group per role (roles that share a layout share
+        processes), models, then vLLM engines."""
+        from megappo.controller.resource_pool import ResourcePoolManager
+        from megappo.controller.worker_group import NVMegatronRayWorkerGroup, RayWorkerGroup
+        from megappo.workers.roles import ActorCriticWorker, ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
         cfg, res = self.config, self.config.resources
         fuse_ref = cfg.ref.enable and _same_layout(cfg.ref.parallel, cfg.actor.parallel)
+        # resources.colocate: the critic joins the actor's processes when it has the actor's layout
+        # (one megatron world, one process per device: no contention, no second set of imports)
+        fuse_critic = cfg.critic.enable and res.colocate and _same_layout(cfg.critic.parallel, cfg.actor.parallel)
         actor_kind = ("actor" if self.async_mode else "actor_rollout") + ("_ref" if fuse_ref else "")
         spec = {"train": [res.workers_per_node] * res.nodes}
         mapping = {Role.ActorRolloutRef if fuse_ref else Role.ActorRollout: "train"}
-        if cfg.critic.enable:
+        if cfg.critic.enable and not fuse_critic:
             mapping[Role.Critic] = "train"
         if cfg.ref.enable and not fuse_ref:
             mapping[Role.RefPolicy] = "train"
@@ -144,23 +189,26 @@ class RayPPOTrainer:
         mgr = self.resource_pool_manager = ResourcePoolManager(spec, mapping, use_gpu=use_gpu,
                                                                cpus_per_bundle=res.cpus_per_worker)
         mgr.create_resource_pool()
-        pool, timeout = mgr.pools["train"], cfg.trainer.worker_timeout_s
+        print(f"placement: {mgr.describe()}", flush=True)
+        pool, t = mgr.pools["train"], cfg.trainer
 
         def group(cls, name, *args, wg_cls=NVMegatronRayWorkerGroup, pool=pool):
-            wg = wg_cls(pool, cls, args=(cfg, *args), name=name, timeout_s=timeout)
+            wg = wg_cls(pool, cls, args=(cfg, *args), name=name, timeout_s=t.phase_timeout_s,
+                        spawn_timeout_s=t.worker_timeout_s)
             self.groups.append(wg)
             return wg
 
-        self.actor_wg = group(ActorRolloutRefWorker, "actor", actor_kind)
-        self.critic_wg = group(CriticWorker, "critic") if cfg.critic.enable else None
+        self.actor_wg = group(ActorCriticWorker if fuse_critic else ActorRolloutRefWorker, "actor", actor_kind)
+        self.critic_wg = (self.actor_wg if fuse_critic else group(CriticWorker, "critic")) if cfg.critic.enable \
+            else None
         self.ref_wg = (self.actor_wg if fuse_ref else group(ActorRolloutRefWorker, "ref", "ref")) \
             if cfg.ref.enable else None
         self.rm_wg = group(RewardModelWorker, "rm") if cfg.reward.model.enable else None
         self.rollout_wg = group(ActorRolloutRefWorker, "rollout", "rollout", wg_cls=RayWorkerGroup,
                                 pool=mgr.pools["rollout"]) if self.async_mode else self.actor_wg
         for call in [g.submit("init_model") for g in self.groups]:  # every megatron world comes up at once
-            call.result()
-        self.rollout_wg.init_rollout()
+            call.result(timeout_s=t.worker_timeout_s)
+        self.rollout_wg.submit("init_rollout").result(timeout_s=t.worker_timeout_s)
         if self.async_mode:
             host, port = self.actor_wg.weight_sync_address()[0]
             world = 1 + self.rollout_wg.world_size
@@ -169,72 +217,147 @@ class RayPPOTrainer:
                 c.result()
 
     def shutdown(self) -> None:
+        """Stop every worker group and release the pools; give the preemption signals back."""
+        self._teardown_workers()
+        self.preemption.uninstall()
+
+    def _teardown_workers(self) -> None:
         for g in self.groups:
             g.shutdown()
         self.groups = []
         if self.resource_pool_manager is not None:
             self.resource_pool_manager.remove()
+            self.resource_pool_manager = None
 
     # ---- the loop ----------------------------------------------------------------------------------
 
     def fit(self) -> list[dict]:
+        """Train to trainer.total_steps; returns one metrics dict per step done in this call.
+
+        Survives what a cluster does to a job: a dead or hung worker (WorkerError: a process died, or a
+        phase outlived trainer.phase_timeout_s) tears every worker group down, brings them up again and
+        resumes from the newest complete checkpoint (or the start), at most trainer.max_restarts times
+        in a row; SIGTERM / SIGUSR1 (Slurm's warning before a time limit or preemption) finishes the
+        step in flight, checkpoints it at once and returns with `self.preempted` set."""
+        from megappo.controller.resource_pool import WorkerError
+
+        history: dict[int, dict] = {}
+        failures, first_cause, mark, restart = 0, None, self.global_step, False
+        while True:
+            try:
+                if restart:  # every group torn down and brought up again (a failing bring-up counts too)
+                    self._teardown_workers()
+                    self.init_workers()
+                    restart = False
+                self._fit_once(history, self.preemption)
+                break
+            except WorkerError as e:
+                if self.global_step > mark:  # the last restart made progress: count afresh
+                    failures, first_cause = 0, None
+                failures, first_cause, mark = failures + 1, first_cause or e, self.global_step
+                if failures > self.config.trainer.max_restarts:
+                    raise WorkerError(f"giving up after {failures - 1} restarts in a row "
+                                      f"(trainer.max_restarts={self.config.trainer.max_restarts}); first cause: "
+                                      f"{first_cause}") from first_cause
+                print(f"megappo: worker failure in step {self._step}: {e}; restart {self.restarts + 1} "
+                      f"({failures}/{self.config.trainer.max_restarts} in a row): bringing every worker group up "
+                      "again and resuming from the newest complete checkpoint", flush=True)
+                self.restarts += 1
+                self._failed_at = self.global_step if self._failed_at is None else self._failed_at
+                restart = True
+        rows = [history[s] for s in sorted(history)]
+        if self.config.trainer.export_hf and not self.preempted and self.global_step == self.config.trainer.total_steps \
+                and rows:
+            self.export_final(self.global_step)
+        plot_reward_curve(self.output_dir)
+        return rows
+
+    def _fit_once(self, history: dict, preempt) -> None:
+        """Resume (checkpoint, or the start), then step until total_steps or a preemption signal."""
         from megappo.utils.tracking import Tracking
 
         cfg, total = self.config, self.config.trainer.total_steps
         self._resume()
-        history: list[dict] = []
+        if self._failed_at is not None:
+            self.steps_redone += self._failed_at - self.global_step
+            self._failed_at = None
         start = time.perf_counter()
         inflight = self._launch_rollout(self.global_step + 1) \
             if self.async_mode and self.global_step < total else None
-        with _Progress(total, self.global_step, self.show_progress) as progress, \
+        with _Progress(total, self.global_step, self.show_progress,
+                       algos.algorithm_name(cfg.algorithm.adv_estimator)) as progress, \
                 Tracking(cfg.trainer.project, cfg.trainer.experiment, self.output_dir, list(cfg.trainer.loggers),
-                         config=cfg, console=progress.console) as tracker:
+                         config=cfg, console=progress.console, resume_step=self.global_step) as tracker:
             for step in range(self.global_step + 1, total + 1):
-                t0, timing = time.perf_counter(), {}
-                # 1. rollout (async: the batch launched last step; launch the next one before training)
-                if inflight is None:
-                    with _timer("timing/gen_s", timing):
-                        batch = self._generate(self._next_prompts(step), self._sampling_meta(step))
-                else:
-                    with _timer("timing/rollout_wait_s", timing):
-                        batch = inflight.result()
-                    timing.update(inflight.sync_metrics)
-                    with _timer("timing/launch_s", timing):
-                        inflight = self._launch_rollout(step + 1) if step < total else None
-                gen_metrics = batch.meta_info.pop("metrics", {})
-                # 2-3. pi_old (+ entropy), reference log-probs, values of the sampled tokens
-                batch = self._score_tokens(batch, timing)
-                # 4-5. rewards (+ KL penalty) and advantages, here on the driver
-                with _timer("timing/reward_adv_s", timing):
-                    scores, reward_metrics = self.reward_fn(batch)
-                    kl = self._advantages(batch, scores)
-                # 6. critic and actor updates
-                critic_metrics, actor_metrics = self._update(batch, timing)
-                self.global_step = step
-                timing["timing/step_s"] = time.perf_counter() - t0
-                if self.async_mode:  # how much of the rollout hid behind the previous step's training
-                    rollout_s = gen_metrics.get("timing/rollout_s", 0.0)
-                    timing["timing/rollout_overlap_s"] = max(0.0, rollout_s - timing["timing/rollout_wait_s"])
-                    timing["timing/rollout_overlap_frac"] = timing["timing/rollout_overlap_s"] / max(rollout_s, 1e-9)
-                metrics = step_metrics(step=step, batch=batch, reward_metrics=reward_metrics, kl=kl,
-                                       actor=actor_metrics, critic=critic_metrics,
-                                       prompts_per_step=cfg.data.train_batch_size,
-                                       responses_per_step=cfg.data.train_batch_size * cfg.rollout.n,
-                                       dataset_size=len(self.train_dataset), step_s=timing["timing/step_s"],
-                                       since_start_s=time.perf_counter() - start)
-                metrics.update(gen_metrics)
-                metrics.update(timing)
-                # 7. validation, checkpoint, logging
+                metrics, inflight = self._run_step(step, inflight, start)
+                # 7. validation, checkpoint (at once when preempted), logging
                 if cfg.trainer.val_every and (step % cfg.trainer.val_every == 0 or step == total):
                     metrics.update(self.validate())
-                if cfg.trainer.save_every and (step % cfg.trainer.save_every == 0 or step == total):
-                    with _timer("timing/save_checkpoint_s", metrics):
+                if self._saves_at(step) or preempt.is_set():
+                    with self._phase("save_checkpoint", metrics):
                         self.save_checkpoint(step)
+                metrics["trainer/restarts"] = float(self.restarts)
                 tracker.log(metrics, step)
-                history.append(metrics)
+                history[step] = metrics
                 progress.advance(metrics)
-        plot_reward_curve(self.output_dir)
-        return history
+                if preempt.is_set():
+                    self.preempted = True
+                    print(f"megappo: {preempt.name} received: stopped after step {step}, checkpoint written; "
+                          "run the same command again (or requeue) to resume", flush=True)
+                    return
+
+    def _run_step(self, step: int, inflight, start: float):
+        """Steps 1-6 of the loop (module docstring) for `step`; returns (metrics, next in-flight rollout)."""
+        cfg, total = self.config, self.config.trainer.total_steps
+        self._step = step
+        t0, timing = time.perf_counter(), {}
+        # 1. rollout (async: the batch launched last step; launch the next one before training)
+        baselines = None
+        if inflight is None:
+            prompts = self._next_prompts(step)
+            with self._phase("gen", timing):
+                batch = self._generate(prompts, self._sampling_for(step))
+            if cfg.algorithm.adv_estimator == "remax":
+                with self._phase("gen_baseline", timing):
+                    baselines = self._greedy_baselines(prompts, batch)
+        else:
+            with self._phase("rollout_wait", timing):
+                batch = inflight.result()
+            timing.update(inflight.sync_metrics)
+            with self._phase("launch", timing):
+                inflight = self._launch_rollout(step + 1) if step < total else None
+        gen_metrics = batch.meta_info.pop("metrics", {})
+        # 2-3. pi_old (+ entropy), reference log-probs, values of the sampled tokens
+        batch = self._score_tokens(batch, timing)
+        # 4-5. rewards (+ KL penalty) and advantages, here on the driver
+        with self._phase("reward_adv", timing):
+            scores, reward_metrics = self.reward_fn(batch)
+            kl = self._advantages(batch, scores, baselines)
+        # 6. critic and actor updates
+        critic_metrics, actor_metrics = self._update(batch, timing)
+        self.global_step = step
+        timing["timing/step_s"] = time.perf_counter() - t0
+        if self.async_mode:  # how much of the rollout hid behind the previous step's training
+            rollout_s = gen_metrics.get("timing/rollout_s", 0.0)
+            timing["timing/rollout_overlap_s"] = max(0.0, rollout_s - timing["timing/rollout_wait_s"])
+            timing["timing/rollout_overlap_frac"] = timing["timing/rollout_overlap_s"] / max(rollout_s, 1e-9)
+        metrics = step_metrics(step=step, batch=batch, reward_metrics=reward_metrics, kl=kl,
+                               actor=actor_metrics, critic=critic_metrics,
+                               prompts_per_step=cfg.data.train_batch_size,
+                               responses_per_step=cfg.data.train_batch_size * cfg.rollout.n,
+                               dataset_size=len(self.train_dataset), step_s=timing["timing/step_s"],
+                               since_start_s=time.perf_counter() - start)
+        metrics.update(gen_metrics)
+        metrics.update(timing)
+        return metrics, inflight
+
+    @contextlib.contextmanager
+    def _phase(self, name: str, timing: dict):
+        """Time a phase into timing/<name>_s (a test's fault_hook(name, step) runs first)."""
+        if self.fault_hook is not None:
+            self.fault_hook(name, self._step)
+        with _timer(f"timing/{name}_s", timing):
+            yield
 
     # ---- 1. rollout ----------------------------------------------------------------------------------
 
@@ -242,14 +365,12 @@ class RayPPOTrainer:
         self._sampler_before[step] = self.sampler.state_dict()
         return self.train_dataset.get_batch(next(self.sampler))
 
-    def _sampling_meta(self, step: int) -> dict:
+    def _sampling_for(self, step: int) -> SamplingSpec:
         """Per-step sampling seed: a step's rollout depends only on (trainer.seed, step) and the weights."""
-        r = self.config.rollout
-        seed = (self.config.trainer.seed * 1_000_003 + step * 10_007) % (1 << 31)
-        return {"seed": seed, "n": r.n, "temperature": r.temperature, "max_new_tokens": r.max_new_tokens}
+        return self.sampling.with_seed((self.config.trainer.seed * 1_000_003 + step * 10_007) % (1 << 31))
 
-    def _generate(self, prompts: DataProto, meta: dict, wg=None) -> DataProto:
-        prompts.meta_info.update(meta)
+    def _generate(self, prompts: DataProto, sampling: SamplingSpec, wg=None) -> DataProto:
+        prompts.meta_info["sampling"] = sampling
         return (wg or self.rollout_wg).generate_sequences(prompts)[0]
 
     def _sync_rollout_weights(self) -> dict:
@@ -264,28 +385,35 @@ class RayPPOTrainer:
         """Async: push the actor's current weights, then start `step`'s rollout without waiting."""
         sync = self._sync_rollout_weights()
         prompts = self._next_prompts(step)
-        prompts.meta_info.update(self._sampling_meta(step))
+        prompts.meta_info["sampling"] = self._sampling_for(step)
         return _Inflight(self.rollout_wg.submit("generate_sequences", prompts), step, sync)
 
     # ---- 2-6. scoring, rewards, advantages, updates --------------------------------------------------
 
     def _score_tokens(self, batch: DataProto, timing: dict) -> DataProto:
-        model_in = batch.select(batch_keys=_MODEL_IN, non_tensor_keys=[], meta_info_keys=[])
-        model_in.meta_info["temperature"] = self.config.rollout.temperature
-        with _timer("timing/old_log_prob_s", timing):
+        model_in = batch.select(batch_keys=_MODEL_IN, non_tensor_keys=[], meta_info_keys=["sampling"])
+        with self._phase("old_log_prob", timing):
             batch.batch.update(self.actor_wg.compute_log_prob(model_in).batch)
         if self.ref_wg is not None:
-            with _timer("timing/ref_s", timing):
+            with self._phase("ref", timing):
                 batch.batch.update(self.ref_wg.compute_ref_log_prob(model_in).batch)
         if self.critic_wg is not None:
-            with _timer("timing/values_s", timing):
+            with self._phase("values", timing):
                 batch.batch.update(self.critic_wg.compute_values(model_in).batch)
         if self.rm_wg is not None:
-            with _timer("timing/rm_s", timing):
+            with self._phase("rm", timing):
                 batch.batch.update(self.rm_wg.compute_rm_score(model_in).batch)
         return batch
 
-    def _advantages(self, batch: DataProto, scores: torch.Tensor) -> dict:
+    def _greedy_baselines(self, prompts: DataProto, batch: DataProto) -> torch.Tensor:
+        """ReMax: each row's baseline is the reward of its prompt's greedy response (same weights)."""
+        greedy = self._generate(prompts.select(meta_info_keys=[]), self.sampling.greedy())
+        greedy.meta_info.pop("metrics", None)
+        scores, _ = self.val_reward_fn(greedy)  # the training rules, no samples printed
+        by_uid = dict(zip(greedy.non_tensor_batch["uid"], scores.sum(-1).tolist()))
+        return torch.tensor([by_uid[u] for u in batch.non_tensor_batch["uid"]], dtype=torch.float32, device="cpu")
+
+    def _advantages(self, batch: DataProto, scores: torch.Tensor, baselines: Optional[torch.Tensor] = None) -> dict:
         a, b = self.config.algorithm, batch.batch
         mask = b["response_mask"]
         kl = {}
@@ -296,29 +424,24 @@ class RayPPOTrainer:
             rewards = scores
             if "ref_log_prob" in b:
                 kl = kl_metrics(b["old_log_probs"], b["ref_log_prob"], mask.float(), 0.0, a.kl_penalty)
-        if a.adv_estimator == "gae":
-            adv, ret = algos.compute_gae_advantages(rewards, b["values"], mask, a.gamma, a.lam, a.whiten_advantages)
-        elif a.adv_estimator == "grpo":
-            adv, ret = algos.compute_grpo_outcome_advantage(rewards, mask, batch.non_tensor_batch["uid"])
-        elif a.adv_estimator == "rloo":
-            adv, ret = algos.compute_rloo_outcome_advantage(rewards, mask, batch.non_tensor_batch["uid"])
-        else:
-            adv, ret = algos.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, a.gamma)
+        adv, ret = algos.compute_advantages(rewards, mask, a, values=b.get("values"),
+                                            index=batch.non_tensor_batch.get("uid"), baselines=baselines)
         b["token_level_scores"], b["token_level_rewards"], b["advantages"], b["returns"] = scores, rewards, adv, ret
         return kl
 
     def _update(self, batch: DataProto, timing: dict) -> tuple[dict, dict]:
-        b, cfg = batch.batch, self.config
-        meta = {"temperature": cfg.rollout.temperature}
+        b = batch.batch
+        meta = {"sampling": batch.meta_info["sampling"]}  # the actor's log-probs at the sampling temperature
         critic_metrics = {}
         if self.critic_wg is not None:
-            keys = _MODEL_IN + ["response_mask", "values", "returns"]
-            with _timer("timing/update_critic_s", timing):
-                critic_metrics = self.critic_wg.update_critic(DataProto({k: b[k] for k in keys}, {}, meta))[0]
-        keys = _MODEL_IN + ["response_mask", "old_log_probs", "advantages", "rollout_log_probs"] + \
-            (["ref_log_prob"] if cfg.actor.use_kl_loss else [])
-        with _timer("timing/update_actor_s", timing):
-            actor_metrics = self.actor_wg.update_actor(DataProto({k: b[k] for k in keys}, {}, meta))[0]
+            keys = _MODEL_IN + list(self.value_loss.required_keys)
+            with self._phase("update_critic", timing):
+                critic_metrics = self.critic_wg.update_critic(DataProto({k: b[k] for k in keys}, {}, meta),
+                                                              self.value_loss)[0]
+        keys = _MODEL_IN + self.policy_loss.required_keys + [k for k in self.policy_loss.optional_keys if k in b]
+        with self._phase("update_actor", timing):
+            actor_metrics = self.actor_wg.update_actor(DataProto({k: b[k] for k in keys}, {}, meta),
+                                                       self.policy_loss)[0]
         return critic_metrics, actor_metrics
 
     # ---- 7. validation and checkpoints ---------------------------------------------------------------
@@ -333,63 +456,152 @@ class RayPPOTrainer:
         size, parts = self.config.data.val_batch_size, []
         for i in range(0, len(self.val_dataset), size):
             prompts = self.val_dataset.get_batch(range(i, min(i + size, len(self.val_dataset))))
-            parts.append(self._generate(prompts, {"do_sample": False, "n": 1}))
+            parts.append(self._generate(prompts, self.sampling.greedy()))
         out = DataProto.concat(parts)
         out.meta_info.pop("metrics", None)
         _, reward_metrics = self.val_reward_fn(out)
         return {**eval_metrics(out, reward_metrics), "timing/validate_s": time.perf_counter() - t0}
 
+    def _trained_groups(self) -> list:
+        """The groups holding the actor and the critic, each once (they may be one colocated group)."""
+        return list({id(g): g for g in (self.actor_wg, self.critic_wg) if g is not None}.values())
+
+    def _saves_at(self, step: int) -> bool:
+        t = self.config.trainer
+        last = step == t.total_steps
+        return bool(t.save_every and (step % t.save_every == 0 or last)) or (last and t.export_hf)
+
     def save_checkpoint(self, step: int) -> Path:
+        try:
+            return self._save_checkpoint(step, self.config.model)
+        except Exception as e:  # noqa: BLE001 - say what it means for the run
+            cause = getattr(e, "cause", None) or e
+            if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise checkpoint_disk_full(step, self.ckpt_root, cause) from e
+            raise
+
+    def _save_checkpoint(self, step: int, m) -> Path:
+        from tools.convert_ckpt.core import copy_hf_files
+
         with atomic_checkpoint(self.ckpt_root, step) as tmp:
-            calls = [g.submit("save_checkpoint", str(tmp)) for g in (self.actor_wg, self.critic_wg) if g is not None]
-            for c in calls:
+            for c in [g.submit("save_checkpoint", str(tmp)) for g in self._trained_groups()]:
                 c.result()
-            state = {
-                "step": step,
-                "sampler": self._sampler_before.get(step + 1, self.sampler.state_dict()),
-                "kl_ctrl": self.kl_ctrl.state_dict(),
-                "rng": {"python": list(random.getstate()[1]), "python_pos": random.getstate()[2],
-                        "numpy": np.random.get_state()[1].tolist(), "numpy_pos": int(np.random.get_state()[2]),
-                        "torch": torch.get_rng_state().tolist()},
-            }
-            (tmp / "trainer_state.json").write_text(json.dumps(state))
+            # each role's HF config + tokenizer next to its tensors: the checkpoint exports on its own
+            copy_hf_files(Path(m.path), tmp / "actor", Path(m.tokenizer or m.path))
+            if self.critic_wg is not None:
+                copy_hf_files(Path(m.critic_path or m.path), tmp / "critic", Path(m.tokenizer or m.path))
+            (tmp / "trainer_state.json").write_text(json.dumps(self._driver_state(step)))
         self._sampler_before = {k: v for k, v in self._sampler_before.items() if k > step}
+        self._saved_steps.append(step)
         return self.ckpt_root
 
-    def _resume(self) -> Optional[Path]:
-        mode = self.config.trainer.resume
-        if mode == "never":
-            return None
-        path = latest_checkpoint(self.ckpt_root) if mode == "auto" else Path(mode)
-        if path is None:
-            return None
-        if not is_complete(path):
-            raise ValueError(f"trainer.resume={mode}: {path} is not a complete checkpoint (no valid MANIFEST.json)")
-        calls = [g.submit("load_checkpoint", str(path)) for g in (self.actor_wg, self.critic_wg) if g is not None]
-        for c in calls:
-            c.result()
-        state = json.loads((path / "trainer_state.json").read_text())
+    def _driver_state(self, step: int) -> dict:
+        """What the driver itself needs to resume after `step`: the sampler's position before the
+        next step's prompts, the KL controller, its RNG (trainer_state.json; JSON, never pickle)."""
+        return {"step": step, "sampler": self._sampler_before.get(step + 1, self.sampler.state_dict()),
+                "kl_ctrl": self.kl_ctrl.state_dict(), "rng": rng_state()}
+
+    def _load_driver_state(self, state: dict) -> None:
         self.global_step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        rng = state["rng"]
-        random.setstate((3, tuple(rng["python"]), rng["python_pos"]))
-        np.random.set_state(("MT19937", np.array(rng["numpy"], dtype=np.uint32), rng["numpy_pos"], 0, 0.0))
-        torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
+        set_rng_state(state["rng"])
+        self._sampler_before = {}
+
+    def export_final(self, step: int) -> Path:
+        """The step's policy as a plain HF dir: <output_dir>/hf_final (megappo export)."""
+        from megappo.export import export_checkpoint
+        from megappo.utils.checkpoint import step_dir
+
+        out = self.output_dir / "hf_final"
+        export_checkpoint(step_dir(self.ckpt_root, step), out, overwrite=True, progress=False)
+        print(f"exported the final policy (step {step}) to {out}", flush=True)
+        return out
+
+    def _resume(self) -> Optional[Path]:
+        """Load the checkpoint to continue from: trainer.resume (auto: the newest complete one; never;
+        a path); after a restart the newest this process wrote first. With none, a restarted run goes
+        back to the start (its fresh workers hold the initial weights)."""
+        mode = self.config.trainer.resume
+        path = None
+        if self.restarts:
+            from megappo.utils.checkpoint import step_dir
+
+            done = [step_dir(self.ckpt_root, s) for s in sorted(self._saved_steps, reverse=True)]
+            path = next((d for d in done if is_complete(d)), None)
+        if path is None and mode != "never":
+            path = latest_checkpoint(self.ckpt_root) if mode == "auto" else Path(mode)
+            if path is not None and not is_complete(path):
+                raise ValueError(f"trainer.resume={mode}: {path} is not a complete checkpoint (no valid MANIFEST.json)")
+        if path is None:
+            if self.restarts:
+                self._load_driver_state(self._initial_state)
+            return None
+        for c in [g.submit("load_checkpoint", str(path)) for g in self._trained_groups()]:
+            c.result()
+        self._load_driver_state(json.loads((path / "trainer_state.json").read_text()))
         print(f"resumed from {path} at step {self.global_step}", flush=True)
         return path
+
+
+def checkpoint_disk_full(step: int, root, cause: OSError) -> OSError:
+    """The one line a full disk during a save deserves (the temp dir is gone; older checkpoints are whole)."""
+    return OSError(cause.errno, f"checkpoint of step {step} not written: {cause.strerror} under {root}; free space "
+                   "there or point trainer.output_dir at a larger disk (the previous checkpoints are intact)")
+
+
+class _PreemptionSignals:
+    """SIGTERM / SIGUSR1 -> an event the loop checks after each step; `uninstall()` puts the previous
+    handlers back. Slurm sends one before a time limit or a preemption (`--signal=B:USR1@120`)."""
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self):
+        import threading
+
+        self._event = threading.Event()
+        self.name = None
+        self._previous = {}
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def _handle(self, signum, frame) -> None:
+        import signal
+
+        self.name = signal.Signals(signum).name
+        if not self._event.is_set():
+            print(f"megappo: {self.name}: finishing the step in flight, then a checkpoint and exit", flush=True)
+        self._event.set()
+
+    def install(self) -> "_PreemptionSignals":
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread() and not self._previous:
+            for name in self.SIGNALS:  # signal handlers can only be set from the main thread
+                sig = getattr(signal, name)
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
 
 class _Progress:
     """A rich progress bar over steps (score / correct rate / step time in its description)."""
 
-    def __init__(self, total: int, done: int, enabled: bool):
+    def __init__(self, total: int, done: int, enabled: bool, label: str = "PPO"):
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
             TimeRemainingColumn
 
         self.console = Console()
-        self.progress = Progress(TextColumn("[bold]PPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        self.progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                  TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.description}"),
                                  console=self.console, disable=not enabled, transient=False)
         self.task = self.progress.add_task("", total=total, completed=done)
@@ -408,7 +620,8 @@ class _Progress:
 
 
 def plot_reward_curve(output_dir) -> Optional[Path]:
-    """`<output_dir>/reward_curve.png`: objective/scores and verifiable_correct_rate per step (+ eval)."""
+    """`<output_dir>/reward_curve.png`: objective/scores and verifiable_correct_rate per step, eval accuracy,
+    and the base model's eval accuracy as a line when `<output_dir>/base_eval.json` holds it."""
     from megappo.utils.tracking import read_metrics
 
     path = Path(output_dir) / "metrics.jsonl"
@@ -423,11 +636,15 @@ def plot_reward_curve(output_dir) -> Optional[Path]:
     steps = sorted(s for s in rows if "objective/scores" in rows[s])
     fig, ax = plt.subplots(figsize=(7, 4))
     for key, style in (("objective/scores", "-"), ("objective/verifiable_correct_rate", "--"),
-                       ("eval/verifiable_correct_rate", "o")):
+                       ("eval/verifiable_correct_rate", "o-")):
         xs = [s for s in steps if key in rows[s]]
         if xs:
             ax.plot(xs, [rows[s][key] for s in xs], style, label=key)
-    ax.set_xlabel("PPO step")
+    base = Path(output_dir) / "base_eval.json"  # `megappo eval` of the starting model (make smollm2 writes it)
+    if base.is_file() and "eval/verifiable_correct_rate" in json.loads(base.read_text()):
+        ax.axhline(json.loads(base.read_text())["eval/verifiable_correct_rate"], color="gray", linestyle=":",
+                   label="base model eval accuracy")
+    ax.set_xlabel("step")
     ax.set_title("reward curve")
     ax.grid(alpha=0.3)
     ax.legend()

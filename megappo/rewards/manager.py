@@ -13,8 +13,10 @@ DataProto keys read:
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
-from typing import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -22,6 +24,21 @@ from megappo.protocol import DataProto
 from megappo.rewards import arithmetic, gsm8k
 
 Scorer = Callable[[str, str], float]
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RowScore:
+    """One response, scored: its rule score, final score (penalty / RM applied) and what made it so."""
+
+    source: str
+    rule_score: float
+    final: float
+    correct: bool  # the rule score is the full score
+    stopped: bool
+    length: int  # response tokens
+    prompt: Any  # the prompt's uid (the n responses to one prompt share it)
+    scorer_error: bool = False  # the rule raised: scored 0, counted in reward/num_scorer_errors
 
 
 def _math_score(response: str, ground_truth: str) -> float:
@@ -82,47 +99,66 @@ class RewardManager:
         return data.batch["attention_mask"][:, -responses.shape[1]:]
 
     def __call__(self, data: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+        return self.aggregate(self.score_rows(data), data)
+
+    def score_rows(self, data: DataProto) -> list[RowScore]:
+        """Every response scored by the rule of its data_source. A rule that raises on a row scores it 0
+        (counted in reward/num_scorer_errors, warned once per source): one bad row does not end a run."""
         responses = data.batch["responses"]
         mask = self._response_mask(data).bool()
         lengths = mask.sum(dim=-1).tolist()
-        batch_size, resp_len = responses.shape
         if "stopped" in data.batch:
             stopped = data.batch["stopped"].bool().tolist()
         else:
-            stop_ids = torch.tensor(sorted(self.stop_token_ids), dtype=responses.dtype)
+            stop_ids = torch.tensor(sorted(self.stop_token_ids), dtype=responses.dtype, device="cpu")
             stopped = (torch.isin(responses, stop_ids) & mask).any(dim=-1).tolist()
         rm_scores = data.batch.get("rm_scores")
         if rm_scores is not None and rm_scores.dim() == 2:
             rm_scores = rm_scores.sum(dim=-1)
         sources = data.non_tensor_batch["data_source"]
         reward_info = data.non_tensor_batch["reward_model"]
-
-        token_level_scores = torch.zeros(batch_size, resp_len, dtype=torch.float32)
-        finals, corrects, num_penalised = [], [], 0
-        per_source: dict[str, list[bool]] = defaultdict(list)
-        for i in range(batch_size):
+        uids = data.non_tensor_batch.get("uid", range(len(data)))
+        rows, shown, warned = [], defaultdict(int), set()
+        for i in range(len(data)):
             source = str(sources[i])
             scorer = self.scorer_for(source)
             text = self.tokenizer.decode(responses[i][mask[i]].tolist(), skip_special_tokens=True)
             ground_truth = reward_info[i]["ground_truth"]
-            rule_score = float(scorer(text, ground_truth))
+            error = False
+            try:
+                rule_score = float(scorer(text, ground_truth))
+            except Exception as e:  # noqa: BLE001 - a user's rule failing on one row scores it 0
+                rule_score, error = 0.0, True
+                if source not in warned:
+                    warned.add(source)
+                    log.warning("reward rule for data_source %r raised on a row (%s: %s); scoring it 0",
+                                source, type(e).__name__, e)
             final = rule_score + (float(rm_scores[i]) if rm_scores is not None else 0.0)
             if self.non_stop_penalty and not stopped[i]:
                 final = self.non_stop_penalty_value
-                num_penalised += 1
-            token_level_scores[i, max(lengths[i] - 1, 0)] = final
-            correct = rule_score >= 1.0
-            finals.append(final)
-            corrects.append(correct)
-            if len(per_source[source]) < self.num_examine:
+            rows.append(RowScore(source, rule_score, final, rule_score >= 1.0, bool(stopped[i]), int(lengths[i]),
+                                 uids[i], error))
+            if shown[source] < self.num_examine:
+                shown[source] += 1
                 self._print_sample(data, i, source, text, ground_truth, rule_score, final, stopped[i])
-            per_source[source].append(correct)
+        return rows
 
+    def aggregate(self, rows: list[RowScore], data: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+        """Row scores -> token-level scores [B, T] (the final score on each response's last token) and
+        the step's reward metrics."""
+        batch_size, resp_len = data.batch["responses"].shape
+        token_level_scores = torch.zeros(batch_size, resp_len, dtype=torch.float32, device="cpu")
+        per_source: dict[str, list[bool]] = defaultdict(list)
+        for i, r in enumerate(rows):
+            token_level_scores[i, max(r.length - 1, 0)] = r.final
+            per_source[r.source].append(r.correct)
+        n = max(batch_size, 1)
         metrics = {
-            "objective/verifiable_correct_rate": sum(corrects) / max(batch_size, 1),
-            "objective/scores": sum(finals) / max(batch_size, 1),
-            "reward/num_non_stop_penalised": float(num_penalised),
-            "reward/stop_rate": sum(map(bool, stopped)) / max(batch_size, 1),
+            "objective/verifiable_correct_rate": sum(r.correct for r in rows) / n,
+            "objective/scores": sum(r.final for r in rows) / n,
+            "reward/num_non_stop_penalised": float(sum(self.non_stop_penalty and not r.stopped for r in rows)),
+            "reward/stop_rate": sum(r.stopped for r in rows) / n,
+            "reward/num_scorer_errors": float(sum(r.scorer_error for r in rows)),
         }
         for source, flags in per_source.items():
             metrics[f"reward/{source}/correct_rate"] = sum(flags) / len(flags)

@@ -7,6 +7,8 @@ renamed into place. A directory without a valid manifest (a crash mid-save, a co
     # here: every file listed in tmp/MANIFEST.json, then tmp renamed to root/step_<N>
 
 The trainer's own state is JSON (never pickle); model/optimizer shards are megatron dist checkpoints.
+`rng_state()` / `set_rng_state()` are every process's RNG states as JSON-able lists (the driver's and
+each worker's go into a checkpoint; the hybrid engine keeps the trainer's around a rollout).
 """
 
 from __future__ import annotations
@@ -88,3 +90,56 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 def read_step(directory: Path) -> int:
     return int(json.loads((Path(directory) / MANIFEST).read_text())["step"])
+
+
+@contextlib.contextmanager
+def preserved_rng():
+    """Run a block (e.g. vLLM, which reseeds the global RNGs) without changing this process's RNGs."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
+
+
+def rng_state() -> dict:
+    """This process's RNG states as JSON-able lists: python, numpy, torch (CPU), every CUDA device
+    when there is one, and megatron's model-parallel RNG tracker when this process has one."""
+    import random
+
+    import numpy as np
+    import torch
+
+    py, np_state = random.getstate(), np.random.get_state()
+    state = {"torch": torch.get_rng_state().tolist(), "python": list(py[1]), "python_pos": py[2],
+             "numpy": np_state[1].tolist(), "numpy_pos": int(np_state[2])}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    try:
+        from megatron.core import tensor_parallel
+
+        tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+        if tracker:
+            state["tracker"] = {k: v.tolist() for k, v in tracker.items()}
+    except Exception:  # noqa: BLE001 - no megatron (or no tracker) in this process
+        pass
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state()` returned (keys it did not record are left alone)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8, device="cpu"))  # RNG states are CPU bytes
+    random.setstate((3, tuple(state["python"]), state["python_pos"]))
+    np.random.set_state(("MT19937", np.array(state["numpy"], dtype=np.uint32), state["numpy_pos"], 0, 0.0))
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8, device="cpu") for s in state["cuda"]])
+    if state.get("tracker"):
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.get_cuda_rng_tracker().set_states(
+            {k: torch.tensor(v, dtype=torch.uint8, device="cpu") for k, v in state["tracker"].items()})

@@ -8,7 +8,9 @@ Backends (pick with `backends=`):
 - "tensorboard": `torch.utils.tensorboard.SummaryWriter(<output_dir>/tensorboard)`, flushed per call;
 - "wandb": offline run under `output_dir` (needs `pip install wandb`).
 
-`config` (if given) is written to `<output_dir>/config.json` at start.
+`config` (if given) is written to `<output_dir>/config.json` at start. `resume_step`: a run that resumes
+from step k keeps its log one clean series: metrics.jsonl rows of steps > k are dropped (they are
+redone) and TensorBoard purges its events from step k + 1.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class Tracking:
         backends: str | Iterable[str] = ("console", "jsonl", "tensorboard"),
         config: Mapping[str, Any] | None = None,
         console: Any = None,
+        resume_step: int | None = None,
     ) -> None:
         names = [backends] if isinstance(backends, str) else list(backends)
         unknown = [b for b in names if b not in VALID_BACKENDS]
@@ -108,6 +111,8 @@ class Tracking:
 
         self._jsonl = None
         self.metrics_path = self.output_dir / "metrics.jsonl"
+        if resume_step is not None:  # steps after the checkpoint are redone: their old rows go
+            _truncate_jsonl(self.metrics_path, resume_step)
         if "jsonl" in self.backends:
             self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
 
@@ -115,7 +120,9 @@ class Tracking:
         if "tensorboard" in self.backends:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
+            # purge_step: TensorBoard hides the events of the steps a resumed run logs again
+            self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"),
+                                     purge_step=None if resume_step is None else resume_step + 1)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Log one step's metrics to every backend."""
@@ -161,6 +168,17 @@ class Tracking:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _truncate_jsonl(path: Path, last_step: int) -> None:
+    """Keep only the rows of steps <= last_step (atomically: temp file, then rename)."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

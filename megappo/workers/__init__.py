@@ -1,2 +1,4 @@
-"""Worker-side code: the shared megatron engine (megatron_engine.py), Ray worker groups and the
-actor / critic / rollout workers. Heavy imports stay inside the submodules."""
+"""What runs inside a worker process: the role workers the driver calls (roles.py), the shared
+megatron engine (megatron_engine.py), host offload, and the vLLM rollout / hybrid engine / weight
+sync (rollout/). Worker groups and dispatch live in megappo.controller. Heavy imports stay inside
+the submodules."""

@@ -2,16 +2,26 @@
 
 One instance per worker process, after `parallel.megatron_init.init_distributed()` + `init_megatron()`:
 
-    engine = MegatronEngine(hf_dir, layout, EngineConfig(role="actor", optim=OptimConfig(lr=1e-6)))
+    engine = MegatronEngine(hf_dir, layout, EngineConfig(head="lm", optim=OptimConfig(lr=1e-6)))
     out = engine.forward_only(batch, response_length=R, micro_batch_size=4)   # {"logprobs", "entropy"}
     metrics = engine.train_step(batch, loss_fn, normalizer=n_tokens, response_length=R, micro_batch_size=2)
     engine.save_checkpoint(dir); engine.load_checkpoint(dir)
 
-Batch: a dict of tensors with the same first dim (this DP rank's share of the mini-batch):
-`input_ids` [B, S] (left-padded prompt + right-padded response), `attention_mask` [B, S] (1 = token),
+`engine_config_from(cfg, role)` is the one translation from the run's config to an EngineConfig.
+
+Batch: a dict of tensors with the same first dim (this DP rank's share of the mini-batch), on any
+device (the engine moves them to its own, `EngineConfig.device`): `input_ids` [B, S] (left-padded
+prompt + right-padded response), `attention_mask` [B, S] (1 = token, one contiguous run per row),
 optional `position_ids` (default: from the mask), plus anything the loss needs (sliced per
 micro-batch). Outputs cover the last `response_length` positions: `logprobs[:, j]` is
-log p(input_ids[:, S-R+j] | prefix) and `values[:, j]` the critic's value of the state before it.
+log p(input_ids[:, S-R+j] | prefix) and `values[:, j]` the value head's value of the state before it;
+they are on the engine's device (a role worker hands CPU copies to the driver).
+
+Inside, every row is moved to start at column 0 and the batch is cut to its longest row
+(`right_align`): the model then runs with plain causal attention and no mask tensor, which every
+attention backend supports (Transformer Engine's flash / fused kernels included: an arbitrary
+[b, 1, s, s] mask would make TE fall back to unfused attention), and no compute goes to the columns
+that are padding in every row.
 
 Loss normalisation: `loss_fn(outputs, micro_batch) -> (loss_sum, metrics)` returns a SUM over the
 micro-batch's tokens/sequences; the engine divides by the caller's `normalizer` (the global token or
@@ -23,8 +33,9 @@ Metrics returned by loss_fn are summed the same way (over micro-batches and DP r
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
@@ -32,33 +43,66 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megappo.config.schema import OptimConfig as SchemaOptimConfig
-from megappo.models.gpt import build_gpt_chunks, build_transformer_config, global_named_parameters, load_hf_config, \
+from megappo.config.schema import OptimConfig
+from megappo.models.gpt import build_gpt_chunks, build_transformer_config, have_transformer_engine, load_hf_config, \
     load_hf_weights
 from megappo.models.logprobs import vocab_parallel_logprobs
 from megappo.parallel.layout import ParallelLayout
-from megappo.parallel.weight_mapping import ModelDims
+from megappo.parallel.megatron_init import resolve_device
+from megappo.parallel.weight_mapping import ModelDims, global_named_parameters
 from megappo.workers.offload import HostOffload
 
-
-@dataclass
-class OptimConfig(SchemaOptimConfig):
-    """The config's optimizer keys (megappo.config.schema.OptimConfig) plus the LR schedule length."""
-
-    total_steps: int = 1000  # optimizer steps the LR schedule spans
+HEADS = ("lm", "value")
 
 
 @dataclass
 class EngineConfig:
-    role: str = "actor"  # actor (LM head: log-probs, entropy) | critic (value head)
-    optim: Optional[OptimConfig] = None  # None: forward-only engine (ref policy, scoring)
+    device: str = "cpu"  # cpu | cuda: where params, activations and batches live (resolve_device)
+    head: str = "lm"  # lm (log-probs, entropy) | value (one scalar per position: critic, reward model)
+    optim: Optional[OptimConfig] = None  # None: forward-only engine (ref policy, reward model, scoring)
+    schedule_steps: int = 1000  # optimizer steps the LR schedule spans
     params_dtype: Optional[torch.dtype] = None  # default: bf16 on GPU, fp32 on CPU
     recompute: bool = False  # full activation recompute, one layer at a time
     sequence_parallel: bool = False
     offload: bool = False  # keep params / grads / optimizer states in host memory outside `resident()`
     seed: int = 1234
-    temperature: float = 1.0
-    extra: dict = field(default_factory=dict)
+    on_nan: str = "skip"  # a non-finite loss: skip the optimizer step (nan_skipped=1) | stop (FloatingPointError)
+
+
+def engine_config_from(cfg, role: str) -> EngineConfig:
+    """The EngineConfig of `role` (actor | ref | critic | reward_model) in a run's config."""
+    if role not in ("actor", "ref", "critic", "reward_model"):
+        raise ValueError(f"engine_config_from: unknown role {role!r}; choose actor, ref, critic or reward_model")
+    section = {"actor": cfg.actor, "ref": cfg.ref, "critic": cfg.critic, "reward_model": cfg.reward.model}[role]
+    trains = role in ("actor", "critic")
+    return EngineConfig(
+        device=resolve_device(cfg.resources.device),
+        head="lm" if role in ("actor", "ref") else "value",
+        optim=_plain_optim(section.optim) if trains else None,
+        schedule_steps=optimizer_steps(cfg, section) if trains else 1000,
+        params_dtype={"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[cfg.model.dtype],
+        recompute=bool(getattr(section, "recompute_activations", False)),
+        offload=bool(getattr(section, "offload", False)),
+        seed=int(cfg.trainer.seed),
+        on_nan=cfg.trainer.on_nan,
+    )
+
+
+def optimizer_steps(cfg, role_cfg) -> int:
+    """Optimizer steps over the whole run (the LR schedule's length): steps x epochs x mini-batches."""
+    sequences = cfg.data.train_batch_size * cfg.rollout.n
+    return cfg.trainer.total_steps * max(1, role_cfg.ppo_epochs) * max(1, sequences // role_cfg.ppo_mini_batch_size)
+
+
+def _plain_optim(optim) -> OptimConfig:
+    """The config section as a plain OptimConfig (an OmegaConf node does not pickle into workers well)."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(optim):
+        return OptimConfig(**OmegaConf.to_container(optim))
+    return dataclasses.replace(optim)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -66,12 +110,43 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[b, s] (1 = token) -> bool [b, 1, s, s], True = masked: future keys and pad keys."""
-    s = attention_mask.shape[-1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).triu(1)
-    pad_key = (attention_mask == 0)[:, None, None, :]
-    return causal[None, None] | pad_key
+@functools.lru_cache(maxsize=8)
+def causal_mask(seq: int, device: torch.device) -> torch.Tensor:
+    """bool [1, 1, s, s], True = masked: the future keys."""
+    return torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)[None, None]
+
+
+def right_align(batch: dict, response_length: int, seq_multiple: int = 1) -> dict:
+    """Rows of [left padding, prompt, response, right padding] -> every row's tokens from column 0,
+    cut to the longest row (rounded up to `seq_multiple`, e.g. the TP size for sequence parallel).
+    Causal attention alone is then exact for every real token (pads only follow them). Adds
+    `_out_index` [B, R], the column whose output belongs to response token j (the logits that
+    predict it, the value of the state before it), and `_targets` [B, R], the response token ids."""
+    ids, mask = batch["input_ids"], batch["attention_mask"].long()
+    b, s = ids.shape
+    r = response_length
+    lengths = mask.sum(-1)
+    lead = (mask.cumsum(-1) == 0).sum(-1)  # padding columns before each row's first token
+    width = int(lengths.max()) if b else 1
+    width = min(-(-width // seq_multiple) * seq_multiple, -(-s // seq_multiple) * seq_multiple)
+    cols = torch.arange(width, device=ids.device)
+    src = (cols[None] + lead[:, None]).clamp(max=s - 1)
+    valid = cols[None] < lengths[:, None]
+    if bool(((mask.gather(1, src) * valid).sum(-1) != lengths).any()):
+        raise ValueError("attention_mask rows must hold one contiguous run of tokens (left-padded prompt + "
+                         "right-padded response); a row has a gap")
+    # the column predicting response token 0, after the shift; a row whose tokens do not fill the last
+    # R + 1 columns (a short row in a scoring batch) gets clamped columns there: outputs for padding
+    first = s - r - 1 - lead
+    pos = batch.get("position_ids")
+    pos = position_ids_from_mask(mask) if pos is None else pos
+    out = dict(batch)
+    out["input_ids"] = torch.where(valid, ids.gather(1, src), torch.zeros((), dtype=ids.dtype, device=ids.device))
+    out["position_ids"] = torch.where(valid, pos.gather(1, src), torch.zeros((), dtype=pos.dtype, device=pos.device))
+    out["attention_mask"] = valid.long()
+    out["_out_index"] = (first[:, None] + torch.arange(r, device=ids.device)[None]).clamp(0, width - 1)
+    out["_targets"] = ids[:, s - r:]
+    return out
 
 
 def is_dist_checkpoint(path) -> bool:
@@ -90,21 +165,28 @@ class MegatronEngine:
         from megatron.core import parallel_state as mpu
 
         self.config = config or EngineConfig()
-        if self.config.role not in ("actor", "critic"):
-            raise ValueError(f"role must be actor or critic, got {self.config.role!r}")
+        if self.config.head not in HEADS:
+            raise ValueError(f"EngineConfig.head must be one of {', '.join(HEADS)}, got {self.config.head!r}")
         self.layout = layout
         self.model_path = Path(model_path)
         self.hf_config = load_hf_config(model_path)
-        self.critic = self.config.role == "critic"
-        self.dims = ModelDims.from_hf_config(self.hf_config, tp=layout.tp, value_head=self.critic)
+        self.value_head = self.config.head == "value"
+        self.dims = ModelDims.from_hf_config(self.hf_config, tp=layout.tp, value_head=self.value_head)
         layout.validate(self.dims.num_heads, self.dims.num_kv_heads, self.dims.num_layers)
         self.tp_rank = mpu.get_tensor_model_parallel_rank()
         self.pp_rank = mpu.get_pipeline_model_parallel_rank()
         self.dp_rank = mpu.get_data_parallel_rank()
-        self.tf_config = build_transformer_config(self.hf_config, layout, params_dtype=self.config.params_dtype,
+        self.tf_config = build_transformer_config(self.hf_config, layout, device=self.config.device,
+                                                  params_dtype=self.config.params_dtype,
                                                   recompute=self.config.recompute,
                                                   sequence_parallel=self.config.sequence_parallel)
-        chunks = build_gpt_chunks(self.hf_config, self.tf_config, layout, critic=self.critic, seed=self.config.seed)
+        self.device = torch.device(self.config.device)
+        self.uses_te = have_transformer_engine(self.config.device)  # build_gpt_chunks picks TE's spec likewise
+        # built on the CPU (same weights at any TP), then moved before the HF weights are copied in;
+        # megatron moves nothing itself (a forward-only model would otherwise stay on the CPU)
+        chunks = [c.to(self.device) for c in build_gpt_chunks(self.hf_config, self.tf_config, layout,
+                                                               value_head=self.value_head, seed=self.config.seed,
+                                                               device=self.config.device)]
         from_dist_ckpt = is_dist_checkpoint(model_path)
         self.value_head_initialised = [] if from_dist_ckpt else \
             load_hf_weights(chunks, model_path, self.dims, self.tp_rank, layout.tp)
@@ -120,6 +202,7 @@ class MegatronEngine:
                 c.eval()
         self._host = HostOffload()
         self._resident_depth = 0
+        self.last_width = 0
         if from_dist_ckpt:  # a megatron dist checkpoint (+ HF config.json) instead of HF weights
             self.load_checkpoint(model_path, load_optimizer=False)
         if self.config.offload:
@@ -156,8 +239,6 @@ class MegatronEngine:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         o = self.config.optim
-        if o.lr_schedule not in ("constant", "cosine"):
-            raise ValueError(f"lr_schedule must be constant or cosine, got {o.lr_schedule!r}")
         oc = OptimizerConfig(
             optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
@@ -165,7 +246,7 @@ class MegatronEngine:
             use_distributed_optimizer=o.distributed_optimizer,
         )
         self.optimizer = get_megatron_optimizer(oc, self.model)
-        decay_steps = max(o.total_steps, o.warmup_steps + 1)
+        decay_steps = max(self.config.schedule_steps, o.warmup_steps + 1)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr,
             min_lr=o.min_lr if o.lr_schedule == "cosine" else o.lr,
@@ -178,40 +259,35 @@ class MegatronEngine:
     # public method below enters it; a role worker wraps a whole phase in it so the mini-batches of
     # one update do not each move the weights). See workers/offload.py.
 
-    def _offload_sets(self) -> tuple[list, list]:
-        keep = [p for c in self.inner_chunks() for p in c.parameters()]
-        discard = []
+    def _offload_groups(self) -> dict:
+        """{part: (tensors, keep)}: the weights, the optimizer (states + main params: the distributed
+        optimizer's shards) and the grad buffers (dropped, zeroed at every step anyway)."""
+        params = [p for c in self.inner_chunks() for p in c.parameters()]
+        grads, optim = [], []
         for m in self.model:  # megatron DDP: the contiguous grad buffers (main_grad views)
-            bufs = []
             for attr in ("buffers", "expert_parallel_buffers"):  # lists on DDP (`buffers` is a method otherwise)
-                if isinstance(getattr(m, attr, None), list):
-                    bufs.extend(getattr(m, attr))
-            for buf in bufs:
-                if getattr(buf, "grad_data", None) is not None:
-                    discard.append(buf.grad_data)
+                for buf in getattr(m, attr, None) if isinstance(getattr(m, attr, None), list) else []:
+                    if getattr(buf, "grad_data", None) is not None:
+                        grads.append(buf.grad_data)
         if self.optimizer is not None:
-            opts = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
-            for o in opts:
+            for o in getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]:
                 inner = getattr(o, "optimizer", None)  # the torch optimizer under megatron's wrapper
                 if inner is None:
                     continue
                 for st in inner.state.values():
-                    keep.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+                    optim.extend(v for v in st.values() if isinstance(v, torch.Tensor))
                 for g in inner.param_groups:
-                    keep.extend(g["params"])  # main (fp32) params: the distributed optimizer's shards
-        return keep, discard
+                    optim.extend(g["params"])
+        return {"params": (params, True), "optimizer": (optim, True), "grads": (grads, False)}
 
     def offload(self) -> int:
-        """Move this engine's params, optimizer states (values kept) and grad buffers (dropped) off
-        the device now; returns the bytes freed. No-op if already offloaded."""
-        if self._host.offloaded:
-            return 0
-        keep, discard = self._offload_sets()
-        return self._host.offload(keep, discard)
+        """Move what is still on the device of this engine's params, optimizer states (values kept) and
+        grad buffers (dropped) off it now; returns the bytes freed."""
+        return self._host.offload(self._offload_groups())
 
-    def reload(self) -> int:
-        """Bring everything `offload()` moved back onto the device (same tensors, same values)."""
-        return self._host.reload()
+    def reload(self, parts=None) -> int:
+        """Bring back what `offload()` moved (`parts`: "params", "optimizer", "grads"; None: all)."""
+        return self._host.reload(parts)
 
     @property
     def offloaded(self) -> bool:
@@ -223,11 +299,11 @@ class MegatronEngine:
         return {"device_bytes_freed": self._host.device_bytes_freed, "host_bytes": self._host.host_bytes}
 
     @contextlib.contextmanager
-    def resident(self):
-        """The engine's weights (and optimizer) on the device for the block; with offload enabled
-        they leave again when the outermost block exits. Re-entrant."""
-        if self._resident_depth == 0:
-            self.reload()
+    def resident(self, parts=None):
+        """The engine's weights (and optimizer and grads; `parts=["params"]`: the weights only, e.g.
+        for a weight sync) on the device for the block; with offload enabled they leave again when
+        the outermost block exits. Re-entrant (an inner block may ask for more parts)."""
+        self.reload(parts)
         self._resident_depth += 1
         try:
             yield self
@@ -238,22 +314,20 @@ class MegatronEngine:
 
     # ---- pipeline plumbing -----------------------------------------------------------------------
 
-    def _prepare(self, batch: dict) -> dict:
-        b = dict(batch)
-        b["attention_mask"] = b["attention_mask"].long()
-        if "position_ids" not in b:
-            b["position_ids"] = position_ids_from_mask(b["attention_mask"])
-        return b
+    def _prepare(self, batch: dict, response_length: int) -> dict:
+        """The batch on the engine's device, right-aligned and cut to its longest row."""
+        b = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+        multiple = self.layout.tp if self.tf_config.sequence_parallel else 1
+        out = right_align(b, response_length, seq_multiple=multiple)
+        self.last_width = int(out["input_ids"].shape[1])  # the columns the model computes (tokens / row)
+        return out
 
-    def _model_outputs(self, output: torch.Tensor, mb: dict, response_length: int, temperature: float,
-                       compute_entropy: bool) -> dict:
-        s = mb["input_ids"].shape[1]
-        r = response_length
-        if self.critic:
-            return {"values": output[:, s - r - 1:s - 1, 0].float()}
-        logits = output[:, s - r - 1:s - 1, :]
-        targets = mb["input_ids"][:, s - r:]
-        logp, ent = vocab_parallel_logprobs(logits, targets, vocab_size=self.dims.vocab_size,
+    def _model_outputs(self, output: torch.Tensor, mb: dict, temperature: float, compute_entropy: bool) -> dict:
+        idx = mb["_out_index"]
+        if self.value_head:
+            return {"values": output[..., 0].gather(1, idx).float()}
+        logits = output.gather(1, idx.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
+        logp, ent = vocab_parallel_logprobs(logits, mb["_targets"], vocab_size=self.dims.vocab_size,
                                             temperature=temperature, compute_entropy=compute_entropy)
         out = {"logprobs": logp}
         if ent is not None:
@@ -265,10 +339,11 @@ class MegatronEngine:
              compute_entropy: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        batch = self._prepare(batch)
-        bsz, seq = batch["input_ids"].shape
+        seq = batch["input_ids"].shape[1]
         if not 1 <= response_length < seq:
             raise ValueError(f"response_length must be in [1, {seq - 1}], got {response_length}")
+        batch = self._prepare(batch, response_length)
+        bsz, seq = batch["input_ids"].shape
         micro = _split(batch, micro_batch_size)
         if self.layout.virtual_pp and len(micro) % self.layout.pp:
             raise ValueError(f"interleaved pipeline (vpp={self.layout.vpp}) needs the number of micro-batches "
@@ -277,19 +352,27 @@ class MegatronEngine:
             raise ValueError(f"batch size {bsz} is not a multiple of micro_batch_size {micro_batch_size}")
 
         def loss_func(mb, output):
-            outs = self._model_outputs(output, mb, response_length, temperature, compute_entropy)
+            outs = self._model_outputs(output, mb, temperature, compute_entropy)
+            one = torch.ones((), dtype=torch.int, device=output.device)
             if forward_only and loss_fn is None:
-                return torch.zeros((), dtype=torch.float32), torch.ones((), dtype=torch.int), \
+                return torch.zeros((), dtype=torch.float32, device=output.device), one, \
                     {k: v.detach() for k, v in outs.items()}
             loss_sum, metrics = loss_fn(outs, mb)
             loss = loss_sum / normalizer
             reported = {"loss": loss.detach().clone()}
-            reported.update({k: torch.as_tensor(v).detach().float() for k, v in (metrics or {}).items()})
-            return loss, torch.ones((), dtype=torch.int), reported
+            reported.update({k: torch.as_tensor(v, device=output.device).detach().float()
+                             for k, v in (metrics or {}).items()})
+            return loss, one, reported
+
+        # right-aligned rows: causal attention is exact for every real token (see right_align). TE's
+        # attention applies it itself; megatron's local attention gets the causal mask as a tensor
+        # (its own default mask is built with device="cuda", also inside activation recompute, where
+        # cpu_compat's redirect is not active)
+        mask = None if self.uses_te else causal_mask(seq, self.device)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            output = model(mb["input_ids"], mb["position_ids"], causal_padding_mask(mb["attention_mask"]))
+            output = model(mb["input_ids"], mb["position_ids"], mask)
             return output, partial(loss_func, mb)
 
         iters = [iter(micro) for _ in self.model] if len(self.model) > 1 else iter(micro)
@@ -306,20 +389,20 @@ class MegatronEngine:
 
     @torch.no_grad()
     def forward_only(self, batch: dict, response_length: int, micro_batch_size: int = 1,
-                     temperature: Optional[float] = None, compute_entropy: bool = True) -> Optional[dict]:
-        """Actor: {"logprobs", "entropy"} [B, R]; critic: {"values"} [B, R]. On the last pipeline stage
-        (every TP rank); None on the other stages."""
+                     temperature: float = 1.0, compute_entropy: bool = True) -> Optional[dict]:
+        """LM head: {"logprobs", "entropy"} [B, R] (log-softmax of logits / temperature); value head:
+        {"values"} [B, R]. On the last pipeline stage (every TP rank); None on the other stages."""
         for m in self.model:
             m.eval()
-        t = self.config.temperature if temperature is None else temperature
         with self.resident():
-            store = self._run(batch, response_length, micro_batch_size, True, None, None, t, compute_entropy)
+            store = self._run(batch, response_length, micro_batch_size, True, None, None, temperature,
+                              compute_entropy)
         if not self.is_last_stage:
             return None
         return {k: torch.cat([d[k] for d in store], dim=0) for k in store[0]}
 
     def train_step(self, batch: dict, loss_fn: Callable, normalizer: float, response_length: int,
-                   micro_batch_size: int = 1, temperature: Optional[float] = None) -> dict:
+                   micro_batch_size: int = 1, temperature: float = 1.0) -> dict:
         """One optimizer step over this DP rank's share of a mini-batch. Returns metrics (same on every
         rank): loss and loss_fn's metrics (summed over micro-batches and DP), grad_norm, lr."""
         if self.optimizer is None:
@@ -336,10 +419,17 @@ class MegatronEngine:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        t = self.config.temperature if temperature is None else temperature
-        store = self._run(batch, response_length, micro_batch_size, False, loss_fn, float(normalizer), t,
+        store = self._run(batch, response_length, micro_batch_size, False, loss_fn, float(normalizer), temperature,
                           compute_entropy=True)
-        ok, grad_norm, _ = self.optimizer.step()
+        finite = self._loss_is_finite(store)
+        if finite:
+            ok, grad_norm, _ = self.optimizer.step()
+        else:  # a NaN / inf loss: its gradients would poison the weights and Adam's moments
+            if self.config.on_nan == "stop":
+                raise FloatingPointError(f"non-finite loss in this {self.config.head}-head update (optimizer step "
+                                         f"{self.steps + 1}); lower the learning rate or check the rewards, or set "
+                                         "trainer.on_nan=skip to skip such steps")
+            ok, grad_norm = False, float("nan")
         if ok:
             self.scheduler.step(increment=1)
             self.steps += 1
@@ -351,7 +441,7 @@ class MegatronEngine:
         if self.layout.pp > 1:
             dist.broadcast_object_list(names, src=last, group=pp_group)
         keys = names[0]
-        vec = torch.zeros(len(keys), dtype=torch.float64)
+        vec = torch.zeros(len(keys), dtype=torch.float64, device="cpu")  # over gloo (cpu:gloo,cuda:nccl)
         if self.is_last_stage:
             for i, k in enumerate(keys):
                 vec[i] = sum(float(d[k]) for d in store)
@@ -363,7 +453,17 @@ class MegatronEngine:
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["update_successful"] = bool(ok)
+        metrics["nan_skipped"] = float(not finite)
         return metrics
+
+    def _loss_is_finite(self, store) -> bool:
+        """Every micro-batch's loss finite, agreed by every rank (the last stage knows the losses)."""
+        bad = torch.zeros(1, dtype=torch.float64, device="cpu")
+        if self.is_last_stage and any(not math.isfinite(float(d["loss"])) for d in store):
+            bad[0] = 1.0
+        if dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad.item())
 
     # ---- weights ---------------------------------------------------------------------------------
 
@@ -388,6 +488,10 @@ class MegatronEngine:
                 model_sd[f"model{i}"] = c.sharded_state_dict()
         sd = dict(model_sd)
         if self.optimizer is not None:
+            from megappo.parallel import dist_checkpoint
+
+            if not is_loading:
+                dist_checkpoint.ensure_optimizer_state(self.optimizer)
             sd["optimizer"] = self.optimizer.sharded_state_dict(
                 model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
             sd["scheduler"] = self.scheduler.state_dict()

@@ -6,15 +6,17 @@ only the bytes under it leave the device. This is verl's approach for colocated 
 level so aliases are handled once:
 
     off = HostOffload()
-    off.offload(keep=[params, optimizer states...], discard=[grad buffers])   # device storages -> 0 bytes
-    ...                                                                       # another role uses the GPU
-    off.reload()                                                              # same tensors, same values
+    off.offload({"params": (params, True), "optimizer": (states, True), "grads": (grad_buffers, False)})
+    ...                                           # device storages -> 0 bytes; another role uses the GPU
+    off.reload(["params"])                        # only the weights come back (e.g. for a weight sync)
+    off.reload()                                  # everything: same tensors, same values
 
-- keep: their values are copied to host (pinned on CUDA) and copied back on reload.
-- discard: their values are dropped (gradient buffers: zeroed at the start of every step anyway) and
-  come back zero-filled.
-A storage reachable from both lists is kept. Storages are deduplicated by address, so a buffer with
-many views is copied once.
+- keep=True: their values are copied to host (pinned on CUDA) and copied back on reload.
+- keep=False: their values are dropped (gradient buffers: zeroed at the start of every step anyway)
+  and come back zero-filled.
+A storage reachable from several groups is kept (by the first group that keeps it). Storages are
+deduplicated by address, so a buffer with many views is copied once. On CUDA an offload ends with
+`torch.cuda.empty_cache()`, so the freed bytes return to the device, not just to PyTorch's cache.
 """
 
 from __future__ import annotations
@@ -42,58 +44,73 @@ def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage
 
 class HostOffload:
     def __init__(self):
-        self._held: list[tuple[torch.UntypedStorage, int, torch.Tensor | None]] = []  # (storage, nbytes, host)
+        # (storage, nbytes, host copy or None, part) of every storage now off the device
+        self._held: list[tuple[torch.UntypedStorage, int, torch.Tensor | None, str]] = []
         # host buffers by storage identity, reused from one offload to the next (pinned allocations
         # are slow; the storages are the same objects every time, only resized)
         self._host_bufs: dict[int, torch.Tensor] = {}
-        self.offloaded = False
         self.device_bytes_freed = 0
 
-    def offload(self, keep: Iterable[torch.Tensor], discard: Iterable[torch.Tensor] = ()) -> int:
-        """Free the device storages of `keep` (values saved to host) and `discard` (values dropped).
-        Returns the bytes freed."""
-        if self.offloaded:
-            raise RuntimeError("HostOffload.offload() called twice without a reload()")
-        kept = _storages(keep)
-        dropped = {k: s for k, s in _storages(discard).items() if k not in kept}
-        live = {s._cdata for s in kept.values()}  # forget buffers of storages that are gone (e.g. a reloaded optimizer)
-        self._host_bufs = {k: v for k, v in self._host_bufs.items() if k in live}
+    @property
+    def offloaded(self) -> bool:
+        """Something is off the device (after a partial reload, the other parts still are)."""
+        return bool(self._held)
+
+    def offload(self, groups: dict[str, tuple[Iterable[torch.Tensor], bool]]) -> int:
+        """Free the device storages of every group {part: (tensors, keep)} still on the device: keep=True
+        saves their values to host, keep=False drops them. A storage in several groups belongs to the
+        first that keeps it. Returns the bytes freed."""
+        storages: dict[int, tuple[torch.UntypedStorage, bool, str]] = {}
+        for keep in (True, False):  # kept groups claim shared storages first
+            for part, (tensors, k) in groups.items():
+                if k == keep:
+                    for ptr, st in _storages(tensors).items():
+                        storages.setdefault(ptr, (st, keep, part))
+        live = {st._cdata for st, keep, _ in storages.values() if keep} | \
+            {st._cdata for st, _, host, _ in self._held if host is not None}
+        self._host_bufs = {k: v for k, v in self._host_bufs.items() if k in live}  # e.g. a reloaded optimizer
         freed = 0
-        for ptr, s in list(kept.items()) + list(dropped.items()):
-            n = s.nbytes()
+        for st, keep, part in storages.values():
+            n = st.nbytes()
             host = None
-            if ptr in kept:
-                host = self._host_bufs.get(s._cdata)
+            if keep:
+                host = self._host_bufs.get(st._cdata)
                 if host is None or host.numel() != n:
-                    host = torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=s.device.type == "cuda")
-                    self._host_bufs[s._cdata] = host
-                host.copy_(_as_bytes(s))
-            s.resize_(0)
-            self._held.append((s, n, host))
+                    host = torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=st.device.type == "cuda")
+                    self._host_bufs[st._cdata] = host
+                host.copy_(_as_bytes(st))
+            st.resize_(0)
+            self._held.append((st, n, host, part))
             freed += n
-        self.offloaded = True
+        if any(st.device.type == "cuda" for st, _, _ in storages.values()):
+            torch.cuda.synchronize()
+            # resize_(0) frees into PyTorch's caching allocator only: give the memory back to the device,
+            # so another process on the GPU (vLLM, a colocated role) can use it
+            torch.cuda.empty_cache()
         self.device_bytes_freed = freed
         return freed
 
     @property
     def host_bytes(self) -> int:
         """Bytes now held in host copies (0 when nothing is offloaded)."""
-        return sum(n for _, n, host in self._held if host is not None)
+        return sum(n for _, n, host, _ in self._held if host is not None)
 
-    def reload(self) -> int:
-        """Re-allocate every freed storage in place and restore its values (or zeros)."""
-        if not self.offloaded:
-            return 0
-        restored = 0
-        for s, n, host in self._held:
-            s.resize_(n)
+    def reload(self, parts: Iterable[str] | None = None) -> int:
+        """Re-allocate the freed storages of `parts` (None: all) in place and restore their values (or
+        zeros for dropped ones); the other parts stay off the device."""
+        wanted = None if parts is None else set(parts)
+        restored, still = 0, []
+        for st, n, host, part in self._held:
+            if wanted is not None and part not in wanted:
+                still.append((st, n, host, part))
+                continue
+            st.resize_(n)
             if host is not None:
-                _as_bytes(s).copy_(host)
+                _as_bytes(st).copy_(host)
             else:
-                _as_bytes(s).zero_()
+                _as_bytes(st).zero_()
             restored += n
-        if any(s.device.type == "cuda" for s, _, _ in self._held):
+        if any(st.device.type == "cuda" for st, _, _, _ in self._held):
             torch.cuda.synchronize()
-        self._held = []
-        self.offloaded = False
+        self._held = still
         return restored

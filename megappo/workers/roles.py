@@ -21,10 +21,12 @@ Batch keys (DataProto, one row per sequence; prompts left-padded, responses righ
         compute_rm_score -> rm_scores [B] (the RM's score at the last valid token)
         generate_sequences(prompts) -> vllm_rollout.py's output (responses, response_mask,
         rollout_log_probs, stopped, ...; meta_info["metrics"]: rollout/*, timing/*), from rank 0
-  update_actor needs old_log_probs, advantages, response_mask (+ ref_log_prob with actor.use_kl_loss,
-  + rollout_log_probs for truncated importance sampling when present); update_critic needs values,
-  returns, response_mask. Both return a metrics dict (same on every rank) and do not pad: the batch
-  must be a multiple of dp and of ppo_mini_batch_size / dp.
+  update_actor(data, loss) / update_critic(data, loss): the loss (megappo.ppo.losses, built by the
+  driver) names the keys it needs (the actor's: old_log_probs, advantages, response_mask, +
+  ref_log_prob with actor.use_kl_loss, + rollout_log_probs for truncated importance sampling when
+  present; the critic's: values, returns, response_mask). Both return a metrics dict (same on every
+  rank) and do not pad: the batch must be a multiple of dp and of ppo_mini_batch_size / dp.
+  Log-probs are taken at the temperature of the SamplingSpec in meta_info["sampling"] (1 without one).
 
 Every method is declared with @register: ONE_TO_ALL for init/checkpoints/generation (every rank gets
 the whole prompt batch; the vLLM replicas split it themselves, see hybrid_engine.replicated_generate,
@@ -38,15 +40,17 @@ Async weight sync (see rollout/weight_sync.py): `weight_sync_address()` on the a
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
+from megappo.controller.dispatch import Dispatch, register
+from megappo.controller.worker import Worker
 from megappo.protocol import DataProto
-from megappo.workers.base_worker import Worker
-from megappo.workers.dispatch import Dispatch, register
 
-__all__ = ["ActorRolloutRefWorker", "CriticWorker", "RewardModelWorker", "ACTOR_ROLES", "check_reward_model_vocab"]
+__all__ = ["ActorRolloutRefWorker", "CriticWorker", "ActorCriticWorker", "RewardModelWorker", "ACTOR_ROLES",
+           "check_reward_model_vocab"]
 
 ACTOR_ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_ref", "actor_rollout_ref")
 _MODEL_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -58,33 +62,17 @@ def _layout(parallel):
     return ParallelLayout(tp=parallel.tp, pp=parallel.pp, dp=parallel.dp, vpp=parallel.vpp)
 
 
-def _engine_optim(optim, total_steps: int):
-    from megappo.workers.megatron_engine import OptimConfig
-
-    import dataclasses
-
-    from omegaconf import OmegaConf
-
-    keys = OmegaConf.to_container(optim) if OmegaConf.is_config(optim) else dataclasses.asdict(optim)
-    return OptimConfig(**keys, total_steps=total_steps)
-
-
-def _optimizer_steps(cfg, role_cfg) -> int:
-    """Optimizer steps over the whole run (the LR schedule's length): steps x epochs x mini-batches."""
-    sequences = cfg.data.train_batch_size * cfg.rollout.n
-    return cfg.trainer.total_steps * max(1, role_cfg.ppo_epochs) * max(1, sequences // role_cfg.ppo_mini_batch_size)
-
-
-def _params_dtype(dtype: str):
-    import torch
-
-    return {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-
-
 def _response_length(data: DataProto) -> int:
     if "responses" not in data.batch:
         raise KeyError("batch needs 'responses' [B, R] (the last R columns of input_ids) to know the response length")
     return int(data.batch["responses"].shape[1])
+
+
+def _logprob_temperature(data: DataProto) -> float:
+    """The temperature the rows were sampled at: their SamplingSpec travels in meta_info["sampling"]
+    (set by the driver, kept by the rollout); rows without one are scored at temperature 1."""
+    spec = data.meta_info.get("sampling")
+    return 1.0 if spec is None else float(spec.logprob_temperature)
 
 
 def _forward(engine, data: DataProto, response_length: int, micro_batch_size: int, **kw) -> Optional[dict]:
@@ -96,57 +84,18 @@ def _forward(engine, data: DataProto, response_length: int, micro_batch_size: in
     out = engine.forward_only(dict(padded.batch), response_length=response_length, micro_batch_size=mbs, **kw)
     if out is None:  # not the last pipeline stage: the group does not read this rank
         return None
-    return {k: v[:n] for k, v in out.items()}
+    return {k: v[:n].cpu() for k, v in out.items()}  # the driver gets CPU tensors
 
 
-def _dp_all_reduce_sum(value: float) -> float:
+def _dp_all_reduce_sum(values: list[float]) -> list[float]:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    t = torch.tensor([float(value)], dtype=torch.float64)
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device="cpu")  # over gloo
     if mpu.get_data_parallel_world_size() > 1:
         dist.all_reduce(t, group=mpu.get_data_parallel_group())
-    return float(t)
-
-
-def _rng_state() -> dict:
-    """This process's RNG states as JSON-able lists (torch, megatron's tracker, numpy, python)."""
-    import random
-
-    import numpy as np
-    import torch
-
-    state = {"torch": torch.get_rng_state().tolist(), "python": list(random.getstate()[1]),
-             "python_pos": random.getstate()[2], "numpy": np.random.get_state()[1].tolist(),
-             "numpy_pos": int(np.random.get_state()[2])}
-    try:
-        from megatron.core import tensor_parallel
-
-        state["tracker"] = {k: v.tolist() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
-    except Exception:  # noqa: BLE001 - no megatron tracker in this process
-        pass
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    import random
-
-    import numpy as np
-    import torch
-
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    random.setstate((3, tuple(state["python"]), state["python_pos"]))
-    np.random.set_state(("MT19937", np.array(state["numpy"], dtype=np.uint32), state["numpy_pos"], 0, 0.0))
-    if "tracker" in state:
-        from megatron.core import tensor_parallel
-
-        tensor_parallel.get_cuda_rng_tracker().set_states(
-            {k: torch.tensor(v, dtype=torch.uint8) for k, v in state["tracker"].items()})
-
-
-def _vllm_dtype(dtype: str):
-    return {"auto": None, "fp32": "float32", "bf16": "bfloat16"}[dtype]
+    return t.tolist()
 
 
 def _mini_batches(data: DataProto, mini_batch_size: int, dp: int, what: str) -> list[DataProto]:
@@ -157,6 +106,40 @@ def _mini_batches(data: DataProto, mini_batch_size: int, dp: int, what: str) -> 
         raise ValueError(f"{what}: {len(data)} rows per dp rank is not a multiple of the per-rank mini-batch "
                          f"{local} (= ppo_mini_batch_size {mini_batch_size} / dp {dp})")
     return data.split(local)
+
+
+def _train(engine, data: DataProto, loss, role_cfg, dp: int, temperature: float = 1.0) -> dict:
+    """`role_cfg.ppo_epochs` passes over this DP rank's rows in mini-batches, one optimizer step each.
+    `loss` (megappo.ppo.losses) says which batch keys it needs, its normaliser and its value; this
+    function is the plumbing every loss shares. Returns the metrics averaged over the steps."""
+    missing = [k for k in loss.required_keys if k not in data.batch]
+    if missing:
+        raise KeyError(f"{loss.name} update: batch lacks {missing}")
+    keys = [k for k in _MODEL_KEYS if k in data.batch] + list(loss.required_keys) + \
+        [k for k in loss.optional_keys if k in data.batch]
+    r = _response_length(data)
+    history = defaultdict(list)
+    tokens = [0.0, 0.0, 0.0]  # real, computed (after right_align), in the padded batch
+    minis = _mini_batches(data.select(batch_keys=keys), role_cfg.ppo_mini_batch_size, dp, loss.name)
+    with engine.resident():  # offload=true: one reload / offload for the whole update
+        for mini in minis * role_cfg.ppo_epochs:
+            mask = mini.batch["response_mask"]
+            norm, n_tokens = _dp_all_reduce_sum([loss.normalizer(mask), float(mask.sum())])
+            step = engine.train_step(dict(mini.batch), functools.partial(loss, norm=norm, n_tokens=n_tokens),
+                                     normalizer=norm, response_length=r,
+                                     micro_batch_size=min(role_cfg.micro_batch_size, len(mini)),
+                                     temperature=temperature)
+            for k, v in step.items():
+                history[k if "/" in k else f"{loss.name}/{k}"].append(float(v))
+            ids = mini.batch["input_ids"]
+            tokens[0] += float(mini.batch["attention_mask"].sum())
+            tokens[1] += float(ids.shape[0] * engine.last_width)
+            tokens[2] += float(ids.numel())
+    metrics = {k: sum(v) / len(v) for k, v in history.items()}
+    real, computed, padded = _dp_all_reduce_sum(tokens)  # the waste padding would cost, made visible
+    metrics.update({f"timing/{loss.name}_tokens_real": real, f"timing/{loss.name}_tokens_computed": computed,
+                    f"timing/{loss.name}_tokens_padded_batch": padded})
+    return metrics
 
 
 def check_reward_model_vocab(rm_path, policy_path) -> None:
@@ -176,16 +159,16 @@ class _MegatronRoleWorker(Worker):
         self.config = config
 
     def _bring_up(self, parallel) -> None:
-        self.layout = _layout(parallel)
+        layout = _layout(parallel)
+        if getattr(self, "layout", None) == layout:  # a colocated role: the process's megatron world is up
+            return
+        self.layout = layout
         self.init_megatron(self.layout, seed=self.config.trainer.seed)
 
-    def _make_engine(self, path, role: str, optim=None, offload: bool = False):
-        from megappo.workers.megatron_engine import EngineConfig, MegatronEngine
+    def _make_engine(self, path, role: str):
+        from megappo.workers.megatron_engine import MegatronEngine, engine_config_from
 
-        cfg = EngineConfig(role=role, optim=optim, params_dtype=_params_dtype(self.config.model.dtype),
-                           seed=self.config.trainer.seed, temperature=self.config.rollout.temperature,
-                           offload=bool(offload))
-        return MegatronEngine(path, self.layout, cfg)
+        return MegatronEngine(path, self.layout, engine_config_from(self.config, role))
 
     def _ckpt(self, path, name: str) -> Path:
         return Path(path) / name
@@ -193,16 +176,20 @@ class _MegatronRoleWorker(Worker):
     def _save_rng(self, path, name: str) -> None:
         import json
 
+        from megappo.utils.checkpoint import rng_state
+
         d = Path(path) / "rng"
         d.mkdir(parents=True, exist_ok=True)
-        (d / f"{name}_rank{self.rank}.json").write_text(json.dumps(_rng_state()))
+        (d / f"{name}_rank{self.rank}.json").write_text(json.dumps(rng_state()))
 
     def _load_rng(self, path, name: str) -> None:
         import json
 
+        from megappo.utils.checkpoint import set_rng_state
+
         f = Path(path) / "rng" / f"{name}_rank{self.rank}.json"
         if f.is_file():  # checkpoints written before RNG states were saved have none
-            _set_rng_state(json.loads(f.read_text()))
+            set_rng_state(json.loads(f.read_text()))
 
 
 class ActorRolloutRefWorker(_MegatronRoleWorker):
@@ -231,10 +218,9 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
             return {"role": self.role, "layout": f"rollout TP{cfg.rollout.tp} x {self.world_size // cfg.rollout.tp}"}
         self._bring_up(cfg.ref.parallel if self.role == "ref" else cfg.actor.parallel)
         if self.is_actor:
-            optim = _engine_optim(cfg.actor.optim, _optimizer_steps(cfg, cfg.actor))
-            self.actor = self._make_engine(cfg.model.path, "actor", optim, offload=cfg.actor.offload)
+            self.actor = self._make_engine(cfg.model.path, "actor")
         if self.is_ref:
-            self.ref = self._make_engine(cfg.model.path, "actor", None, offload=cfg.ref.offload)
+            self.ref = self._make_engine(cfg.model.path, "ref")
         return {"role": self.role, "layout": str(self.layout)}
 
     def _need(self, engine, what: str):
@@ -243,80 +229,29 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
                                "(call init_model first, or use a role that includes it)")
         return engine
 
-    def _temperature(self, data: DataProto) -> float:
-        return float(data.meta_info.get("temperature", self.config.rollout.temperature))
-
     @register(Dispatch.MEGATRON_COMPUTE)
     def compute_log_prob(self, data: DataProto) -> Optional[DataProto]:
         engine = self._need(self.actor, "actor")
         out = _forward(engine, data, _response_length(data), self.config.actor.log_prob_micro_batch_size,
-                       temperature=self._temperature(data), compute_entropy=True)
+                       temperature=_logprob_temperature(data), compute_entropy=True)
         if out is None:
             return None
-        return DataProto.from_dict({"old_log_probs": out["logprobs"], "entropy": out["entropy"]},
-                                   meta_info={"temperature": self._temperature(data)})
+        return DataProto.from_dict({"old_log_probs": out["logprobs"], "entropy": out["entropy"]})
 
     @register(Dispatch.MEGATRON_COMPUTE)
     def compute_ref_log_prob(self, data: DataProto) -> Optional[DataProto]:
         engine = self._need(self.ref, "ref")
         out = _forward(engine, data, _response_length(data), self.config.ref.log_prob_micro_batch_size,
-                       temperature=self._temperature(data), compute_entropy=False)
+                       temperature=_logprob_temperature(data), compute_entropy=False)
         if out is None:
             return None
         return DataProto.from_dict({"ref_log_prob": out["logprobs"]})
 
     @register(Dispatch.MEGATRON_COMPUTE, pad=False)
-    def update_actor(self, data: DataProto) -> dict:
-        from megappo.ppo import core_algos as algos
-
+    def update_actor(self, data: DataProto, loss) -> dict:
+        """One PPO update of the actor on this DP rank's rows with `loss` (megappo.ppo.losses.PolicyLoss)."""
         engine = self._need(self.actor, "actor")
-        cfg = self.config.actor
-        r = _response_length(data)
-        mode = cfg.loss_agg_mode
-        needed = ["old_log_probs", "advantages", "response_mask"] + (["ref_log_prob"] if cfg.use_kl_loss else [])
-        missing = [k for k in needed if k not in data.batch]
-        if missing:
-            raise KeyError(f"update_actor: batch lacks {missing}")
-        keys = [k for k in _MODEL_KEYS if k in data.batch] + needed + \
-            (["rollout_log_probs"] if "rollout_log_probs" in data.batch else [])
-        temperature = self._temperature(data)
-        history = defaultdict(list)
-        minis = _mini_batches(data.select(batch_keys=keys), cfg.ppo_mini_batch_size, self.layout.dp, "actor")
-        with engine.resident():  # offload=true: one reload / offload for the whole update
-            for mini in minis * cfg.ppo_epochs:
-                norm = _dp_all_reduce_sum(algos.loss_normalizer(mini.batch["response_mask"], mode))
-                n_tokens = _dp_all_reduce_sum(float(mini.batch["response_mask"].sum()))
-
-                def loss_fn(outs, mb, norm=norm, n_tokens=n_tokens):
-                    mask = mb["response_mask"]
-                    weights = None
-                    if "rollout_log_probs" in mb:
-                        weights, _ = algos.compute_importance_weights(mb["old_log_probs"], mb["rollout_log_probs"],
-                                                                      mask)
-                    pg, clipfrac, approx_kl, dual = algos.compute_policy_loss(
-                        mb["old_log_probs"], outs["logprobs"], mb["advantages"], mask, cfg.clip_ratio,
-                        cfg.clip_ratio_c, mode, normalizer=1.0, importance_weights=weights)
-                    loss = pg
-                    share = float(mask.sum()) / max(n_tokens, 1.0)  # token-weighted means sum to the mini-batch mean
-                    metrics = {"actor/pg_loss": pg.detach() / norm, "actor/pg_clipfrac": clipfrac * share,
-                               "actor/ppo_kl": approx_kl.detach() * share, "actor/pg_clipfrac_lower": dual * share}
-                    if cfg.entropy_coeff:
-                        ent = algos.compute_entropy_loss(outs["entropy"], mask, mode, normalizer=1.0)
-                        loss = loss - cfg.entropy_coeff * ent
-                        metrics["actor/entropy"] = ent.detach() / norm
-                    if cfg.use_kl_loss:
-                        kl = algos.agg_loss(algos.kl_penalty(outs["logprobs"], mb["ref_log_prob"], cfg.kl_loss_type),
-                                            mask, mode, normalizer=1.0)
-                        loss = loss + cfg.kl_loss_coef * kl
-                        metrics["actor/kl_loss"] = kl.detach() / norm
-                    return loss, metrics
-
-                mbs = min(cfg.micro_batch_size, len(mini))
-                step = engine.train_step(dict(mini.batch), loss_fn, normalizer=norm, response_length=r,
-                                         micro_batch_size=mbs, temperature=temperature)
-                for k, v in step.items():
-                    history[k if "/" in k else f"actor/{k}"].append(float(v))
-        return {k: sum(v) / len(v) for k, v in history.items()}
+        return _train(engine, data, loss, self.config.actor, self.layout.dp, temperature=_logprob_temperature(data))
 
     # ---- rollout ---------------------------------------------------------------------------------
 
@@ -329,10 +264,7 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
         cfg = self.config
         if not self.is_rollout:
             raise RuntimeError(f"ActorRolloutRefWorker(role={self.role!r}) has no rollout")
-        self.rollout = VLLMRollout(cfg.model.path, cfg.rollout, seed=cfg.trainer.seed,
-                                   dtype=_vllm_dtype(cfg.model.dtype),
-                                   max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
-                                   tokenizer_path=cfg.model.tokenizer or cfg.model.path)
+        self.rollout = VLLMRollout.from_config(cfg)
         if self.actor is not None:
             self.hybrid = HybridEngine(self.actor, self.rollout, bucket_mb=cfg.rollout.weight_sync_bucket_mb)
         return {"role": self.role, "hybrid": self.hybrid is not None}
@@ -365,9 +297,9 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
     @register(Dispatch.ONE_TO_ALL)
     def weight_sync_address(self) -> tuple:
         """(host, free port) for the weight-sync group's rendezvous (the driver uses rank 0's)."""
-        from megappo.workers.base_worker import _free_port
+        from megappo.parallel.launch import free_port
 
-        return self.master_addr, _free_port(self.master_addr)
+        return self.master_addr, free_port(self.master_addr)
 
     @register(Dispatch.ONE_TO_ALL)
     def init_weight_sync(self, host: str, port: int, world: int) -> dict:
@@ -426,9 +358,7 @@ class CriticWorker(_MegatronRoleWorker):
     def init_model(self) -> dict:
         cfg = self.config
         self._bring_up(cfg.critic.parallel)
-        optim = _engine_optim(cfg.critic.optim, _optimizer_steps(cfg, cfg.critic))
-        self.critic = self._make_engine(cfg.model.critic_path or cfg.model.path, "critic", optim,
-                                        offload=cfg.critic.offload)
+        self.critic = self._make_engine(cfg.model.critic_path or cfg.model.path, "critic")
         return {"role": "critic", "layout": str(self.layout),
                 "value_head_initialised": list(self.critic.value_head_initialised)}
 
@@ -438,34 +368,9 @@ class CriticWorker(_MegatronRoleWorker):
         return None if out is None else DataProto.from_dict({"values": out["values"]})
 
     @register(Dispatch.MEGATRON_COMPUTE, pad=False)
-    def update_critic(self, data: DataProto) -> dict:
-        from megappo.ppo import core_algos as algos
-
-        cfg = self.config.critic
-        r = _response_length(data)
-        needed = ["values", "returns", "response_mask"]
-        missing = [k for k in needed if k not in data.batch]
-        if missing:
-            raise KeyError(f"update_critic: batch lacks {missing}")
-        keys = [k for k in _MODEL_KEYS if k in data.batch] + needed
-        history = defaultdict(list)
-        minis = _mini_batches(data.select(batch_keys=keys), cfg.ppo_mini_batch_size, self.layout.dp, "critic")
-        with self.critic.resident():  # offload=true: one reload / offload for the whole update
-            for mini in minis * cfg.ppo_epochs:
-                norm = _dp_all_reduce_sum(algos.loss_normalizer(mini.batch["response_mask"], "token-mean"))
-
-                def loss_fn(outs, mb, norm=norm):
-                    mask = mb["response_mask"]
-                    loss, clipfrac = algos.compute_value_loss(outs["values"], mb["values"], mb["returns"], mask,
-                                                              cfg.cliprange_value, "token-mean", normalizer=1.0)
-                    share = float(mask.sum()) / max(norm, 1.0)
-                    return loss, {"critic/vf_loss": loss.detach() / norm, "critic/vf_clipfrac": clipfrac * share}
-
-                step = self.critic.train_step(dict(mini.batch), loss_fn, normalizer=norm, response_length=r,
-                                              micro_batch_size=min(cfg.micro_batch_size, len(mini)))
-                for k, v in step.items():
-                    history[k if "/" in k else f"critic/{k}"].append(float(v))
-        return {k: sum(v) / len(v) for k, v in history.items()}
+    def update_critic(self, data: DataProto, loss) -> dict:
+        """One update of the value model on this DP rank's rows with `loss` (megappo.ppo.losses.ValueLoss)."""
+        return _train(self.critic, data, loss, self.config.critic, self.layout.dp)
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path) -> None:
@@ -476,6 +381,28 @@ class CriticWorker(_MegatronRoleWorker):
     def load_checkpoint(self, path, load_optimizer: bool = True) -> None:
         self.critic.load_checkpoint(self._ckpt(path, "critic"), load_optimizer=load_optimizer)
         self._load_rng(path, "critic")
+
+
+class ActorCriticWorker(ActorRolloutRefWorker, CriticWorker):
+    """The actor (+ rollout, + ref) and the critic in one process, on one megatron world: the roles
+    share a layout (resources.colocate), so the driver's actor and critic groups are this one group.
+    Each role keeps its own engine, optimizer and checkpoint dir; calls run one after another."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> dict:
+        info = ActorRolloutRefWorker.init_model(self)
+        info["critic"] = CriticWorker.init_model(self)
+        return info
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path) -> None:
+        ActorRolloutRefWorker.save_checkpoint(self, path)
+        CriticWorker.save_checkpoint(self, path)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path, load_optimizer: bool = True) -> None:
+        ActorRolloutRefWorker.load_checkpoint(self, path, load_optimizer)
+        CriticWorker.load_checkpoint(self, path, load_optimizer)
 
 
 class RewardModelWorker(_MegatronRoleWorker):
@@ -489,7 +416,7 @@ class RewardModelWorker(_MegatronRoleWorker):
             raise ValueError("reward.model.path is not set (a HF *ForSequenceClassification dir)")
         check_reward_model_vocab(rm.path, cfg.model.path)
         self._bring_up(rm.parallel)
-        self.rm = self._make_engine(rm.path, "critic", None)
+        self.rm = self._make_engine(rm.path, "reward_model")
         if self.rm.value_head_initialised and any(n.endswith("weight") for n in self.rm.value_head_initialised):
             raise ValueError(f"reward model {rm.path} has no `score` head: it must be a *ForSequenceClassification "
                              "checkpoint (num_labels=1)")
@@ -503,7 +430,7 @@ class RewardModelWorker(_MegatronRoleWorker):
         # The engine returns the output at positions [S-R-1, S-2] for R response columns; one appended
         # pad column makes that [S-R-1, S-1], so the last valid token is always covered.
         r = _response_length(data)
-        pad_col = torch.zeros_like(ids[:, :1])
+        pad_col = torch.zeros_like(ids[:, :1])  # on the batch's (CPU) device, like the rest of the rows
         batch = {"input_ids": torch.cat([ids, pad_col], 1),
                  "attention_mask": torch.cat([mask, pad_col.to(mask.dtype)], 1)}
         if "position_ids" in data.batch:
@@ -513,7 +440,7 @@ class RewardModelWorker(_MegatronRoleWorker):
         if out is None:
             return None
         s = ids.shape[1]
-        last = (torch.arange(s)[None, :] * mask.long()).amax(-1)  # index of the last valid token
+        last = (torch.arange(s, device=mask.device)[None, :] * mask.long()).amax(-1)  # index of the last valid token
         col = last - (s - r - 1)  # its column in values[:, 0..R]
         if (col < 0).any():
             raise ValueError("compute_rm_score: a sequence ends before its response starts (empty prompt+response?)")

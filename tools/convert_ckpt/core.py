@@ -95,7 +95,8 @@ def load_config_object(config_file: Path):
         raise ConvertError(f"cannot read {config_file} with transformers: {e.__class__.__name__}: {e}") from None
 
 
-def model_dims(hf_config, tp: int, value_head: bool) -> ModelDims:
+def checked_dims(hf_config, tp: int, value_head: bool) -> ModelDims:
+    """weight_mapping's ModelDims of a config megatron can build, else a one-line ConvertError."""
     try:
         transformer_config_kwargs(hf_config)  # refuses unsupported activations, sliding windows, rope types
         return ModelDims.from_hf_config(hf_config, tp=tp, value_head=value_head)
@@ -229,6 +230,14 @@ def atomic_dir(out: Path, overwrite: bool, sources=()):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def copy_hf_files(model_dir: Path, dst: Path, tokenizer_dir: Optional[Path] = None) -> list[str]:
+    """A HF dir's config.json + tokenizer / generation files into `dst` (e.g. a checkpoint's role dir,
+    which mcore_to_hf then exports on its own)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(Path(model_dir) / "config.json", dst / "config.json")
+    return ["config.json"] + _copy_side_files(Path(tokenizer_dir or model_dir), dst)
+
+
 def _copy_side_files(src: Path, dst: Path) -> list[str]:
     copied = []
     for name in SIDE_FILES:
@@ -268,28 +277,60 @@ def hf_to_mcore(hf_dir, out_dir, tp: int = 1, pp: int = 1, vpp: Optional[int] = 
     """Convert a HF model dir into a megatron torch_dist checkpoint dir; returns the recorded info.
     model: auto (causal LM -> actor, ...ForSequenceClassification -> critic with its `score` head),
     actor, or critic (from a causal LM: a fresh value head, seeded)."""
-    from megappo.parallel.layout import ParallelLayout
-
     t0 = time.monotonic()
     src, out = Path(hf_dir), Path(out_dir)
     if not src.is_dir():
         raise ConvertError(f"HF model dir {src} does not exist")
     _check_out(out, overwrite, [src])
     raw, arch, family, src_kind = read_hf_config(src)
+    kind = _target_kind(model, src_kind, arch)
+    d = checked_dims(load_config_object(src / "config.json"), tp, value_head=kind == "critic")
+    _check_layout(d, tp, pp, vpp)
+    st = SafetensorsDir(src)
+    units = megatron_units(d)
+    fresh_head = kind == "critic" and src_kind == "causal-lm"
+    dtypes = _check_hf_tensors(st, units, d, src, kind, fresh_head)
+    items = [Item(u.key, u.shape, dtypes[u.mname], u.layer, d.num_layers if u.layer is not None else 0, payload=u)
+             for u in units]
+    for layer in range(d.num_layers):
+        items += [Item(f"decoder.layers.{m}._extra_state", None, None, layer, d.num_layers) for m in EXTRA_STATE_MODULES]
+    info = _hf_to_mcore_info(src, arch, src_kind, kind, family, st, d, fresh_head, seed, (tp, pp, vpp), items)
+    bar = _Progress(f"hf-to-mcore {src.name}", sum(it.nbytes for it in items),
+                    sum(1 for it in items if it.shape is not None), progress)
+    try:
+        with atomic_dir(out, overwrite, [src]) as tmp:
+            save_lazy(tmp, items, _megatron_tensor_producer(st, d, fresh_head, seed),
+                      on_done=lambda it: bar.step(it.nbytes) if it.shape is not None else None)
+            shutil.copy2(src / "config.json", tmp / "config.json")
+            info["side_files"] = _copy_side_files(src, tmp)
+            info["seconds"] = round(time.monotonic() - t0, 3)
+            (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    finally:
+        bar.close()
+    return info
+
+
+def _target_kind(model: str, src_kind: str, arch: str) -> str:
     if model not in ("auto", "actor", "critic"):
         raise ConvertError(f"--model {model!r}: choose auto, actor or critic")
     kind = ("actor" if src_kind == "causal-lm" else "critic") if model == "auto" else model
     if kind == "actor" and src_kind == "reward":
         raise ConvertError(f"{arch} has no LM head: convert it with --model critic (its score head becomes the value head)")
-    hf_config = load_config_object(src / "config.json")
-    d = model_dims(hf_config, tp, value_head=kind == "critic")
+    return kind
+
+
+def _check_layout(d: ModelDims, tp: int, pp: int, vpp: Optional[int]) -> None:
+    from megappo.parallel.layout import ParallelLayout
+
     try:
         ParallelLayout(tp=tp, pp=pp, vpp=vpp).validate(d.num_heads, d.num_kv_heads, d.num_layers)
     except ValueError as e:
         raise ConvertError(str(e)) from None
-    st = SafetensorsDir(src)
-    units = megatron_units(d)
-    fresh_head = kind == "critic" and src_kind == "causal-lm"
+
+
+def _check_hf_tensors(st, units: list["Unit"], d: ModelDims, src: Path, kind: str, fresh_head: bool) -> dict:
+    """Every HF tensor a unit needs exists with the shape the config implies, one dtype per unit.
+    Returns {megatron name: dtype}; logs the HF tensors nothing uses."""
     used, dtypes = set(), {}
     for u in units:
         if fresh_head and u.mname.startswith("output_layer."):
@@ -312,11 +353,11 @@ def hf_to_mcore(hf_dir, out_dir, tp: int = 1, pp: int = 1, vpp: Optional[int] = 
     unused = sorted(set(st.keys()) - used)
     if unused:
         _log(f"ignoring {len(unused)} HF tensor(s) not used by the {kind}: {', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''}")
+    return dtypes
 
-    items = [Item(u.key, u.shape, dtypes[u.mname], u.layer, d.num_layers if u.layer is not None else 0, payload=u)
-             for u in units]
-    for layer in range(d.num_layers):
-        items += [Item(f"decoder.layers.{m}._extra_state", None, None, layer, d.num_layers) for m in EXTRA_STATE_MODULES]
+
+def _megatron_tensor_producer(st, d: ModelDims, fresh_head: bool, seed: int):
+    """Item -> its global megatron tensor, read from the HF files when save_lazy asks for it."""
 
     def produce(it: Item) -> torch.Tensor:
         u: Unit = it.payload
@@ -344,10 +385,18 @@ def hf_to_mcore(hf_dir, out_dir, tp: int = 1, pp: int = 1, vpp: Optional[int] = 
             return st.get(u.hf[0])
         return hf_to_megatron_full(u.mname, {n: st.get(n) for n in u.hf}, d, tp_size=1)
 
-    total = sum(it.nbytes for it in items)
-    n_tensors = sum(1 for it in items if it.shape is not None)
-    bar = _Progress(f"hf-to-mcore {src.name}", total, n_tensors, progress)
-    info = {
+    return produce
+
+
+def _hf_to_mcore_info(src: Path, arch, src_kind, kind, family, st, d: ModelDims, fresh_head: bool, seed: int,
+                      layout: tuple, items: list) -> dict:
+    """What megappo_convert.json records: what was converted from where, and how."""
+    tp, pp, vpp = layout
+    value_head = None
+    if kind == "critic":
+        value_head = f"fresh (ValueHead init, seed {seed})" if fresh_head else \
+            "score.weight" + (" + score.bias" if "score.bias" in st else " (bias 0)")
+    return {
         "format": FORMAT,
         "direction": "hf-to-mcore",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -355,8 +404,7 @@ def hf_to_mcore(hf_dir, out_dir, tp: int = 1, pp: int = 1, vpp: Optional[int] = 
                    "files": {p.name: p.stat().st_size for p in sorted(src.glob("*.safetensors"))}},
         "model": kind,
         "family": family,
-        "value_head": (f"fresh (ValueHead init, seed {seed})" if fresh_head else
-                       "score.weight" + (" + score.bias" if "score.bias" in st else " (bias 0)")) if kind == "critic" else None,
+        "value_head": value_head,
         "layout_hint": {"tp": tp, "pp": pp, "vpp": vpp},
         "vocab_size": d.vocab_size,
         "padded_vocab_size": d.padded_vocab_size,
@@ -366,16 +414,6 @@ def hf_to_mcore(hf_dir, out_dir, tp: int = 1, pp: int = 1, vpp: Optional[int] = 
                     for it in items if it.shape is not None},
         "versions": _versions(),
     }
-    try:
-        with atomic_dir(out, overwrite, [src]) as tmp:
-            save_lazy(tmp, items, produce, on_done=lambda it: bar.step(it.nbytes) if it.shape is not None else None)
-            shutil.copy2(src / "config.json", tmp / "config.json")
-            info["side_files"] = _copy_side_files(src, tmp)
-            info["seconds"] = round(time.monotonic() - t0, 3)
-            (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-    finally:
-        bar.close()
-    return info
 
 
 def _versions() -> dict:
@@ -404,16 +442,9 @@ def mcore_to_hf(ckpt_dir, out_dir, config: Optional[str] = None, dtype: Optional
     if not ckpt.is_dir():
         raise ConvertError(f"checkpoint dir {ckpt} does not exist")
     _check_out(out, overwrite, [ckpt])
-    cast = None
-    if dtype not in (None, "auto"):
-        if dtype not in _DTYPES:
-            raise ConvertError(f"--dtype {dtype!r}: choose auto, {', '.join(_DTYPES)}")
-        cast = _DTYPES[dtype]
+    cast = _cast_dtype(dtype)
     reader = CheckpointReader(ckpt)
-    cfg_dir = Path(config) if config else ckpt
-    cfg_file = cfg_dir if cfg_dir.is_file() else cfg_dir / "config.json"
-    if not cfg_file.exists():
-        raise ConvertError(f"no config.json in {cfg_dir}: pass --config with the model's HF config dir")
+    cfg_file = _config_file(ckpt, config)
     raw, arch, family, src_kind = read_hf_config(cfg_file)
     tensors = reader.tensors()
     if "embedding.word_embeddings.weight" not in tensors:
@@ -421,77 +452,24 @@ def mcore_to_hf(ckpt_dir, out_dir, config: Optional[str] = None, dtype: Optional
     kind = "critic" if "output_layer.bias" in tensors else "actor"
     if kind == "actor" and src_kind == "reward":
         raise ConvertError(f"{ckpt} has an LM head but its config is {arch}")
-    hf_config = load_config_object(cfg_file)
-    d = model_dims(hf_config, 1, value_head=kind == "critic")
-    rows = tensors["embedding.word_embeddings.weight"].size[0]
-    if rows < d.vocab_size:
-        raise ConvertError(f"shape mismatch for embedding.word_embeddings.weight: checkpoint has {rows} rows, "
-                           f"config vocab_size is {d.vocab_size}")
-    d = dataclasses.replace(d, padded_vocab_size=rows)
+    d = _checkpoint_dims(load_config_object(cfg_file), tensors, kind)
     units = megatron_units(d)
-    for u in units:
-        want = ((d.num_layers,) if u.layer is not None else ()) + u.shape
-        if u.key not in tensors:
-            raise ConvertError(f"missing tensor {u.key} in {ckpt} (needed for {u.mname})")
-        got = tuple(tensors[u.key].size)
-        if got != want:
-            raise ConvertError(f"shape mismatch for {u.key}: checkpoint has {list(got)}, config implies {list(want)}")
+    _check_mcore_tensors(units, tensors, d, ckpt)
     if kind == "actor" and d.tied_embeddings and "output_layer.weight" in tensors:
         _log("config ties the embeddings: the checkpoint's separate output_layer.weight is not exported")
-
-    bias_nonzero = False
-    if kind == "critic":
-        bias = reader.read("output_layer.bias")
-        bias_nonzero = bool(bias.abs().max() > 0)
-        if bias_nonzero:
-            _log(f"value head bias is {bias.item():.6g}: HF ...ForSequenceClassification has no score bias; "
-                 "it is kept as score.bias (megappo loads it; transformers ignores it)")
-    specs = []
-    for u in units:
-        st_dtype = tensors[u.key].properties.dtype
-        for n in u.hf:
-            if n == "score.bias" and not bias_nonzero:
-                continue
-            specs.append((n, hf_shape(n, d), cast or st_dtype))
-
-    out_cfg = dict(raw)
-    if kind == "critic" and src_kind == "causal-lm":
-        out_cfg["architectures"] = [SEQ_CLS[family]]
-        out_cfg["id2label"] = {"0": "LABEL_0"}
-        out_cfg["label2id"] = {"LABEL_0": 0}
-        out_cfg.pop("num_labels", None)
-    if cast is not None:
-        name = str(cast).removeprefix("torch.")
-        for k in ("dtype", "torch_dtype"):
-            if k in out_cfg or k == "dtype":
-                out_cfg[k] = name
+    keep_bias = kind == "critic" and _value_bias_nonzero(reader)
+    specs = [(n, hf_shape(n, d), cast or tensors[u.key].properties.dtype)
+             for u in units for n in u.hf if n != "score.bias" or keep_bias]
+    out_cfg = _hf_output_config(raw, kind, src_kind, family, cast)
     side_src = ckpt if any((ckpt / f).exists() for f in SIDE_FILES) else cfg_file.parent
-
     bar = None
     try:
         with atomic_dir(out, overwrite, [ckpt]) as tmp:
             writer = ShardedWriter(tmp, specs, parse_size(max_shard_size))
             bar = _Progress(f"mcore-to-hf {ckpt.name}", writer.total_bytes, len(specs), progress)
-            for u in units:
-                if u.layer is None:
-                    t = reader.read(u.key)
-                else:
-                    t = reader.read(u.key, (u.layer,) + (0,) * len(u.shape), (1,) + u.shape)[0]
-                fk = _fast_kind(u)  # views instead of copies for weight_mapping's TP=1 identities
-                if fk == "vocab":
-                    hf = {u.hf[0]: t[: d.vocab_size]}
-                elif fk == "fc1":
-                    hf = dict(zip(u.hf, t.chunk(2, dim=0)))
-                elif fk == "same":
-                    hf = {u.hf[0]: t}
-                else:
-                    hf = megatron_shards_to_hf(u.mname, [t], d)
-                del t
-                for n, x in hf.items():
-                    if n == "score.bias" and not bias_nonzero:
-                        continue
-                    bar.step(writer.write(n, x if cast is None else x.to(cast)))
-                del hf
+            for name, tensor in _hf_tensors(reader, units, d):
+                if name != "score.bias" or keep_bias:
+                    bar.step(writer.write(name, tensor if cast is None else tensor.to(cast)))
             writer.finish()
             if out_cfg == raw:
                 shutil.copy2(cfg_file, tmp / "config.json")
@@ -504,3 +482,85 @@ def mcore_to_hf(ckpt_dir, out_dir, config: Optional[str] = None, dtype: Optional
     return {"direction": "mcore-to-hf", "model": kind, "architecture": out_cfg["architectures"][0],
             "tensors": len(specs), "bytes": writer.total_bytes, "shards": len(set(writer.index["weight_map"].values())),
             "side_files": copied, "seconds": round(time.monotonic() - t0, 3)}
+
+
+def _cast_dtype(dtype: Optional[str]) -> Optional[torch.dtype]:
+    if dtype in (None, "auto"):
+        return None
+    if dtype not in _DTYPES:
+        raise ConvertError(f"--dtype {dtype!r}: choose auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _config_file(ckpt: Path, config: Optional[str]) -> Path:
+    cfg_dir = Path(config) if config else ckpt
+    cfg_file = cfg_dir if cfg_dir.is_file() else cfg_dir / "config.json"
+    if not cfg_file.exists():
+        raise ConvertError(f"no config.json in {cfg_dir}: pass --config with the model's HF config dir")
+    return cfg_file
+
+
+def _checkpoint_dims(hf_config, tensors: dict, kind: str) -> ModelDims:
+    """The config's dims with the checkpoint's own padded vocab (the rows it was saved with)."""
+    d = checked_dims(hf_config, 1, value_head=kind == "critic")
+    rows = tensors["embedding.word_embeddings.weight"].size[0]
+    if rows < d.vocab_size:
+        raise ConvertError(f"shape mismatch for embedding.word_embeddings.weight: checkpoint has {rows} rows, "
+                           f"config vocab_size is {d.vocab_size}")
+    return dataclasses.replace(d, padded_vocab_size=rows)
+
+
+def _check_mcore_tensors(units: list["Unit"], tensors: dict, d: ModelDims, ckpt: Path) -> None:
+    for u in units:
+        want = ((d.num_layers,) if u.layer is not None else ()) + u.shape
+        if u.key not in tensors:
+            raise ConvertError(f"missing tensor {u.key} in {ckpt} (needed for {u.mname})")
+        got = tuple(tensors[u.key].size)
+        if got != want:
+            raise ConvertError(f"shape mismatch for {u.key}: checkpoint has {list(got)}, config implies {list(want)}")
+
+
+def _value_bias_nonzero(reader) -> bool:
+    bias = reader.read("output_layer.bias")
+    nonzero = bool(bias.abs().max() > 0)
+    if nonzero:
+        _log(f"value head bias is {bias.item():.6g}: HF ...ForSequenceClassification has no score bias; "
+             "it is kept as score.bias (megappo loads it; transformers ignores it)")
+    return nonzero
+
+
+def _hf_output_config(raw: dict, kind: str, src_kind: str, family: str, cast: Optional[torch.dtype]) -> dict:
+    """config.json of the export: a critic saved from a causal-LM config becomes *ForSequenceClassification."""
+    out_cfg = dict(raw)
+    if kind == "critic" and src_kind == "causal-lm":
+        out_cfg["architectures"] = [SEQ_CLS[family]]
+        out_cfg["id2label"] = {"0": "LABEL_0"}
+        out_cfg["label2id"] = {"LABEL_0": 0}
+        out_cfg.pop("num_labels", None)
+    if cast is not None:
+        name = str(cast).removeprefix("torch.")
+        for k in ("dtype", "torch_dtype"):
+            if k in out_cfg or k == "dtype":
+                out_cfg[k] = name
+    return out_cfg
+
+
+def _hf_tensors(reader, units: list["Unit"], d: ModelDims):
+    """(HF name, tensor) of every unit, read one megatron tensor (of one layer) at a time."""
+    for u in units:
+        if u.layer is None:
+            t = reader.read(u.key)
+        else:
+            t = reader.read(u.key, (u.layer,) + (0,) * len(u.shape), (1,) + u.shape)[0]
+        fk = _fast_kind(u)  # views instead of copies for weight_mapping's TP=1 identities
+        if fk == "vocab":
+            hf = {u.hf[0]: t[: d.vocab_size]}
+        elif fk == "fc1":
+            hf = dict(zip(u.hf, t.chunk(2, dim=0)))
+        elif fk == "same":
+            hf = {u.hf[0]: t}
+        else:
+            hf = megatron_shards_to_hf(u.mname, [t], d)
+        del t
+        yield from hf.items()
+        del hf

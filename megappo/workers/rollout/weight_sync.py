@@ -66,12 +66,12 @@ class StatelessGroup:
         """Root sends a JSON-able object; everyone returns it."""
         if self.rank == root:
             data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-            n = torch.tensor([data.numel()], dtype=torch.int64)
+            n = torch.tensor([data.numel()], dtype=torch.int64, device="cpu")
         else:
-            data, n = None, torch.zeros(1, dtype=torch.int64)
+            data, n = None, torch.zeros(1, dtype=torch.int64, device="cpu")
         n = self.broadcast(n, root)
         if data is None:
-            data = torch.empty(int(n.item()), dtype=torch.uint8)
+            data = torch.empty(int(n.item()), dtype=torch.uint8, device="cpu")
         data = self.broadcast(data, root)
         return None if self.rank == root else json.loads(bytes(data.cpu().numpy()).decode())
 
@@ -92,7 +92,7 @@ class WeightSender:
     def send(self) -> dict:
         t0 = time.perf_counter()
         sent = 0
-        with self.engine.resident():  # an offloaded actor comes back for the send only
+        with self.engine.resident(parts=["params"]):  # an offloaded actor's weights come back for the send
             for bucket in self.resharder.buckets():  # collective over the actor world
                 if self.group is None:
                     continue
@@ -125,7 +125,8 @@ class WeightReceiver:
                 break
             dtype = _DTYPES[header["dtype"]]
             numels = [int(torch.Size(s).numel()) for s in header["shapes"]]
-            flat = self.group.broadcast(torch.empty(sum(numels), dtype=dtype)).cpu()
+            # on the group's device (GPU: straight from nccl into vLLM's load, no host round trip)
+            flat = self.group.broadcast(torch.empty(sum(numels), dtype=dtype, device=self.group.device))
             received += flat.numel() * flat.element_size()
             tensors, off = [], 0
             for name, shape, k in zip(header["names"], header["shapes"], numels):

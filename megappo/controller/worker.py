@@ -7,7 +7,8 @@ one node, else its node IP); the group reads it back with `info()` and starts th
 So each group has its own torch.distributed world and, per process, its own megatron parallel_state.
 
 Subclasses call `super().__init__()` first and mark the methods the driver may call with
-`@register(Dispatch.X)` (see dispatch.py).
+`@register(Dispatch.X)` (see dispatch.py). Worker classes live in megappo.workers; this module is
+the only part of the controller that runs inside the worker processes.
 """
 
 from __future__ import annotations
@@ -15,15 +16,10 @@ from __future__ import annotations
 import os
 import socket
 
-from megappo.workers.dispatch import Dispatch, register
+from megappo.controller.dispatch import Dispatch, register
+from megappo.parallel.launch import free_port
 
 __all__ = ["Worker"]
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _node_ip() -> str:
@@ -45,7 +41,7 @@ class Worker:
                 raise RuntimeError(f"{self.group_name} rank {self.rank}: MASTER_PORT missing from the environment")
             addr = os.environ.get("MASTER_ADDR") or _node_ip()
             os.environ["MASTER_ADDR"] = addr
-            os.environ["MASTER_PORT"] = str(_free_port(addr))
+            os.environ["MASTER_PORT"] = str(free_port(addr))
         self.master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         self.master_port = int(os.environ["MASTER_PORT"])
 

@@ -6,7 +6,7 @@ import hashlib
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from megappo.testing import make_tokenizer
+from megappo.assets import make_tokenizer
 
 
 def test_tokenizer_offline_left_padded_with_chat_template(tiny_assets):

@@ -24,12 +24,12 @@ import functools
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from megappo.workers.dispatch import (CallPlan, Dispatch, DispatchSpec, MegatronTopology, collect_results, plan_call,
+from megappo.controller.dispatch import (CallPlan, Dispatch, DispatchSpec, MegatronTopology, collect_results, plan_call,
                                       register, registered_methods)
-from megappo.workers.resource_pool import Bundle, RayResourcePool, ResourcePoolManager, Role, WorkerError
+from megappo.controller.resource_pool import Bundle, RayResourcePool, ResourcePoolManager, WorkerError
 
 __all__ = ["RayWorkerGroup", "NVMegatronRayWorkerGroup", "PendingCall", "WorkerError", "RayResourcePool",
-           "ResourcePoolManager", "Role", "Dispatch", "register"]
+           "ResourcePoolManager", "Dispatch", "register"]
 
 
 class PendingCall:

@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1234, help="value-head init seed when DIR has no `score` weights")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="where the model runs (auto: cuda when a GPU is visible)")
 
 
 def read_rows(path) -> list[dict]:
@@ -59,7 +61,7 @@ def build_batch(rows: list[dict], pad_id: int = 0):
 
 def _worker(rank, world, port, args_dict, rows):
     from megappo.parallel.layout import ParallelLayout
-    from megappo.parallel.megatron_init import destroy, init_distributed, init_megatron
+    from megappo.parallel.megatron_init import destroy, init_distributed, init_megatron, resolve_device
     from megappo.workers.megatron_engine import EngineConfig, MegatronEngine
 
     layout = ParallelLayout(tp=args_dict["tp"], pp=args_dict["pp"], dp=args_dict["dp"], vpp=args_dict["vpp"])
@@ -68,7 +70,8 @@ def _worker(rank, world, port, args_dict, rows):
     from megatron.core import parallel_state as mpu
 
     engine = MegatronEngine(args_dict["model"], layout, EngineConfig(
-        role="critic" if args_dict["critic"] else "actor", temperature=args_dict["temperature"], seed=args_dict["seed"]))
+        device=resolve_device(args_dict["device"]), head="value" if args_dict["critic"] else "lm",
+        seed=args_dict["seed"]))
     dp_rank = mpu.get_data_parallel_rank()
     mbs = args_dict["micro_batch_size"]
     # equal shards per DP rank, padded with copies of row 0 to a multiple of mbs (and of pp micro-batches
@@ -80,11 +83,11 @@ def _worker(rank, world, port, args_dict, rows):
     ids, mask, resp = build_batch(padded)
     sl = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     out = engine.forward_only({"input_ids": ids[sl], "attention_mask": mask[sl]}, response_length=resp,
-                              micro_batch_size=mbs, compute_entropy=False)
+                              micro_batch_size=mbs, temperature=args_dict["temperature"], compute_entropy=False)
     result = None
     if out is not None and mpu.get_tensor_model_parallel_rank() == 0:
         key = "values" if args_dict["critic"] else "logprobs"
-        result = {"start": dp_rank * per_rank, key: out[key].float().contiguous()}
+        result = {"start": dp_rank * per_rank, key: out[key].float().cpu().contiguous()}
     destroy()
     return result
 
@@ -96,6 +99,7 @@ def score(args) -> dict:
     rows = read_rows(args.input)
     args_dict = {k: getattr(args, k) for k in ("model", "tp", "pp", "dp", "vpp", "critic", "temperature",
                                                  "micro_batch_size", "seed")}
+    args_dict["device"] = getattr(args, "device", "auto")
     world = args.tp * args.pp * args.dp
     results = spawn_local(_worker, world, args_dict, rows)
     key = "values" if args.critic else "logprobs"

@@ -1,0 +1,211 @@
+"""`megappo eval --model DIR --data FILE.parquet [--n-samples K --temperature T] [--out report.json]`:
+accuracy of a model on a parquet of the usual schema (prompt, data_source, reward_model.ground_truth),
+the baseline a user runs before and after training.
+
+DIR is a HF model dir, a megappo checkpoint (`<output_dir>/checkpoints/step_N`: its actor is exported
+to a temporary HF dir first, megappo export) or a role's dist checkpoint with its config.json.
+Responses come from vLLM (one engine, in this process), greedy by default; `--n-samples K` samples K
+per prompt at `--temperature` (default 1.0) and adds pass@K (a prompt counts when any sample is
+correct). Scoring is the trainer's: the same RewardManager (rule by data_source, non-stop penalty)
+and, with `--config <output_dir>/config.json` (or the run's YAML), the same prompt settings
+(chat template, max_prompt_length, prompt_key), max_new_tokens, stop ids and validation files, so a
+greedy eval of an export repeats the run's last `eval/*`.
+
+Prints one line per data_source (accuracy, mean length in tokens, % ended with a stop token) and an
+`all` line; `--out` writes the same as JSON (+ the eval/* keys the trainer logs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional
+
+DEFAULTS = {"max_new_tokens": 256, "max_prompt_length": 512, "prompt_key": "prompt", "apply_chat_template": True,
+            "stop_token_ids": [], "non_stop_penalty": True, "non_stop_penalty_value": -10.0, "batch_size": 64}
+
+
+class EvalError(ValueError):
+    """A bad eval input; str() is one line naming the fix."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="HF model dir, or a megappo checkpoint (checkpoints/step_N)")
+    parser.add_argument("--data", nargs="+", help="parquet file(s) (default: the --config's data.val_files)")
+    parser.add_argument("--config", help="a run's config (<output_dir>/config.json or its YAML): prompt, length, "
+                        "stop and reward settings as in training")
+    parser.add_argument("--n-samples", type=int, default=1, help="responses per prompt (K > 1: sampled, pass@K)")
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: greedy for "
+                        "one sample, 1.0 for K > 1)")
+    parser.add_argument("--max-new-tokens", type=int, help=f"default: the config's, else {DEFAULTS['max_new_tokens']}")
+    parser.add_argument("--max-prompt-length", type=int, help="longer prompts are dropped (counted); default: the "
+                        f"config's, else {DEFAULTS['max_prompt_length']}")
+    parser.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="prompts per generate call")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-cache-mb", type=int, default=256, help="CPU: vLLM's KV cache size")
+    parser.add_argument("--out", help="write the report as JSON here")
+
+
+def _settings(args) -> dict:
+    """Prompt / generation / reward settings: defaults < the run's config < command-line flags."""
+    s = dict(DEFAULTS, data=None)
+    if args.config:
+        from megappo.config import ConfigError, load_config
+
+        try:
+            cfg = load_config(args.config, validate=False)
+        except ConfigError as e:
+            raise EvalError(f"--config: {e}") from None
+        s.update(max_new_tokens=cfg.rollout.max_new_tokens, max_prompt_length=cfg.data.max_prompt_length,
+                 prompt_key=cfg.data.prompt_key, apply_chat_template=cfg.data.apply_chat_template,
+                 stop_token_ids=list(cfg.rollout.stop_token_ids), non_stop_penalty=cfg.reward.non_stop_penalty,
+                 non_stop_penalty_value=cfg.reward.non_stop_penalty_value, data=list(cfg.data.val_files),
+                 batch_size=cfg.data.val_batch_size)
+    for key in ("max_new_tokens", "max_prompt_length"):
+        if getattr(args, key) is not None:
+            s[key] = getattr(args, key)
+    if args.data:
+        s["data"] = list(args.data)
+    if not s["data"]:
+        raise EvalError("no data: pass --data FILE.parquet (or --config of a run with data.val_files)")
+    if args.n_samples < 1:
+        raise EvalError(f"--n-samples {args.n_samples}: must be >= 1")
+    return s
+
+
+def resolve_model(path: Path, tmp: Path) -> Path:
+    """A HF dir to load: `path` itself, or `path`'s policy exported into `tmp`."""
+    from megappo.utils.checkpoint import MANIFEST
+
+    if not path.exists():
+        raise EvalError(f"--model {path} does not exist")
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return path
+    if (path / MANIFEST).exists() or (path / "actor").is_dir():  # a megappo checkpoint (step_N)
+        from megappo.export import ExportError, export_checkpoint
+
+        try:
+            export_checkpoint(path, tmp / "hf", progress=False)
+        except ExportError as e:
+            raise EvalError(str(e)) from None
+        return tmp / "hf"
+    if (path / "metadata.json").is_file() and (path / "config.json").is_file():  # a role's dist checkpoint
+        from tools.convert_ckpt.core import mcore_to_hf
+        from tools.convert_ckpt.errors import ConvertError
+
+        try:
+            mcore_to_hf(path, tmp / "hf", progress=False)
+        except ConvertError as e:
+            raise EvalError(str(e)) from None
+        return tmp / "hf"
+    raise EvalError(f"--model {path} is neither a HF model dir (config.json + *.safetensors) nor a megappo "
+                    "checkpoint (checkpoints/step_N)")
+
+
+def _tokenizer(model_dir: Path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as e:
+        raise EvalError(f"{model_dir} has no usable tokenizer ({type(e).__name__}); copy the tokenizer files "
+                        "(tokenizer.json, tokenizer_config.json) from the model it was trained from") from None
+    vocab = AutoConfig.from_pretrained(str(model_dir)).vocab_size
+    if len(tok) > vocab:
+        raise EvalError(f"tokenizer of {model_dir} has {len(tok)} tokens but the model's vocab_size is {vocab}: "
+                        "they do not belong together; use the tokenizer the model was trained with")
+    return tok
+
+
+def _summary(rows: list, n_samples: int) -> dict:
+    """{data_source: accuracy, pass@K, mean length, stop %, counts} over RewardManager row scores."""
+    by_source = defaultdict(list)
+    for r in rows:
+        by_source[r.source].append(r)
+    by_source["all"] = rows
+    out = {}
+    for source, rs in by_source.items():
+        groups = defaultdict(list)
+        for r in rs:
+            groups[r.prompt].append(r.correct)
+        out[source] = {"accuracy": sum(r.correct for r in rs) / len(rs),
+                       "mean_length": sum(r.length for r in rs) / len(rs),
+                       "stop_rate": sum(r.stopped for r in rs) / len(rs),
+                       "num_prompts": len(groups), "num_responses": len(rs)}
+        if n_samples > 1:
+            out[source][f"pass@{n_samples}"] = sum(any(c) for c in groups.values()) / len(groups)
+    return out
+
+
+def evaluate(model, data: list[str], settings: dict, n_samples: int = 1, temperature: Optional[float] = None,
+             dtype: str = "float32", seed: int = 0, kv_cache_mb: int = 256) -> dict:
+    """Generate with vLLM, score with RewardManager; the report (see the module docstring)."""
+    from megappo.config.schema import RolloutConfig
+    from megappo.data.dataset import RLHFDataset
+    from megappo.ppo.metrics import eval_metrics
+    from megappo.protocol import DataProto
+    from megappo.rewards.manager import RewardManager
+    from megappo.workers.rollout.sampling import SamplingSpec
+    from megappo.workers.rollout.vllm_rollout import VLLMRollout
+
+    with tempfile.TemporaryDirectory(prefix="megappo-eval-") as tmp:
+        model_dir = resolve_model(Path(model), Path(tmp))
+        tok = _tokenizer(model_dir)
+        try:
+            dataset = RLHFDataset(data, tok, settings["prompt_key"], settings["max_prompt_length"],
+                                  settings["apply_chat_template"])
+        except (FileNotFoundError, ValueError) as e:
+            raise EvalError(str(e)) from None
+        temperature = (1.0 if n_samples > 1 else 0.0) if temperature is None else temperature
+        sample = n_samples > 1 or temperature > 0
+        cfg = RolloutConfig(n=n_samples, temperature=temperature if sample else 1.0,
+                            max_new_tokens=settings["max_new_tokens"], stop_token_ids=settings["stop_token_ids"],
+                            kv_cache_memory_mb=kv_cache_mb)
+        rollout = VLLMRollout(model_dir, cfg, seed=seed, dtype=None if dtype == "auto" else dtype,
+                              max_model_len=settings["max_prompt_length"] + settings["max_new_tokens"])
+        spec = SamplingSpec.from_config(cfg)
+        spec = spec.with_seed(seed) if sample else spec.greedy()
+        parts = []
+        for i in range(0, len(dataset), settings["batch_size"]):
+            prompts = dataset.get_batch(range(i, min(i + settings["batch_size"], len(dataset))))
+            prompts.meta_info["sampling"] = spec.with_seed(spec.seed + i * n_samples) if sample else spec
+            parts.append(rollout.generate_sequences(prompts))
+        out = DataProto.concat(parts)
+        manager = RewardManager(tok, 0, settings["non_stop_penalty"], settings["non_stop_penalty_value"],
+                                stop_token_ids=settings["stop_token_ids"])
+        try:
+            rows = manager.score_rows(out)
+        except (KeyError, ValueError) as e:
+            raise EvalError(str(e)) from None
+        _, reward_metrics = manager.aggregate(rows, out)
+        report = {"model": str(model), "data": [str(d) for d in data], "n_samples": n_samples,
+                  "temperature": temperature if sample else 0.0, "max_new_tokens": settings["max_new_tokens"],
+                  "num_filtered_prompts": dataset.num_filtered, "by_source": _summary(rows, n_samples)}
+        if not sample:
+            report.update(eval_metrics(out, reward_metrics))
+        return report
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        settings = _settings(args)
+        report = evaluate(args.model, settings["data"], settings, n_samples=args.n_samples,
+                          temperature=args.temperature, dtype=args.dtype, seed=args.seed, kv_cache_mb=args.kv_cache_mb)
+    except EvalError as e:
+        print(f"megappo eval: {e}", file=sys.stderr)
+        return 1
+    k = report["n_samples"]
+    for source, m in report["by_source"].items():
+        extra = f"  pass@{k} {m[f'pass@{k}']:.3f}" if k > 1 else ""
+        print(f"{source:>16}: accuracy {m['accuracy']:.3f}{extra}  mean length {m['mean_length']:.1f}  "
+              f"stopped {100 * m['stop_rate']:.1f}%  ({m['num_prompts']} prompts)")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"report: {args.out}")
+    return 0

@@ -1,0 +1,107 @@
+"""The actor's and the critic's PPO losses, as the workers apply them. Pure torch (core_algos).
+
+The driver builds them from the config and hands them to the update calls
+(`actor_wg.update_actor(batch, PolicyLoss.from_config(cfg.actor))`); a worker only does the
+plumbing every loss shares (mini-batches, the global normaliser, micro-batches, the optimizer step):
+
+    norm, n_tokens = all-reduce over DP of (loss.normalizer(mask), mask.sum())   # once per mini-batch
+    loss_sum, metrics = loss(outputs, micro_batch, norm, n_tokens)              # per micro-batch
+
+`outputs` is what the engine computed for the micro-batch (`logprobs`, `entropy` for an LM head;
+`values` for a value head). `loss_sum` is a SUM over the micro-batch (`normalizer=1.0` in
+core_algos); the engine divides it by `norm`, so the micro-batches add up to the mini-batch loss.
+Metrics are summed over micro-batches and DP ranks: a per-token mean is scaled by this micro-batch's
+share of the mini-batch's tokens, a loss is divided by the normaliser.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megappo.ppo import core_algos as algos
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """Clipped surrogate (+ dual clip), truncated IS when `rollout_log_probs` are in the batch,
+    optional entropy bonus and KL-to-reference loss (actor.* keys of the config)."""
+
+    clip_ratio: float = 0.2
+    clip_ratio_c: Optional[float] = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "k3"
+    name: str = "actor"  # metric prefix
+
+    @classmethod
+    def from_config(cls, actor) -> "PolicyLoss":
+        return cls(clip_ratio=actor.clip_ratio, clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode,
+                   entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss,
+                   kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type)
+
+    @property
+    def required_keys(self) -> list[str]:
+        return ["old_log_probs", "advantages", "response_mask"] + (["ref_log_prob"] if self.use_kl_loss else [])
+
+    optional_keys = ("rollout_log_probs",)
+
+    def normalizer(self, response_mask: torch.Tensor) -> float:
+        return algos.loss_normalizer(response_mask, self.loss_agg_mode)
+
+    def __call__(self, outs: dict, mb: dict, norm: float, n_tokens: float) -> tuple[torch.Tensor, dict]:
+        mask = mb["response_mask"]
+        weights = None
+        if "rollout_log_probs" in mb:
+            weights, _ = algos.compute_importance_weights(mb["old_log_probs"], mb["rollout_log_probs"], mask)
+        pg, clipfrac, approx_kl, dual = algos.compute_policy_loss(
+            mb["old_log_probs"], outs["logprobs"], mb["advantages"], mask, self.clip_ratio, self.clip_ratio_c,
+            self.loss_agg_mode, normalizer=1.0, importance_weights=weights)
+        loss = pg
+        share = float(mask.sum()) / max(n_tokens, 1.0)  # token-weighted means sum to the mini-batch mean
+        p = self.name
+        # ppo_kl: k1 = mean(log pi_old - log pi) (verl's actor/ppo_kl); approx_kl: k2 = mean 0.5 (log ratio)^2
+        # (open-instruct's policy/approxkl_avg)
+        ppo_kl = algos.masked_mean((mb["old_log_probs"] - outs["logprobs"]).detach(), mask)
+        metrics = {f"{p}/pg_loss": pg.detach() / norm, f"{p}/pg_clipfrac": clipfrac * share,
+                   f"{p}/ppo_kl": ppo_kl * share, f"{p}/approx_kl": approx_kl.detach() * share,
+                   f"{p}/pg_clipfrac_lower": dual * share}
+        if self.entropy_coeff:
+            ent = algos.compute_entropy_loss(outs["entropy"], mask, self.loss_agg_mode, normalizer=1.0)
+            loss = loss - self.entropy_coeff * ent
+            metrics[f"{p}/entropy"] = ent.detach() / norm
+        if self.use_kl_loss:
+            kl = algos.agg_loss(algos.kl_penalty(outs["logprobs"], mb["ref_log_prob"], self.kl_loss_type),
+                                mask, self.loss_agg_mode, normalizer=1.0)
+            loss = loss + self.kl_loss_coef * kl
+            metrics[f"{p}/kl_loss"] = kl.detach() / norm
+        return loss, metrics
+
+
+@dataclass(frozen=True)
+class ValueLoss:
+    """Clipped value loss, token-mean (critic.* keys of the config)."""
+
+    cliprange_value: float = 0.2
+    name: str = "critic"  # metric prefix
+
+    @classmethod
+    def from_config(cls, critic) -> "ValueLoss":
+        return cls(cliprange_value=critic.cliprange_value)
+
+    required_keys = ("values", "returns", "response_mask")
+    optional_keys = ()
+
+    def normalizer(self, response_mask: torch.Tensor) -> float:
+        return algos.loss_normalizer(response_mask, "token-mean")
+
+    def __call__(self, outs: dict, mb: dict, norm: float, n_tokens: float) -> tuple[torch.Tensor, dict]:
+        mask = mb["response_mask"]
+        loss, clipfrac = algos.compute_value_loss(outs["values"], mb["values"], mb["returns"], mask,
+                                                  self.cliprange_value, "token-mean", normalizer=1.0)
+        share = float(mask.sum()) / max(n_tokens, 1.0)
+        return loss, {f"{self.name}/vf_loss": loss.detach() / norm, f"{self.name}/vf_clipfrac": clipfrac * share}

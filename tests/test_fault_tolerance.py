@@ -1,0 +1,127 @@
+"""Killed workers and preemption, for real: worker processes are SIGKILLed at chosen phases and the
+driver gets a SIGTERM; the run brings every worker group up again, resumes from the newest complete
+checkpoint and finishes with the metrics of an uninterrupted run (sync mode: step for step).
+
+- sync: three kill -9 of a worker (actor/critic process, rank 0 or 1) at three phases, one of them
+  mid-save (a torn checkpoint dir must never be loaded), then SIGTERM: the step in flight finishes and
+  is checkpointed, fit returns preempted; a new trainer (a requeued job) resumes and finishes.
+  metrics.jsonl holds each step once; trainer/restarts counts the restarts.
+- async: one kill of the rollout pool's worker; the run finishes and syncs its weights after it.
+- a failure that keeps coming back ends the run after trainer.max_restarts restarts, with the first
+  cause in the error.
+The kills come from RayPPOTrainer.fault_hook(phase, step), called when a phase starts (bench/chaos.py
+does the same at random, for longer runs).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from trainer_utils import assert_same_steps, config, run
+
+
+def _killer(trainer, plan: dict, log: list):
+    """fault_hook: at (phase, step) in `plan`, SIGKILL (group, rank)'s process (after `delay` seconds, in
+    a thread, so the phase is under way), or SIGTERM this process (the driver) for "preempt"."""
+
+    def hook(phase: str, step: int):
+        target = plan.pop((phase, step), None)
+        if target is None:
+            return
+        if target == "preempt":
+            log.append(("SIGTERM", phase, step))
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        group, rank, delay = target
+        pid = getattr(trainer, f"{group}_wg").infos[rank]["pid"]
+        log.append(("SIGKILL", group, rank, pid, phase, step))
+
+        def kill():
+            os.kill(pid, signal.SIGKILL)
+
+        if delay:
+            threading.Timer(delay, kill).start()
+        else:
+            kill()
+
+    return hook
+
+
+def _run_with_faults(cfg, plan: dict):
+    from megappo.ppo.ray_trainer import RayPPOTrainer
+
+    trainer = RayPPOTrainer(cfg, show_progress=False)
+    log: list = []
+    trainer.fault_hook = _killer(trainer, plan, log)
+    try:
+        trainer.init_workers()
+        history = trainer.fit()
+    finally:
+        trainer.shutdown()
+    return history, trainer, log
+
+
+def test_sync_run_survives_three_kills_and_a_preemption(sync_baseline, tiny_assets, data_dir, tmp_path):
+    from megappo.utils.checkpoint import is_complete, latest_checkpoint
+    from megappo.utils.tracking import read_metrics
+
+    baseline, _ = sync_baseline
+    out = tmp_path / "chaos"
+    cfg = config(tiny_assets, data_dir, out, "trainer.save_every=1")
+    plan = {("update_actor", 1): ("actor", 1, 0.0),          # before step 1's checkpoint: back to the start
+            ("save_checkpoint", 2): ("actor", 0, 0.3),       # mid-save: the step-2 dir must not be used
+            ("values", 3): ("critic", 0, 0.0),
+            ("update_critic", 3): "preempt"}
+    first, trainer, log = _run_with_faults(cfg, dict(plan))
+    assert trainer.preempted and trainer.restarts == 3, log
+    assert len([e for e in log if e[0] == "SIGKILL"]) == 3
+    assert trainer.global_step == 3 and is_complete(latest_checkpoint(out / "checkpoints"))
+    # the requeued job: a new driver and new workers resume from the step-3 checkpoint
+    rest = run(cfg)
+    got = {int(r["episode"]) // 8: r for r in first + rest}  # each step's last logged metrics
+    assert_same_steps(baseline, [got[s] for s in (1, 2, 3, 4)])
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # one clean series: redone steps replaced their rows
+    assert rows[2]["trainer/restarts"] == 3 and rows[3]["trainer/restarts"] == 0
+    for d in (out / "checkpoints").iterdir():  # no temp dir left behind by the killed save
+        assert d.name.startswith("step_") and is_complete(d), d
+
+
+def test_async_run_survives_a_rollout_worker_kill(ray_session, tiny_assets, data_dir, tmp_path):
+    cfg = config(tiny_assets, data_dir, tmp_path / "async", "trainer.mode=async", "resources.rollout_workers=1",
+                 "trainer.total_steps=3", "trainer.save_every=1", "trainer.val_every=0")
+    history, trainer, log = _run_with_faults(cfg, {("rollout_wait", 2): ("rollout", 0, 0.0)})
+    assert trainer.restarts == 1 and len(log) == 1
+    assert [int(h["episode"]) for h in history] == [8, 16, 24]
+    assert all(h["rollout/weights_fingerprint_ok"] == 1.0 for h in history)
+
+
+def test_a_failure_that_keeps_coming_back_ends_the_run_with_its_first_cause(ray_session, tiny_assets, data_dir,
+                                                                           tmp_path):
+    from megappo.controller.resource_pool import WorkerError
+
+    cfg = config(tiny_assets, data_dir, tmp_path / "dead", "trainer.max_restarts=1", "trainer.total_steps=2",
+                 "trainer.save_every=0", "trainer.val_every=0", "trainer.export_hf=false")
+    plan = {("ref", 1): ("actor", 0, 0.0)}
+    from megappo.ppo.ray_trainer import RayPPOTrainer
+
+    trainer = RayPPOTrainer(cfg, show_progress=False)
+    hook = _killer(trainer, plan, [])
+
+    def always(phase, step):  # the same fault after every restart
+        plan[("ref", 1)] = ("actor", 0, 0.0)
+        hook(phase, step)
+
+    trainer.fault_hook = always
+    try:
+        trainer.init_workers()
+        with pytest.raises(WorkerError, match=r"giving up after 1 restarts in a row .* first cause: group 'actor' "
+                                              r"rank 0 .* died during compute_ref_log_prob"):
+            trainer.fit()
+    finally:
+        trainer.shutdown()
+    assert trainer.restarts == 1

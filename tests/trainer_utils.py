@@ -1,0 +1,60 @@
+"""The tiny trainer config the trainer tests share, and how they run it (in this process, on the
+session's Ray)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# metrics that legitimately differ between two runs of the same steps
+NONDETERMINISTIC = ("time/", "timing/", "trainer/restarts")
+
+
+def config(tiny_assets, data_dir, out, *extra):
+    from megappo.config.loader import load_config
+
+    return load_config(REPO / "configs/ppo_tiny.yaml", overrides(tiny_assets, data_dir, out, *extra))
+
+
+def overrides(tiny_assets, data_dir, out, *extra) -> list[str]:
+    """configs/ppo_tiny.yaml + these: 4 steps of 4 prompts x 2 responses, checkpoints and validation
+    every 2 steps."""
+    return [
+        f"model.path={tiny_assets['tiny-llama']}",
+        f"data.train_files=[{data_dir / 'arith_train.parquet'}]", f"data.val_files=[{data_dir / 'arith_val.parquet'}]",
+        "data.train_batch_size=4", "rollout.n=2", "rollout.max_new_tokens=8", "rollout.kv_cache_memory_mb=16",
+        "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=2", "actor.ppo_epochs=1",
+        "critic.ppo_mini_batch_size=8", "critic.micro_batch_size=4",
+        "trainer.total_steps=4", "trainer.save_every=2", "trainer.val_every=2", f"trainer.output_dir={out}",
+        "trainer.loggers=[jsonl,tensorboard]", "reward.num_examine=0", "trainer.worker_timeout_s=300",
+        *extra,
+    ]
+
+
+def run(cfg, fault_hook=None):
+    """RayPPOTrainer end to end; returns (history, the trainer after shutdown) when fault_hook is given."""
+    from megappo.ppo.ray_trainer import RayPPOTrainer
+
+    trainer = RayPPOTrainer(cfg, show_progress=False)
+    trainer.fault_hook = fault_hook
+    try:
+        trainer.init_workers()
+        history = trainer.fit()
+    finally:
+        trainer.shutdown()
+    return (history, trainer) if fault_hook is not None else history
+
+
+def comparable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(NONDETERMINISTIC)}
+
+
+def assert_same_steps(expected: list[dict], got: list[dict], rel: float = 1e-5, abs_: float = 1e-6) -> None:
+    """Step for step the same metrics (all but times and the restart counter)."""
+    assert [int(r["episode"]) for r in expected] == [int(r["episode"]) for r in got]
+    for a, b in zip(expected, got):
+        a, b = comparable(a), comparable(b)
+        assert set(a) == set(b), set(a) ^ set(b)
+        diff = {k: (a[k], b[k]) for k in a if not math.isclose(a[k], b[k], rel_tol=rel, abs_tol=abs_)}
+        assert not diff, diff
