@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-$(shell cat requirements-cpu.txt constraints-cpu.txt setup.py Makefile | sha1sum | cut -c1-12)
 
-.PHONY: install system-deps demo test test-fast gpu-check clean-venv
+.PHONY: install system-deps demo smollm2 test test-fast gpu-check clean-venv
 
 install: $(STAMP)
 
@@ -44,6 +44,24 @@ demo: install
 	$(VENV)/bin/megappo assets --demo
 	$(PY) -m megappo.data.preprocess_arithmetic --out outputs/data --max-operand 3
 	$(VENV)/bin/megappo train --config configs/ppo_tiny.yaml
+
+# A real pretrained model improving on problems it never saw (README "A real model improves"):
+# convert the shipped SmolLM2-135M-Instruct, write held-out addition (val pairs never in train), eval the
+# base model, train (SMOLLM2_CONFIG, GRPO by default), eval the exported policy, print both side by side.
+# Idempotent like demo: `rm -rf $(SMOLLM2_RUN)` to run it again. SMOLLM2_ARGS: extra config overrides.
+SMOLLM2_MODEL  := assets/smollm2-135m-instruct
+SMOLLM2_CONFIG ?= configs/grpo_smollm2_135m.yaml
+SMOLLM2_RUN    ?= outputs/grpo_smollm2_135m
+SMOLLM2_ARGS   ?=
+smollm2: install
+	test -f $(SMOLLM2_MODEL)/config.json || $(PY) tools/smollm2_to_hf.py --out $(SMOLLM2_MODEL)
+	$(PY) -m megappo.data.preprocess_arithmetic --out outputs/data/smollm2_arith --held-out --min-operand 0 \
+	  --max-operand 30 --val-size 150 --instruction "Give only the number."
+	test -f $(SMOLLM2_RUN)/base_eval.json || $(VENV)/bin/megappo eval --model $(SMOLLM2_MODEL) \
+	  --config $(SMOLLM2_CONFIG) --out $(SMOLLM2_RUN)/base_eval.json
+	$(VENV)/bin/megappo train --config $(SMOLLM2_CONFIG) trainer.output_dir=$(SMOLLM2_RUN) $(SMOLLM2_ARGS)
+	$(VENV)/bin/megappo eval --model $(SMOLLM2_RUN)/hf_final --config $(SMOLLM2_CONFIG) \
+	  --out $(SMOLLM2_RUN)/trained_eval.json --baseline $(SMOLLM2_RUN)/base_eval.json
 
 # The README's test command.
 test: install system-deps

@@ -13,7 +13,7 @@ import statistics
 import time
 
 
-def _worker(rank, world, port, model, layout, batch, seq, resp, mbs, warmup, steps):
+def _worker(rank, world, port, model, layout, batch, seq, resp, mbs, warmup, steps, dtype="fp32"):
     import torch
 
     from megappo.parallel.megatron_init import destroy, init_distributed, init_megatron
@@ -21,7 +21,8 @@ def _worker(rank, world, port, model, layout, batch, seq, resp, mbs, warmup, ste
 
     init_distributed(rank, world, "127.0.0.1", port)
     init_megatron(layout)
-    eng = MegatronEngine(model, layout, EngineConfig(optim=OptimConfig(lr=1e-5)))
+    params_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]  # bf16: fp32 main params in the optimizer
+    eng = MegatronEngine(model, layout, EngineConfig(optim=OptimConfig(lr=1e-5), params_dtype=params_dtype))
     g = torch.Generator().manual_seed(0)
     data = {"input_ids": torch.randint(0, eng.dims.vocab_size, (batch, seq), generator=g),
             "attention_mask": torch.ones(batch, seq, dtype=torch.long),
@@ -54,6 +55,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--layouts", default="tp1,tp2,pp2,tp2pp2")
+    p.add_argument("--dtypes", default="fp32", help="comma list of fp32, bf16 (Megatron bf16 mixed precision)")
     a = p.parse_args()
     model = a.model or str(ensure_assets("assets")["tiny-llama"])
     layouts = {"tp1": ParallelLayout(), "tp2": ParallelLayout(tp=2), "pp2": ParallelLayout(pp=2),
@@ -61,13 +63,15 @@ def main() -> None:
     report = {"model": model, "batch": a.batch, "seq": a.seq, "response": a.response,
               "micro_batch_size": a.micro_batch_size, "layouts": {}}
     for name in a.layouts.split(","):
-        lay = layouts[name]
-        per_rank = spawn_local(_worker, lay.world_size, model, lay, a.batch, a.seq, a.response,
-                               a.micro_batch_size, a.warmup, a.steps, timeout=1800)
-        step = [max(ts) for ts in zip(*per_rank)]  # a step ends when the slowest rank ends
-        med = statistics.median(step)
-        report["layouts"][str(lay)] = {"world_size": lay.world_size, "step_time_s": round(med, 4),
-                                       "tokens_per_s": round(a.batch * a.seq / med, 1)}
+        for dtype in a.dtypes.split(","):
+            lay = layouts[name]
+            per_rank = spawn_local(_worker, lay.world_size, model, lay, a.batch, a.seq, a.response,
+                                   a.micro_batch_size, a.warmup, a.steps, dtype, timeout=1800)
+            step = [max(ts) for ts in zip(*per_rank)]  # a step ends when the slowest rank ends
+            med = statistics.median(step)
+            key = str(lay) if a.dtypes == "fp32" else f"{lay} {dtype}"
+            report["layouts"][key] = {"world_size": lay.world_size, "dtype": dtype, "step_time_s": round(med, 4),
+                                      "tokens_per_s": round(a.batch * a.seq / med, 1)}
     print(json.dumps(report, indent=2))
 
 

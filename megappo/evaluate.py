@@ -49,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-cache-mb", type=int, default=256, help="CPU: vLLM's KV cache size")
     parser.add_argument("--out", help="write the report as JSON here")
+    parser.add_argument("--baseline", help="an earlier report (--out of the base model): print both side by side")
 
 
 def _settings(args) -> dict:
@@ -191,9 +192,30 @@ def evaluate(model, data: list[str], settings: dict, n_samples: int = 1, tempera
         return report
 
 
+def _load_baseline(path: Optional[str]) -> Optional[dict]:
+    if path is None:
+        return None
+    try:
+        return json.loads(Path(path).read_text())["by_source"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise EvalError(f"--baseline {path} is not a `megappo eval --out` report ({type(e).__name__}); "
+                        "run megappo eval on the base model with --out first") from None
+
+
+def compare_lines(baseline: dict, report: dict) -> list[str]:
+    """Base vs this model, one line per data_source both reports hold: accuracy and its change in points."""
+    lines = [f"{'':>16}  {'base':>7}  {'this':>7}  {'change':>8}"]
+    for source, m in report["by_source"].items():
+        if source in baseline:
+            b, t = baseline[source]["accuracy"], m["accuracy"]
+            lines.append(f"{source:>16}  {b:7.3f}  {t:7.3f}  {100 * (t - b):+7.1f}pt")
+    return lines
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         settings = _settings(args)
+        baseline = _load_baseline(args.baseline)
         report = evaluate(args.model, settings["data"], settings, n_samples=args.n_samples,
                           temperature=args.temperature, dtype=args.dtype, seed=args.seed, kv_cache_mb=args.kv_cache_mb)
     except EvalError as e:
@@ -208,4 +230,6 @@ def main(args: argparse.Namespace) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         print(f"report: {args.out}")
+    if baseline is not None:
+        print("\n".join(compare_lines(baseline, report)))
     return 0

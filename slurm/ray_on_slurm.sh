@@ -64,16 +64,17 @@ read -r -a override_args <<< "$OVERRIDES"
 log "preflight: job $JOB_ID, config $CONFIG ${OVERRIDES:+(overrides: $OVERRIDES)}, logs in $JOB_DIR"
 python -c "import megappo" 2>"$JOB_DIR/preflight.err" \
   || die "the Python env cannot import megappo ($(tail -n 1 "$JOB_DIR/preflight.err")); set MEGAPPO_ENV or run make install"
-megappo config check --paths --config "$CONFIG" "${override_args[@]}" \
-  || die "config check failed (message above); fix $CONFIG or OVERRIDES"
 NNODES=${SLURM_JOB_NUM_NODES:-1}
 gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-0}}
 GPUS_PER_NODE=${gpus##*:}  # "h100:8" -> 8
-DEVICE=$(python -c "import sys; from megappo.config import load_config; print(load_config(sys.argv[1], sys.argv[2:]).resources.device)" \
-  "$CONFIG" "${override_args[@]}")
+# the allocation first (a wrong one wastes the queue wait); an unreadable config is the next check's message
+DEVICE=$(python -c "import sys; from megappo.config import load_config; print(load_config(sys.argv[1], sys.argv[2:], validate=False).resources.device)" \
+  "$CONFIG" "${override_args[@]}" 2>/dev/null || true)
 if [[ "$DEVICE" == cuda && "$GPUS_PER_NODE" -lt 1 ]]; then
   die "resources.device=cuda but this job has no GPUs (SLURM_GPUS_ON_NODE unset): submit with --gpus-per-node=N"
 fi
+megappo config check --paths --config "$CONFIG" "${override_args[@]}" \
+  || die "config check failed (message above); fix $CONFIG or OVERRIDES"
 if [[ "${SKIP_PLAN:-0}" != 1 ]]; then
   # host RAM the job may use on a node: its Slurm limit (--mem; 0 = the whole node), else MemTotal
   HOST_MEM_GB=$(awk '/^MemTotal:/ {printf "%.0f", $2 / 1048576}' /proc/meminfo)
@@ -103,8 +104,19 @@ if [[ -n "${NETWORK_INTERFACE:-}" ]]; then  # NCCL / gloo collectives over the s
 fi
 head_ip=$(node_ip "$head_node")
 [[ -n "$head_ip" ]] || die "could not resolve the IP of head node $head_node (set NETWORK_INTERFACE?)"
-srun --nodes=1 --ntasks=1 --overlap -w "$head_node" \
-  python -c "import socket, sys; socket.socket().bind(('', int(sys.argv[1])))" "$RAY_PORT" 2>/dev/null \
+# free = bindable as a server binds it (SO_REUSEADDR: TIME_WAIT sockets of a previous run do not count);
+# retried for 20 s, since a requeued job can start while its predecessor's Ray head is still exiting
+port_free='
+import socket, sys, time
+for _ in range(20):
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", int(sys.argv[1]))); sys.exit(0)
+        except OSError:
+            time.sleep(1)
+sys.exit(1)'
+srun --nodes=1 --ntasks=1 --overlap -w "$head_node" python -c "$port_free" "$RAY_PORT" 2>/dev/null \
   || die "RAY_PORT=$RAY_PORT is in use on $head_node (another Ray, or another service); set RAY_PORT to a free port"
 export RAY_ADDRESS="$head_ip:$RAY_PORT"
 log "head $head_node ($head_ip), ${#nodes[@]} node(s): ${nodes[*]}"

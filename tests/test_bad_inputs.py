@@ -68,6 +68,22 @@ def test_export_and_eval_refuse_a_torn_checkpoint(tmp_path, parquet_dir):
     _one_line(rc, lines, "is a torn checkpoint")
 
 
+def test_eval_baseline_that_is_not_a_report(tiny_assets, tmp_path, parquet_dir):
+    (tmp_path / "base.json").write_text("[1, 2]")
+    rc, lines = _cli("eval", "--model", tiny_assets["tiny-llama"], "--data", parquet_dir / "arith_val.parquet",
+                     "--baseline", tmp_path / "base.json", "--out", tmp_path / "r.json")
+    _one_line(rc, lines, "is not a `megappo eval --out` report (TypeError); run megappo eval on the base model")
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_eval_compare_lines_show_the_change_in_points():
+    from megappo.evaluate import compare_lines
+
+    lines = compare_lines({"arithmetic": {"accuracy": 0.25}, "other": {"accuracy": 0.5}},
+                          {"by_source": {"arithmetic": {"accuracy": 0.4}, "all": {"accuracy": 0.4}}})
+    assert len(lines) == 2 and lines[1].split() == ["arithmetic", "0.250", "0.400", "+15.0pt"]
+
+
 def test_export_missing_checkpoint(tmp_path):
     rc, lines = _cli("export", "--ckpt", tmp_path / "nope", "--out", tmp_path / "hf")
     _one_line(rc, lines, "does not exist; pass <output_dir>/checkpoints/step_N")

@@ -58,6 +58,24 @@ def test_cuda_job_without_gpus_is_refused(slurm, tmp_path):
     assert not list(tmp_path.glob("*/ray-head-*.log"))
 
 
+def test_ray_port_in_use_is_refused(slurm, tiny_assets, data_dir, tmp_path):
+    """Another service listening on RAY_PORT: one line naming the fix, before any Ray start."""
+    import socket
+
+    from trainer_utils import overrides
+
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        rc, log = slurm.sbatch(str(REPO / "slurm/ppo_tiny.sbatch"), cwd=REPO, timeout=300,
+                               env={"OVERRIDES": " ".join(overrides(tiny_assets, data_dir, tmp_path / "run")),
+                                    "LOG_ROOT": str(tmp_path / "logs"), "RAY_PORT": str(port)})
+    assert rc != 0
+    assert f"RAY_PORT={port} is in use on" in log and "set RAY_PORT to a free port" in log, log
+    assert not list(tmp_path.glob("logs/*/ray-head-*.log"))
+
+
 def _squeue(slurm, fmt: str) -> list[str]:
     return subprocess.run(["squeue", "-h", "-o", fmt], env=slurm.env, capture_output=True, text=True).stdout.split()
 

@@ -120,6 +120,20 @@ def test_async_one_step_off_policy(ray_session, tiny_assets, data_dir, tmp_path)
     assert "eval/verifiable_correct_rate" in history[2]
 
 
+def test_rollout_log_probs_as_pi_old(sync_baseline, tiny_assets, data_dir, tmp_path):
+    """actor.use_rollout_log_probs: no pi_old forward; on CPU fp32 the sampler's log-probs equal
+    Megatron's to ~1e-6, so step 1 (same weights, same samples) trains like the baseline's step 1."""
+    history = _run(_config(tiny_assets, data_dir, tmp_path / "reuse", "actor.use_rollout_log_probs=true",
+                           "trainer.total_steps=1", "trainer.save_every=0", "trainer.val_every=0",
+                           "trainer.export_hf=false"))
+    base, got = sync_baseline[0][0], history[0]
+    assert "timing/old_log_prob_s" not in got and "timing/old_log_prob_s" in base
+    assert "policy/entropy_avg" not in got
+    assert got["objective/scores"] == base["objective/scores"]  # the same rollout
+    for key in ("loss/policy_avg", "loss/value_avg", "objective/kl", "policy/clipfrac_avg"):
+        assert got[key] == pytest.approx(base[key], rel=1e-4, abs=1e-4), key
+
+
 # a few GSM8K-style problems (written here: no dataset download), solution text ending in "#### N"
 GSM8K_STYLE = [
     ("Tom has 3 boxes with 4 apples each. He eats 2 apples. How many apples are left?", "3*4=12, 12-2=10 #### 10"),
@@ -157,7 +171,13 @@ def test_smollm2_135m_two_steps(ray_session, tmp_path):
         f"model.path={model}", f"data.train_files=[{tmp_path / 'gsm8k_train.parquet'}]",
         f"data.val_files=[{tmp_path / 'gsm8k_test.parquet'}]", "data.train_batch_size=2", "rollout.n=2",
         "rollout.max_new_tokens=24", "rollout.kv_cache_memory_mb=128", "actor.ppo_mini_batch_size=4",
-        "critic.ppo_mini_batch_size=4", "trainer.val_every=2", f"trainer.output_dir={tmp_path / 'run'}",
+        "critic.ppo_mini_batch_size=4", "actor.micro_batch_size=2", "critic.micro_batch_size=2",
+        "data.max_prompt_length=256", "data.val_batch_size=2", "actor.log_prob_micro_batch_size=2",
+        "ref.log_prob_micro_batch_size=2",
+        # the recipe's shortcuts off: every phase (pi_old, ref, KL in the reward) on the real model
+        "actor.use_rollout_log_probs=false", "ref.enable=true", "algorithm.use_kl_in_reward=true",
+        "trainer.total_steps=2", "trainer.save_every=2", "trainer.val_every=2",
+        f"trainer.output_dir={tmp_path / 'run'}",
         "trainer.loggers=[jsonl]", "reward.num_examine=0", "trainer.worker_timeout_s=900"], check_paths=True)
     history = _run(cfg)
     assert len(history) == 2
@@ -166,3 +186,7 @@ def test_smollm2_135m_two_steps(ray_session, tmp_path):
         assert h["rollout/weights_fingerprint_ok"] == 1.0 and h["rollout/logprob_diff_max"] < 1e-3
         assert math.isfinite(h["objective/loss"]) and h["val/sequence_lengths"] > 0
     assert history[1]["objective/kl"] != 0.0 and "eval/scores" in history[1]
+    # the run leaves a plain HF model (trainer.export_hf): weights, config, tokenizer
+    final = tmp_path / "run" / "hf_final"
+    assert (final / "config.json").is_file() and list(final.glob("*.safetensors"))
+    assert (final / "tokenizer.json").is_file() or (final / "tokenizer_config.json").is_file()

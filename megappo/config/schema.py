@@ -96,6 +96,11 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "k3"  # k1 | k2 | k3 | abs (verl's names kl, mse, low_var_kl = k1, k2, k3)
     recompute_activations: bool = False
+    # pi_old = the sampler's own log-probs (rollout_log_probs) instead of a Megatron forward over the batch:
+    # one forward less per step. Exact where sampler and trainer agree (fp32 on CPU: ~1e-6, see
+    # rollout/logprob_diff_max); in bf16 or with another kernel the ratio starts off 1 by that gap.
+    # Without the recompute there is no pi_old entropy (objective/entropy, policy/entropy_avg absent).
+    use_rollout_log_probs: bool = False
     # outside the actor's own phases (log-probs, update, weight sync) its params and optimizer states
     # live in host memory and its grad buffers are freed (frees the GPU for vLLM and the other roles;
     # workers/offload.py). Modelled by `megappo plan`. On CPU it runs too (same code) but frees nothing.

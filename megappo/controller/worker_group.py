@@ -184,6 +184,24 @@ class RayWorkerGroup:
                     raise
         return results
 
+    def dead_worker(self, timeout_s: float = 30.0) -> Optional[str]:
+        """'<worker> died' for the first worker whose process is gone (None if none is). A collective
+        whose peer was killed fails in the survivor with an ordinary RayTaskError ("Connection reset by
+        peer"); this tells that apart from a bug in the worker's code (then the others merely wait in
+        the collective: they do not answer, but they are alive, and the error propagates)."""
+        import ray
+
+        refs = [w.info.remote() for w in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for rank, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    ray.get(ref, timeout=0)
+                except ray.exceptions.RayActorError:
+                    self._broken = self._broken or f"rank {rank} died"
+                    return f"{self.worker_label(rank)} died"
+        return None
+
     def _call_registered(self, method: str, *args, **kwargs) -> Any:
         return self.submit(method, *args, **kwargs).result()
 

@@ -120,10 +120,12 @@ class Resharder:
                 if name == "output_layer.weight" and dims.tied_embeddings:
                     continue
                 self._local[name] = p
-        dtypes = {p.dtype for p in self._local.values()}
-        if len(dtypes) > 1:
-            raise ValueError(f"resharding needs one parameter dtype, found {dtypes}")
-        self.dtype = dtype or next(iter(dtypes))
+        # one transfer dtype: the one most elements have (bf16 mixed precision keeps a few params, e.g.
+        # norms of the local spec, in fp32; they travel cast, as vLLM holds them in its dtype anyway)
+        by_dtype: dict = {}
+        for p in self._local.values():
+            by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
+        self.dtype = dtype or max(by_dtype, key=by_dtype.get)
         self.elem = torch.empty(0, dtype=self.dtype, device="cpu").element_size()  # bytes per transferred element
         self.device = next(iter(self._local.values())).device  # transfer buffers live here (nccl on GPU)
         meta = [(n, tuple(p.shape)) for n, p in self._local.items()]
@@ -346,7 +348,7 @@ class Resharder:
                 if add_fingerprints is not None and self.dp_rank == 0 and (self.tp_rank == 0 or not full):
                     add_fingerprints(p, hf)
                 if flat is None:
-                    tensors.extend((n, hf[n]) for n in p.hf)
+                    tensors.extend((n, hf[n].to(self.dtype)) for n in p.hf)  # no-op unless mixed (bf16 + fp32 norms)
                 elif full:
                     for n in p.hf:
                         t = hf[n]

@@ -17,7 +17,8 @@ Names follow open-instruct's PPO (docs in the seed; definitions here where they 
   policy/approxkl_avg        mean of 0.5 * (logp - logp_old)^2 over the updates (k2; actor/approx_kl);
                              actor/ppo_kl is verl's: mean of logp_old - logp (k1)
   policy/clipfrac_avg        fraction of tokens where the policy ratio was clipped
-  policy/entropy_avg         token-mean entropy of pi_old over the response tokens
+  policy/entropy_avg         token-mean entropy of pi_old over the response tokens (both entropies are
+                             absent with actor.use_rollout_log_probs: no pi_old forward)
   val/sequence_lengths       mean response length (tokens) of this step's rollouts
   val/num_stop_token_ids     number of this step's responses that ended with a stop token
   time/from_scratch, time/training   seconds since fit() started / this step's seconds

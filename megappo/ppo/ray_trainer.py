@@ -12,6 +12,7 @@ One step (`fit`), the whole RL loop in one screen:
                         weights to the rollout pool and launch the NEXT step's rollout, which then runs
                         while this step trains (open-instruct's Cleanba-style queue of depth 1)
   2. pi_old      actor `compute_log_prob` (Megatron, current weights) -> old_log_probs, entropy
+                 (actor.use_rollout_log_probs: the sampler's log-probs instead, no forward)
   3. ref, values `compute_ref_log_prob` (frozen initial policy), critic `compute_values`
   4. reward      RewardManager (rules by data_source, non-stop penalty) [+ RM worker], then the KL
                  penalty in the reward (algorithm.use_kl_in_reward, fixed/adaptive beta)
@@ -221,6 +222,24 @@ class RayPPOTrainer:
         self._teardown_workers()
         self.preemption.uninstall()
 
+    def _dead_worker_behind(self, err: Exception):
+        """A worker's exception that a dead peer caused (a collective with a killed process: "Connection
+        reset by peer") as the WorkerError naming the dead one; None when every worker is alive (a bug)."""
+        import ray
+
+        from megappo.controller.resource_pool import WorkerError
+
+        if not isinstance(err, ray.exceptions.RayTaskError):
+            return None
+        for g in self.groups:
+            dead = g.dead_worker()
+            if dead is not None:
+                e = WorkerError(f"{dead} (seen as {type(err).__name__} in another worker: "
+                                f"{str(err).strip().splitlines()[-1][:200]})")
+                e.__cause__ = err
+                return e
+        return None
+
     def _teardown_workers(self) -> None:
         for g in self.groups:
             g.shutdown()
@@ -251,7 +270,10 @@ class RayPPOTrainer:
                     restart = False
                 self._fit_once(history, self.preemption)
                 break
-            except WorkerError as e:
+            except Exception as err:  # noqa: BLE001 - a worker failure restarts; anything else propagates
+                e = err if isinstance(err, WorkerError) else self._dead_worker_behind(err)
+                if e is None:
+                    raise
                 if self.global_step > mark:  # the last restart made progress: count afresh
                     failures, first_cause = 0, None
                 failures, first_cause, mark = failures + 1, first_cause or e, self.global_step
@@ -392,8 +414,11 @@ class RayPPOTrainer:
 
     def _score_tokens(self, batch: DataProto, timing: dict) -> DataProto:
         model_in = batch.select(batch_keys=_MODEL_IN, non_tensor_keys=[], meta_info_keys=["sampling"])
-        with self._phase("old_log_prob", timing):
-            batch.batch.update(self.actor_wg.compute_log_prob(model_in).batch)
+        if self.config.actor.use_rollout_log_probs:  # pi_old = the sampler's log-probs (no forward)
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+        else:
+            with self._phase("old_log_prob", timing):
+                batch.batch.update(self.actor_wg.compute_log_prob(model_in).batch)
         if self.ref_wg is not None:
             with self._phase("ref", timing):
                 batch.batch.update(self.ref_wg.compute_ref_log_prob(model_in).batch)
