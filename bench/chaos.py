@@ -80,13 +80,16 @@ def main(argv=None) -> int:
     killed = []
 
     def hook_plan(trainer):
-        groups = [g for g in ("actor", "critic", "rollout") if getattr(trainer, f"{g}_wg", None) is not None]
-
         def hook(phase, step):
             if (phase, step) in plan:
                 del plan[(phase, step)]
-                group = rng.choice(groups)
-                wg = getattr(trainer, f"{group}_wg")
+                # the groups alive now (a restart builds new ones); colocated roles share one group
+                live = {}
+                for g in ("actor", "critic", "rollout"):
+                    wg = getattr(trainer, f"{g}_wg", None)
+                    if wg is not None and id(wg) not in live:
+                        live[id(wg)] = (g, wg)
+                group, wg = rng.choice(sorted(live.values(), key=lambda x: x[0]))
                 rank = rng.randrange(wg.world_size)
                 pid = wg.infos[rank]["pid"]
                 killed.append({"group": group, "rank": rank, "phase": phase, "step": step})
