@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-PHASES = ("gen", "old_log_prob", "ref", "values", "update_critic", "update_actor", "save_checkpoint")
+PHASES = ("gen", "old_log_prob", "ref", "values", "update_critic", "update_actor", "save")
 
 
 def main(argv=None) -> int:

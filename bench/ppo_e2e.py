@@ -5,7 +5,7 @@ For each seed, one fresh `megappo train` process on the config (a fresh output d
                     the final HF export)
   startup_s         process start to "workers up" (Ray, placement, worker processes, models, vLLM)
   step_median_s     median timing/step_s; phases_median_s: median of every timing/*_s phase
-  save_s            timing/save_checkpoint_s of each save
+  save_s            timing/save_s of each save
   tokens            the actor update's real tokens vs computed (rows right-aligned and cut to the
                     longest) vs a padded batch's (what the model would compute without right_align)
   first5_scores / last5_scores   mean objective/scores of the first / last 5 steps
@@ -54,7 +54,7 @@ def run_once(config: str, seed: int, steps: int | None, out: Path) -> dict:
         "step_median_s": round(statistics.median(r["timing/step_s"] for r in rows), 3),
         "phases_median_s": {k[len("timing/"):]: round(statistics.median(r[k] for r in rows if k in r), 3)
                             for k in phases},
-        "save_s": [round(r["timing/save_checkpoint_s"], 2) for r in rows if "timing/save_checkpoint_s" in r],
+        "save_s": [round(r["timing/save_s"], 2) for r in rows if "timing/save_s" in r],
         "tokens_per_actor_update": tokens,
         "first5_scores": round(statistics.mean(r["objective/scores"] for r in rows[:5]), 3),
         "last5_scores": round(statistics.mean(r["objective/scores"] for r in rows[-5:]), 3),

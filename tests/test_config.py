@@ -59,7 +59,6 @@ INVALID = [
     (["rollout.temprature=0.5"], "did you mean rollout.temperature"),
     (["trainer.total_steps=abc"], "trainer.total_steps"),
     (["critic.parallel.dp=1"], "tp*pp*dp = 1*1*1 = 1 but the pool has 2 workers"),
-    (["model.dtype=bf16"], "model.dtype=bf16 with a critic on CPU: the critic's checkpoint fails in megatron-core"),
     (["ref.parallel.tp=2", "ref.parallel.dp=2"], "tp*pp*dp = 2*1*2 = 4 but the pool has 2"),
     (["resources.workers_per_node=8", "actor.parallel.tp=8", "actor.parallel.dp=1", "critic.parallel.dp=8",
       "ref.parallel.dp=8"],

@@ -73,7 +73,7 @@ def test_sync_run_survives_three_kills_and_a_preemption(sync_baseline, tiny_asse
     out = tmp_path / "chaos"
     cfg = config(tiny_assets, data_dir, out, "trainer.save_every=1")
     plan = {("update_actor", 1): ("actor", 1, 0.0),          # before step 1's checkpoint: back to the start
-            ("save_checkpoint", 2): ("actor", 0, 0.3),       # mid-save: the step-2 dir must not be used
+            ("save", 2): ("actor", 0, 0.3),                  # mid-save: the step-2 dir must not be used
             ("values", 3): ("critic", 0, 0.0),
             ("update_critic", 3): "preempt"}
     first, trainer, log = _run_with_faults(cfg, dict(plan))

@@ -1,6 +1,8 @@
 """dist_checkpointing of model + DistributedOptimizer (fully_reshardable): save at TP2, load at
 TP1xPP2, take steps: equals the uninterrupted TP2 run. Catches megatron-core 0.16.1's shared Adam
-`step` tensor after load (the resumed params then differ by ~4e-3 relative)."""
+`step` tensor after load (the resumed params then differ by ~4e-3 relative). The save is a background
+one (trainer.async_save) finished after the next step: a snapshot that missed a tensor would resume
+from step-2 values."""
 
 import pytest
 import torch
@@ -32,8 +34,9 @@ def _worker(rank, world, port, path, ckpt):
     init_megatron(ParallelLayout(tp=2))
     eng = MegatronEngine(path, ParallelLayout(tp=2), cfg)
     eng.train_step(b1, pg_loss, norm, R, 4)
-    eng.save_checkpoint(ckpt)
-    eng.train_step(b2, pg_loss, norm, R, 2)
+    eng.save_checkpoint(ckpt, background=True)  # a thread writes the step-1 tensors ...
+    eng.train_step(b2, pg_loss, norm, R, 2)  # ... while this step changes the live ones in place
+    eng.finish_save()
     straight = snapshot(eng, eng.train_step(b1, pg_loss, norm, R, 4))
     del eng
 

@@ -174,8 +174,9 @@ def test_smollm2_135m_two_steps(ray_session, tmp_path):
         "critic.ppo_mini_batch_size=4", "actor.micro_batch_size=2", "critic.micro_batch_size=2",
         "data.max_prompt_length=256", "data.val_batch_size=2", "actor.log_prob_micro_batch_size=2",
         "ref.log_prob_micro_batch_size=2",
-        # the recipe's shortcuts off: every phase (pi_old, ref, KL in the reward) on the real model
-        "actor.use_rollout_log_probs=false", "ref.enable=true", "algorithm.use_kl_in_reward=true",
+        # the recipe's shortcuts off: every phase (pi_old, ref, KL in the reward) on the real model, in
+        # fp32 (vLLM and Megatron log-probs then agree to < 1e-3)
+        "model.dtype=fp32", "actor.use_rollout_log_probs=false", "ref.enable=true", "algorithm.use_kl_in_reward=true",
         "trainer.total_steps=2", "trainer.save_every=2", "trainer.val_every=2",
         f"trainer.output_dir={tmp_path / 'run'}",
         "trainer.loggers=[jsonl]", "reward.num_examine=0", "trainer.worker_timeout_s=900"], check_paths=True)

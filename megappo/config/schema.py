@@ -214,6 +214,9 @@ class TrainerConfig:
     resume: str = "auto"  # auto (newest complete checkpoint) | never | <path to a checkpoint dir>
     on_nan: str = "skip"  # a non-finite loss in an update: skip that optimizer step (counted) | stop the run
     save_every: int = 0  # 0 = never
+    # a checkpoint costs the step only the copy of its tensors: worker threads write the files during
+    # the next step, whose end makes it whole (manifest); the last step's and a preemption's save wait
+    async_save: bool = True
     val_every: int = 0  # 0 = never
     seed: int = 1
     project: str = "megappo"

@@ -174,11 +174,6 @@ def _check_algorithm(cfg) -> None:
         raise ConfigError("KL is applied twice: set algorithm.use_kl_in_reward=false or actor.use_kl_loss=false")
     if (a.use_kl_in_reward or cfg.actor.use_kl_loss) and not cfg.ref.enable:
         raise ConfigError("a KL penalty needs the reference model; set ref.enable=true or turn the KL off")
-    if cfg.model.dtype == "bf16" and cfg.resources.device == "cpu" and cfg.critic.enable:
-        # the CPU (local) layer spec keeps its norms in fp32; with the critic's bf16 params megatron-core's
-        # DistributedOptimizer.get_parameter_state_dp_zero mismatches shard sizes at the first checkpoint
-        raise ConfigError("model.dtype=bf16 with a critic on CPU: the critic's checkpoint fails in megatron-core "
-                          "(mixed bf16/fp32 params); use model.dtype=fp32 or critic.enable=false (GRPO)")
 
 
 def _check_data_and_batches(cfg) -> None:

@@ -162,9 +162,21 @@ def build_gpt_chunks(hf_config, config, layout: ParallelLayout, value_head: bool
         model.vp_stage = vp_stage
         if value_head and post:
             model.output_layer = ValueHead(dims.hidden_size, config.sequence_parallel, config.params_dtype, seed)
+        _cast_params(model, config.params_dtype)
         mark_tensor_parallel_params(model)
         chunks.append(model)
     return chunks
+
+
+def _cast_params(chunk, dtype: torch.dtype) -> None:
+    """Every param in the model's dtype, as megatron's Float16Module leaves a GPU model. The local spec's
+    norms (torch RMSNorm) ignore config.params_dtype and stay fp32: a bf16 model would then hold two
+    dtypes, and megatron-core 0.16.1's DistributedOptimizer maps model params to the wrong main params
+    in a mixed group (a critic's checkpoint fails: "output with shape [1] doesn't match [hidden]").
+    Params only: buffers (RoPE frequencies) keep their precision."""
+    for p in chunk.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
 
 
 def mark_tensor_parallel_params(chunk) -> None:

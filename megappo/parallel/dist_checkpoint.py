@@ -21,8 +21,11 @@ checkpoint written with torch Adam (a CPU run) stores the group step as a float,
 
 from __future__ import annotations
 
+import queue
 import shutil
+import threading
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -96,7 +99,14 @@ def ensure_optimizer_state(optimizer) -> None:
             _ensure_adam_state(o)
 
 
-def save(path, sharded_state_dict: dict) -> None:
+def save(path, sharded_state_dict: dict, background: bool = False) -> "Optional[BackgroundSave]":
+    """Write `sharded_state_dict` to `path` (collective: every rank calls it).
+
+    background=True returns once the collectives (the save plan) are done and this rank's tensors
+    are copied (a clone on CPU, a device-to-host copy on GPU): a thread writes the files while
+    training goes on, and `BackgroundSave.finish()` (collective again) joins it and writes the
+    metadata. Until then the directory is incomplete. Megatron's own async writer forks the whole
+    worker process per save (a vLLM + megatron process: its memory doubles); a thread does not."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -105,8 +115,87 @@ def save(path, sharded_state_dict: dict) -> None:
             shutil.rmtree(path)
         path.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(sharded_state_dict, str(path))
-    dist.barrier()
+    if not background:
+        dist_checkpointing.save(sharded_state_dict, str(path))
+        dist.barrier()
+        return None
+    live = _storages(sharded_state_dict)  # before save: it replaces factories by what they build
+    return BackgroundSave(dist_checkpointing.save(sharded_state_dict, str(path), async_sharded_save=True), live)
+
+
+class BackgroundSave:
+    """One rank's part of a save after its collectives: the write in a thread, the finalize pending."""
+
+    def __init__(self, request, live: set):
+        self.request = request
+        self._error: Optional[BaseException] = None
+        self._thread = None
+        if request.async_fn is None:  # nothing to write on this rank (finalize still joins the others)
+            return
+        rank, buckets, results = request.async_fn_args
+        # the writer's storage transforms, bound by FileSystemWriterAsync.get_save_function_and_args
+        transforms = request.async_fn.args[0]
+        buckets = _snapshot(buckets, request.preload_fn, live)
+        self._thread = threading.Thread(target=self._write, args=(transforms, buckets, results),
+                                        name=f"megappo-ckpt-writer-{rank}", daemon=True)
+        self._thread.start()
+
+    def _write(self, transforms, buckets, results_queue) -> None:
+        """FileSystemWriterAsync.write_preloaded_data for each bucket, in this thread, one after another;
+        the results go where megatron's finalize (retrieve_write_results) reads them."""
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+        out: dict | Exception = {}
+        try:
+            for i, bucket in enumerate(buckets):
+                done, count = queue.Queue(), queue.Queue()
+                count.put(i)
+                FileSystemWriterAsync.write_preloaded_data(transforms, i, bucket, done, count, True)
+                idx, res = done.get()
+                if isinstance(res, Exception):
+                    out = self._error = res
+                    break
+                out[idx] = res
+        except BaseException as e:  # noqa: BLE001 - handed to finish(), which raises it on the main thread
+            out = self._error = e
+        results_queue.put(out)
+
+    def finish(self) -> None:
+        """Wait for the files, then megatron's finalize (global metadata on rank 0; collective: every
+        rank runs it even after a failed write, and then raises; this rank's own write error first,
+        e.g. the OSError of a full disk, not megatron's wrapped summary)."""
+        if self._thread is not None:
+            self._thread.join()
+        try:
+            for fn in self.request.finalize_fns:
+                fn()
+        except Exception as e:  # noqa: BLE001
+            raise (self._error or e) from e
+        if self._error is not None:
+            raise self._error
+        dist.barrier()
+
+
+def _storages(sharded_state_dict: dict) -> set:
+    """The storages the state dict's tensors live in (a model's params, an optimizer's states)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    return {v.data.untyped_storage().data_ptr() for v in nested_values(sharded_state_dict)
+            if isinstance(getattr(v, "data", None), torch.Tensor)}
+
+
+def _snapshot(buckets: list, preload_fn, live: set) -> list:
+    """The tensors to write, frozen now: training changes the live ones in place while the thread
+    writes. On GPU megatron's preload copies every tensor to the host; on CPU it clones only views,
+    so any tensor still sharing a live storage is cloned here (one copy at most, never two)."""
+    if torch.cuda.is_available() and preload_fn is not None:
+        return preload_fn()
+
+    def frozen(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().clone() if t.untyped_storage().data_ptr() in live else t
+
+    return [(file, key, (bytes_data, [(item, frozen(t)) for item, t in tensors]))
+            for file, key, (bytes_data, tensors) in buckets]
 
 
 def load(path, engine, load_optimizer: bool = True) -> None:

@@ -63,7 +63,7 @@ from megappo.ppo.losses import PolicyLoss, ValueLoss
 from megappo.ppo.metrics import eval_metrics, kl_metrics, step_metrics
 from megappo.protocol import DataProto
 from megappo.rewards.manager import RewardManager
-from megappo.utils.checkpoint import atomic_checkpoint, is_complete, latest_checkpoint, rng_state, set_rng_state
+from megappo.utils.checkpoint import PendingCheckpoint, is_complete, latest_checkpoint, rng_state, set_rng_state
 from megappo.workers.rollout.sampling import SamplingSpec
 
 _MODEL_IN = ["input_ids", "attention_mask", "position_ids", "responses"]
@@ -140,6 +140,7 @@ class RayPPOTrainer:
         self.fault_hook: Optional[Callable[[str, int], None]] = None  # tests: fault_hook(phase, step)
         self._step = 0
         self._saved_steps: list[int] = []  # checkpoints this process wrote (a restart resumes from them)
+        self._unfinished: Optional[PendingCheckpoint] = None  # a save its workers still write (async_save)
         self._initial_state = self._driver_state(0)
         # SIGTERM / SIGUSR1 from now on: finish the step in flight, checkpoint, stop (fit)
         self.preemption = _PreemptionSignals().install()
@@ -271,6 +272,7 @@ class RayPPOTrainer:
                 self._fit_once(history, self.preemption)
                 break
             except Exception as err:  # noqa: BLE001 - a worker failure restarts; anything else propagates
+                self._abandon_checkpoint()  # its writers may be dead: never commit what they left
                 e = err if isinstance(err, WorkerError) else self._dead_worker_behind(err)
                 if e is None:
                     raise
@@ -312,12 +314,16 @@ class RayPPOTrainer:
                          config=cfg, console=progress.console, resume_step=self.global_step) as tracker:
             for step in range(self.global_step + 1, total + 1):
                 metrics, inflight = self._run_step(step, inflight, start)
-                # 7. validation, checkpoint (at once when preempted), logging
+                # 7. the previous step's background save made whole, validation, checkpoint (written
+                #    in the background unless it is the last step or a preemption), logging
+                with _timer("timing/save_s", metrics):
+                    self.finish_checkpoint()
                 if cfg.trainer.val_every and (step % cfg.trainer.val_every == 0 or step == total):
                     metrics.update(self.validate())
                 if self._saves_at(step) or preempt.is_set():
-                    with self._phase("save_checkpoint", metrics):
-                        self.save_checkpoint(step)
+                    with self._phase("save", metrics):
+                        self.save_checkpoint(step, wait=not cfg.trainer.async_save or step == total
+                                             or preempt.is_set())
                 metrics["trainer/restarts"] = float(self.restarts)
                 tracker.log(metrics, step)
                 history[step] = metrics
@@ -496,29 +502,54 @@ class RayPPOTrainer:
         last = step == t.total_steps
         return bool(t.save_every and (step % t.save_every == 0 or last)) or (last and t.export_hf)
 
-    def save_checkpoint(self, step: int) -> Path:
-        try:
-            return self._save_checkpoint(step, self.config.model)
-        except Exception as e:  # noqa: BLE001 - say what it means for the run
-            cause = getattr(e, "cause", None) or e
-            if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise checkpoint_disk_full(step, self.ckpt_root, cause) from e
-            raise
-
-    def _save_checkpoint(self, step: int, m) -> Path:
-        from tools.convert_ckpt.core import copy_hf_files
-
-        with atomic_checkpoint(self.ckpt_root, step) as tmp:
-            for c in [g.submit("save_checkpoint", str(tmp)) for g in self._trained_groups()]:
+    def save_checkpoint(self, step: int, wait: bool = True) -> None:
+        """Checkpoint `step` into a temp dir; `wait=False` returns once every worker has copied its
+        tensors (their threads write the files) and `finish_checkpoint()` makes it whole later."""
+        self.finish_checkpoint()
+        m = self.config.model
+        ckpt = self._unfinished = PendingCheckpoint(self.ckpt_root, step)
+        with self._checkpoint_errors(step):
+            for c in [g.submit("save_checkpoint", str(ckpt.tmp), not wait) for g in self._trained_groups()]:
                 c.result()
             # each role's HF config + tokenizer next to its tensors: the checkpoint exports on its own
-            copy_hf_files(Path(m.path), tmp / "actor", Path(m.tokenizer or m.path))
+            from tools.convert_ckpt.core import copy_hf_files
+
+            copy_hf_files(Path(m.path), ckpt.tmp / "actor", Path(m.tokenizer or m.path))
             if self.critic_wg is not None:
-                copy_hf_files(Path(m.critic_path or m.path), tmp / "critic", Path(m.tokenizer or m.path))
-            (tmp / "trainer_state.json").write_text(json.dumps(self._driver_state(step)))
+                copy_hf_files(Path(m.critic_path or m.path), ckpt.tmp / "critic", Path(m.tokenizer or m.path))
+            (ckpt.tmp / "trainer_state.json").write_text(json.dumps(self._driver_state(step)))
         self._sampler_before = {k: v for k, v in self._sampler_before.items() if k > step}
-        self._saved_steps.append(step)
-        return self.ckpt_root
+        if wait:
+            self.finish_checkpoint()
+
+    def finish_checkpoint(self) -> None:
+        """The pending checkpoint's files whole on every worker, then its manifest: a complete step dir."""
+        ckpt = self._unfinished
+        if ckpt is None:
+            return
+        with self._checkpoint_errors(ckpt.step):
+            for c in [g.submit("finish_checkpoint") for g in self._trained_groups()]:
+                c.result()
+            ckpt.commit()
+        self._unfinished = None
+        self._saved_steps.append(ckpt.step)
+
+    def _abandon_checkpoint(self) -> None:
+        if self._unfinished is not None:
+            self._unfinished.abort()
+            self._unfinished = None
+
+    @contextlib.contextmanager
+    def _checkpoint_errors(self, step: int):
+        """A failed save removes its temp dir; a full disk is said in one line naming the fix."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - say what it means for the run
+            self._abandon_checkpoint()
+            cause = _os_error_behind(e)
+            if cause is not None and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise checkpoint_disk_full(step, self.ckpt_root, cause) from e
+            raise
 
     def _driver_state(self, step: int) -> dict:
         """What the driver itself needs to resume after `step`: the sampler's position before the
@@ -567,6 +598,17 @@ class RayPPOTrainer:
         self._load_driver_state(json.loads((path / "trainer_state.json").read_text()))
         print(f"resumed from {path} at step {self.global_step}", flush=True)
         return path
+
+
+def _os_error_behind(err: BaseException) -> Optional[OSError]:
+    """The OSError a (Ray- / megatron-wrapped) exception was caused by, if any."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = getattr(err, "cause", None) or err.__cause__ or err.__context__
+    return None
 
 
 def checkpoint_disk_full(step: int, root, cause: OSError) -> OSError:

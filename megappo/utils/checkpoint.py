@@ -6,6 +6,9 @@ renamed into place. A directory without a valid manifest (a crash mid-save, a co
         actor.save(tmp / "actor"); critic.save(tmp / "critic"); write_json(tmp / "trainer_state.json", state)
     # here: every file listed in tmp/MANIFEST.json, then tmp renamed to root/step_<N>
 
+`PendingCheckpoint` is the same in two halves, for a save whose files are still being written in the
+background when the call that started it returns (trainer.async_save).
+
 The trainer's own state is JSON (never pickle); model/optimizer shards are megatron dist checkpoints.
 `rng_state()` / `set_rng_state()` are every process's RNG states as JSON-able lists (the driver's and
 each worker's go into a checkpoint; the hybrid engine keeps the trainer's around a rollout).
@@ -55,24 +58,40 @@ def is_complete(directory: Path) -> bool:
         return False
 
 
+class PendingCheckpoint:
+    """`<root>/step_<N>/` being written: files go into `tmp`; `commit()` writes the manifest and renames
+    it into place; `abort()` removes it. Between the two it may outlive a training step (the workers
+    write their shards in a background thread); a crash before `commit()` leaves no step dir."""
+
+    def __init__(self, root: str | os.PathLike, step: int):
+        self.root, self.step = Path(root), step
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.final = step_dir(self.root, step)
+        self.tmp = self.root / f".tmp-{self.final.name}-{os.getpid()}"
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir()
+
+    def commit(self) -> Path:
+        write_manifest(self.tmp, self.step)
+        _fsync_dir(self.tmp)
+        if self.final.exists():  # re-saving a step (e.g. after a resume): replace it whole
+            shutil.rmtree(self.final)
+        os.rename(self.tmp, self.final)
+        _fsync_dir(self.root)
+        return self.final
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def atomic_checkpoint(root: str | os.PathLike, step: int):
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = step_dir(root, step)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    ckpt = PendingCheckpoint(root, step)
     try:
-        yield tmp
-        write_manifest(tmp, step)
-        _fsync_dir(tmp)
-        if final.exists():  # re-saving a step (e.g. after a resume): replace it whole
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
+        yield ckpt.tmp
+        ckpt.commit()
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        ckpt.abort()
         raise
 
 

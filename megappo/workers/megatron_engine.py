@@ -193,6 +193,7 @@ class MegatronEngine:
         self.optimizer = None
         self.scheduler = None
         self.steps = 0
+        self._pending_save = None  # a background save whose files a thread is still writing
         if self.config.optim is not None:
             self.model = self._wrap_ddp(chunks)
             self._build_optimizer()
@@ -498,16 +499,25 @@ class MegatronEngine:
             sd["steps"] = self.steps
         return sd
 
-    def save_checkpoint(self, path) -> None:
+    def save_checkpoint(self, path, background: bool = False) -> None:
         """megatron dist_checkpointing (torch_dist) of model (+ optimizer, scheduler): loadable into any
-        other layout of the same model. Collective: every rank calls it."""
+        other layout of the same model. Collective: every rank calls it. background=True returns once
+        the tensors are copied; the files are written by a thread until `finish_save()` (collective)."""
         from megappo.parallel import dist_checkpoint
 
+        self.finish_save()
         with self.resident():
-            dist_checkpoint.save(path, self._sharded_state_dict(is_loading=False))
+            self._pending_save = dist_checkpoint.save(path, self._sharded_state_dict(is_loading=False), background)
+
+    def finish_save(self) -> None:
+        """Wait for a background save's files and write its metadata (a no-op when none is pending)."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.finish()
 
     def load_checkpoint(self, path, load_optimizer: bool = True) -> None:
         from megappo.parallel import dist_checkpoint
 
+        self.finish_save()
         with self.resident():
             dist_checkpoint.load(path, self, load_optimizer=load_optimizer)

@@ -337,12 +337,20 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
     # ---- checkpoints -----------------------------------------------------------------------------
 
     @register(Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, path) -> None:
+    def save_checkpoint(self, path, background: bool = False) -> None:
+        """Every rank's shards (+ its RNG states); background: the files are written by a thread until
+        finish_checkpoint() (the next call that must see them whole)."""
         if self.actor is not None:
-            self.actor.save_checkpoint(self._ckpt(path, "actor"))
+            self.actor.save_checkpoint(self._ckpt(path, "actor"), background)
         elif self.ref is not None:
-            self.ref.save_checkpoint(self._ckpt(path, "ref"))
+            self.ref.save_checkpoint(self._ckpt(path, "ref"), background)
         self._save_rng(path, "actor" if self.actor is not None else self.role)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def finish_checkpoint(self) -> None:
+        for engine in (self.actor, self.ref):
+            if engine is not None:
+                engine.finish_save()
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path, load_optimizer: bool = True) -> None:
@@ -373,9 +381,13 @@ class CriticWorker(_MegatronRoleWorker):
         return _train(self.critic, data, loss, self.config.critic, self.layout.dp)
 
     @register(Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, path) -> None:
-        self.critic.save_checkpoint(self._ckpt(path, "critic"))
+    def save_checkpoint(self, path, background: bool = False) -> None:
+        self.critic.save_checkpoint(self._ckpt(path, "critic"), background)
         self._save_rng(path, "critic")
+
+    @register(Dispatch.ONE_TO_ALL)
+    def finish_checkpoint(self) -> None:
+        self.critic.finish_save()
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path, load_optimizer: bool = True) -> None:
@@ -395,9 +407,14 @@ class ActorCriticWorker(ActorRolloutRefWorker, CriticWorker):
         return info
 
     @register(Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, path) -> None:
-        ActorRolloutRefWorker.save_checkpoint(self, path)
-        CriticWorker.save_checkpoint(self, path)
+    def save_checkpoint(self, path, background: bool = False) -> None:
+        ActorRolloutRefWorker.save_checkpoint(self, path, background)
+        CriticWorker.save_checkpoint(self, path, background)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def finish_checkpoint(self) -> None:
+        ActorRolloutRefWorker.finish_checkpoint(self)
+        CriticWorker.finish_checkpoint(self)
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path, load_optimizer: bool = True) -> None:
