@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-$(shell cat requirements-cpu.txt constraints-cpu.txt setup.py Makefile | sha1sum | cut -c1-12)
 
-.PHONY: install system-deps demo smollm2 test test-fast gpu-check clean-venv
+.PHONY: install system-deps demo smollm2 test test-fast gpu-check clean-venv trl-venv
 
 install: $(STAMP)
 
@@ -25,6 +25,12 @@ $(STAMP): requirements-cpu.txt constraints-cpu.txt setup.py
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	$(PY) -c "import megappo, megatron.core, vllm, ray, transformers; print('megappo stack OK')"
 	rm -f $(VENV)/.installed-* && touch $@
+
+# Hugging Face TRL in its own venv, for bench/trl_compare.py only (never a dependency of megappo).
+trl-venv:
+	test -x .venv-trl/bin/python || $(PYTHON) -m venv .venv-trl
+	.venv-trl/bin/python -m pip install -q torch==2.13.0 trl==1.13.0 requests
+	.venv-trl/bin/python -c "import trl; print('trl', trl.__version__, 'OK')"
 
 # Debian packages the tests use: a real one-node Slurm cluster (slurmctld + slurmd) and shellcheck.
 SYSTEM_BINS := slurmctld slurmd sbatch shellcheck
