@@ -3,7 +3,8 @@
 For each seed, one fresh `megappo train` process on the config (a fresh output dir, no resume):
   wall_s            process start to exit (Ray start, worker start-up, steps, validation, checkpoints,
                     the final HF export)
-  startup_s         process start to "workers up" (Ray, placement, worker processes, models, vLLM)
+  startup_s         process start to "workers up" (Ray, placement, worker processes, models, vLLM);
+                    startup_parts_s: ray, processes (spawn + imports), models (megatron), vllm
   step_median_s     median timing/step_s; phases_median_s: median of every timing/*_s phase
   save_s            timing/save_s of each save
   tokens            the actor update's real tokens vs computed (rows right-aligned and cut to the
@@ -41,7 +42,8 @@ def run_once(config: str, seed: int, steps: int | None, out: Path) -> dict:
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"seed {seed}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
-    m = re.search(r"workers up in (\d+)s", proc.stdout)
+    m = re.search(r"workers up in (\d+)s(?: \((.*)\))?", proc.stdout)
+    parts = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+)s", m.group(2) or "")} if m else {}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     phases = sorted({k for r in rows for k in r if k.startswith("timing/") and k.endswith("_s")})
     last = rows[-1]
@@ -50,6 +52,7 @@ def run_once(config: str, seed: int, steps: int | None, out: Path) -> dict:
         "seed": seed,
         "wall_s": round(wall, 1),
         "startup_s": float(m.group(1)) if m else None,
+        "startup_parts_s": parts,
         "steps": len(rows),
         "step_median_s": round(statistics.median(r["timing/step_s"] for r in rows), 3),
         "phases_median_s": {k[len("timing/"):]: round(statistics.median(r[k] for r in rows if k in r), 3)

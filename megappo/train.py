@@ -100,13 +100,16 @@ def _main(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"megappo train: {_one_line(e)}", file=sys.stderr)
         return 2
+    t_ray = time.perf_counter()
     started = start_ray(cfg)
+    t_ray = time.perf_counter() - t_ray
     try:
         print(f"megappo train: {cfg.trainer.mode} {algorithm_name(cfg.algorithm.adv_estimator)}, "
               f"{cfg.trainer.total_steps} steps, model {cfg.model.path}, "
               f"output {cfg.trainer.output_dir} (worker logs: /tmp/ray/session_latest/logs)", flush=True)
         trainer.init_workers()
-        print(f"workers up in {time.perf_counter() - t0:.0f}s", flush=True)
+        parts = ", ".join(f"{k} {v:.1f}s" for k, v in {"ray": t_ray, **trainer.startup_s}.items())
+        print(f"workers up in {time.perf_counter() - t0:.0f}s ({parts})", flush=True)
         history = trainer.fit()
         preempted = trainer.preempted
     finally:

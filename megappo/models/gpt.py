@@ -9,7 +9,6 @@ Dropout is off in every model built here (PPO log-probs must be deterministic).
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -102,8 +101,11 @@ def _layer_spec(config, use_te: bool):
 
 
 class ValueHead(torch.nn.Module):
-    """Critic head: hidden -> 1, replicated on every TP rank. Init: normal(std=1/sqrt(hidden+1)), bias 0
-    (the open-instruct rule). Called like megatron's output layer: (hidden [s,b,h]) -> ([s,b,1], None)."""
+    """Critic head: hidden -> 1, replicated on every TP rank. Init: normal(std=1/(hidden+1)), bias 0
+    (OpenRLHF's value head): a fresh critic's values start near 0, so early advantages are the returns
+    and not per-token noise (std 1/sqrt(hidden+1) gave values of +-1 on SmolLM2-135M with returns in
+    [0, 1]: explained variance -15 for 20 steps). Called like megatron's output layer:
+    (hidden [s,b,h]) -> ([s,b,1], None)."""
 
     def __init__(self, hidden_size: int, sequence_parallel: bool = False, dtype=torch.float32, seed: int = 0):
         super().__init__()
@@ -113,7 +115,7 @@ class ValueHead(torch.nn.Module):
         self.sequence_parallel = sequence_parallel
         gen = torch.Generator().manual_seed(seed)  # identical on every rank
         with torch.no_grad():
-            self.weight.copy_(torch.randn(1, hidden_size, generator=gen, device="cpu") / math.sqrt(hidden_size + 1))
+            self.weight.copy_(torch.randn(1, hidden_size, generator=gen, device="cpu") / (hidden_size + 1))
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
         if self.sequence_parallel:

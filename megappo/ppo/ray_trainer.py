@@ -133,6 +133,7 @@ class RayPPOTrainer:
         self.show_progress = show_progress
         self.global_step = 0
         self.groups: list = []
+        self.startup_s: dict = {}  # init_workers' stages, seconds
         self.restarts = 0  # worker-group restarts in this process (fit)
         self.steps_redone = 0  # steps completed before a failure and done again after its restart
         self._failed_at: Optional[int] = None
@@ -193,6 +194,7 @@ class RayPPOTrainer:
         mgr.create_resource_pool()
         print(f"placement: {mgr.describe()}", flush=True)
         pool, t = mgr.pools["train"], cfg.trainer
+        t0 = time.perf_counter()
 
         def group(cls, name, *args, wg_cls=NVMegatronRayWorkerGroup, pool=pool):
             wg = wg_cls(pool, cls, args=(cfg, *args), name=name, timeout_s=t.phase_timeout_s,
@@ -208,9 +210,13 @@ class RayPPOTrainer:
         self.rm_wg = group(RewardModelWorker, "rm") if cfg.reward.model.enable else None
         self.rollout_wg = group(ActorRolloutRefWorker, "rollout", "rollout", wg_cls=RayWorkerGroup,
                                 pool=mgr.pools["rollout"]) if self.async_mode else self.actor_wg
+        t1 = time.perf_counter()
         for call in [g.submit("init_model") for g in self.groups]:  # every megatron world comes up at once
             call.result(timeout_s=t.worker_timeout_s)
+        t2 = time.perf_counter()
         self.rollout_wg.submit("init_rollout").result(timeout_s=t.worker_timeout_s)
+        # where start-up goes: worker processes (spawn + imports), megatron worlds + models, vLLM engines
+        self.startup_s = {"processes": t1 - t0, "models": t2 - t1, "vllm": time.perf_counter() - t2}
         if self.async_mode:
             host, port = self.actor_wg.weight_sync_address()[0]
             world = 1 + self.rollout_wg.world_size

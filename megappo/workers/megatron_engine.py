@@ -494,7 +494,8 @@ class MegatronEngine:
             if not is_loading:
                 dist_checkpoint.ensure_optimizer_state(self.optimizer)
             sd["optimizer"] = self.optimizer.sharded_state_dict(
-                model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+                model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable",
+                                               "distrib_optim_fully_reshardable_mem_efficient": True})
             sd["scheduler"] = self.scheduler.state_dict()
             sd["steps"] = self.steps
         return sd
