@@ -14,7 +14,7 @@ For each seed, one fresh `megappo train` process on the config (a fresh output d
 and the mean over seeds. Nothing is asserted: the numbers are for the notes and the README.
 
     .venv/bin/python bench/ppo_e2e.py [--config configs/ppo_tiny.yaml] [--seeds 1,2] [--steps 60]
-    .venv/bin/python bench/ppo_e2e.py --config configs/grpo_tiny.yaml
+    .venv/bin/python bench/ppo_e2e.py --config configs/grpo_tiny.yaml --set model.dtype=bf16
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_once(config: str, seed: int, steps: int | None, out: Path) -> dict:
+def run_once(config: str, seed: int, steps: int | None, out: Path, overrides: tuple = ()) -> dict:
     args = [sys.executable, "-m", "megappo.cli", "train", "--config", config, "--no-progress",
-            f"trainer.seed={seed}", f"trainer.output_dir={out}", "trainer.resume=never"]
+            f"trainer.seed={seed}", f"trainer.output_dir={out}", "trainer.resume=never", *overrides]
     if steps:
         args.append(f"trainer.total_steps={steps}")
     t0 = time.perf_counter()
@@ -71,15 +71,16 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="1,2", help="comma-separated trainer.seed values, run one after another")
     p.add_argument("--steps", type=int, default=None, help="trainer.total_steps (default: the config's)")
     p.add_argument("--out", default=None, help="where the runs go (default: a temp dir, removed)")
+    p.add_argument("--set", nargs="*", default=[], help="extra config overrides, e.g. model.dtype=bf16")
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     with tempfile.TemporaryDirectory(prefix="megappo-e2e-") as tmp:
         root = Path(args.out or tmp)
-        runs = [run_once(args.config, s, args.steps, root / f"seed{s}") for s in seeds]
+        runs = [run_once(args.config, s, args.steps, root / f"seed{s}", tuple(args.set)) for s in seeds]
     mean = {k: round(statistics.mean(r[k] for r in runs), 3) for k in
             ("wall_s", "startup_s", "step_median_s", "first5_scores", "last5_scores", "final_eval_accuracy")
             if all(r[k] is not None for r in runs)}
-    print(json.dumps({"config": args.config, "runs": runs, "mean": mean}, indent=1))
+    print(json.dumps({"config": args.config, "overrides": args.set, "runs": runs, "mean": mean}, indent=1))
     return 0
 
 

@@ -3,8 +3,8 @@
 - sync mode, 4 steps: every open-instruct metric name is logged and finite, plus the hybrid engine's
   rollout/* and timing/*; vLLM's log-probs match Megatron's (fp32); checkpoints are written whole;
   metrics.jsonl, tensorboard and reward_curve.png exist;
-- resume: fresh worker processes resume from the step-2 checkpoint (a torn step-3 dir next to it is
-  skipped) and steps 3-4 reproduce the uninterrupted run's metrics; the resumed run has every role
+- resume: fresh worker processes resume from the step-2 checkpoint (written in the background while
+  step 3 trained: trainer.async_save; a torn step-3 dir next to it is skipped) and steps 3-4 reproduce the uninterrupted run's metrics; the resumed run has every role
   offloaded outside its phases (actor/critic/ref.offload=true), so that equality also shows the
   offload round trips change nothing;
 - async mode, 3 steps (actor offloaded between its phases): a separate rollout pool fed over the
@@ -42,6 +42,7 @@ def test_sync_run_metrics_checkpoints_and_resume(sync_baseline, tiny_assets, dat
         assert h["rollout/weights_fingerprint_ok"] == 1.0
         assert h["rollout/logprob_diff_max"] < 1e-4  # vLLM and Megatron agree on the same fp32 weights
         assert h["timing/weight_sync_s"] > 0 and h["timing/rollout_s"] > 0 and h["timing/update_actor_s"] > 0
+        assert h["timing/save_s"] >= 0  # what the step waited for checkpoints (every step, 0 when none)
         assert h["objective/rlhf_reward"] == pytest.approx(h["objective/scores"] + h["objective/non_score_reward"])
     assert history[0]["objective/kl"] == pytest.approx(0.0, abs=1e-4)  # pi_old == ref before the first update
     assert history[-1]["objective/kl"] != pytest.approx(0.0, abs=1e-4)  # the policy moved

@@ -105,9 +105,12 @@ def save(path, sharded_state_dict: dict, background: bool = False) -> "Optional[
     background=True returns once the collectives (the save plan) are done and this rank's tensors
     are copied (a clone on CPU, a device-to-host copy on GPU): a thread writes the files while
     training goes on, and `BackgroundSave.finish()` (collective again) joins it and writes the
-    metadata. Until then the directory is incomplete. Megatron's own async writer forks the whole
-    worker process per save (a vLLM + megatron process: its memory doubles); a thread does not."""
+    metadata. Until then the directory is incomplete. A blocking save is the same, finished at once.
+    megatron's own writer (sync or async) forks the whole worker process per save, and hands the
+    results back through a multiprocessing Manager (a spawned server process): in a vLLM + megatron
+    worker that is seconds and a doubled memory map per save. The thread needs neither."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     path = Path(path)
     if dist.get_rank() == 0:
@@ -115,12 +118,14 @@ def save(path, sharded_state_dict: dict, background: bool = False) -> "Optional[
             shutil.rmtree(path)
         path.mkdir(parents=True)
     dist.barrier()
-    if not background:
-        dist_checkpointing.save(sharded_state_dict, str(path))
-        dist.barrier()
-        return None
+    if not isinstance(filesystem_async._results_queue, queue.Queue):
+        filesystem_async._results_queue = queue.Queue()  # where _get_write_results_queue() looks first
     live = _storages(sharded_state_dict)  # before save: it replaces factories by what they build
-    return BackgroundSave(dist_checkpointing.save(sharded_state_dict, str(path), async_sharded_save=True), live)
+    pending = BackgroundSave(dist_checkpointing.save(sharded_state_dict, str(path), async_sharded_save=True), live)
+    if background:
+        return pending
+    pending.finish()
+    return None
 
 
 class BackgroundSave:
