@@ -12,6 +12,7 @@ same prompts on the same engine. Prints one JSON object:
 
     python bench/rollout.py [--model DIR] [--prompts 64] [--n 4] [--max-new-tokens 64] [--reps 5]
                             [--weight-load auto|direct|reload] [--cpu-linear packed|plain]
+                            [--dtype fp32|bf16] [--kv-cache-mb 64]
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def main(argv=None):
     p.add_argument("--weight-load", default="auto", help="rollout.weight_load: auto, direct or reload")
     p.add_argument("--cpu-linear", default="packed", help="rollout.cpu_linear: packed (oneDNN) or plain (torch "
                    "linears; needs direct); compare tokens_per_s")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="vLLM's dtype (model.dtype)")
+    p.add_argument("--kv-cache-mb", type=int, default=64, help="rollout.kv_cache_memory_mb")
     args = p.parse_args(argv)
 
     import random
@@ -60,10 +63,11 @@ def main(argv=None):
 
     model = args.model or ensure_assets(REPO / "assets")["tiny-llama"]
     cfg = RolloutConfig(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                        kv_cache_memory_mb=64, weight_load=args.weight_load,
+                        kv_cache_memory_mb=args.kv_cache_mb, weight_load=args.weight_load,
                         cpu_linear=args.cpu_linear)
     t0 = time.perf_counter()
-    rollout = VLLMRollout(model, cfg, seed=0, dtype="float32", max_model_len=256)
+    rollout = VLLMRollout(model, cfg, seed=0, dtype={"fp32": "float32", "bf16": "bfloat16"}[args.dtype],
+                          max_model_len=256)
     init_s = time.perf_counter() - t0
     rss_mb = _rss_mb()  # the engine's weights (+ a plain copy of the linears with direct + packed) and KV
     tok = rollout.tokenizer
@@ -105,7 +109,7 @@ def main(argv=None):
     med = {k: statistics.median(v) for k, v in times.items()}
     gen_tokens = int(out.batch["response_mask"].sum())
     print(json.dumps({
-        "model": str(model), "weight_load": args.weight_load, "cpu_linear": args.cpu_linear,
+        "model": str(model), "dtype": args.dtype, "weight_load": args.weight_load, "cpu_linear": args.cpu_linear,
         "prompts": args.prompts, "n": n, "max_new_tokens": args.max_new_tokens,
         "generated_tokens": gen_tokens, "init_s": round(init_s, 2), "rss_after_init_mb": rss_mb, "warmup_s": round(warm_s, 2),
         "rollout_s": round(med["rollout"], 4), "bare_same_s": round(med["bare_same"], 4),
