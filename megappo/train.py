@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 import time
 
 
@@ -50,6 +51,13 @@ def start_ray(cfg) -> bool:
     else:
         ray.init(address="local", num_cpus=max(workers * res.cpus_per_worker, 1), **kwargs)
     return True
+
+
+def _import_driver_modules() -> None:
+    """The driver's heavy imports (torch, the trainer, the tokenizer classes), ahead of their first use."""
+    from transformers import AutoConfig, AutoTokenizer  # noqa: F401
+
+    import megappo.ppo.ray_trainer  # noqa: F401
 
 
 def _one_line(e: BaseException) -> str:
@@ -91,18 +99,26 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     import ray
 
-    from megappo.ppo.core_algos import algorithm_name
-    from megappo.ppo.ray_trainer import RayPPOTrainer
-
     t0 = time.perf_counter()
-    try:  # tokenizer, data, reward rules: checked before Ray or any worker starts
-        trainer = RayPPOTrainer(cfg, show_progress=not args.no_progress)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"megappo train: {_one_line(e)}", file=sys.stderr)
-        return 2
+    # Ray's processes start while a thread imports what the trainer needs (~4 s of imports: a second
+    # core's worth of start-up). The trainer is built after ray.init: its SIGTERM handler (preemption)
+    # must replace the one ray.init installs (which exits).
+    imports = threading.Thread(target=_import_driver_modules, name="driver-imports", daemon=True)
+    imports.start()
     t_ray = time.perf_counter()
     started = start_ray(cfg)
     t_ray = time.perf_counter() - t_ray
+    imports.join()
+    from megappo.ppo.core_algos import algorithm_name
+    from megappo.ppo.ray_trainer import RayPPOTrainer
+
+    try:  # tokenizer, data, reward rules: checked before any worker starts
+        trainer = RayPPOTrainer(cfg, show_progress=not args.no_progress)
+    except (ValueError, FileNotFoundError) as e:
+        if started:
+            ray.shutdown()
+        print(f"megappo train: {_one_line(e)}", file=sys.stderr)
+        return 2
     try:
         print(f"megappo train: {cfg.trainer.mode} {algorithm_name(cfg.algorithm.adv_estimator)}, "
               f"{cfg.trainer.total_steps} steps, model {cfg.model.path}, "

@@ -86,8 +86,10 @@ def test_loss_identical_for_micro_batch_1_and_4(runs):
     assert mbs4["metrics"]["tokens"] == mbs1["metrics"]["tokens"] == 46.0
     assert abs(mbs4["metrics"]["loss"] - mbs1["metrics"]["loss"]) <= 1e-6 * abs(mbs4["metrics"]["loss"])
     assert abs(mbs4["metrics"]["grad_norm"] - mbs1["metrics"]["grad_norm"]) <= 1e-5 * mbs4["metrics"]["grad_norm"]
+    # atol 5e-6 (lr 1e-3): an element whose gradient is ~1e-8 moves by lr * g / (|g| + eps), so fp32
+    # rounding in g (another summation order) shows there as ~1e-6 (measured: 3 of 230k elements, 3.2e-6)
     for k, v in mbs4["params"].items():
-        assert torch.allclose(v, mbs1["params"][k], rtol=0, atol=1e-6), k
+        assert torch.allclose(v, mbs1["params"][k], rtol=0, atol=5e-6), k
 
 
 def test_tp2_pp2_dp2_step_equals_single_process(runs):

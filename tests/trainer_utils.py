@@ -19,7 +19,7 @@ def config(tiny_assets, data_dir, out, *extra):
 
 def overrides(tiny_assets, data_dir, out, *extra) -> list[str]:
     """configs/ppo_tiny.yaml + these: 4 steps of 4 prompts x 2 responses, checkpoints and validation
-    every 2 steps."""
+    every 2 steps, pi_old recomputed by the actor."""
     return [
         f"model.path={tiny_assets['tiny-llama']}",
         f"data.train_files=[{data_dir / 'arith_train.parquet'}]", f"data.val_files=[{data_dir / 'arith_val.parquet'}]",
@@ -28,6 +28,9 @@ def overrides(tiny_assets, data_dir, out, *extra) -> list[str]:
         "critic.ppo_mini_batch_size=8", "critic.micro_batch_size=4",
         "trainer.total_steps=4", "trainer.save_every=2", "trainer.val_every=2", f"trainer.output_dir={out}",
         "trainer.loggers=[jsonl,tensorboard]", "reward.num_examine=0", "trainer.worker_timeout_s=300",
+        # the general path (base.yaml's default): pi_old from a Megatron forward, so the trainer/sampler
+        # log-prob agreement is measured; test_rollout_log_probs_as_pi_old covers the demo's shortcut
+        "actor.use_rollout_log_probs=false",
         *extra,
     ]
 

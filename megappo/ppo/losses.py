@@ -50,6 +50,11 @@ class PolicyLoss:
 
     optional_keys = ("rollout_log_probs",)
 
+    @property
+    def needs_entropy(self) -> bool:
+        """The update's forward computes the entropy only for an entropy bonus (a pass over the vocab)."""
+        return bool(self.entropy_coeff)
+
     def normalizer(self, response_mask: torch.Tensor) -> float:
         return algos.loss_normalizer(response_mask, self.loss_agg_mode)
 
@@ -95,6 +100,7 @@ class ValueLoss:
 
     required_keys = ("values", "returns", "response_mask")
     optional_keys = ()
+    needs_entropy = False
 
     def normalizer(self, response_mask: torch.Tensor) -> float:
         return algos.loss_normalizer(response_mask, "token-mean")

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import threading
 import time
 from enum import Enum
 from pathlib import Path
@@ -147,6 +148,7 @@ class RayPPOTrainer:
         self.preemption = _PreemptionSignals().install()
         self.actor_wg = self.critic_wg = self.ref_wg = self.rm_wg = self.rollout_wg = None
         self.resource_pool_manager = None
+        self._plotting: Optional[threading.Thread] = None  # fit's reward_curve.png, drawn in the background
 
     def _check_inputs(self) -> None:
         """Before any worker starts: the tokenizer fits the model, and every data_source has a reward rule."""
@@ -228,6 +230,7 @@ class RayPPOTrainer:
         """Stop every worker group and release the pools; give the preemption signals back."""
         self._teardown_workers()
         self.preemption.uninstall()
+        self._wait_for_plot()
 
     def _dead_worker_behind(self, err: Exception):
         """A worker's exception that a dead peer caused (a collective with a killed process: "Connection
@@ -299,8 +302,16 @@ class RayPPOTrainer:
         if self.config.trainer.export_hf and not self.preempted and self.global_step == self.config.trainer.total_steps \
                 and rows:
             self.export_final(self.global_step)
-        plot_reward_curve(self.output_dir)
+        # the PNG is drawn while the workers shut down (matplotlib's import alone is ~1 s): shutdown() waits
+        self._wait_for_plot()
+        self._plotting = threading.Thread(target=plot_reward_curve, args=(self.output_dir,), name="reward-curve")
+        self._plotting.start()
         return rows
+
+    def _wait_for_plot(self) -> None:
+        if self._plotting is not None:
+            self._plotting.join()
+            self._plotting = None
 
     def _fit_once(self, history: dict, preempt) -> None:
         """Resume (checkpoint, or the start), then step until total_steps or a preemption signal."""

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -134,10 +135,10 @@ def rng_state() -> dict:
              "numpy": np_state[1].tolist(), "numpy_pos": int(np_state[2])}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    # a process that never imported megatron has no tracker (the driver: importing it costs ~2 s)
+    tensor_parallel = sys.modules.get("megatron.core.tensor_parallel")
     try:
-        from megatron.core import tensor_parallel
-
-        tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+        tracker = tensor_parallel.get_cuda_rng_tracker().get_states() if tensor_parallel else None
         if tracker:
             state["tracker"] = {k: v.tolist() for k, v in tracker.items()}
     except Exception:  # noqa: BLE001 - no megatron (or no tracker) in this process

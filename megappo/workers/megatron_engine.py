@@ -187,6 +187,14 @@ class MegatronEngine:
         chunks = [c.to(self.device) for c in build_gpt_chunks(self.hf_config, self.tf_config, layout,
                                                                value_head=self.value_head, seed=self.config.seed,
                                                                device=self.config.device)]
+        # the LM / value head runs on the R output columns only (see _head_on_outputs); not under sequence
+        # parallel, where the head's input is a sequence shard that the head all-gathers itself
+        self._out_index = None
+        self.head_on_outputs = not self.tf_config.sequence_parallel
+        if self.head_on_outputs:
+            for c in chunks:
+                if getattr(c, "post_process", False):
+                    c.output_layer.register_forward_pre_hook(self._head_on_outputs)
         from_dist_ckpt = is_dist_checkpoint(model_path)
         self.value_head_initialised = [] if from_dist_ckpt else \
             load_hf_weights(chunks, model_path, self.dims, self.tp_rank, layout.tp)
@@ -323,11 +331,27 @@ class MegatronEngine:
         self.last_width = int(out["input_ids"].shape[1])  # the columns the model computes (tokens / row)
         return out
 
+    def _head_on_outputs(self, head, args):
+        """Forward pre-hook of the last stage's output layer: its input, the hidden states [s, b, h],
+        cut to the columns whose outputs are used (`_out_index` [b, R]: the positions predicting the
+        response tokens) -> [R, b, h]. The head's matmul and every op over the vocabulary then scale
+        with the response length, not the sequence length (a prompt is often the longer part); the
+        gather's backward puts the gradients back in place."""
+        idx = self._out_index
+        if idx is None:
+            return None
+        hidden = args[0]
+        picked = hidden.gather(0, idx.t().unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        return (picked, *args[1:])
+
     def _model_outputs(self, output: torch.Tensor, mb: dict, temperature: float, compute_entropy: bool) -> dict:
         idx = mb["_out_index"]
+        if self.head_on_outputs:  # [b, R, *]: already the output columns
+            logits = output
+        else:
+            logits = output.gather(1, idx.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
         if self.value_head:
-            return {"values": output[..., 0].gather(1, idx).float()}
-        logits = output.gather(1, idx.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
+            return {"values": logits[..., 0].float()}
         logp, ent = vocab_parallel_logprobs(logits, mb["_targets"], vocab_size=self.dims.vocab_size,
                                             temperature=temperature, compute_entropy=compute_entropy)
         out = {"logprobs": logp}
@@ -373,7 +397,11 @@ class MegatronEngine:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            output = model(mb["input_ids"], mb["position_ids"], mask)
+            self._out_index = mb["_out_index"] if self.head_on_outputs else None  # read by _head_on_outputs
+            try:
+                output = model(mb["input_ids"], mb["position_ids"], mask)
+            finally:
+                self._out_index = None
             return output, partial(loss_func, mb)
 
         iters = [iter(micro) for _ in self.model] if len(self.model) > 1 else iter(micro)
@@ -403,17 +431,20 @@ class MegatronEngine:
         return {k: torch.cat([d[k] for d in store], dim=0) for k in store[0]}
 
     def train_step(self, batch: dict, loss_fn: Callable, normalizer: float, response_length: int,
-                   micro_batch_size: int = 1, temperature: float = 1.0) -> dict:
+                   micro_batch_size: int = 1, temperature: float = 1.0, compute_entropy: bool = True) -> dict:
         """One optimizer step over this DP rank's share of a mini-batch. Returns metrics (same on every
-        rank): loss and loss_fn's metrics (summed over micro-batches and DP), grad_norm, lr."""
+        rank): loss and loss_fn's metrics (summed over micro-batches and DP), grad_norm, lr.
+        compute_entropy=False: loss_fn's outputs carry no "entropy" (one pass over the vocab less)."""
         if self.optimizer is None:
             raise RuntimeError("this engine was built without an optimizer (EngineConfig.optim=None)")
         if not normalizer or normalizer <= 0:
             raise ValueError(f"normalizer must be a positive global count, got {normalizer!r}")
         with self.resident():
-            return self._train_step(batch, loss_fn, normalizer, response_length, micro_batch_size, temperature)
+            return self._train_step(batch, loss_fn, normalizer, response_length, micro_batch_size, temperature,
+                                    compute_entropy)
 
-    def _train_step(self, batch, loss_fn, normalizer, response_length, micro_batch_size, temperature) -> dict:
+    def _train_step(self, batch, loss_fn, normalizer, response_length, micro_batch_size, temperature,
+                    compute_entropy) -> dict:
         from megatron.core import parallel_state as mpu
 
         for m in self.model:
@@ -421,7 +452,7 @@ class MegatronEngine:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         store = self._run(batch, response_length, micro_batch_size, False, loss_fn, float(normalizer), temperature,
-                          compute_entropy=True)
+                          compute_entropy=compute_entropy)
         finite = self._loss_is_finite(store)
         if finite:
             ok, grad_norm, _ = self.optimizer.step()

@@ -128,7 +128,7 @@ def _train(engine, data: DataProto, loss, role_cfg, dp: int, temperature: float 
             step = engine.train_step(dict(mini.batch), functools.partial(loss, norm=norm, n_tokens=n_tokens),
                                      normalizer=norm, response_length=r,
                                      micro_batch_size=min(role_cfg.micro_batch_size, len(mini)),
-                                     temperature=temperature)
+                                     temperature=temperature, compute_entropy=loss.needs_entropy)
             for k, v in step.items():
                 history[k if "/" in k else f"{loss.name}/{k}"].append(float(v))
             ids = mini.batch["input_ids"]
