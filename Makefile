@@ -26,11 +26,17 @@ $(STAMP): requirements-cpu.txt constraints-cpu.txt setup.py
 	$(PY) -c "import megappo, megatron.core, vllm, ray, transformers; print('megappo stack OK')"
 	rm -f $(VENV)/.installed-* && touch $@
 
-# Hugging Face TRL in its own venv, for bench/trl_compare.py only (never a dependency of megappo).
+# Hugging Face TRL in its own venv, for bench/trl_compare.py only (never a dependency of megappo):
+# trl 1.13 (GRPOTrainer, bench/trl_grpo.py) in the venv, and trl 0.29 (the last with a PPOTrainer,
+# trl.experimental.ppo; bench/trl_ppo.py) without its deps in .venv-trl/trl-0.29, put first on
+# PYTHONPATH by trl_compare.py: it runs on the venv's torch / transformers / accelerate / datasets.
 trl-venv:
 	test -x .venv-trl/bin/python || $(PYTHON) -m venv .venv-trl
 	.venv-trl/bin/python -m pip install -q torch==2.13.0 trl==1.13.0 requests
+	.venv-trl/bin/python -m pip install -q --no-deps --upgrade --target .venv-trl/trl-0.29 trl==0.29.0
 	.venv-trl/bin/python -c "import trl; print('trl', trl.__version__, 'OK')"
+	PYTHONPATH=.venv-trl/trl-0.29 TRL_EXPERIMENTAL_SILENCE=1 .venv-trl/bin/python -c \
+		"import trl; from trl.experimental.ppo import PPOTrainer; print('trl', trl.__version__, 'PPOTrainer OK')"
 
 # Debian packages the tests use: a real one-node Slurm cluster (slurmctld + slurmd) and shellcheck.
 SYSTEM_BINS := slurmctld slurmd sbatch shellcheck

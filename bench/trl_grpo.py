@@ -13,27 +13,14 @@ the greedy accuracy on the validation prompts after training (HF generate, the s
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def load_scorer():
-    spec = importlib.util.spec_from_file_location("arith_scorer", REPO / "megappo/rewards/arithmetic.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.compute_score
-
-
-def rows(path: str) -> list[dict]:
-    import pyarrow.parquet as pq
-
-    return [{"prompt": list(r["prompt"]), "ground_truth": str(r["reward_model"]["ground_truth"])}
-            for r in pq.read_table(path).to_pylist()]
+from trl_common import greedy_accuracy, load_scorer, rows  # noqa: E402
 
 
 def text_of(completion) -> str:
@@ -80,21 +67,10 @@ def main(shape_path: str, out_dir: str) -> int:
     trainer.train()
     train_s = time.perf_counter() - t0
 
-    model = trainer.model.eval()
     val = rows(s["val_file"])
-    tok.padding_side = "left"
-    correct = 0
-    with torch.no_grad():
-        for i in range(0, len(val), 64):
-            chunk = val[i:i + 64]
-            texts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in chunk]
-            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            gen = model.generate(**enc, max_new_tokens=s["max_new_tokens"], do_sample=False,
-                                 pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-            for r, ids in zip(chunk, gen[:, enc["input_ids"].shape[1]:]):
-                correct += score(tok.decode(ids, skip_special_tokens=True), r["ground_truth"]) >= 1.0
+    accuracy = greedy_accuracy(trainer.model, tok, val, s["max_new_tokens"], score)
     result = {"train_s": round(train_s, 1), "optimizer_steps": trainer.state.global_step,
-              "final_eval_accuracy": round(correct / len(val), 4), "val_prompts": len(val),
+              "final_eval_accuracy": round(accuracy, 4), "val_prompts": len(val),
               "trl": __import__("trl").__version__}
     (out / "result.json").write_text(json.dumps(result))
     print(json.dumps(result))
