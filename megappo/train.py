@@ -129,9 +129,7 @@ def _main(args: argparse.Namespace) -> int:
         history = trainer.fit()
         preempted = trainer.preempted
     finally:
-        trainer.shutdown()
-        if started:
-            ray.shutdown()
+        trainer.shutdown(stop_ray=started)
     if history:
         first = [h["objective/scores"] for h in history[:5]]
         last = [h["objective/scores"] for h in history[-5:]]

@@ -101,6 +101,18 @@ def test_check_paths(tmp_path):
         load_config(TINY, [f"model.path={tmp_path}/nope"], check_paths=True)
 
 
+def test_validation_imports_no_torch(tiny_assets, data_dir, tmp_path):
+    """`megappo train` starts Ray right after checking its config (paths and weight headers included),
+    while a thread imports torch: the check itself must not import torch (1-1.5 s of start-up)."""
+    code = (f"import sys; from megappo.config.loader import load_config; "
+            f"load_config({str(TINY)!r}, ['model.path={tiny_assets['tiny-llama']}', "
+            f"'data.train_files=[{data_dir}/arith_train.parquet]', 'data.val_files=[{data_dir}/arith_val.parquet]', "
+            f"'trainer.output_dir={tmp_path}/out'], check_paths=True); print(sorted(m for m in sys.modules if m == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def test_missing_file_and_bad_yaml(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")

@@ -22,9 +22,10 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Iterable, Mapping, Optional
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a tensor is built: the config schema reads this module's
+    import torch   # supported families, and the driver validates its config before Ray (and torch) start
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 DEFAULT_VOCAB_DIVISOR = 128
@@ -260,6 +261,8 @@ def tp_split_dim(mcore_name: str, dims: ModelDims) -> Optional[int]:
 
 
 def _pad_vocab(t: torch.Tensor, dims: ModelDims) -> torch.Tensor:
+    import torch
+
     if t.shape[0] == dims.padded_vocab_size:
         return t
     pad = t.new_zeros((dims.padded_vocab_size - t.shape[0],) + tuple(t.shape[1:]))
@@ -270,6 +273,8 @@ def hf_to_megatron_shard(mcore_name: str, hf: Mapping[str, torch.Tensor], dims: 
                          tp_rank: int = 0, tp_size: int = 1) -> torch.Tensor:
     """Build TP rank `tp_rank`'s shard of megatron parameter `mcore_name` from its HF tensors
     (`hf` maps each name in `hf_names(mcore_name)` to the full HF tensor)."""
+    import torch
+
     srcs = [hf[n] for n in hf_names(mcore_name, dims)]
     kind = _kind(mcore_name, dims)
     if kind == "replicated":
@@ -301,6 +306,8 @@ def megatron_shards_to_hf(mcore_name: str, shards: list[torch.Tensor], dims: Mod
     {hf_name: full HF tensor}. A tied `output_layer.weight` maps to the embedding name.
     copy=False: return views of the shards where the layout allows (one shard: everything but
     q/k/v), for a caller that only reads the result before the shards change (weight sync)."""
+    import torch
+
     names = hf_names(mcore_name, dims)
     kind = _kind(mcore_name, dims)
     one = len(shards) == 1
@@ -368,6 +375,8 @@ def megatron_shard_hf_slices(mcore_name: str, shard: torch.Tensor, dims: ModelDi
 
 def hf_to_megatron_full(mcore_name: str, hf: Mapping[str, torch.Tensor], dims: ModelDims, tp_size: int = 1) -> torch.Tensor:
     """The concatenation of all TP shards (what a TP-gather would produce at this tp_size)."""
+    import torch
+
     dim = tp_split_dim(mcore_name, dims)
     if dim is None:
         return hf_to_megatron_shard(mcore_name, hf, dims)
