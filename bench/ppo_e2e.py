@@ -65,15 +65,26 @@ def run_once(config: str, seed: int, steps: int | None, out: Path, overrides: tu
     }
 
 
+def parse_seeds(text: str) -> list[int]:
+    """"1,2" -> [1, 2]; "1-5,9" -> [1, 2, 3, 4, 5, 9]."""
+    seeds = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise SystemExit(f"--seeds {text!r}: use comma-separated integers and ranges, e.g. 1,2 or 1-15")
+        seeds += list(range(int(lo), int(hi or lo) + 1))
+    return seeds
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/ppo_tiny.yaml")
-    p.add_argument("--seeds", default="1,2", help="comma-separated trainer.seed values, run one after another")
+    p.add_argument("--seeds", default="1,2", help="trainer.seed values, run one after another: 1,2 or 1-5")
     p.add_argument("--steps", type=int, default=None, help="trainer.total_steps (default: the config's)")
     p.add_argument("--out", default=None, help="where the runs go (default: a temp dir, removed)")
     p.add_argument("--set", nargs="*", default=[], help="extra config overrides, e.g. model.dtype=bf16")
     args = p.parse_args(argv)
-    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = parse_seeds(args.seeds)
     with tempfile.TemporaryDirectory(prefix="megappo-e2e-") as tmp:
         root = Path(args.out or tmp)
         runs = [run_once(args.config, s, args.steps, root / f"seed{s}", tuple(args.set)) for s in seeds]
