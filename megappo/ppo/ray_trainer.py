@@ -343,15 +343,18 @@ class RayPPOTrainer:
                     self.finish_checkpoint()
                 if cfg.trainer.val_every and (step % cfg.trainer.val_every == 0 or step == total):
                     metrics.update(self.validate())
-                if self._saves_at(step) or preempt.is_set():
+                # the signal is read once per step: one arriving after this point stops the next step
+                # (read twice, a signal landing between a background save and the stop would end the
+                # run with that save unfinished, or with none for this step)
+                stop = preempt.is_set()
+                if self._saves_at(step) or stop:
                     with self._phase("save", metrics):
-                        self.save_checkpoint(step, wait=not cfg.trainer.async_save or step == total
-                                             or preempt.is_set())
+                        self.save_checkpoint(step, wait=not cfg.trainer.async_save or step == total or stop)
                 metrics["trainer/restarts"] = float(self.restarts)
                 tracker.log(metrics, step)
                 history[step] = metrics
                 progress.advance(metrics)
-                if preempt.is_set():
+                if stop:
                     self.preempted = True
                     print(f"megappo: {preempt.name} received: stopped after step {step}, checkpoint written; "
                           "run the same command again (or requeue) to resume", flush=True)
