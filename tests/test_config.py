@@ -107,10 +107,10 @@ def test_validation_imports_no_torch(tiny_assets, data_dir, tmp_path):
     code = (f"import sys; from megappo.config.loader import load_config; "
             f"load_config({str(TINY)!r}, ['model.path={tiny_assets['tiny-llama']}', "
             f"'data.train_files=[{data_dir}/arith_train.parquet]', 'data.val_files=[{data_dir}/arith_val.parquet]', "
-            f"'trainer.output_dir={tmp_path}/out'], check_paths=True); print(sorted(m for m in sys.modules if m == 'torch'))")
+            f"'trainer.output_dir={tmp_path}/out'], check_paths=True); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]", out.stdout
+    assert out.stdout.strip() == "False", out.stdout
 
 
 def test_missing_file_and_bad_yaml(tmp_path):
