@@ -26,12 +26,23 @@ from trainer_utils import assert_same_steps, config, run
 
 def _killer(trainer, plan: dict, log: list):
     """fault_hook: at (phase, step) in `plan`, SIGKILL (group, rank)'s process (after `delay` seconds, in
-    a thread, so the phase is under way), or SIGTERM this process (the driver) for "preempt"."""
+    a thread, so the phase is under way), or SIGTERM this process (the driver) for "preempt".
+
+    Faults happen one at a time, whatever the machine's speed: a delayed kill lands before the next
+    phase starts (tiny models save in milliseconds, so a 0.3 s timer could otherwise fire phases later,
+    on a process the next planned kill also targets: two kills, one restart), and a planned fault
+    waits, for the step to be redone, until the trainer has restarted after every kill so far."""
+    pending: list[threading.Timer] = []
 
     def hook(phase: str, step: int):
-        target = plan.pop((phase, step), None)
-        if target is None:
+        while pending:
+            pending.pop().join()
+        if (phase, step) not in plan:
             return
+        kills = sum(1 for e in log if e[0] == "SIGKILL")
+        if trainer.restarts < kills:  # the last kill not noticed yet: this fault comes in the redone step
+            return
+        target = plan.pop((phase, step))
         if target == "preempt":
             log.append(("SIGTERM", phase, step))
             os.kill(os.getpid(), signal.SIGTERM)
@@ -44,7 +55,8 @@ def _killer(trainer, plan: dict, log: list):
             os.kill(pid, signal.SIGKILL)
 
         if delay:
-            threading.Timer(delay, kill).start()
+            pending.append(threading.Timer(delay, kill))
+            pending[-1].start()
         else:
             kill()
 
