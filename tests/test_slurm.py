@@ -83,9 +83,13 @@ def _squeue(slurm, fmt: str) -> list[str]:
 def test_preempted_job_requeues_and_finishes_like_an_uninterrupted_run(slurm, sync_baseline, tiny_assets, data_dir,
                                                                        tmp_path):
     """The bootstrap the 70B job uses (preflight -> Ray via srun -> megappo train -> teardown), preempted:
-    USR1 to the batch script mid-run (what `--signal=B:USR1@120` sends) -> the driver finishes its step,
-    checkpoints, exits 75 -> `scontrol requeue` -> the requeued job resumes and finishes at total_steps
-    with the metrics of an uninterrupted run of the same config, step for step."""
+    USR1 to the batch script once the driver is up (what `--signal=B:USR1@120` sends) -> the driver
+    finishes its step, checkpoints, exits 75 -> `scontrol requeue` -> the requeued job resumes and finishes
+    at total_steps with the metrics of an uninterrupted run of the same config, step for step.
+
+    The signal goes out when the driver prints its first line (its handlers are in place by then), so it
+    lands during start-up or step 1 whatever the machine's speed: waiting for step 1's metrics left
+    under 2 s of a 0.4 s-per-step run to reach the driver, and a run that finished first never requeued."""
     import json
     import socket
     import threading
@@ -109,9 +113,13 @@ def test_preempted_job_requeues_and_finishes_like_an_uninterrupted_run(slurm, sy
     job.start()
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 600
-    while not (metrics.exists() and metrics.read_text().strip()):  # step 1 logged: 3 steps to go
+
+    def driver_up() -> bool:  # `megappo train: sync PPO, 4 steps, ...`, printed after the handlers are installed
+        return any("megappo train: sync" in f.read_text() for f in (tmp_path / "logs").glob("*/train.log"))
+
+    while not driver_up():
         assert time.monotonic() < deadline and job.is_alive(), result.get("log", "")[-3000:]
-        time.sleep(1)
+        time.sleep(0.2)
     (job_id,) = _squeue(slurm, "%i")
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm.env, check=True)
     while "PENDING" not in _squeue(slurm, "%T"):  # requeued (Slurm holds a requeued job for 2 min: release it)
