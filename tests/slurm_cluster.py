@@ -10,6 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from megappo.parallel.launch import free_port  # outside the ephemeral range, like every rendezvous port
+
 CONF = """\
 ClusterName=megappo-test
 SlurmctldHost={host}
@@ -39,12 +41,6 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def missing_binaries() -> list[str]:
     return [b for b in ("slurmctld", "slurmd", "sbatch", "sinfo", "shellcheck") if shutil.which(b) is None]
 
@@ -60,9 +56,9 @@ class SlurmCluster:
         (self.dir / "state").mkdir(parents=True, exist_ok=True)
         (self.dir / "spool").mkdir(parents=True, exist_ok=True)
         host = socket.gethostname()
-        ctld_port = _free_port()
+        ctld_port = free_port()
         self.conf.write_text(CONF.format(host=host, dir=self.dir, cpus=os.cpu_count() or 1,
-                                         ctld_port=ctld_port, d_port=_free_port()))
+                                         ctld_port=ctld_port, d_port=free_port()))
         for daemon in ("slurmctld", "slurmd"):
             log = open(self.dir / f"{daemon}.out", "w")
             self.procs.append(subprocess.Popen([daemon, "-D", "-f", str(self.conf)], env=self.env,

@@ -91,16 +91,14 @@ def test_preempted_job_requeues_and_finishes_like_an_uninterrupted_run(slurm, sy
     lands during start-up or step 1 whatever the machine's speed: waiting for step 1's metrics left
     under 2 s of a 0.4 s-per-step run to reach the driver, and a run that finished first never requeued."""
     import json
-    import socket
     import threading
 
+    from megappo.parallel.launch import free_port
     from trainer_utils import assert_same_steps, overrides
 
     baseline, _ = sync_baseline
     out = tmp_path / "run"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     result = {}
 
     def submit():

@@ -31,6 +31,27 @@ import ray.cloudpickle  # noqa: E402
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
+# ------------------------------------------------------------------------------------------ rendezvous ports
+def test_rendezvous_ports_avoid_the_ephemeral_range():
+    """A port from bind(0) lies in the ephemeral range, where another group's outgoing gloo connections
+    can take it before our TCPStore listens (CI: EADDRINUSE with three groups starting side by side)."""
+    import random
+    import socket
+
+    from megappo.parallel.launch import PORT_FLOOR, ephemeral_port_range, free_port
+
+    low, high = ephemeral_port_range()
+    ports = []
+    for _ in range(20):
+        random.seed(0)  # workers seed `random` alike: the pick must not follow it
+        ports.append(free_port())
+    assert all(PORT_FLOOR <= p < low for p in ports), (ports, low, high)
+    assert len(set(ports)) > 1, ports
+    with socket.socket() as s:  # the picked port is listenable
+        s.bind(("127.0.0.1", ports[-1]))
+        s.listen()
+
+
 # ------------------------------------------------------------------------------------------ toy workers
 class SleepWorker(Worker):
     """No torch.distributed: for placement, timeout and pending tests."""

@@ -11,13 +11,52 @@ from __future__ import annotations
 
 import io
 import os
+import random
 import socket
 import traceback
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now (for a rendezvous that starts next)."""
+# Rendezvous ports are drawn from here: above Ray's worker ports (`ray start` default 10002-19999) and
+# below the kernel's ephemeral range, whose low end is read from Linux (32768 by default there).
+PORT_FLOOR = 20000
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_port_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
+    """The ports connect() takes its local end from (Linux's ip_local_port_range; 32768-60999 elsewhere)."""
+    try:
+        low, high = (int(x) for x in open(path).read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now, for a rendezvous that listens on it seconds later.
+
+    Not bind(0): that port comes from the ephemeral range, where any outgoing connection (another
+    group's gloo mesh or TCPStore clients starting meanwhile) may take it as its local end before our
+    TCPStore listens, and the rendezvous fails with EADDRINUSE. CI saw exactly that with three worker
+    groups starting side by side. So: a random free port between PORT_FLOOR and the ephemeral range
+    (random from the OS, not the `random` module, which workers seed alike).
+    """
+    low, _ = ephemeral_port_range()
+    rng = random.SystemRandom()
+    if low - PORT_FLOOR >= 100:
+        for _ in range(200):
+            port = rng.randrange(PORT_FLOOR, low)
+            if _bindable(host, port):
+                return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below the range: the OS's pick
         s.bind((host, 0))
         return s.getsockname()[1]
 
