@@ -33,10 +33,24 @@ LAYOUT = ["resources.nodes=2", "resources.workers_per_node=1",
 def two_nodes():
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, connect=False,
-                      head_node_args={"num_cpus": 2, "include_dashboard": False})
-    cluster.add_node(num_cpus=3)  # the second node has room for the async rollout worker too
-    cluster.wait_for_nodes()
+    from megappo.parallel.launch import free_port
+
+    # The nodes' environment exports MASTER_ADDR/PORT, as torchrun-style job scripts do; Ray's workers
+    # inherit it. Each group must still get its own rendezvous port (not all of them this one).
+    exported = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    saved = {k: os.environ.get(k) for k in exported}
+    os.environ.update(exported)
+    try:
+        cluster = Cluster(initialize_head=True, connect=False,
+                          head_node_args={"num_cpus": 2, "include_dashboard": False})
+        cluster.add_node(num_cpus=3)  # the second node has room for the async rollout worker too
+        cluster.wait_for_nodes()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
     yield cluster
     cluster.shutdown()
 

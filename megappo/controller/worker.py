@@ -2,7 +2,8 @@
 
 The group starts each worker with its place in the group in the environment:
 RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (+ MEGAPPO_GROUP, the group's name). Rank 0 is started
-first without MASTER_PORT and picks a free port on its own node (127.0.0.1 when the whole pool is on
+first with MASTER_ADDR/PORT empty (overriding any the node's environment exports, as torchrun-style
+job scripts do: every group would share that port) and picks a free port on its own node (127.0.0.1 when the whole pool is on
 one node, else its node IP); the group reads it back with `info()` and starts the other ranks with it.
 So each group has its own torch.distributed world and, per process, its own megatron parallel_state.
 
@@ -36,7 +37,7 @@ class Worker:
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.group_name = os.environ.get("MEGAPPO_GROUP", "worker")
-        if "MASTER_PORT" not in os.environ:
+        if not os.environ.get("MASTER_PORT"):  # empty: the group asks rank 0 to pick, whatever was inherited
             if self.rank != 0:
                 raise RuntimeError(f"{self.group_name} rank {self.rank}: MASTER_PORT missing from the environment")
             addr = os.environ.get("MASTER_ADDR") or _node_ip()

@@ -125,8 +125,9 @@ class RayWorkerGroup:
             self.workers = [start(r, master) for r in range(self.world_size)]
             self.infos = self._await_infos(list(range(self.world_size)), describe, timeout_s)
             return
-        # Rank 0 first: it picks MASTER_ADDR/PORT on its node; the others are started with them.
-        self.workers = [start(0, {})]
+        # Rank 0 first: it picks MASTER_ADDR/PORT on its node (empty: not whatever the node's env exports);
+        # the others are started with them.
+        self.workers = [start(0, {"MASTER_ADDR": "", "MASTER_PORT": ""})]
         info0 = self._await_infos([0], describe, timeout_s)[0]
         master = {"MASTER_ADDR": info0["master_addr"], "MASTER_PORT": str(info0["master_port"])}
         self.workers += [start(r, master) for r in range(1, self.world_size)]
