@@ -23,6 +23,8 @@
 #                     address); also NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME unless those are set
 #   NCCL_IB_HCA, NCCL_SOCKET_IFNAME, ...  NCCL knobs are passed through to every Ray node as set
 #   RAY_PORT          head GCS port (default 6379); worker ports use RAY_MIN_WORKER_PORT..RAY_MAX_WORKER_PORT
+#                     (default 10002..19999, Ray's own: megappo's rendezvous ports are drawn from 20000 up)
+#   RAY_CLIENT_PORT   the head's Ray Client server port (default 10001, Ray's own)
 #   RAY_WAIT_S        how long to wait for the cluster to register (default 300)
 #   LOG_ROOT          where the job directory with per-node logs goes (default $MEGAPPO_ROOT/outputs/slurm)
 #   SKIP_PLAN=1       skip the memory planner (CPU runs)
@@ -33,8 +35,9 @@ cd "$MEGAPPO_ROOT"
 : "${CONFIG:?set CONFIG to a config YAML, e.g. CONFIG=configs/ppo_70b.yaml}"
 OVERRIDES=${OVERRIDES:-}
 RAY_PORT=${RAY_PORT:-6379}
-RAY_MIN_WORKER_PORT=${RAY_MIN_WORKER_PORT:-20000}
-RAY_MAX_WORKER_PORT=${RAY_MAX_WORKER_PORT:-20999}
+RAY_CLIENT_PORT=${RAY_CLIENT_PORT:-10001}
+RAY_MIN_WORKER_PORT=${RAY_MIN_WORKER_PORT:-10002}
+RAY_MAX_WORKER_PORT=${RAY_MAX_WORKER_PORT:-19999}
 RAY_WAIT_S=${RAY_WAIT_S:-300}
 JOB_ID=${SLURM_JOB_ID:-local}
 JOB_DIR=${LOG_ROOT:-$MEGAPPO_ROOT/outputs/slurm}/${SLURM_JOB_NAME:-megappo}-$JOB_ID
@@ -104,20 +107,26 @@ if [[ -n "${NETWORK_INTERFACE:-}" ]]; then  # NCCL / gloo collectives over the s
 fi
 head_ip=$(node_ip "$head_node")
 [[ -n "$head_ip" ]] || die "could not resolve the IP of head node $head_node (set NETWORK_INTERFACE?)"
-# free = bindable as a server binds it (SO_REUSEADDR: TIME_WAIT sockets of a previous run do not count);
-# retried for 20 s, since a requeued job can start while its predecessor's Ray head is still exiting
-port_free='
+# The head's fixed ports (GCS, Ray Client server: the head fails on a busy one) must be free = bindable as a
+# server binds them (SO_REUSEADDR: TIME_WAIT sockets of a previous run do not count); retried for 20 s,
+# since a requeued job can start while its predecessor's Ray head is still exiting. Prints the busy one.
+ports_free='
 import socket, sys, time
-for _ in range(20):
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", int(sys.argv[1]))); sys.exit(0)
-        except OSError:
-            time.sleep(1)
-sys.exit(1)'
-srun --nodes=1 --ntasks=1 --overlap -w "$head_node" python -c "$port_free" "$RAY_PORT" 2>/dev/null \
-  || die "RAY_PORT=$RAY_PORT is in use on $head_node (another Ray, or another service); set RAY_PORT to a free port"
+for arg in sys.argv[1:]:
+    for _ in range(20):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("", int(arg.split("=")[1]))); break
+            except OSError:
+                time.sleep(1)
+    else:
+        print(arg.split("=")[0]); sys.exit(1)'
+if ! busy=$(srun --nodes=1 --ntasks=1 --overlap -w "$head_node" python -c "$ports_free" \
+            "RAY_PORT=$RAY_PORT" "RAY_CLIENT_PORT=$RAY_CLIENT_PORT" 2>/dev/null); then
+  busy=${busy:-RAY_PORT}
+  die "$busy=${!busy} is in use on $head_node (another Ray, or another service); set $busy to a free port"
+fi
 export RAY_ADDRESS="$head_ip:$RAY_PORT"
 log "head $head_node ($head_ip), ${#nodes[@]} node(s): ${nodes[*]}"
 
@@ -141,7 +150,8 @@ ray_args=(--min-worker-port="$RAY_MIN_WORKER_PORT" --max-worker-port="$RAY_MAX_W
 cpus_per_node=${RAY_NUM_CPUS:-${SLURM_CPUS_ON_NODE:-$(nproc)}}
 res_args=(--num-cpus="$cpus_per_node" --num-gpus="$GPUS_PER_NODE")
 srun --nodes=1 --ntasks=1 --overlap -w "$head_node" \
-  ray start --head --node-ip-address="$head_ip" --port="$RAY_PORT" "${ray_args[@]}" "${res_args[@]}" \
+  ray start --head --node-ip-address="$head_ip" --port="$RAY_PORT" --ray-client-server-port="$RAY_CLIENT_PORT" \
+    "${ray_args[@]}" "${res_args[@]}" \
   > "$JOB_DIR/ray-head-$head_node.log" 2>&1 &
 step_pids+=($!)
 sleep 5

@@ -58,21 +58,25 @@ def test_cuda_job_without_gpus_is_refused(slurm, tmp_path):
     assert not list(tmp_path.glob("*/ray-head-*.log"))
 
 
-def test_ray_port_in_use_is_refused(slurm, tiny_assets, data_dir, tmp_path):
-    """Another service listening on RAY_PORT: one line naming the fix, before any Ray start."""
+@pytest.mark.parametrize("var", ["RAY_PORT", "RAY_CLIENT_PORT"])
+def test_ray_port_in_use_is_refused(slurm, tiny_assets, data_dir, tmp_path, var):
+    """Another service listening on one of the head's fixed ports: one line naming the variable to
+    change, before any Ray start."""
     import socket
 
+    from megappo.parallel.launch import free_port
     from trainer_utils import overrides
 
     with socket.socket() as busy:
         busy.bind(("", 0))
         busy.listen()
         port = busy.getsockname()[1]
+        ports = {"RAY_PORT": str(free_port()), "RAY_CLIENT_PORT": str(free_port()), var: str(port)}
         rc, log = slurm.sbatch(str(REPO / "slurm/ppo_tiny.sbatch"), cwd=REPO, timeout=300,
                                env={"OVERRIDES": " ".join(overrides(tiny_assets, data_dir, tmp_path / "run")),
-                                    "LOG_ROOT": str(tmp_path / "logs"), "RAY_PORT": str(port)})
+                                    "LOG_ROOT": str(tmp_path / "logs"), **ports})
     assert rc != 0
-    assert f"RAY_PORT={port} is in use on" in log and "set RAY_PORT to a free port" in log, log
+    assert f"{var}={port} is in use on" in log and f"set {var} to a free port" in log, log
     assert not list(tmp_path.glob("logs/*/ray-head-*.log"))
 
 
@@ -105,7 +109,7 @@ def test_preempted_job_requeues_and_finishes_like_an_uninterrupted_run(slurm, sy
         result["rc"], result["log"] = slurm.sbatch(
             str(REPO / "slurm/ppo_tiny.sbatch"), cwd=REPO, timeout=1200,
             env={"OVERRIDES": " ".join(overrides(tiny_assets, data_dir, out)), "LOG_ROOT": str(tmp_path / "logs"),
-                 "RAY_PORT": str(port), "RAY_NUM_CPUS": "4"})
+                 "RAY_PORT": str(port), "RAY_CLIENT_PORT": str(free_port()), "RAY_NUM_CPUS": "4"})
 
     job = threading.Thread(target=submit)
     job.start()

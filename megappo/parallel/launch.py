@@ -16,10 +16,11 @@ import socket
 import traceback
 
 
-# Rendezvous ports are drawn from here: above Ray's worker ports (`ray start` default 10002-19999) and
-# below the kernel's ephemeral range, whose low end is read from Linux (32768 by default there).
+# Rendezvous ports are drawn from here up to the kernel's ephemeral range: above Ray's worker ports
+# (`ray start` default 10002-19999, which slurm/ray_on_slurm.sh keeps) and its client server (10001).
 PORT_FLOOR = 20000
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+_handed_out: set[int] = set()  # this process's picks: two groups spawned before either listens differ
 
 
 def ephemeral_port_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
@@ -46,17 +47,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     Not bind(0): that port comes from the ephemeral range, where any outgoing connection (another
     group's gloo mesh or TCPStore clients starting meanwhile) may take it as its local end before our
     TCPStore listens, and the rendezvous fails with EADDRINUSE. CI saw exactly that with three worker
-    groups starting side by side. So: a random free port between PORT_FLOOR and the ephemeral range
-    (random from the OS, not the `random` module, which workers seed alike).
+    groups starting side by side. So: a random free port outside that range, between PORT_FLOOR and its
+    low end (or above its high end on a host whose range starts low), never one this process handed out
+    already; random from the OS, not the `random` module, which workers seed alike.
     """
-    low, _ = ephemeral_port_range()
+    low, high = ephemeral_port_range()
+    span = range(PORT_FLOOR, low) if low - PORT_FLOOR >= 1000 else range(high + 1, 65536)
     rng = random.SystemRandom()
-    if low - PORT_FLOOR >= 100:
-        for _ in range(200):
-            port = rng.randrange(PORT_FLOOR, low)
-            if _bindable(host, port):
-                return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below the range: the OS's pick
+    for _ in range(200 if len(span) >= 100 else 0):
+        port = rng.choice(span)
+        if port not in _handed_out and _bindable(host, port):
+            _handed_out.add(port)
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room outside the range: the OS's pick
         s.bind((host, 0))
         return s.getsockname()[1]
 
