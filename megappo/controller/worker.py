@@ -2,9 +2,9 @@
 
 The group starts each worker with its place in the group in the environment:
 RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (+ MEGAPPO_GROUP, the group's name). Rank 0 is started
-first with MASTER_ADDR/PORT empty (overriding any the node's environment exports, as torchrun-style
-job scripts do: every group would share that port) and picks a free port on its own node (127.0.0.1 when the whole pool is on
-one node, else its node IP); the group reads it back with `info()` and starts the other ranks with it.
+first with MASTER_ADDR/PORT empty (so not the ones a torchrun-style job script may export on the node,
+which every group would share) and picks a free port on its own node (127.0.0.1 when the whole pool is
+on one node, else its node IP); the group reads it back with `info()` and starts the other ranks with it.
 So each group has its own torch.distributed world and, per process, its own megatron parallel_state.
 
 Subclasses call `super().__init__()` first and mark the methods the driver may call with

@@ -20,7 +20,7 @@ import traceback
 # (`ray start` default 10002-19999, which slurm/ray_on_slurm.sh keeps) and its client server (10001).
 PORT_FLOOR = 20000
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
-_handed_out: set[int] = set()  # this process's picks: two groups spawned before either listens differ
+_handed_out: set[int] = set()  # never twice: the driver picks every group's port before any listens
 
 
 def ephemeral_port_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
