@@ -37,20 +37,13 @@ def two_nodes():
 
     # The nodes' environment exports MASTER_ADDR/PORT, as torchrun-style job scripts do; Ray's workers
     # inherit it. Each group must still get its own rendezvous port (not all of them this one).
-    exported = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    saved = {k: os.environ.get(k) for k in exported}
-    os.environ.update(exported)
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MASTER_ADDR", "127.0.0.1")
+        mp.setenv("MASTER_PORT", str(free_port()))
         cluster = Cluster(initialize_head=True, connect=False,
                           head_node_args={"num_cpus": 2, "include_dashboard": False})
         cluster.add_node(num_cpus=3)  # the second node has room for the async rollout worker too
         cluster.wait_for_nodes()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
     yield cluster
     cluster.shutdown()
 

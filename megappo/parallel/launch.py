@@ -14,6 +14,7 @@ import os
 import random
 import socket
 import traceback
+from pathlib import Path
 
 
 # Rendezvous ports are drawn from here up to the kernel's ephemeral range: above Ray's worker ports
@@ -26,19 +27,17 @@ _handed_out: set[int] = set()  # never twice: the driver picks every group's por
 def ephemeral_port_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
     """The ports connect() takes its local end from (Linux's ip_local_port_range; 32768-60999 elsewhere)."""
     try:
-        low, high = (int(x) for x in open(path).read().split())
+        low, high = (int(x) for x in Path(path).read_text().split())
         return low, high
     except (OSError, ValueError):
         return 32768, 60999
 
 
-def _bindable(host: str, port: int) -> bool:
+def _bind(host: str, port: int) -> int:
+    """The port `host:port` binds to now (port 0: the OS's pick); OSError when it is taken."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
+        s.bind((host, port))
+        return s.getsockname()[1]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -53,15 +52,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     """
     low, high = ephemeral_port_range()
     span = range(PORT_FLOOR, low) if low - PORT_FLOOR >= 1000 else range(high + 1, 65536)
-    rng = random.SystemRandom()
-    for _ in range(200 if len(span) >= 100 else 0):
-        port = rng.choice(span)
-        if port not in _handed_out and _bindable(host, port):
+    if len(span) >= 100:  # else no room outside the range: the OS's pick below
+        rng = random.SystemRandom()
+        for port in (rng.choice(span) for _ in range(200)):
+            if port in _handed_out:
+                continue
+            try:
+                _bind(host, port)
+            except OSError:
+                continue
             _handed_out.add(port)
             return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room outside the range: the OS's pick
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return _bind(host, 0)
 
 
 def _worker(rank, fn, world_size, port, queue, args, threads):
