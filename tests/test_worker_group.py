@@ -185,6 +185,9 @@ def test_pending_actor_raises_within_timeout_naming_bundle_and_request(ray_sessi
     try:
         first = RayWorkerGroup(pool, SleepWorker, name="first", timeout_s=30)
         assert first.hello(1) == [(0, 1, 1, "127.0.0.1", first.infos[0]["master_port"])]
+        # a CPU pool's workers compute on the CPU and see no GPU, whatever the node exports (Ray >= 2.48
+        # leaves a GPU-less actor the node's CUDA_VISIBLE_DEVICES): parallel/device.py
+        assert (first.infos[0]["device"], first.infos[0]["cuda_visible_devices"]) == ("cpu", "")
         t0 = time.monotonic()
         with pytest.raises(WorkerError, match=r"group 'second' rank 0 \(pool 'tight' bundle 0 \{'CPU': 1\}.*"
                                               r"asked \{'num_cpus': 1\.0\}\) did not start within 3s"):

@@ -10,8 +10,8 @@
 3. A pass/fail table with the parity metrics: weights fingerprinted after every sync, vLLM vs
    Megatron log-probs of the sampled tokens (bf16: |diff| mean < 0.05), rewards finite.
 
-On a machine without a visible GPU it prints "gpu-check: skipped" and exits 0. Exit 1 when any row
-fails. The tiny model and data are built locally (megappo assets); nothing is downloaded.
+Exit 1 when any row fails, and when this interpreter has no GPU stack (a CPU torch, or no visible
+GPU): the message names the venv it looked in. The tiny model and data are built locally (megappo assets); nothing is downloaded.
 
     python tools/gpu_check.py [--gpus N] [--steps 3] [--out outputs/gpu_check] [--json]
 """
@@ -65,15 +65,22 @@ def check_versions() -> list[tuple[str, bool, str]]:
     return rows
 
 
-def _tiny_run(out: Path, steps: int, tp: int, gpus: int) -> list[dict]:
+# the log-prob parity row's bound on mean |log p_vLLM - log p_Megatron| per step, by model.dtype
+PARITY_TOLERANCE = {"bf16": 0.05, "fp32": 1e-4}
+
+
+def run_overrides(out: Path, steps: int, tp: int, gpus: int, device: str = "cuda", dtype: str = "bf16") -> list[str]:
+    """configs/ppo_tiny.yaml's overrides for the check run (the tiny model and data built locally).
+    pi_old is the actor's own forward (actor.use_rollout_log_probs=false, whatever the config says):
+    with the sampler's log-probs copied in, the parity row would compare vLLM with itself."""
     from megappo.assets import ensure_assets
     from megappo.data.preprocess_arithmetic import main as make_data
 
     assets = ensure_assets(REPO / "assets")
     make_data(["--out", str(out / "data"), "--train-size", "64", "--val-size", "8"])
-    overrides = [
-        f"model.path={assets['tiny-llama']}", "model.dtype=bf16", "resources.device=cuda",
-        f"resources.workers_per_node={gpus}", "resources.nodes=1",
+    return [
+        f"model.path={assets['tiny-llama']}", f"model.dtype={dtype}", f"resources.device={device}",
+        f"resources.workers_per_node={gpus}", "resources.nodes=1", "actor.use_rollout_log_probs=false",
         f"actor.parallel.tp={tp}", "actor.parallel.pp=1", f"actor.parallel.dp={gpus // tp}",
         "critic.parallel.tp=1", "critic.parallel.pp=1", f"critic.parallel.dp={gpus}",
         "ref.parallel.tp=1", "ref.parallel.pp=1", f"ref.parallel.dp={gpus}",
@@ -86,6 +93,10 @@ def _tiny_run(out: Path, steps: int, tp: int, gpus: int) -> list[dict]:
         f"trainer.total_steps={steps}", "trainer.save_every=0", f"trainer.val_every={steps}",
         f"trainer.output_dir={out / f'tp{tp}'}", "trainer.loggers=[jsonl]", "trainer.resume=never",
     ]
+
+
+def _tiny_run(out: Path, steps: int, tp: int, gpus: int) -> list[dict]:
+    overrides = run_overrides(out, steps, tp, gpus)
     proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", "--config", "configs/ppo_tiny.yaml",
                            "--no-progress", *overrides], cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -94,21 +105,41 @@ def _tiny_run(out: Path, steps: int, tp: int, gpus: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def run_rows(name: str, rows: list[dict], steps: int, dtype: str = "bf16") -> list[tuple[str, bool, str]]:
+    """The table's rows for one run's metrics (one dict per step)."""
+    diffs = [r.get("rollout/logprob_diff_mean", math.nan) for r in rows]
+    tol = PARITY_TOLERANCE[dtype]
+    return [
+        (f"{name}: {steps} steps", len(rows) == steps, f"{len(rows)} steps logged"),
+        (f"{name}: weight fingerprints", all(r.get("rollout/weights_fingerprint_ok") == 1.0 for r in rows),
+         "every sync"),
+        # math.nan < tol is False: a step without the metric fails the row
+        (f"{name}: vLLM vs Megatron log-probs ({dtype})", bool(diffs) and all(d < tol for d in diffs),
+         f"mean |diff| per step (< {tol:g}): " + ", ".join(f"{d:.3g}" for d in diffs)),
+        (f"{name}: rewards finite", all(math.isfinite(r.get("objective/scores", math.nan)) for r in rows), ""),
+    ]
+
+
 def check_run(out: Path, steps: int, tp: int, gpus: int) -> list[tuple[str, bool, str]]:
     name = f"tiny PPO on {gpus} GPU(s), actor TP{tp}"
     try:
         rows = _tiny_run(out, steps, tp, gpus)
     except Exception as e:  # noqa: BLE001 - reported as a failed row
         return [(name, False, f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}")]
-    diffs = [r.get("rollout/logprob_diff_mean", math.nan) for r in rows]
-    return [
-        (f"{name}: {steps} steps", len(rows) == steps, f"{len(rows)} steps logged"),
-        (f"{name}: weight fingerprints", all(r.get("rollout/weights_fingerprint_ok") == 1.0 for r in rows),
-         "every sync"),
-        (f"{name}: vLLM vs Megatron log-probs (bf16)", all(d < 0.05 for d in diffs),
-         "mean |diff| " + ", ".join(f"{d:.3g}" for d in diffs)),
-        (f"{name}: rewards finite", all(math.isfinite(r.get("objective/scores", math.nan)) for r in rows), ""),
-    ]
+    return run_rows(name, rows, steps)
+
+
+def gpu_stack_problem() -> str | None:
+    """None when this interpreter has a CUDA torch that sees a GPU; else one line naming the venv."""
+    import torch
+
+    where = f"{sys.executable} (venv {sys.prefix})"
+    if torch.version.cuda is None:
+        return (f"no GPU stack: {where} has torch {torch.__version__}, a CPU build; run `make gpu-check` after "
+                "`make install-gpu` (the GPU venv, .venv-gpu), or GPU_PY=<the GPU env's python>")
+    if not torch.cuda.is_available():
+        return f"no visible GPU: {where} has CUDA torch {torch.__version__} but sees no device (CUDA_VISIBLE_DEVICES?)"
+    return None
 
 
 def main(argv=None) -> int:
@@ -120,9 +151,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
-        print("gpu-check: skipped (no CUDA device visible to torch; run it on a GPU machine)")
-        return 0
+    problem = gpu_stack_problem()
+    if problem is not None:  # a GPU check that cannot check fails: a green row here must mean the GPU ran
+        print(f"gpu-check: FAILED: {problem}", file=sys.stderr)
+        return 1
     gpus = args.gpus or min(2, torch.cuda.device_count())
     rows = check_versions()
     out = Path(args.out)

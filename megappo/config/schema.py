@@ -49,6 +49,9 @@ class ModelConfig:
     tokenizer: Optional[str] = None  # defaults to model.path
     critic_path: Optional[str] = None  # critic init (causal LM or *ForSequenceClassification); default model.path
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    # Transformer Engine's layer spec on GPU: null = when TE imports (megatron's local spec otherwise, with
+    # a warning) | true = TE or a one-line error saying what is missing | false = the local spec. Never on CPU.
+    transformer_engine: Optional[bool] = None
     arch: ArchConfig = field(default_factory=ArchConfig)
 
 

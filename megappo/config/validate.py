@@ -112,6 +112,9 @@ def check_weight_load(r) -> None:
 
 def validate_config(cfg, check_paths: bool = False) -> None:
     check_choices(cfg)
+    if cfg.model.transformer_engine and cfg.resources.device == "cpu":
+        raise ConfigError("model.transformer_engine=true needs resources.device=cuda (Transformer Engine has no CPU "
+                          "kernels); leave it null (TE when usable on GPU)")
     dims = model_dims(cfg)
     _check_layouts(cfg, dims)
     _check_rollout(cfg, dims)

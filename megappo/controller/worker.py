@@ -50,7 +50,8 @@ class Worker:
     def info(self) -> dict:
         """Cheap identity the group records at spawn (for error messages and the master address)."""
         return {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(), "node_ip": _node_ip(),
-                "hostname": socket.gethostname(), "master_addr": self.master_addr, "master_port": self.master_port}
+                "hostname": socket.gethostname(), "master_addr": self.master_addr, "master_port": self.master_port,
+                "device": os.environ.get("MEGAPPO_DEVICE"), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def init_distributed(self, backend: str | None = None) -> None:
         """torch.distributed for this group (gloo on CPU, nccl on GPU); idempotent."""

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 from megappo.controller.dispatch import (CallPlan, Dispatch, DispatchSpec, MegatronTopology, collect_results, plan_call,
                                       register, registered_methods)
 from megappo.controller.resource_pool import Bundle, RayResourcePool, ResourcePoolManager, WorkerError
+from megappo.parallel import device
 
 __all__ = ["RayWorkerGroup", "NVMegatronRayWorkerGroup", "PendingCall", "WorkerError", "RayResourcePool",
            "ResourcePoolManager", "Dispatch", "register"]
@@ -50,7 +51,7 @@ class PendingCall:
 
 def _with_env(worker_cls: type) -> type:
     """`worker_cls` whose constructor first puts the rank's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT,
-    MEGAPPO_GROUP) into os.environ, then runs as before. Not Ray's runtime_env: a per-rank env is a distinct
+    MEGAPPO_GROUP, MEGAPPO_DEVICE / CUDA_VISIBLE_DEVICES) into os.environ, then runs as before. Not Ray's runtime_env: a per-rank env is a distinct
     runtime env, and Ray starts a fresh process for each, while an actor without one takes an idle worker
     Ray already started when the driver connected (one per CPU, otherwise left unused): start-up saves a
     process launch per rank and the idle workers' wasted imports."""
@@ -101,7 +102,9 @@ class RayWorkerGroup:
         resources = {**self.pool.worker_resources(), **{k: v for k, v in actor_options.items()
                                                          if k in ("num_cpus", "num_gpus", "resources")}}
         other_options = {k: v for k, v in actor_options.items() if k not in ("num_cpus", "num_gpus", "resources")}
-        base_env = {"WORLD_SIZE": str(self.world_size), "MEGAPPO_GROUP": self.name, **env}
+        # the pool's device decides the workers' (MEGAPPO_DEVICE; CPU workers see no GPU even on a GPU node)
+        base_env = {"WORLD_SIZE": str(self.world_size), "MEGAPPO_GROUP": self.name,
+                    **device.worker_env("cuda" if self.pool.use_gpu else "cpu"), **env}
         if self.pool.single_node:
             base_env.setdefault("MASTER_ADDR", "127.0.0.1")
 

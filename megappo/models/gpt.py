@@ -19,15 +19,65 @@ from megappo.parallel.weight_mapping import ModelDims, global_named_parameters, 
     transformer_config_kwargs
 
 
-def have_transformer_engine(device: str = "cuda") -> bool:
-    """Transformer Engine's layer spec is used on GPU when TE imports; never on CPU."""
-    if device != "cuda" or not torch.cuda.is_available():
-        return False
+def transformer_engine_problem() -> Optional[str]:
+    """None when Transformer Engine's PyTorch layers import; else one line saying why not. Probes what
+    megatron uses (`transformer_engine.pytorch`), not the top-level package: TE 2.11's `__init__` turns a
+    missing framework extension into a RuntimeError, and a half-installed one fails with OSError
+    (a .so that does not load) or ImportError."""
     try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - ImportError, RuntimeError, OSError: all mean "not usable"
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        return f"import transformer_engine.pytorch failed: {type(e).__name__}: {first}"
+    return None
+
+
+def use_transformer_engine(device: str, want: Optional[bool] = None) -> bool:
+    """Whether the engine builds TE's layer spec (model.transformer_engine). None: on GPU when TE is usable
+    (the local spec otherwise, said once); True: TE, or a one-line error naming what is missing; False:
+    the local spec. Never on CPU (TE has no CPU kernels)."""
+    if want is False or device != "cuda":
+        if want:
+            raise ValueError("model.transformer_engine=true needs resources.device=cuda (TE has no CPU kernels); "
+                             "leave it null")
         return False
-    return True
+    problem = transformer_engine_problem()
+    if problem is None:
+        return True
+    if want:
+        raise RuntimeError(f"model.transformer_engine=true but Transformer Engine is not usable ({problem}): "
+                           "install it as requirements-gpu-te.txt says (`make install-gpu`) or leave "
+                           "model.transformer_engine null")
+    import warnings
+
+    warnings.warn(f"Transformer Engine not usable ({problem}): megatron's local layer spec instead "
+                  "(slower; model.transformer_engine=true makes this an error)", stacklevel=2)
+    return False
+
+
+def gpu_build_kwargs(on_gpu: bool, use_te: bool, rope_fusion_available: Optional[bool] = None,
+                     grad_accum_fusion_available: Optional[bool] = None) -> dict:
+    """TransformerConfig's placement and fusion switches. CPU: built on the host, every fused kernel off
+    (they are CUDA kernels). GPU: weights allocated on the device at once (no host copy per rank; the
+    HF weights are copied in afterwards), megatron's jit-fused bias-dropout-add and SwiGLU, TE's fused
+    RoPE when TE is in use and has it, fused weight-gradient accumulation only with apex's CUDA
+    extension (megatron's own ColumnParallelLinear, the output layer, raises without it)."""
+    if not on_gpu:
+        return dict(use_cpu_initialization=True, gradient_accumulation_fusion=False, bias_activation_fusion=False,
+                    masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+                    bias_dropout_fusion=False)
+    if rope_fusion_available is None:
+        from megatron.core.models.common.embeddings import rope_utils
+
+        rope_fusion_available = getattr(rope_utils, "fused_apply_rotary_pos_emb", None) is not None
+    if grad_accum_fusion_available is None:
+        from megatron.core.tensor_parallel import layers
+
+        grad_accum_fusion_available = bool(getattr(layers, "_grad_accum_fusion_available", False))
+    return dict(use_cpu_initialization=False, gradient_accumulation_fusion=use_te and grad_accum_fusion_available,
+                bias_activation_fusion=True, masked_softmax_fusion=False,  # TE's attention has its own
+                persist_layer_norm=False, apply_rope_fusion=use_te and rope_fusion_available,
+                bias_dropout_fusion=True)
 
 
 def load_hf_config(model_path):
@@ -38,7 +88,8 @@ def load_hf_config(model_path):
 
 def build_transformer_config(hf_config, layout: ParallelLayout, *, device: str = "cpu",
                              params_dtype: Optional[torch.dtype] = None, recompute: bool = False,
-                             sequence_parallel: bool = False, batch_p2p_comm: Optional[bool] = None):
+                             sequence_parallel: bool = False, batch_p2p_comm: Optional[bool] = None,
+                             use_te: bool = False):
     """megatron TransformerConfig for a HF config under `layout`. bf16 on GPU, fp32 on CPU by default."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -58,14 +109,8 @@ def build_transformer_config(hf_config, layout: ParallelLayout, *, device: str =
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         autocast_dtype=dtype if dtype != torch.float32 else None,
-        use_cpu_initialization=True,
         perform_initialization=False,  # weights come from the HF checkpoint
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        bias_dropout_fusion=False,
+        **gpu_build_kwargs(on_gpu, use_te),
         batch_p2p_comm=batch_p2p_comm,
         calculate_per_token_loss=True,  # the engine normalises by the caller's global count itself
         attention_softmax_in_fp32=True,
@@ -126,16 +171,17 @@ class ValueHead(torch.nn.Module):
 
 
 def build_gpt_chunks(hf_config, config, layout: ParallelLayout, value_head: bool = False, seed: int = 0,
-                     device: str = "cpu") -> list:
-    """This rank's GPTModel chunks (one per virtual pipeline stage), built on the CPU (the caller moves
-    them to `device`; on GPU with Transformer Engine installed, with TE's layer spec)."""
+                     use_te: bool = False) -> list:
+    """This rank's GPTModel chunks (one per virtual pipeline stage), where `config` places them (the host
+    with use_cpu_initialization, the current GPU otherwise; the caller moves what is left on the host),
+    with TE's layer spec when `use_te` (use_transformer_engine)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.enums import ModelType
     from megatron.core.models.gpt import GPTModel
 
     dims = ModelDims.from_hf_config(hf_config, tp=layout.tp, value_head=value_head)
     layout.validate(dims.num_heads, dims.num_kv_heads, dims.num_layers)
-    spec = _layer_spec(config, have_transformer_engine(device))
+    spec = _layer_spec(config, use_te)
     chunks = []
     for vp in range(layout.num_model_chunks):
         vp_stage = vp if layout.virtual_pp else None

@@ -1,5 +1,5 @@
 """The only place that makes megatron-core 0.16.1 run on a CPU-only torch. Applied only when there is
-no GPU (`apply()` is a no-op when `torch.cuda.is_available()`); everything else in megappo is written
+no GPU (`apply()` is a no-op in a GPU process, as parallel/device.py decides); everything else in megappo is written
 as if it ran on a GPU. See docs/ENVIRONMENT.md ("megatron-core 0.16.1 on CPU + gloo").
 
 Shims (each has a test in tests/test_cpu_compat.py):
@@ -36,7 +36,10 @@ _MODE: "CudaToCpuMode | None" = None
 
 
 def needs_cpu_compat() -> bool:
-    return not torch.cuda.is_available()
+    """A CPU process (parallel/device.py: the driver's decision, not whether a GPU happens to be visible)."""
+    from megappo.parallel import device
+
+    return not device.on_gpu()
 
 
 def _is_cuda(dev) -> bool:

@@ -30,6 +30,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megappo.parallel import device
+
 
 def _distributed_optimizers(optimizer) -> list:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -193,7 +195,7 @@ def _snapshot(buckets: list, preload_fn, live: set) -> list:
     """The tensors to write, frozen now: training changes the live ones in place while the thread
     writes. On GPU megatron's preload copies every tensor to the host; on CPU it clones only views,
     so any tensor still sharing a live storage is cloned here (one copy at most, never two)."""
-    if torch.cuda.is_available() and preload_fn is not None:
+    if device.on_gpu() and preload_fn is not None:
         return preload_fn()
 
     def frozen(t: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
     init_distributed(rank, world_size, master_addr, master_port)   # gloo on CPU, nccl (+gloo) on GPU
     init_megatron(layout, seed)                                    # parallel_state + RNG
 
-On a machine without a GPU, `cpu_compat.apply()` is installed first (the only place that bends
+In a CPU process (parallel/device.py decides), `cpu_compat.apply()` is installed first (the only place that bends
 megatron towards the CPU).
 """
 
@@ -16,27 +16,25 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megappo.parallel import cpu_compat
+from megappo.parallel import cpu_compat, device
 from megappo.parallel.layout import ParallelLayout
 
 
 def resolve_device(name: str = "auto") -> str:
-    """`resources.device` -> "cuda" or "cpu" for this process ("auto": cuda when it sees a GPU)."""
+    """`resources.device` -> "cuda" or "cpu" for this process. In a worker the driver already decided
+    (MEGAPPO_DEVICE, parallel/device.py): "auto" is that answer, and an explicit value must agree with it."""
+    here = device.current()
     if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("resources.device=cuda but this process sees no GPU (check CUDA_VISIBLE_DEVICES and the "
-                           "Ray GPUs of the node); set resources.device=cpu or auto")
-    if name not in ("cpu", "cuda"):
-        raise ValueError(f"device {name!r}: choose auto, cpu or cuda")
-    return name
+        return here
+    got = device.resolve(name, gpus_available=here == "cuda")
+    return got
 
 
 def default_backend() -> str:
     """gloo on CPU. On GPU both: CUDA tensors go over nccl, CPU tensors (metric vectors, fingerprints,
     object collectives) over gloo, so no small CPU-side collective needs a device round trip; megatron's
     groups (new_group with backend=None) inherit both."""
-    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    return "cpu:gloo,cuda:nccl" if device.on_gpu() else "gloo"
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500,
@@ -45,9 +43,8 @@ def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1",
     cpu_compat.apply()
     if dist.is_initialized():
         return
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
-        torch.cuda.set_device(local_rank)
+    if device.on_gpu():
+        torch.cuda.set_device(device.local_ordinal(rank, torch.cuda.device_count(), os.environ.get("LOCAL_RANK")))
     dist.init_process_group(
         backend=backend or default_backend(),
         init_method=f"tcp://{master_addr}:{master_port}",

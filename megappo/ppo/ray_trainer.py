@@ -190,7 +190,11 @@ class RayPPOTrainer:
         if self.async_mode:
             spec["rollout"] = [res.rollout_workers]
             mapping[Role.Rollout] = "rollout"
-        use_gpu = res.device == "cuda" or (res.device == "auto" and torch.cuda.is_available())
+        # one decision for every worker (parallel/device.py): auto = GPUs when the Ray cluster has them
+        import ray
+
+        from megappo.parallel import device
+        use_gpu = device.resolve(res.device, gpus_available=ray.cluster_resources().get("GPU", 0) > 0) == "cuda"
         mgr = self.resource_pool_manager = ResourcePoolManager(spec, mapping, use_gpu=use_gpu,
                                                                cpus_per_bundle=res.cpus_per_worker)
         mgr.create_resource_pool()

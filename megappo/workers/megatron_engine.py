@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from megappo.config.schema import OptimConfig
-from megappo.models.gpt import build_gpt_chunks, build_transformer_config, have_transformer_engine, load_hf_config, \
+from megappo.models.gpt import build_gpt_chunks, build_transformer_config, load_hf_config, use_transformer_engine, \
     load_hf_weights
 from megappo.models.logprobs import vocab_parallel_logprobs
 from megappo.parallel.layout import ParallelLayout
@@ -67,6 +67,7 @@ class EngineConfig:
     offload: bool = False  # keep params / grads / optimizer states in host memory outside `resident()`
     seed: int = 1234
     on_nan: str = "skip"  # a non-finite loss: skip the optimizer step (nan_skipped=1) | stop (FloatingPointError)
+    transformer_engine: Optional[bool] = None  # TE's layer spec on GPU: None = when usable (gpt.use_transformer_engine)
 
 
 def engine_config_from(cfg, role: str) -> EngineConfig:
@@ -85,6 +86,7 @@ def engine_config_from(cfg, role: str) -> EngineConfig:
         offload=bool(getattr(section, "offload", False)),
         seed=int(cfg.trainer.seed),
         on_nan=cfg.trainer.on_nan,
+        transformer_engine=cfg.model.transformer_engine,
     )
 
 
@@ -176,17 +178,18 @@ class MegatronEngine:
         self.tp_rank = mpu.get_tensor_model_parallel_rank()
         self.pp_rank = mpu.get_pipeline_model_parallel_rank()
         self.dp_rank = mpu.get_data_parallel_rank()
+        self.uses_te = use_transformer_engine(self.config.device, self.config.transformer_engine)
         self.tf_config = build_transformer_config(self.hf_config, layout, device=self.config.device,
                                                   params_dtype=self.config.params_dtype,
                                                   recompute=self.config.recompute,
-                                                  sequence_parallel=self.config.sequence_parallel)
+                                                  sequence_parallel=self.config.sequence_parallel,
+                                                  use_te=self.uses_te)
         self.device = torch.device(self.config.device)
-        self.uses_te = have_transformer_engine(self.config.device)  # build_gpt_chunks picks TE's spec likewise
-        # built on the CPU (same weights at any TP), then moved before the HF weights are copied in;
-        # megatron moves nothing itself (a forward-only model would otherwise stay on the CPU)
+        # megatron allocates on the GPU itself (on CPU: on the host); what it leaves elsewhere (the value
+        # head) moves before the HF weights are copied in
         chunks = [c.to(self.device) for c in build_gpt_chunks(self.hf_config, self.tf_config, layout,
                                                                value_head=self.value_head, seed=self.config.seed,
-                                                               device=self.config.device)]
+                                                               use_te=self.uses_te)]
         # the LM / value head runs on the R output columns only (see _head_on_outputs); not under sequence
         # parallel, where the head's input is a sequence shard that the head all-gathers itself
         self._out_index = None
@@ -423,7 +426,7 @@ class MegatronEngine:
         {"values"} [B, R]. On the last pipeline stage (every TP rank); None on the other stages."""
         for m in self.model:
             m.eval()
-        with self.resident():
+        with self.resident(parts=["params"]):  # a forward needs the weights only: optimizer and grads stay off
             store = self._run(batch, response_length, micro_batch_size, True, None, None, temperature,
                               compute_entropy)
         if not self.is_last_stage:

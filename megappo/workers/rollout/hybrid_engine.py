@@ -34,6 +34,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megappo.parallel import device
 from megappo.parallel.resharding import Resharder
 from megappo.protocol import DataProto
 from megappo.utils.checkpoint import rng_state, set_rng_state
@@ -119,7 +120,7 @@ class HybridEngine:
     def __exit__(self, *exc) -> None:
         try:
             self.rollout.sleep()
-            if torch.cuda.is_available():
+            if device.on_gpu():
                 torch.cuda.empty_cache()
         finally:
             set_rng_state(self._rng)

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megappo.parallel import device
 from megappo.workers.rollout.fingerprint import compare, tensor_fingerprint, tolerance_for, with_tied_head
 from megappo.workers.rollout.hybrid_engine import WeightSyncError
 
@@ -43,7 +44,7 @@ class StatelessGroup:
 
     def __init__(self, host: str, port: int, rank: int, world: int, backend: Optional[str] = None,
                  timeout_s: float = 600.0):
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = backend or ("nccl" if device.on_gpu() else "gloo")
         timeout = datetime.timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(host, int(port), world, is_master=rank == 0, timeout=timeout)
         prefixed = dist.PrefixStore("megappo_weight_sync", self.store)

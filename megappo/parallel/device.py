@@ -1,0 +1,70 @@
+"""Which device a process computes on: one value, decided once, read everywhere.
+
+The driver resolves `resources.device` (auto | cpu | cuda) against the cluster (`resolve`) and starts
+every worker with `worker_env(device)`: MEGAPPO_DEVICE=cpu|cuda, and for CPU workers an empty
+CUDA_VISIBLE_DEVICES (Ray >= 2.48 leaves a GPU-less actor the node's value, so a CPU run on a GPU
+machine would otherwise see the GPUs: megatron on the CPU, nccl and vLLM on the GPU). Inside a
+process `current()` answers from MEGAPPO_DEVICE; a process started without it (a CLI tool, a test)
+falls back to whether torch sees a GPU. The CPU shims, vLLM's engine kwargs, the process-group
+backends and the engine's placement all ask `on_gpu()`, so they can never disagree.
+
+    local_ordinal(rank, visible, local_rank)   # the CUDA ordinal a rank uses (0 inside a Ray actor)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional
+
+ENV = "MEGAPPO_DEVICE"
+DEVICES = ("cpu", "cuda")
+
+
+def resolve(name: str, gpus_available: bool) -> str:
+    """`resources.device` -> "cpu" | "cuda": auto picks cuda when the cluster (or this process) has GPUs."""
+    if name == "auto":
+        return "cuda" if gpus_available else "cpu"
+    if name not in DEVICES:
+        raise ValueError(f"resources.device={name!r}: choose auto, cpu or cuda")
+    if name == "cuda" and not gpus_available:
+        raise RuntimeError("resources.device=cuda but no GPU is visible (check CUDA_VISIBLE_DEVICES and the "
+                           "GPUs Ray reports for the nodes); set resources.device=cpu or auto")
+    return name
+
+
+def worker_env(device: str) -> dict[str, str]:
+    """The environment a worker of a `device` run starts with (before torch or vLLM look for a GPU)."""
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r}: choose one of {DEVICES}")
+    env = {ENV: device}
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # torch, vLLM's torch calls and nccl see no GPU
+    return env
+
+
+def current(environ: Optional[Mapping[str, str]] = None) -> str:
+    """This process's device: MEGAPPO_DEVICE when the driver set it, else cuda iff torch sees a GPU."""
+    value = (os.environ if environ is None else environ).get(ENV, "")
+    if value:
+        if value not in DEVICES:
+            raise ValueError(f"{ENV}={value!r}: expected one of {DEVICES}")
+        return value
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def on_gpu() -> bool:
+    return current() == "cuda"
+
+
+def local_ordinal(rank: int, visible: int, local_rank: Optional[str] = None) -> int:
+    """The CUDA ordinal rank `rank` uses. One visible GPU (a Ray actor's CUDA_VISIBLE_DEVICES is its own
+    GPU): ordinal 0, whatever LOCAL_RANK the job script exported. Several (torchrun on a node): LOCAL_RANK,
+    else rank modulo the visible count."""
+    if visible <= 1:
+        return 0
+    ordinal = int(local_rank) if local_rank not in (None, "") else rank % visible
+    if not 0 <= ordinal < visible:
+        raise ValueError(f"LOCAL_RANK={local_rank} but this process sees {visible} GPUs (0..{visible - 1})")
+    return ordinal

@@ -1,0 +1,162 @@
+"""The GPU path's decisions, checked where a CPU can reach them (no GPU in CI): Transformer Engine
+detection and the model's GPU build switches, `make gpu-check`'s own failure modes and its log-prob
+parity row (run for real on the CPU, once as is and once with the trainer's weights perturbed after
+the rollout: the row must fail), and the pins it reads. What a CPU cannot run (TE kernels, nccl,
+vLLM's CUDA communicators) is read from the pinned packages in docs/ENVIRONMENT.md."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+# ---- Transformer Engine: probe what megatron uses, say what is missing ----------------------------------
+
+@pytest.fixture
+def broken_te(tmp_path, monkeypatch):
+    """A `transformer_engine` package that fails like TE 2.11's half install: its __init__ raises
+    RuntimeError (it swallows the ImportError of the missing framework extension)."""
+    pkg = tmp_path / "transformer_engine"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "raise RuntimeError('Could not find shared object file for Transformer Engine torch lib.')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "transformer_engine" or m.startswith("transformer_engine.")]:
+        monkeypatch.delitem(sys.modules, name)
+    return pkg
+
+
+def test_half_installed_te_is_reported_not_raised(broken_te):
+    from megappo.models.gpt import transformer_engine_problem, use_transformer_engine
+
+    problem = transformer_engine_problem()
+    assert problem and "RuntimeError" in problem and "shared object" in problem
+    with pytest.warns(UserWarning, match="Transformer Engine not usable .*local layer spec"):
+        assert use_transformer_engine("cuda", None) is False
+    with pytest.raises(RuntimeError, match=r"model.transformer_engine=true but Transformer Engine is not usable "
+                                           r"\(import transformer_engine.pytorch failed: RuntimeError"):
+        use_transformer_engine("cuda", True)
+    assert use_transformer_engine("cuda", False) is False
+    assert use_transformer_engine("cpu", None) is False
+    with pytest.raises(ValueError, match="model.transformer_engine=true needs resources.device=cuda"):
+        use_transformer_engine("cpu", True)
+
+
+def test_gpu_build_allocates_on_the_device_with_the_fusions_available():
+    """CPU: host init, no fused kernel. GPU: no host copy of the weights (use_cpu_initialization off),
+    megatron's jit fusions on, TE's fused RoPE only with TE, fused wgrad accumulation only with apex's
+    extension (megatron's own ColumnParallelLinear raises without it)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megappo.models.gpt import gpu_build_kwargs
+
+    cpu = gpu_build_kwargs(on_gpu=False, use_te=True)
+    assert cpu["use_cpu_initialization"] and not any(v for k, v in cpu.items() if k != "use_cpu_initialization")
+    gpu = gpu_build_kwargs(on_gpu=True, use_te=True, rope_fusion_available=True, grad_accum_fusion_available=False)
+    assert not gpu["use_cpu_initialization"]
+    assert gpu["bias_dropout_fusion"] and gpu["bias_activation_fusion"] and gpu["apply_rope_fusion"]
+    assert not gpu["gradient_accumulation_fusion"]
+    local = gpu_build_kwargs(on_gpu=True, use_te=False, rope_fusion_available=True, grad_accum_fusion_available=True)
+    assert not local["apply_rope_fusion"] and not local["gradient_accumulation_fusion"]
+    # megatron accepts the GPU switches for a llama-style (SwiGLU, no bias) model
+    TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                      gated_linear_unit=True, activation_func=__import__("torch").nn.functional.silu,
+                      add_bias_linear=False, **{**local, "apply_rope_fusion": False})
+
+
+# ---- make gpu-check -----------------------------------------------------------------------------------
+
+def test_gpu_check_reads_the_pins():
+    from tools.gpu_check import pinned_versions
+
+    pins = pinned_versions()
+    assert pins["vllm"] == "==0.32.0" and pins["torch"] == "==2.13.0" and pins["megatron-core"] == "==0.16.1"
+    assert pins["transformer-engine"] == "==2.11.0" and pins["transformers"].startswith(">=")
+
+
+def test_gpu_check_without_a_gpu_stack_fails_naming_the_venv():
+    """This venv is the CPU stack: a GPU check run with it must fail (it used to print "skipped", exit 0)."""
+    res = subprocess.run([sys.executable, "tools/gpu_check.py"], cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "gpu-check: FAILED: no GPU stack" in res.stderr and sys.prefix in res.stderr, res.stderr
+
+
+@pytest.mark.slow
+def test_gpu_check_parity_row_measures_the_trainer(ray_session, tmp_path):
+    """gpu_check's run on the CPU (fp32): the parity row compares vLLM with the actor's own forward,
+    so it passes with a small non-zero gap, and fails when the actor's weights are perturbed after the
+    rollout (before pi_old's forward). With pi_old copied from vLLM (ppo_tiny's
+    use_rollout_log_probs) the gap would be 0.0 whatever the weights."""
+    import ray
+
+    from megappo.config.loader import load_config
+    from megappo.ppo.ray_trainer import RayPPOTrainer
+    from tools.gpu_check import run_overrides, run_rows
+
+    overrides = run_overrides(tmp_path, steps=2, tp=1, gpus=2, device="cpu", dtype="fp32")
+    cfg = load_config(REPO / "configs/ppo_tiny.yaml", overrides + ["trainer.val_every=0", "trainer.export_hf=false"])
+    trainer = RayPPOTrainer(cfg, show_progress=False)
+
+    def _perturb_actor(worker, scale: float = 1.05):  # runs in each actor worker (defined here: pickled by value)
+        import torch
+
+        with torch.no_grad(), worker.actor.resident(parts=["params"]):  # offloaded between phases
+            for chunk in worker.actor.inner_chunks():
+                for p in chunk.parameters():
+                    p.mul_(scale)
+
+    def perturb_before_step_2_pi_old(phase: str, step: int) -> None:
+        if (phase, step) == ("old_log_prob", 2):
+            ray.get([w.__ray_call__.remote(_perturb_actor) for w in trainer.actor_wg.workers])
+
+    trainer.fault_hook = perturb_before_step_2_pi_old
+    try:
+        trainer.init_workers()
+        history = trainer.fit()
+    finally:
+        trainer.shutdown()
+    assert len(history) == 2
+    step1, step2 = (run_rows("cpu", [row], 1, dtype="fp32")[2] for row in history)  # (name, ok, detail)
+    assert step1[1], step1  # same weights: within the fp32 bound
+    assert 0.0 < history[0]["rollout/logprob_diff_mean"] < 1e-4  # measured, not a copy
+    assert not step2[1] and history[1]["rollout/logprob_diff_mean"] > 1e-3, step2  # the row can fail
+
+
+# ---- vLLM with TP >= 2, one GPU per process ------------------------------------------------------------
+
+def test_gpu_rollout_turns_off_the_all_reduces_that_assume_a_whole_node(monkeypatch):
+    """Each hybrid-engine process sees one GPU; vLLM 0.32's CustomAllreduce indexes CUDA_VISIBLE_DEVICES
+    by TP rank (IndexError), symmetric-memory and FlashInfer all-reduce share device memory between
+    processes that cannot see each other's GPU. The GPU engine kwargs and env turn them off, and vLLM
+    accepts each name (a renamed knob would silently do nothing)."""
+    import vllm.envs
+    from vllm.config import CompilationConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from megappo.config.schema import RolloutConfig
+    from megappo.parallel import device
+    from megappo.workers.rollout import vllm_rollout
+
+    monkeypatch.setenv(device.ENV, "cuda")
+    r = vllm_rollout.VLLMRollout.__new__(vllm_rollout.VLLMRollout)
+    r.model_path, r.config, r.seed, r.tp = "m", RolloutConfig(tp=2), 0, 2
+    kw = r._engine_kwargs(None, 64, None, "auto")
+    assert kw["disable_custom_all_reduce"] is True and kw["dtype"] == "bfloat16" and kw["enable_sleep_mode"]
+    assert CompilationConfig(**kw["compilation_config"]).pass_config.fuse_allreduce_rms is False
+    assert "disable_custom_all_reduce" in {f.name for f in __import__("dataclasses").fields(EngineArgs)}
+    assert set(vllm_rollout.ONE_GPU_PER_PROCESS_ENV) <= set(vllm.envs.environment_variables)
+    for k in vllm_rollout.ONE_GPU_PER_PROCESS_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(vllm_rollout, "_ENV_DONE", False)
+    vllm_rollout.setup_env(tp=2)
+    assert all(os.environ[k] == v for k, v in vllm_rollout.ONE_GPU_PER_PROCESS_ENV.items())
+    monkeypatch.setenv(device.ENV, "cpu")  # the CPU engine keeps its own kwargs
+    assert "disable_custom_all_reduce" not in r._engine_kwargs(None, 64, None, "auto")
