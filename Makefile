@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-$(shell cat requirements-cpu.txt constraints-cpu.txt setup.py Makefile | sha1sum | cut -c1-12)
 
-.PHONY: install system-deps demo smollm2 test test-fast gpu-check clean-venv trl-venv
+.PHONY: install install-gpu system-deps demo smollm2 test test-fast gpu-check clean-venv trl-venv
 
 install: $(STAMP)
 
@@ -82,11 +82,19 @@ test: install system-deps
 test-fast: install
 	$(PY) -m pytest -q tests -m "not slow"
 
-# The first command on a GPU machine, run with the GPU env's python (requirements-gpu.txt): the CUDA stack
-# against the pins, then the tiny config through every GPU-only path, as a pass/fail table. Without a
-# visible GPU it prints "skipped" and exits 0.
-GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+# The GPU stack in its own venv (.venv-gpu): build tools, CUDA torch, requirements-gpu.txt, then
+# Transformer Engine (requirements-gpu-te.txt, compiled: needs nvcc >= 12), then megappo.
+# APEX=1 also builds NVIDIA apex at its pinned commit.
+GPU_VENV ?= .venv-gpu
+install-gpu:
+	scripts/install_gpu.sh --venv $(GPU_VENV) --python $(PYTHON)
+
+# The first command on a GPU machine (after install-gpu): the CUDA stack against the pins, then the tiny
+# config through every GPU-only path, as a pass/fail table. It fails when the venv it runs has no GPU
+# stack (the CPU .venv) or sees no GPU. GPU_PY=<python> runs it with another env's python.
+GPU_PY ?= $(GPU_VENV)/bin/python
 gpu-check:
+	@test -x $(GPU_PY) || { echo "gpu-check: no GPU stack: $(GPU_PY) not found; run make install-gpu (or GPU_PY=<the GPU env's python>)" >&2; exit 1; }
 	$(GPU_PY) tools/gpu_check.py
 
 clean-venv:

@@ -34,7 +34,8 @@ def broken_te(tmp_path, monkeypatch):
 
 
 def test_half_installed_te_is_reported_not_raised(broken_te):
-    from megappo.models.gpt import transformer_engine_problem, use_transformer_engine
+    from megappo.models.gpt import use_transformer_engine
+    from megappo.parallel.device import transformer_engine_problem
 
     problem = transformer_engine_problem()
     assert problem and "RuntimeError" in problem and "shared object" in problem
@@ -47,6 +48,13 @@ def test_half_installed_te_is_reported_not_raised(broken_te):
     assert use_transformer_engine("cpu", None) is False
     with pytest.raises(ValueError, match="model.transformer_engine=true needs resources.device=cuda"):
         use_transformer_engine("cpu", True)
+    # megatron-core 0.16.1 itself imports TE and catches only ImportError: `import megatron.core` fails
+    # too, and the worker says why in one line (a fresh process: this one has megatron imported already)
+    proc = subprocess.run([sys.executable, "-c", "from megappo.parallel.megatron_init import import_megatron\n"
+                           "try:\n    import_megatron()\nexcept RuntimeError as e:\n    print(e)"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(broken_te.parent)})
+    assert "megatron-core cannot be imported because Transformer Engine is installed but broken" in proc.stdout, \
+        proc.stdout + proc.stderr[-2000:]
 
 
 def test_gpu_build_allocates_on_the_device_with_the_fusions_available():
@@ -160,3 +168,22 @@ def test_gpu_rollout_turns_off_the_all_reduces_that_assume_a_whole_node(monkeypa
     assert all(os.environ[k] == v for k, v in vllm_rollout.ONE_GPU_PER_PROCESS_ENV.items())
     monkeypatch.setenv(device.ENV, "cpu")  # the CPU engine keeps its own kwargs
     assert "disable_custom_all_reduce" not in r._engine_kwargs(None, 64, None, "auto")
+
+
+# ---- the GPU install steps, in a fresh venv, up to the first CUDA-only line ---------------------------
+
+@pytest.mark.slow
+def test_gpu_install_steps_work_in_a_fresh_venv_until_cuda_is_needed(tmp_path):
+    """scripts/install_gpu.sh --skip-stack: build tools, torch, then Transformer Engine's build under
+    --no-build-isolation. Without a CUDA torch TE's setup.py stops at its first CUDA-only line (it reads
+    torch.version.cuda); what must not happen first is a missing build tool ("No module named 'wheel'",
+    the old README steps in a fresh venv). Also: `make gpu-check` without the GPU venv fails, naming it."""
+    proc = subprocess.run(["bash", "scripts/install_gpu.sh", "--venv", str(tmp_path / "venv"), "--python",
+                           "python3.11", "--skip-stack"], cwd=REPO, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert "[install-gpu] 1/5" in out and "[install-gpu] 2/5 torch==2.13.0" in out and "[install-gpu] 4/5" in out, out
+    assert "No module named 'wheel'" not in out and "No module named 'packaging'" not in out, out[-3000:]
+    assert proc.returncode != 0 and "Invalid version: None" in out, out[-3000:]  # torch.version.cuda is None
+    make = subprocess.run(["make", "-s", "gpu-check", f"GPU_VENV={tmp_path / 'nothing'}"], cwd=REPO,
+                          capture_output=True, text=True)
+    assert make.returncode != 0 and f"{tmp_path / 'nothing'}/bin/python not found" in make.stderr, make.stderr

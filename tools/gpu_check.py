@@ -1,7 +1,7 @@
 """The first command to run on a GPU machine: `make gpu-check` (= python tools/gpu_check.py).
 
-1. The CUDA stack against the pins in requirements-gpu.txt (torch, vllm, megatron-core,
-   transformer-engine, ray, transformers).
+1. The CUDA stack against the pins in requirements-gpu.txt and requirements-gpu-te.txt (torch, vllm,
+   megatron-core, transformer-engine, ray, transformers).
 2. The tiny config for a few PPO steps through every GPU-only path: resources.device=cuda, bf16
    (megatron mixed precision + vLLM bf16), Transformer Engine's layer spec when TE is installed,
    nccl process groups, vLLM on CUDA with sleep (level 2) / wake around each rollout, the direct
@@ -28,18 +28,19 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# pins that live in requirements-gpu.txt's comments (installed by hand there)
-COMMENT_PINS = {"transformer-engine": "==2.11.0"}
+# the files scripts/install_gpu.sh installs from (make install-gpu): every pin is read from them
+PIN_FILES = (REPO / "requirements-gpu.txt", REPO / "requirements-gpu-te.txt")
 
 
-def pinned_versions(path: Path = REPO / "requirements-gpu.txt") -> dict[str, str]:
-    """name -> pinned spec (`==x` or a range) from requirements-gpu.txt (+ the hand-installed TE pin)."""
-    pins = dict(COMMENT_PINS)
-    for line in path.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        m = re.match(r"^([A-Za-z0-9_.\-]+)\s*((?:==|>=|<=|<|>)[^\s]+)$", line)
-        if m:
-            pins[m.group(1).lower()] = m.group(2)
+def pinned_versions(paths=PIN_FILES) -> dict[str, str]:
+    """name -> pinned spec (`==x` or a range) from the GPU requirements files (extras dropped)."""
+    pins = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            m = re.match(r"^([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?\s*((?:==|>=|<=|<|>)[^\s]+)$", line)
+            if m:
+                pins[m.group(1).lower()] = m.group(2)
     return pins
 
 

@@ -14,22 +14,10 @@ from typing import Callable, Optional
 
 import torch
 
+from megappo.parallel.device import transformer_engine_problem
 from megappo.parallel.layout import ParallelLayout
 from megappo.parallel.weight_mapping import ModelDims, global_named_parameters, hf_names, hf_to_megatron_shard, rope_theta, \
     transformer_config_kwargs
-
-
-def transformer_engine_problem() -> Optional[str]:
-    """None when Transformer Engine's PyTorch layers import; else one line saying why not. Probes what
-    megatron uses (`transformer_engine.pytorch`), not the top-level package: TE 2.11's `__init__` turns a
-    missing framework extension into a RuntimeError, and a half-installed one fails with OSError
-    (a .so that does not load) or ImportError."""
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - ImportError, RuntimeError, OSError: all mean "not usable"
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        return f"import transformer_engine.pytorch failed: {type(e).__name__}: {first}"
-    return None
 
 
 def use_transformer_engine(device: str, want: Optional[bool] = None) -> bool:

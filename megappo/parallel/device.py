@@ -9,6 +9,7 @@ falls back to whether torch sees a GPU. The CPU shims, vLLM's engine kwargs, the
 backends and the engine's placement all ask `on_gpu()`, so they can never disagree.
 
     local_ordinal(rank, visible, local_rank)   # the CUDA ordinal a rank uses (0 inside a Ray actor)
+    transformer_engine_problem()               # None, or why TE's PyTorch layers cannot be used here
 """
 
 from __future__ import annotations
@@ -68,3 +69,17 @@ def local_ordinal(rank: int, visible: int, local_rank: Optional[str] = None) -> 
     if not 0 <= ordinal < visible:
         raise ValueError(f"LOCAL_RANK={local_rank} but this process sees {visible} GPUs (0..{visible - 1})")
     return ordinal
+
+
+def transformer_engine_problem() -> Optional[str]:
+    """None when Transformer Engine's PyTorch layers import; else one line saying why not. Probes what
+    megatron uses (`transformer_engine.pytorch`), not the top-level package, whose `__init__` (TE 2.11.0)
+    swallows an ImportError of `.pytorch` and only warns about a missing extension; the probe itself
+    raises ImportError, FileNotFoundError / OSError (a .so missing or not loading), RuntimeError (the
+    meta package alone) or AssertionError (core and extension versions differ): docs/ENVIRONMENT.md."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - ImportError, RuntimeError, OSError: all mean "not usable"
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        return f"import transformer_engine.pytorch failed: {type(e).__name__}: {first}"
+    return None

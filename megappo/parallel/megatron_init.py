@@ -54,8 +54,26 @@ def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1",
     )
 
 
+def import_megatron() -> None:
+    """`import megatron.core`, or one line on why not. megatron-core 0.16.1 imports Transformer Engine
+    whenever it is installed and catches only ImportError (core/utils.py:78-86), so a half-installed TE
+    (FileNotFoundError, RuntimeError, AssertionError from its loader) breaks megatron itself."""
+    try:
+        import megatron.core  # noqa: F401
+    except Exception as e:
+        import importlib.util
+
+        if importlib.util.find_spec("transformer_engine") is None:
+            raise
+        raise RuntimeError(f"megatron-core cannot be imported because Transformer Engine is installed but broken "
+                           f"({device.transformer_engine_problem() or f'{type(e).__name__}: {e}'}): reinstall it as "
+                           "requirements-gpu-te.txt says (make install-gpu) or uninstall transformer_engine, "
+                           "transformer_engine_cu12/_cu13 and transformer_engine_torch") from e
+
+
 def init_megatron(layout: ParallelLayout, seed: int = 1234) -> None:
     """megatron parallel_state groups for `layout` (order tp-cp-ep-dp-pp) and the model-parallel RNG."""
+    import_megatron()
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
