@@ -11,8 +11,14 @@ and, with `--config <output_dir>/config.json` (or the run's YAML), the same prom
 (chat template, max_prompt_length, prompt_key), max_new_tokens, stop ids and validation files, so a
 greedy eval of an export repeats the run's last `eval/*`.
 
-Prints one line per data_source (accuracy, mean length in tokens, % ended with a stop token) and an
-`all` line; `--out` writes the same as JSON (+ the eval/* keys the trainer logs).
+Several --data files (their prompts may differ in length) are generated and scored one file at a
+time and reported per file and overall. Without --config the prompt and response lengths default
+to what the model's positions hold (512 + 256, shortened to fit; a length given explicitly that does
+not fit is refused in one line).
+
+Prints one line per data_source (accuracy, mean length in tokens, % ended with a stop token), one per
+file when there are several, and an `all` line; `--out` writes the same as JSON (+ the eval/* keys
+the trainer logs).
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _settings(args) -> dict:
     """Prompt / generation / reward settings: defaults < the run's config < command-line flags."""
-    s = dict(DEFAULTS, data=None)
+    s = dict(DEFAULTS, data=None, explicit=set())  # explicit: lengths the user chose (never shortened)
     if args.config:
         from megappo.config import ConfigError, load_config
 
@@ -67,9 +73,11 @@ def _settings(args) -> dict:
                  stop_token_ids=list(cfg.rollout.stop_token_ids), non_stop_penalty=cfg.reward.non_stop_penalty,
                  non_stop_penalty_value=cfg.reward.non_stop_penalty_value, data=list(cfg.data.val_files),
                  batch_size=cfg.data.val_batch_size)
+        s["explicit"] = {"max_new_tokens", "max_prompt_length"}
     for key in ("max_new_tokens", "max_prompt_length"):
         if getattr(args, key) is not None:
             s[key] = getattr(args, key)
+            s["explicit"].add(key)
     if args.data:
         s["data"] = list(args.data)
     if not s["data"]:
@@ -106,6 +114,22 @@ def resolve_model(path: Path, tmp: Path) -> Path:
         return tmp / "hf"
     raise EvalError(f"--model {path} is neither a HF model dir (config.json + *.safetensors) nor a megappo "
                     "checkpoint (checkpoints/step_N)")
+
+
+def fit_lengths(settings: dict, positions: int, model) -> tuple[int, int]:
+    """(max_prompt_length, max_new_tokens) within the model's `positions`: a default is shortened to fit
+    (the prompt first); lengths the user chose that do not fit are refused in one line."""
+    prompt, new = settings["max_prompt_length"], settings["max_new_tokens"]
+    over = prompt + new - positions
+    if over <= 0:
+        return prompt, new
+    explicit = settings.get("explicit", set())
+    if "max_prompt_length" not in explicit and prompt - over >= 16:
+        return prompt - over, new
+    if "max_new_tokens" not in explicit and new - over >= 1:
+        return prompt, new - over
+    raise EvalError(f"max prompt length {prompt} + max new tokens {new} = {prompt + new} exceeds the {positions} "
+                    f"positions of {model}; lower --max-prompt-length or --max-new-tokens")
 
 
 def _tokenizer(model_dir: Path):
@@ -154,39 +178,55 @@ def evaluate(model, data: list[str], settings: dict, n_samples: int = 1, tempera
     from megappo.workers.rollout.sampling import SamplingSpec
     from megappo.workers.rollout.vllm_rollout import VLLMRollout
 
+    from transformers import AutoConfig
+
     with tempfile.TemporaryDirectory(prefix="megappo-eval-") as tmp:
         model_dir = resolve_model(Path(model), Path(tmp))
         tok = _tokenizer(model_dir)
-        try:
-            dataset = RLHFDataset(data, tok, settings["prompt_key"], settings["max_prompt_length"],
-                                  settings["apply_chat_template"])
-        except (FileNotFoundError, ValueError) as e:
-            raise EvalError(str(e)) from None
+        prompt_len, new_tokens = fit_lengths(settings, AutoConfig.from_pretrained(str(model_dir)).max_position_embeddings,
+                                             model)
+        datasets = []
+        for file in data:  # one file at a time: files differ in prompt length, batches never mix them
+            try:
+                datasets.append(RLHFDataset([file], tok, settings["prompt_key"], prompt_len,
+                                            settings["apply_chat_template"]))
+            except (FileNotFoundError, ValueError) as e:
+                raise EvalError(str(e)) from None
         temperature = (1.0 if n_samples > 1 else 0.0) if temperature is None else temperature
         sample = n_samples > 1 or temperature > 0
         cfg = RolloutConfig(n=n_samples, temperature=temperature if sample else 1.0,
-                            max_new_tokens=settings["max_new_tokens"], stop_token_ids=settings["stop_token_ids"],
+                            max_new_tokens=new_tokens, stop_token_ids=settings["stop_token_ids"],
                             kv_cache_memory_mb=kv_cache_mb)
         rollout = VLLMRollout(model_dir, cfg, seed=seed, dtype=None if dtype == "auto" else dtype,
-                              max_model_len=settings["max_prompt_length"] + settings["max_new_tokens"])
+                              max_model_len=prompt_len + new_tokens)
         spec = SamplingSpec.from_config(cfg)
         spec = spec.with_seed(seed) if sample else spec.greedy()
-        parts = []
-        for i in range(0, len(dataset), settings["batch_size"]):
-            prompts = dataset.get_batch(range(i, min(i + settings["batch_size"], len(dataset))))
-            prompts.meta_info["sampling"] = spec.with_seed(spec.seed + i * n_samples) if sample else spec
-            parts.append(rollout.generate_sequences(prompts))
-        out = DataProto.concat(parts)
         manager = RewardManager(tok, 0, settings["non_stop_penalty"], settings["non_stop_penalty_value"],
                                 stop_token_ids=settings["stop_token_ids"])
-        try:
-            rows = manager.score_rows(out)
-        except (KeyError, ValueError) as e:
-            raise EvalError(str(e)) from None
+        rows, responses, by_file, first = [], [], {}, 0
+        for file, dataset in zip(data, datasets):
+            file_rows = []
+            for i in range(0, len(dataset), settings["batch_size"]):
+                prompts = dataset.get_batch(range(i, min(i + settings["batch_size"], len(dataset))))
+                # a sampled eval's seed per prompt, counted over every file (the same as one file holding all)
+                prompts.meta_info["sampling"] = spec.with_seed(spec.seed + (first + i) * n_samples) if sample else spec
+                part = rollout.generate_sequences(prompts)
+                try:
+                    file_rows += manager.score_rows(part)
+                except (KeyError, ValueError) as e:
+                    raise EvalError(str(e)) from None
+                # prompts differ in width from batch to batch; the responses all have max_new_tokens columns
+                responses.append(part.select(batch_keys=[k for k in ("responses", "response_mask", "stopped")
+                                                         if k in part.batch], meta_info_keys=[]))
+            by_file[str(file)] = _summary(file_rows, n_samples)["all"]
+            rows += file_rows
+            first += len(dataset)
+        out = DataProto.concat(responses)
         _, reward_metrics = manager.aggregate(rows, out)
         report = {"model": str(model), "data": [str(d) for d in data], "n_samples": n_samples,
-                  "temperature": temperature if sample else 0.0, "max_new_tokens": settings["max_new_tokens"],
-                  "num_filtered_prompts": dataset.num_filtered, "by_source": _summary(rows, n_samples)}
+                  "temperature": temperature if sample else 0.0, "max_new_tokens": new_tokens,
+                  "max_prompt_length": prompt_len, "num_filtered_prompts": sum(d.num_filtered for d in datasets),
+                  "by_source": _summary(rows, n_samples), "by_file": by_file}
         if not sample:
             report.update(eval_metrics(out, reward_metrics))
         return report
@@ -222,7 +262,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"megappo eval: {e}", file=sys.stderr)
         return 1
     k = report["n_samples"]
-    for source, m in report["by_source"].items():
+    per_file = report["by_file"] if len(report["by_file"]) > 1 else {}
+    for source, m in [*report["by_source"].items(), *per_file.items()]:
         extra = f"  pass@{k} {m[f'pass@{k}']:.3f}" if k > 1 else ""
         print(f"{source:>16}: accuracy {m['accuracy']:.3f}{extra}  mean length {m['mean_length']:.1f}  "
               f"stopped {100 * m['stop_rate']:.1f}%  ({m['num_prompts']} prompts)")

@@ -55,8 +55,9 @@ def export_checkpoint(ckpt, out, role: str = "actor", dtype: Optional[str] = Non
     if not ckpt.is_dir():
         raise ExportError(f"checkpoint {ckpt} does not exist; pass <output_dir>/checkpoints/step_N")
     if not (ckpt / MANIFEST).exists() and (ckpt / "checkpoints").is_dir():
+        newest = sorted((ckpt / "checkpoints").glob("step_*"))
         raise ExportError(f"{ckpt} is a run's output dir; pass one of its checkpoints, e.g. "
-                          f"{sorted((ckpt / 'checkpoints').glob('step_*'))[-1:] or [ckpt / 'checkpoints/step_N']}")
+                          f"{newest[-1] if newest else ckpt / 'checkpoints' / 'step_N'}")
     if not is_complete(ckpt):
         raise ExportError(f"{ckpt} is a torn checkpoint (no valid {MANIFEST}: the save was cut short); "
                           "export an earlier step")

@@ -84,6 +84,24 @@ def test_eval_compare_lines_show_the_change_in_points():
     assert len(lines) == 2 and lines[1].split() == ["arithmetic", "0.250", "0.400", "+15.0pt"]
 
 
+def test_export_of_a_run_dir_names_its_newest_checkpoint_as_a_path(tmp_path):
+    run = tmp_path / "run"
+    for step in ("step_00000002", "step_00000004"):
+        (run / "checkpoints" / step).mkdir(parents=True)
+    rc, lines = _cli("export", "--ckpt", run, "--out", tmp_path / "hf")
+    _one_line(rc, lines, f"is a run's output dir; pass one of its checkpoints, e.g. {run / 'checkpoints' / 'step_00000004'}")
+    assert "PosixPath" not in lines[0] and "[" not in lines[0]
+
+
+def test_eval_lengths_that_do_not_fit_the_model(tiny_assets, tmp_path, parquet_dir):
+    """Defaults shrink to the model's 512 positions (tests/test_trainer runs the README's form); lengths
+    given explicitly are refused in one line naming the flags."""
+    rc, lines = _cli("eval", "--model", tiny_assets["tiny-llama"], "--data", parquet_dir / "arith_val.parquet",
+                     "--max-prompt-length", "400", "--max-new-tokens", "200")
+    _one_line(rc, lines, "max prompt length 400 + max new tokens 200 = 600 exceeds the 512 positions of")
+    assert "lower --max-prompt-length or --max-new-tokens" in lines[0]
+
+
 def test_export_missing_checkpoint(tmp_path):
     rc, lines = _cli("export", "--ckpt", tmp_path / "nope", "--out", tmp_path / "hf")
     _one_line(rc, lines, "does not exist; pass <output_dir>/checkpoints/step_N")

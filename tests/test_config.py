@@ -9,17 +9,25 @@ import pytest
 from megappo.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = sorted((REPO / "configs").glob("ppo_*.yaml"))
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))  # every shipped config, whatever its name
 TINY = REPO / "configs" / "ppo_tiny.yaml"
 
 
-def test_five_shipped_configs_validate():
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_config_validates(path):
+    """Each file in configs/ loads and passes the full check (its layout fits its pool, batches divide,
+    lengths fit the model). base.yaml is the defaults every other file starts from: it must hold too."""
+    cfg = load_config(path)
+    p = cfg.actor.parallel
+    assert p.tp * p.pp * p.dp == cfg.resources.nodes * cfg.resources.workers_per_node, path
+
+
+def test_the_shipped_configs_are_the_ones_the_readme_names():
     names = {p.name for p in CONFIGS}
-    assert {"ppo_tiny.yaml", "ppo_smollm2_135m.yaml", "ppo_7b.yaml", "ppo_13b.yaml", "ppo_70b.yaml"} <= names
-    for path in CONFIGS:
-        cfg = load_config(path)
-        p = cfg.actor.parallel
-        assert p.tp * p.pp * p.dp == cfg.resources.nodes * cfg.resources.workers_per_node, path
+    assert {"base.yaml", "ppo_tiny.yaml", "grpo_tiny.yaml", "ppo_smollm2_135m.yaml", "grpo_smollm2_135m.yaml",
+            "ppo_7b.yaml", "ppo_13b.yaml", "ppo_70b.yaml"} <= names
+    readme = (REPO / "README.md").read_text()
+    assert all(f"configs/{n}" in readme for n in names - {"base.yaml"}), sorted(n for n in names if f"configs/{n}" not in readme)
 
 
 def test_defaults_chain_and_overrides():

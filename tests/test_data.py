@@ -158,3 +158,29 @@ def test_preprocess_gsm8k_from_jsonl(tmp_path, tokenizer):
     bad.write_text(json.dumps({"question": "q", "answer": "no final line"}))
     with pytest.raises(ValueError, match="row 0.*####"):
         preprocess_gsm8k.main(["--input", str(bad), "--test-input", str(bad), "--out", str(tmp_path / "x")])
+
+
+def test_held_out_split_never_trains_on_a_val_problem_or_its_mirror(tmp_path):
+    """The SmolLM2 recipe's claim "problems it never saw": with --held-out (the Makefile's flags), no val
+    pair (a, b), nor its mirror (b, a), appears in train; val has the asked number of distinct pairs
+    and train still covers every other pair."""
+    import pyarrow.parquet as pq
+
+    from megappo.data.preprocess_arithmetic import main
+
+    main(["--out", str(tmp_path), "--held-out", "--min-operand", "0", "--max-operand", "30", "--val-size", "150",
+          "--train-size", "4096", "--instruction", "Give only the number."])
+    pairs = {split: [(r["extra_info"]["a"], r["extra_info"]["b"]) for r in
+                     pq.read_table(tmp_path / f"arith_{split}.parquet").to_pylist()] for split in ("train", "val")}
+    val = set(pairs["val"])
+    assert len(pairs["val"]) == len(val) == 150
+    seen = set(pairs["train"])
+    assert not val & seen and not {(b, a) for a, b in val} & seen
+    unordered_val = {(min(p), max(p)) for p in val}
+    every = {(a, b) for a in range(31) for b in range(31)}
+    assert seen == {(a, b) for a, b in every if (min(a, b), max(a, b)) not in unordered_val}
+    for split in ("train", "val"):
+        for r in pq.read_table(tmp_path / f"arith_{split}.parquet").to_pylist():
+            a, b = r["extra_info"]["a"], r["extra_info"]["b"]
+            assert r["reward_model"]["ground_truth"] == str(a + b)
+            assert r["prompt"][0]["content"] == f"What is {a} + {b}? Give only the number."

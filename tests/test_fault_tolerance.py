@@ -137,3 +137,44 @@ def test_a_failure_that_keeps_coming_back_ends_the_run_with_its_first_cause(ray_
     finally:
         trainer.shutdown()
     assert trainer.restarts == 1
+
+
+def test_a_hung_worker_is_restarted_and_the_run_matches_the_uninterrupted_one(sync_baseline, tiny_assets, data_dir,
+                                                                                 tmp_path):
+    """A worker busy past trainer.phase_timeout_s (here: a 600 s sleep queued on the critic's process just
+    before step 4's values phase, so that call never starts) is a hung worker: the driver says which
+    phase, tears every group down, resumes from the step-2 checkpoint and redoes steps 3 and 4 with the
+    uninterrupted run's metrics. Each step is kept once in metrics.jsonl and in TensorBoard (the redone
+    step 3 purges the first one)."""
+    import ray
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megappo.ppo.ray_trainer import RayPPOTrainer
+    from megappo.utils.tracking import read_metrics
+
+    baseline, _ = sync_baseline
+    out = tmp_path / "hung"
+    trainer = RayPPOTrainer(config(tiny_assets, data_dir, out, "trainer.phase_timeout_s=20"), show_progress=False)
+    hung = []
+
+    def hang_once(phase: str, step: int) -> None:
+        if (phase, step) == ("values", 4) and not hung:
+            worker = trainer.critic_wg.workers[0]
+            hung.append(worker.__ray_call__.remote(lambda self: __import__("time").sleep(600)))
+
+    trainer.fault_hook = hang_once
+    try:
+        trainer.init_workers()
+        history = trainer.fit()
+    finally:
+        trainer.shutdown()
+    assert hung and trainer.restarts == 1 and trainer.steps_redone == 1  # step 3 (done, then redone)
+    with pytest.raises(ray.exceptions.RayActorError):  # the sleeping process was killed by the restart
+        ray.get(hung[0], timeout=30)
+    assert_same_steps(baseline, history)
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+    tb = EventAccumulator(str(out / "tensorboard"))
+    tb.Reload()
+    scores = tb.Scalars("objective/scores")
+    assert [e.step for e in scores] == [1, 2, 3, 4], [e.step for e in scores]
+    assert [e.value for e in scores] == pytest.approx([h["objective/scores"] for h in baseline])

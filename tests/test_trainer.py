@@ -26,6 +26,7 @@ from megappo.ppo.metrics import OPEN_INSTRUCT_KEYS
 from trainer_utils import assert_same_steps, config as _config, run as _run
 
 REPO_CONFIG = "configs/ppo_tiny.yaml"
+REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 
 def test_sync_run_metrics_checkpoints_and_resume(sync_baseline, tiny_assets, data_dir, tmp_path):
@@ -98,6 +99,74 @@ def _check_export_and_eval(out, ckpt, last):
     report = json.loads((out / "eval.json").read_text())
     for key in ("eval/verifiable_correct_rate", "eval/scores", "eval/sequence_lengths", "eval/num_prompts"):
         assert report[key] == pytest.approx(last[key], abs=1e-9), (key, report[key], last[key])
+    _check_export_cli(out, ckpt, rows)
+    _check_eval_files_and_pass_at_k(out, hf)
+
+
+def _check_export_cli(out, ckpt, rows):
+    """`megappo export` as a user runs it: the actor gives hf_final's tensors bit for bit; `--role critic`
+    gives a *ForSequenceClassification whose score head (+ the kept score.bias) over transformers' hidden
+    states equals the checkpoint critic's Megatron values at every response position (fp32)."""
+    import argparse
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    from megappo.logprobs import score
+
+    for role in ("actor", "critic"):
+        proc = subprocess.run([sys.executable, "-m", "megappo.cli", "export", "--ckpt", str(ckpt), "--out",
+                               str(out / f"export_{role}"), "--role", role], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    tensors = lambda d: {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}  # noqa: E731
+    exported, final = tensors(out / "export_actor"), tensors(out / "hf_final")
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+    critic = AutoModelForSequenceClassification.from_pretrained(out / "export_critic", dtype=torch.float32).eval()
+    assert type(critic).__name__.endswith("ForSequenceClassification") and critic.config.num_labels == 1
+    args = argparse.Namespace(model=str(ckpt / "critic"), tp=1, pp=1, dp=1, vpp=None, critic=True, temperature=1.0,
+                              micro_batch_size=2, seed=1, device="cpu", input=str(out / "rows.jsonl"))
+    values = score(args)
+    # transformers' score head has no bias; a trained critic's is kept in the file as score.bias (the
+    # converter says so when it is non-zero): megappo loads it, a transformers user adds it
+    bias = tensors(out / "export_critic").get("score.bias", torch.zeros(1))
+    for i, row in enumerate(rows):
+        with torch.no_grad():
+            hidden = critic.base_model(torch.tensor([row["input_ids"]])).last_hidden_state[0]
+            per_position = critic.score(hidden)[:, 0] + bias
+        k = row["response_start"]  # the value of response token j is the state before it: position k - 1 + j
+        torch.testing.assert_close(values[f"values.{i}"], per_position[k - 1:-1], rtol=0, atol=1e-5)
+
+
+def _check_eval_files_and_pass_at_k(out, hf):
+    """The README's form (`megappo eval --model <hf_final> --data <file>`, no --config: the default lengths
+    must fit the tiny model's 512 positions) on two files whose prompts differ in length, sampled K=4 per
+    prompt: each file reported, the overall counts add up, pass@4 >= the per-sample accuracy."""
+    import json
+    import subprocess
+    import sys
+
+    from megappo.data.preprocess_arithmetic import main as make_data
+
+    make_data(["--out", str(out / "short"), "--train-size", "4", "--val-size", "6"])
+    make_data(["--out", str(out / "long"), "--train-size", "4", "--val-size", "5", "--seed", "3",
+               "--instruction", "Think about it, then answer with #### and the number, and nothing else."])
+    files = [out / "short" / "arith_val.parquet", out / "long" / "arith_val.parquet"]
+    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "eval", "--model", str(hf), "--data", *map(str, files),
+                           "--n-samples", "4", "--out", str(out / "eval_k.json")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "eval_k.json").read_text())
+    assert report["max_prompt_length"] + report["max_new_tokens"] <= 512
+    per_file = [report["by_file"][str(f)] for f in files]
+    assert [m["num_prompts"] for m in per_file] == [6, 5] and [m["num_responses"] for m in per_file] == [24, 20]
+    overall = report["by_source"]["all"]
+    assert overall["num_prompts"] == 11 and overall["num_responses"] == 44
+    assert overall["accuracy"] == pytest.approx((6 * 4 * per_file[0]["accuracy"] + 5 * 4 * per_file[1]["accuracy"]) / 44)
+    for m in (*per_file, overall):
+        assert m["accuracy"] <= m["pass@4"] <= 1.0
+    assert "pass@4" in proc.stdout and str(files[1]) in proc.stdout
     assert "arithmetic:" in proc.stdout and "all:" in proc.stdout
 
 
@@ -133,6 +202,36 @@ def test_rollout_log_probs_as_pi_old(sync_baseline, tiny_assets, data_dir, tmp_p
     assert got["objective/scores"] == base["objective/scores"]  # the same rollout
     for key in ("loss/policy_avg", "loss/value_avg", "objective/kl", "policy/clipfrac_avg"):
         assert got[key] == pytest.approx(base[key], rel=1e-4, abs=1e-4), key
+
+
+def test_grpo_config_as_shipped(ray_session, tiny_assets, data_dir, tmp_path):
+    """configs/grpo_tiny.yaml for 3 steps: no critic (no values phase, no value loss), each prompt's
+    responses are their own baseline (advantages sum to ~0 per group), the KL to the reference is a
+    loss term (actor/kl_loss, 0 while pi == ref, then > 0) and not a reward penalty."""
+    from megappo.assets import ensure_assets
+    from megappo.config.loader import load_config
+
+    # the config's own model, the demo's warm start (knows the answer format: its groups' rewards differ,
+    # where a random tiny model never stops and every advantage is 0); built once (~20 s)
+    model = ensure_assets(REPO_ROOT / "assets", demo=True)["tiny-llama-arith"]
+    cfg = load_config(REPO_ROOT / "configs/grpo_tiny.yaml", [
+        f"model.path={model}", f"data.train_files=[{data_dir / 'arith_train.parquet'}]",
+        f"data.val_files=[{data_dir / 'arith_val.parquet'}]", "data.train_batch_size=4", "rollout.n=8",
+        "rollout.max_new_tokens=8", "rollout.kv_cache_memory_mb=16", "actor.ppo_mini_batch_size=32",
+        "actor.ppo_epochs=1",  # one optimizer step per PPO step: step 1's loss sees pi == ref exactly
+        "actor.micro_batch_size=4", "trainer.total_steps=3", "trainer.save_every=0", "trainer.val_every=0",
+        f"trainer.output_dir={tmp_path}", "trainer.loggers=[jsonl]", "reward.num_examine=0", "trainer.export_hf=false"])
+    assert not cfg.critic.enable and cfg.ref.enable and cfg.actor.use_kl_loss
+    history = _run(cfg)
+    assert len(history) == 3
+    for h in history:
+        assert "timing/values_s" not in h and "timing/update_critic_s" not in h and "timing/ref_s" in h
+        assert "loss/value_avg" not in h and not [k for k in h if k.startswith("critic/")]
+        assert h["objective/non_score_reward"] == 0.0  # no KL in the reward
+        assert h["objective/loss"] == h["loss/policy_avg"]
+        assert h["rollout/weights_fingerprint_ok"] == 1.0 and math.isfinite(h["objective/loss"])
+    assert history[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # pi == ref before the first update
+    assert history[-1]["actor/kl_loss"] > 0.0 and max(h["advantages/max"] for h in history) > 0.0
 
 
 # a few GSM8K-style problems (written here: no dataset download), solution text ending in "#### N"
