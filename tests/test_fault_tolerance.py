@@ -15,6 +15,7 @@ does the same at random, for longer runs).
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -178,3 +179,48 @@ def test_a_hung_worker_is_restarted_and_the_run_matches_the_uninterrupted_one(sy
     scores = tb.Scalars("objective/scores")
     assert [e.step for e in scores] == [1, 2, 3, 4], [e.step for e in scores]
     assert [e.value for e in scores] == pytest.approx([h["objective/scores"] for h in baseline])
+
+
+def test_a_nan_step_is_skipped_and_a_full_disk_ends_the_run_cleanly(ray_session, tiny_assets, data_dir, tmp_path):
+    """Through the trainer, not only at function level: step 1's rewards are NaN (a scorer gone wrong), so
+    its losses are non-finite and trainer.on_nan=skip drops both optimizer steps (actor and critic
+    nan_skipped = 1) and the run goes on with a finite step 2; the output dir is a 4 MB disk, so step
+    3's background checkpoint fills it (torch's writer says only "iostream error"): the run ends with
+    one line naming the fix, and no step dir or temp dir is left to be mistaken for a checkpoint."""
+    import errno
+    import subprocess as sp
+
+    from megappo.ppo.ray_trainer import RayPPOTrainer
+    from megappo.utils.tracking import read_metrics
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if sp.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root, or no CAP_SYS_ADMIN)")
+    try:
+        cfg = config(tiny_assets, data_dir, disk / "out", "trainer.save_every=3", "trainer.val_every=0",
+                     "trainer.on_nan=skip", "trainer.export_hf=false", "trainer.max_restarts=0")
+        trainer = RayPPOTrainer(cfg, show_progress=False)
+        score = trainer.reward_fn
+
+        def nan_at_step_1(batch):
+            scores, metrics = score(batch)
+            return (scores * float("nan"), metrics) if trainer._step == 1 else (scores, metrics)
+
+        trainer.reward_fn = nan_at_step_1
+        try:
+            trainer.init_workers()
+            with pytest.raises(OSError) as info:
+                trainer.fit()
+        finally:
+            trainer.shutdown()
+        assert info.value.errno == errno.ENOSPC
+        assert str(info.value).startswith("[Errno 28] checkpoint of step 3 not written: No space left on device")
+        assert "point trainer.output_dir at a larger disk" in str(info.value) and "\n" not in str(info.value)
+        rows = read_metrics(disk / "out")
+        assert [r["step"] for r in rows] == [1, 2]  # step 3 ended in its save: not logged, redone on a rerun
+        assert (rows[0]["actor/nan_skipped"], rows[0]["critic/nan_skipped"]) == (1.0, 1.0)
+        assert rows[1]["actor/nan_skipped"] == 0.0 and math.isfinite(rows[1]["objective/loss"])
+        assert not (disk / "out" / "checkpoints").exists() or list((disk / "out" / "checkpoints").iterdir()) == []
+    finally:
+        sp.run(["umount", str(disk)])

@@ -77,3 +77,10 @@ def test_reward_curve_png(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     png = plot_reward_curve(tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 2000
+    # what is drawn: one point per step, the re-logged step 3 with its last row
+    from megappo.ppo.ray_trainer import reward_curve_series
+
+    series = reward_curve_series(rows)
+    assert series["objective/scores"] == ([1, 2, 3], [0.1, 0.2, 0.9])
+    assert series["objective/verifiable_correct_rate"] == ([1, 2, 3], [0.05, 0.1, 0.5])
+    assert series["eval/verifiable_correct_rate"] == ([3], [0.4])

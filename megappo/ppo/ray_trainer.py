@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import os
 import threading
 import time
 from enum import Enum
@@ -575,8 +576,12 @@ class RayPPOTrainer:
         try:
             yield
         except Exception as e:  # noqa: BLE001 - say what it means for the run
-            self._abandon_checkpoint()
             cause = _os_error_behind(e)
+            if cause is None and _disk_nearly_full(self.ckpt_root):
+                # torch's C++ writer reports a full disk as "basic_ios::clear: iostream error" (no errno):
+                # read the disk before the temp dir is removed (which frees it again)
+                cause = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self._abandon_checkpoint()
             if cause is not None and cause.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise checkpoint_disk_full(step, self.ckpt_root, cause) from e
             raise
@@ -639,6 +644,16 @@ def _os_error_behind(err: BaseException) -> Optional[OSError]:
         seen.add(id(err))
         err = getattr(err, "cause", None) or err.__cause__ or err.__context__
     return None
+
+
+def _disk_nearly_full(path, min_free: int = 1 << 20) -> bool:
+    """Less than `min_free` bytes left for this user on the filesystem holding `path` (or its nearest
+    existing parent)."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    st = os.statvfs(p)
+    return st.f_bavail * st.f_frsize < min_free
 
 
 def checkpoint_disk_full(step: int, root, cause: OSError) -> OSError:
@@ -716,6 +731,23 @@ class _Progress:
         self.progress.update(self.task, advance=1, description=desc)
 
 
+CURVE_KEYS = (("objective/scores", "-"), ("objective/verifiable_correct_rate", "--"),
+              ("eval/verifiable_correct_rate", "o-"))
+
+
+def reward_curve_series(rows: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
+    """{key: (steps, values)} of the curve's lines; a step logged twice (a resumed or restarted run redoes
+    steps) is drawn with its last row."""
+    by_step = {int(r["step"]): r for r in rows}
+    steps = sorted(s for s in by_step if "objective/scores" in by_step[s])
+    out = {}
+    for key, _ in CURVE_KEYS:
+        xs = [s for s in steps if key in by_step[s]]
+        if xs:
+            out[key] = (xs, [by_step[s][key] for s in xs])
+    return out
+
+
 def plot_reward_curve(output_dir) -> Optional[Path]:
     """`<output_dir>/reward_curve.png`: objective/scores and verifiable_correct_rate per step, eval accuracy,
     and the base model's eval accuracy as a line when `<output_dir>/base_eval.json` holds it."""
@@ -729,14 +761,11 @@ def plot_reward_curve(output_dir) -> Optional[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = {int(r["step"]): r for r in read_metrics(path)}  # a resumed run re-logs steps: the last one wins
-    steps = sorted(s for s in rows if "objective/scores" in rows[s])
+    series = reward_curve_series(read_metrics(path))
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, style in (("objective/scores", "-"), ("objective/verifiable_correct_rate", "--"),
-                       ("eval/verifiable_correct_rate", "o-")):
-        xs = [s for s in steps if key in rows[s]]
-        if xs:
-            ax.plot(xs, [rows[s][key] for s in xs], style, label=key)
+    for key, style in CURVE_KEYS:
+        if key in series:
+            ax.plot(*series[key], style, label=key)
     base = Path(output_dir) / "base_eval.json"  # `megappo eval` of the starting model (make smollm2 writes it)
     if base.is_file() and "eval/verifiable_correct_rate" in json.loads(base.read_text()):
         ax.axhline(json.loads(base.read_text())["eval/verifiable_correct_rate"], color="gray", linestyle=":",
