@@ -10,6 +10,8 @@ import torch
 
 from megappo.ppo import core_algos as ca
 
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
 T = torch.tensor
 
 
@@ -410,3 +412,99 @@ def test_ppo_kl_is_k1_and_approx_kl_is_k2():
     _, m = PolicyLoss()({"logprobs": new}, mb, norm=2.0, n_tokens=2.0)
     assert m["actor/ppo_kl"].item() == pytest.approx(((-1.0 + 1.5) + (-2.0 + 1.0)) / 2)  # mean(old - new)
     assert m["actor/approx_kl"].item() == pytest.approx((0.5 * 0.25 + 0.5 * 1.0) / 2)
+
+
+# ---- DAPO's controls (Yu et al. 2025), each against the paper's formula on random inputs -----------------
+
+def test_clip_higher_matches_the_dapo_objective():
+    """J = 1/sum|o_i| sum_i sum_t min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) (DAPO eq. 8, token-level),
+    so loss = -J with token-mean aggregation; the symmetric default is the PPO clip."""
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(6, 9, generator=g) - 2
+    logp = old + 0.4 * torch.randn(6, 9, generator=g)
+    adv = torch.randn(6, 9, generator=g)
+    mask = (torch.rand(6, 9, generator=g) > 0.2).long()
+    r = torch.exp(logp - old)
+    for low, high in ((0.2, 0.28), (0.1, 0.5), (0.2, 0.2)):
+        j = torch.minimum(r * adv, torch.clamp(r, 1 - low, 1 + high) * adv)
+        expected = -(j * mask).sum() / mask.sum()
+        loss, clipfrac, _, _ = ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.99, clip_ratio_c=None,
+                                                      clip_ratio_low=low, clip_ratio_high=high)
+        torch.testing.assert_close(loss, expected)
+        clipped = (torch.clamp(r, 1 - low, 1 + high) * adv < r * adv)
+        torch.testing.assert_close(clipfrac, (clipped * mask).sum() / mask.sum())
+    sym, *_ = ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, clip_ratio_c=None)
+    both, *_ = ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, clip_ratio_c=None, clip_ratio_low=0.2,
+                                      clip_ratio_high=0.2)
+    assert torch.equal(sym, both)
+
+
+def test_policy_loss_from_config_passes_the_decoupled_clip():
+    from megappo.config import load_config
+    from megappo.ppo.losses import PolicyLoss
+
+    cfg = load_config(REPO / "configs/grpo_tiny.yaml", ["actor.clip_ratio_high=0.28"], validate=False)
+    loss = PolicyLoss.from_config(cfg.actor)
+    assert (loss.clip_ratio, loss.clip_ratio_low, loss.clip_ratio_high) == (0.2, None, 0.28)
+
+
+def test_overlong_penalty_matches_the_dapo_formula():
+    """DAPO eq. 13 with L_max = max_length, L_cache = buffer: 0 for |y| <= L_max - L_cache, else
+    ((L_max - L_cache) - |y|) / L_cache (scaled by the factor, verl's penalty_factor)."""
+    from megappo.rewards.manager import overlong_penalty
+
+    g = torch.Generator().manual_seed(1)
+    for max_len, buf, factor in ((512, 128, 1.0), (64, 16, 0.5), (24, 24, 2.0)):
+        for length in torch.randint(1, max_len + 1, (200,), generator=g).tolist() + [max_len - buf, max_len]:
+            paper = 0.0 if length <= max_len - buf else ((max_len - buf) - length) / buf
+            assert overlong_penalty(length, max_len, buf, factor) == pytest.approx(factor * paper)
+        assert overlong_penalty(max_len, max_len, buf, factor) == pytest.approx(-factor)
+    assert overlong_penalty(500, 512, 0) == 0.0  # off
+
+
+def test_reward_manager_applies_the_overlong_penalty(tmp_path):
+    from megappo.protocol import DataProto
+    from megappo.rewards.manager import RewardManager
+
+    class Tok:
+        eos_token_id, pad_token_id = 0, 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "#### 7"
+
+    R = 10
+    lengths = [3, 6, 8, 10]
+    mask = torch.tensor([[1] * n + [0] * (R - n) for n in lengths])
+    data = DataProto({"responses": torch.full((4, R), 5), "response_mask": mask, "stopped": torch.ones(4, dtype=torch.bool)},
+                     {"data_source": np.array(["arithmetic"] * 4, dtype=object),
+                      "reward_model": np.array([{"ground_truth": "7"}] * 4, dtype=object)})
+    manager = RewardManager(Tok(), 0, overlong_buffer_len=4, overlong_penalty_factor=1.0, max_response_length=R)
+    scores, metrics = manager(data)
+    assert scores.sum(-1).tolist() == pytest.approx([1.0, 1.0, 1.0 - 2 / 4, 1.0 - 4 / 4])
+    assert metrics["reward/overlong_frac"] == 0.5 and metrics["reward/overlong_penalty_mean"] == pytest.approx(-0.375)
+    assert metrics["objective/verifiable_correct_rate"] == 1.0  # correctness is the rule's, not the shaped score
+    with pytest.raises(ValueError, match="reward.overlong_buffer_len=11 must be in"):
+        RewardManager(Tok(), 0, overlong_buffer_len=11, max_response_length=R)
+
+
+def test_dynamic_sampling_keeps_groups_whose_scores_differ():
+    from megappo.ppo.ray_trainer import groups_with_varied_scores, left_pad_prompts
+    from megappo.protocol import DataProto
+
+    uids = np.array(["a", "a", "b", "b", "c", "c"], dtype=object)
+    varied, same = groups_with_varied_scores(uids, torch.tensor([1.0, 0.0, 0.1, 0.1, -1.0, -1.0]))
+    assert (varied, same) == (["a"], ["b", "c"])
+
+    def part(width, rows):
+        ids = torch.arange(rows * width).reshape(rows, width)
+        return DataProto({"prompts": ids, "input_ids": torch.cat([ids, ids[:, :2]], 1),
+                          "attention_mask": torch.ones(rows, width + 2, dtype=torch.long),
+                          "position_ids": torch.arange(width + 2).repeat(rows, 1),
+                          "responses": ids[:, :2]}, {"uid": np.array(["x"] * rows, dtype=object)})
+
+    a, b = left_pad_prompts([part(3, 2), part(5, 1)], pad_id=9)
+    assert a.batch["prompts"].shape == (2, 5) and a.batch["input_ids"].shape == (2, 7)
+    assert a.batch["prompts"][0].tolist() == [9, 9, 0, 1, 2] and a.batch["attention_mask"][0].tolist()[:3] == [0, 0, 1]
+    assert a.batch["position_ids"][0].tolist() == [0, 0, 0, 1, 2, 3, 4] and torch.equal(b.batch["prompts"],
+                                                                                         part(5, 1).batch["prompts"])
+    DataProto.concat([a, b])  # the widths now agree

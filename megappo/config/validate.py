@@ -177,6 +177,26 @@ def _check_algorithm(cfg) -> None:
         raise ConfigError("KL is applied twice: set algorithm.use_kl_in_reward=false or actor.use_kl_loss=false")
     if (a.use_kl_in_reward or cfg.actor.use_kl_loss) and not cfg.ref.enable:
         raise ConfigError("a KL penalty needs the reference model; set ref.enable=true or turn the KL off")
+    fg = a.filter_groups
+    if fg.enable and a.adv_estimator not in GROUP_ESTIMATORS:
+        raise ConfigError(f"algorithm.filter_groups drops prompts whose responses all scored the same, which only "
+                          f"a group estimator needs; use one of {', '.join(GROUP_ESTIMATORS)} or turn it off")
+    if fg.enable and cfg.reward.model.enable:
+        raise ConfigError("algorithm.filter_groups filters on the rule rewards before the reward model scores; "
+                          "turn one of them off")
+    if fg.enable and cfg.trainer.mode != "sync":
+        raise ConfigError("algorithm.filter_groups samples more prompts within the step; use trainer.mode=sync")
+    if fg.max_rounds < 1:
+        raise ConfigError(f"algorithm.filter_groups.max_rounds={fg.max_rounds} must be >= 1")
+    for side in ("clip_ratio_low", "clip_ratio_high"):
+        v = getattr(cfg.actor, side)
+        if v is not None and not 0 < v < (1 if side == "clip_ratio_low" else float("inf")):
+            raise ConfigError(f"actor.{side}={v} must be in (0, {'1' if side == 'clip_ratio_low' else 'inf'}); "
+                              "null = actor.clip_ratio")
+    r = cfg.reward
+    if r.overlong_buffer_len and not 0 < r.overlong_buffer_len <= cfg.rollout.max_new_tokens:
+        raise ConfigError(f"reward.overlong_buffer_len={r.overlong_buffer_len} must be in (0, rollout.max_new_tokens="
+                          f"{cfg.rollout.max_new_tokens}]; 0 turns the length penalty off")
 
 
 def _check_data_and_batches(cfg) -> None:

@@ -449,11 +449,14 @@ def compute_policy_loss(
     loss_agg_mode: str = "token-mean",
     normalizer: float | None = None,
     importance_weights: torch.Tensor | None = None,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO clipped surrogate (Schulman et al. 2017) with optional dual clip (Ye et al. 2020).
+    """PPO clipped surrogate (Schulman et al. 2017) with optional dual clip (Ye et al. 2020) and DAPO's
+    decoupled clip range (Yu et al. 2025, clip-higher: eps_low / eps_high, each defaulting to clip_ratio).
 
         ratio = exp(logp - old_logp)
-        l     = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))
+        l     = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))
         dual clip, A < 0:  l = min(l, -A * clip_ratio_c)
     `importance_weights` (e.g. TIS from `compute_importance_weights`) multiply l per token.
     Returns (loss, clipfrac, approx_kl, dual_clipfrac). approx_kl = masked mean of
@@ -463,7 +466,9 @@ def compute_policy_loss(
     log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)
     pg_losses1 = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)
+    eps_low = clip_ratio if clip_ratio_low is None else clip_ratio_low
+    eps_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     clipped_losses = torch.maximum(pg_losses1, pg_losses2)
     clipfrac = masked_mean((pg_losses2 > pg_losses1).to(mask.dtype), mask)
     if clip_ratio_c is not None:

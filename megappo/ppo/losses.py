@@ -30,6 +30,8 @@ class PolicyLoss:
     optional entropy bonus and KL-to-reference loss (actor.* keys of the config)."""
 
     clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None  # DAPO clip-higher: [1 - low, 1 + high]; None = clip_ratio
+    clip_ratio_high: Optional[float] = None
     clip_ratio_c: Optional[float] = 3.0
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
@@ -40,7 +42,8 @@ class PolicyLoss:
 
     @classmethod
     def from_config(cls, actor) -> "PolicyLoss":
-        return cls(clip_ratio=actor.clip_ratio, clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode,
+        return cls(clip_ratio=actor.clip_ratio, clip_ratio_low=actor.clip_ratio_low,
+                   clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode,
                    entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss,
                    kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type)
 
@@ -65,7 +68,8 @@ class PolicyLoss:
             weights, _ = algos.compute_importance_weights(mb["old_log_probs"], mb["rollout_log_probs"], mask)
         pg, clipfrac, approx_kl, dual = algos.compute_policy_loss(
             mb["old_log_probs"], outs["logprobs"], mb["advantages"], mask, self.clip_ratio, self.clip_ratio_c,
-            self.loss_agg_mode, normalizer=1.0, importance_weights=weights)
+            self.loss_agg_mode, normalizer=1.0, importance_weights=weights, clip_ratio_low=self.clip_ratio_low,
+            clip_ratio_high=self.clip_ratio_high)
         loss = pg
         share = float(mask.sum()) / max(n_tokens, 1.0)  # token-weighted means sum to the mini-batch mean
         p = self.name

@@ -113,7 +113,10 @@ class RayPPOTrainer:
         r = cfg.reward
         stops = list(cfg.rollout.stop_token_ids)
         self.reward_fn = reward_fn or RewardManager(self.tokenizer, r.num_examine, r.non_stop_penalty,
-                                                    r.non_stop_penalty_value, stop_token_ids=stops)
+                                                    r.non_stop_penalty_value, stop_token_ids=stops,
+                                                    overlong_buffer_len=r.overlong_buffer_len,
+                                                    overlong_penalty_factor=r.overlong_penalty_factor,
+                                                    max_response_length=cfg.rollout.max_new_tokens)
         self.val_reward_fn = val_reward_fn or RewardManager(self.tokenizer, 0, r.non_stop_penalty,
                                                             r.non_stop_penalty_value, stop_token_ids=stops)
         d = cfg.data
@@ -376,6 +379,9 @@ class RayPPOTrainer:
             prompts = self._next_prompts(step)
             with self._phase("gen", timing):
                 batch = self._generate(prompts, self._sampling_for(step))
+            if cfg.algorithm.filter_groups.enable:  # DAPO dynamic sampling: only groups that can learn
+                with self._phase("filter_groups", timing):
+                    batch = self._filter_groups(batch, step, timing)
             if cfg.algorithm.adv_estimator == "remax":
                 with self._phase("gen_baseline", timing):
                     baselines = self._greedy_baselines(prompts, batch)
@@ -431,6 +437,39 @@ class RayPPOTrainer:
     def _generate(self, prompts: DataProto, sampling: SamplingSpec, wg=None) -> DataProto:
         prompts.meta_info["sampling"] = sampling
         return (wg or self.rollout_wg).generate_sequences(prompts)[0]
+
+    def _filter_groups(self, batch: DataProto, step: int, timing: dict) -> DataProto:
+        """DAPO's dynamic sampling: drop the prompts whose responses all got the same reward (zero advantage
+        for a group estimator), generate more prompts until data.train_batch_size prompts with differing
+        rewards are in hand (at most algorithm.filter_groups.max_rounds generations; then the batch is
+        topped up with dropped prompts), keep exactly that many. The rewards are the training ones (rule,
+        penalties); the reward phase scores the kept rows again."""
+        want, fg = self.config.data.train_batch_size, self.config.algorithm.filter_groups
+        parts, kept, flat = [batch], [], []
+        for rnd in range(fg.max_rounds):
+            if rnd:
+                more = self.train_dataset.get_batch(next(self.sampler))
+                seed = (self._sampling_for(step).seed + rnd * 1_000_003) % (1 << 31)
+                part = self._generate(more, self._sampling_for(step).with_seed(seed))
+                part.meta_info.pop("metrics", None)
+                parts.append(part)
+            scores, _ = self.reward_fn(parts[-1])
+            varied, same = groups_with_varied_scores(parts[-1].non_tensor_batch["uid"], scores.sum(-1))
+            kept += varied
+            flat += same
+            if len(kept) >= want:
+                break
+        chosen = (kept + flat)[:want]  # topped up with zero-variance groups when rounds ran out
+        timing.update({"dynamic_sampling/rounds": float(len(parts)),
+                       "dynamic_sampling/groups_drawn": float(len(kept) + len(flat)),
+                       "dynamic_sampling/groups_varied": float(len(kept)),
+                       "dynamic_sampling/groups_topped_up": float(max(0, want - len(kept)))})
+        pool = DataProto.concat(left_pad_prompts(parts, self.tokenizer.pad_token_id or 0))
+        pool.meta_info = dict(batch.meta_info)
+        rank = {u: i for i, u in enumerate(chosen)}
+        rows = [i for i, u in enumerate(pool.non_tensor_batch["uid"]) if u in rank]
+        rows.sort(key=lambda i: rank[pool.non_tensor_batch["uid"][i]])  # stable: a group's rows stay together
+        return pool[rows]
 
     def _sync_rollout_weights(self) -> dict:
         """Async: actor -> rollout pool over the weight-sync group (both sides at once)."""
@@ -633,6 +672,37 @@ class RayPPOTrainer:
         self._load_driver_state(json.loads((path / "trainer_state.json").read_text()))
         print(f"resumed from {path} at step {self.global_step}", flush=True)
         return path
+
+
+def groups_with_varied_scores(uids, seq_scores: torch.Tensor) -> tuple[list, list]:
+    """The prompt uids (in order of first appearance) whose responses' scores differ, and those whose
+    scores are all equal (a group estimator gives them zero advantage)."""
+    by_uid: dict = {}
+    for u, s in zip(uids, seq_scores.tolist()):
+        by_uid.setdefault(u, []).append(s)
+    varied = [u for u, s in by_uid.items() if max(s) != min(s)]
+    return varied, [u for u in by_uid if u not in set(varied)]
+
+
+# the prompt-side columns of a generated batch: [B, P] or [B, P + R], left-padded; fill value per key
+_PROMPT_COLUMNS = {"prompts": None, "input_ids": None, "attention_mask": 0, "position_ids": 0}
+
+
+def left_pad_prompts(parts: list, pad_id: int) -> list:
+    """Generated batches whose prompts were padded to different widths, left-padded to the widest (the
+    engine right-aligns every row, so extra left padding costs no compute)."""
+    width = max(p.batch["prompts"].shape[1] for p in parts)
+    out = []
+    for p in parts:
+        extra = width - p.batch["prompts"].shape[1]
+        if extra:
+            p = DataProto(dict(p.batch), dict(p.non_tensor_batch), dict(p.meta_info))
+            for key, fill in _PROMPT_COLUMNS.items():
+                t = p.batch[key]
+                pad = torch.full((t.shape[0], extra), pad_id if fill is None else fill, dtype=t.dtype, device="cpu")
+                p.batch[key] = torch.cat([pad, t], dim=1)
+        out.append(p)
+    return out
 
 
 def _os_error_behind(err: BaseException) -> Optional[OSError]:

@@ -39,6 +39,17 @@ class RowScore:
     length: int  # response tokens
     prompt: Any  # the prompt's uid (the n responses to one prompt share it)
     scorer_error: bool = False  # the rule raised: scored 0, counted in reward/num_scorer_errors
+    overlong_penalty: float = 0.0  # DAPO's soft length penalty, already in `final` (<= 0)
+
+
+def overlong_penalty(length: int, max_length: int, buffer_len: int, factor: float = 1.0) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), verl's form: 0 up to max_length - buffer_len
+    tokens, then falling linearly to -factor at max_length: min(-(length - (max_length - buffer_len)) /
+    buffer_len * factor, 0). (The paper's -1 beyond max_length cannot happen: generation stops there.)"""
+    if buffer_len <= 0:
+        return 0.0
+    exceed = length - (max_length - buffer_len)
+    return min(-exceed / buffer_len * factor, 0.0)
 
 
 def _math_score(response: str, ground_truth: str) -> float:
@@ -72,6 +83,9 @@ class RewardManager:
         non_stop_penalty_value: float = -10.0,
         scorers: dict[str, Scorer] | None = None,
         stop_token_ids: Iterable[int] | None = None,
+        overlong_buffer_len: int = 0,
+        overlong_penalty_factor: float = 1.0,
+        max_response_length: int = 0,
     ):
         self.tokenizer = tokenizer
         self.num_examine = num_examine
@@ -82,6 +96,10 @@ class RewardManager:
         if tokenizer.eos_token_id is not None:
             ids.add(tokenizer.eos_token_id)
         self.stop_token_ids = ids
+        if overlong_buffer_len and not 0 < overlong_buffer_len <= max_response_length:
+            raise ValueError(f"reward.overlong_buffer_len={overlong_buffer_len} must be in (0, rollout.max_new_tokens="
+                             f"{max_response_length}]; or 0 to turn the length penalty off")
+        self.overlong = (int(overlong_buffer_len), float(overlong_penalty_factor), int(max_response_length))
 
     def scorer_for(self, data_source: str) -> Scorer:
         try:
@@ -133,11 +151,13 @@ class RewardManager:
                     warned.add(source)
                     log.warning("reward rule for data_source %r raised on a row (%s: %s); scoring it 0",
                                 source, type(e).__name__, e)
-            final = rule_score + (float(rm_scores[i]) if rm_scores is not None else 0.0)
+            buffer_len, factor, max_len = self.overlong
+            length_penalty = overlong_penalty(int(lengths[i]), max_len, buffer_len, factor)
+            final = rule_score + (float(rm_scores[i]) if rm_scores is not None else 0.0) + length_penalty
             if self.non_stop_penalty and not stopped[i]:
                 final = self.non_stop_penalty_value
             rows.append(RowScore(source, rule_score, final, rule_score >= 1.0, bool(stopped[i]), int(lengths[i]),
-                                 uids[i], error))
+                                 uids[i], error, length_penalty))
             if shown[source] < self.num_examine:
                 shown[source] += 1
                 self._print_sample(data, i, source, text, ground_truth, rule_score, final, stopped[i])
@@ -160,6 +180,9 @@ class RewardManager:
             "reward/stop_rate": sum(r.stopped for r in rows) / n,
             "reward/num_scorer_errors": float(sum(r.scorer_error for r in rows)),
         }
+        if self.overlong[0]:
+            metrics["reward/overlong_penalty_mean"] = sum(r.overlong_penalty for r in rows) / n
+            metrics["reward/overlong_frac"] = sum(r.overlong_penalty < 0 for r in rows) / n
         for source, flags in per_source.items():
             metrics[f"reward/{source}/correct_rate"] = sum(flags) / len(flags)
         return token_level_scores, metrics
