@@ -266,3 +266,66 @@ def test_right_align_moves_rows_to_column_zero_and_maps_response_outputs():
     # a row shorter than the response window (scoring batches): its columns there are padding, clamped
     short = right_align({"input_ids": ids, "attention_mask": torch.tensor([[0, 0, 0, 0, 0, 1, 1]] * 3)}, 3)
     assert short["_out_index"][0].tolist() == [0, 0, 0]
+
+
+# ---- sequence packing: the same numbers from real tokens only ---------------------------------------
+
+def value_loss(out, mb):
+    m = mb["response_mask"]
+    return (((out["values"] - mb["advantages"]) ** 2) * m).sum(), {"tokens": m.sum()}
+
+
+def _packing_worker(rank, world, port, path, layout):
+    """The padded engine, a packed one (micro-batches of 2 rows) and a packed one with a 30-token budget
+    (rows regrouped longest first), from the same weights, LM head and value head: forward outputs in
+    the caller's row order and one optimizer step each (loss, grad norm, updated weights)."""
+    from megatron.core import parallel_state as mpu
+
+    from megappo.parallel.megatron_init import init_distributed, init_megatron
+    from megappo.workers.megatron_engine import EngineConfig, MegatronEngine, OptimConfig
+
+    init_distributed(rank, world, "127.0.0.1", port)
+    init_megatron(layout)
+    batch = make_batch()
+    norm = batch["response_mask"].sum().item()
+    report = {}
+    for head, loss in (("lm", pg_loss), ("value", value_loss)):
+        variants = {"padded": {}, "packed": {"pack_sequences": True},
+                    "budget": {"pack_sequences": True, "max_tokens_per_micro_batch": 30}}
+        for name, kw in variants.items():
+            eng = MegatronEngine(path, layout, EngineConfig(head=head, optim=OptimConfig(**OPTIM), **kw))
+            fwd = eng.forward_only(batch, response_length=R, micro_batch_size=2)
+            computed = eng.last_computed_tokens
+            metrics = eng.train_step(batch, loss, norm, response_length=R, micro_batch_size=2)
+            report[(head, name)] = {"fwd": fwd, "metrics": metrics, "computed": computed,
+                                    "params": {k: v.detach().clone() for k, v in eng.named_parameters_global()}}
+    report["last_stage"] = mpu.get_pipeline_model_parallel_rank() == layout.pp - 1
+    return report
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(tp=2), ParallelLayout(pp=2)], ids=["tp2", "pp2"])
+def test_packed_sequences_equal_the_padded_path(tiny_assets, layout):
+    """Loss, gradients (via the updated weights) and log-probs / entropy / values of packed micro-batches
+    equal the padded path's within fp32 rounding (<= 1e-5), at TP2 and PP2, for the actor's LM head and
+    the critic's value head; the packed runs compute only the real tokens."""
+    reports = spawn_local(_packing_worker, 2, str(tiny_assets["tiny-llama"]), layout)
+    real = int(make_batch()["attention_mask"].sum())
+    m = make_batch()["response_mask"]  # outputs at padding positions are nobody's (every use masks them)
+    for r in reports:
+        for head in ("lm", "value"):
+            base = r[(head, "padded")]
+            for name in ("packed", "budget"):
+                got = r[(head, name)]
+                if r["last_stage"]:
+                    assert base["fwd"].keys() == got["fwd"].keys()
+                    for k in base["fwd"]:
+                        torch.testing.assert_close(got["fwd"][k] * m, base["fwd"][k] * m, rtol=0, atol=1e-5)
+                assert got["metrics"]["loss"] == pytest.approx(base["metrics"]["loss"], rel=1e-5)
+                assert got["metrics"]["grad_norm"] == pytest.approx(base["metrics"]["grad_norm"], rel=1e-5)
+                assert got["metrics"]["tokens"] == base["metrics"]["tokens"]
+                for k, v in base["params"].items():
+                    torch.testing.assert_close(got["params"][k], v, rtol=0, atol=5e-6, msg=k)
+                assert real <= got["computed"] <= base["computed"], (name, got["computed"], base["computed"])
+            # this batch is mostly full rows: pairs in order fill 32 columns like the padding does, the budget
+            # regroups them into 4 x 30 (104 real tokens)
+            assert r[(head, "budget")]["computed"] < base["computed"]

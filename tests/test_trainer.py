@@ -216,6 +216,25 @@ def test_rollout_log_probs_as_pi_old(sync_baseline, tiny_assets, data_dir, tmp_p
         assert got[key] == pytest.approx(base[key], rel=1e-4, abs=1e-4), key
 
 
+def test_packed_sequences_in_a_run(sync_baseline, tiny_assets, data_dir, tmp_path):
+    """Every role packed, the actor and critic updates by token budget: step 1 (same weights, same
+    rollout) trains like the padded baseline's step 1 within fp32 rounding, computing no more tokens (these
+    rows have no padding to save: the long-tail case is bench/packing.py's and test_megatron_engine's)."""
+    history = _run(_config(tiny_assets, data_dir, tmp_path / "packed", "actor.pack_sequences=true",
+                           "critic.pack_sequences=true", "ref.pack_sequences=true",
+                           "actor.max_tokens_per_micro_batch=40", "critic.max_tokens_per_micro_batch=64",
+                           "trainer.total_steps=1", "trainer.save_every=0", "trainer.val_every=0",
+                           "trainer.export_hf=false"))
+    base, got = sync_baseline[0][0], history[0]
+    assert got["objective/scores"] == base["objective/scores"]  # the same rollout
+    for key in ("loss/policy_avg", "loss/value_avg", "objective/kl", "policy/clipfrac_avg", "actor/grad_norm",
+                "critic/grad_norm", "rollout/logprob_diff_mean"):
+        assert got[key] == pytest.approx(base[key], rel=1e-4, abs=1e-6), (key, got[key], base[key])
+    for role in ("actor", "critic"):
+        real, computed = got[f"timing/{role}_tokens_real"], got[f"timing/{role}_tokens_computed"]
+        assert real == base[f"timing/{role}_tokens_real"] and real <= computed <= base[f"timing/{role}_tokens_computed"]
+
+
 def test_grpo_config_as_shipped(ray_session, tiny_assets, data_dir, tmp_path):
     """configs/grpo_tiny.yaml for 3 steps: no critic (no values phase, no value loss), each prompt's
     responses are their own baseline (advantages sum to ~0 per group), the KL to the reference is a

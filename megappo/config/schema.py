@@ -108,6 +108,13 @@ class ActorConfig:
     # rollout/logprob_diff_max); in bf16 or with another kernel the ratio starts off 1 by that gap.
     # Without the recompute there is no pi_old entropy (objective/entropy, policy/entropy_avg absent).
     use_rollout_log_probs: bool = False
+    # sequence packing: each micro-batch's rows as one sequence of real tokens (no padding computed;
+    # attention kept within each row; equal to the padded path within fp32 rounding). CPU: megatron's
+    # local attention with a block-causal mask (memory: tokens^2 per micro-batch). Not yet with TE.
+    pack_sequences: bool = False
+    # with pack_sequences: micro-batches of at most this many tokens (rows grouped longest first) instead
+    # of micro_batch_size rows; null = row count
+    max_tokens_per_micro_batch: Optional[int] = None
     # outside the actor's own phases (log-probs, update, weight sync) its params and optimizer states
     # live in host memory and its grad buffers are freed (frees the GPU for vLLM and the other roles;
     # workers/offload.py). Modelled by `megappo plan`. On CPU it runs too (same code) but frees nothing.
@@ -124,6 +131,8 @@ class CriticConfig:
     ppo_epochs: int = 1
     cliprange_value: float = 0.2
     recompute_activations: bool = False
+    pack_sequences: bool = False  # as actor.pack_sequences
+    max_tokens_per_micro_batch: Optional[int] = None
     offload: bool = False  # as actor.offload, outside the critic's values / update
 
 
@@ -132,6 +141,8 @@ class RefConfig:
     enable: bool = True
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     log_prob_micro_batch_size: int = 4
+    pack_sequences: bool = False  # as actor.pack_sequences
+    max_tokens_per_micro_batch: Optional[int] = None
     offload: bool = False  # weights in host memory outside the ref forward
 
 

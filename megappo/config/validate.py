@@ -120,6 +120,7 @@ def validate_config(cfg, check_paths: bool = False) -> None:
     _check_rollout(cfg, dims)
     _check_algorithm(cfg)
     _check_data_and_batches(cfg)
+    _check_packing(cfg)
     _check_trainer(cfg, check_paths)
     if check_paths:
         _check_paths(cfg)
@@ -197,6 +198,20 @@ def _check_algorithm(cfg) -> None:
     if r.overlong_buffer_len and not 0 < r.overlong_buffer_len <= cfg.rollout.max_new_tokens:
         raise ConfigError(f"reward.overlong_buffer_len={r.overlong_buffer_len} must be in (0, rollout.max_new_tokens="
                           f"{cfg.rollout.max_new_tokens}]; 0 turns the length penalty off")
+
+
+def _check_packing(cfg) -> None:
+    for role in ("actor", "critic", "ref"):
+        section = getattr(cfg, role)
+        budget = section.max_tokens_per_micro_batch
+        if budget is not None and not section.pack_sequences:
+            raise ConfigError(f"{role}.max_tokens_per_micro_batch needs {role}.pack_sequences=true (a token budget "
+                              "makes micro-batches of any number of rows: only packed ones fit the pipeline)")
+        if budget is not None and budget < 1:
+            raise ConfigError(f"{role}.max_tokens_per_micro_batch={budget} must be >= 1 (null: micro_batch_size rows)")
+        if section.pack_sequences and cfg.model.transformer_engine:
+            raise ConfigError(f"{role}.pack_sequences with model.transformer_engine=true needs megatron's THD path, "
+                              "not wired yet; leave model.transformer_engine null or false")
 
 
 def _check_data_and_batches(cfg) -> None:

@@ -50,6 +50,7 @@ from megappo.models.logprobs import vocab_parallel_logprobs
 from megappo.parallel.layout import ParallelLayout
 from megappo.parallel.megatron_init import resolve_device
 from megappo.parallel.weight_mapping import ModelDims, global_named_parameters
+from megappo.workers import packing
 from megappo.workers.offload import HostOffload
 
 HEADS = ("lm", "value")
@@ -68,6 +69,10 @@ class EngineConfig:
     seed: int = 1234
     on_nan: str = "skip"  # a non-finite loss: skip the optimizer step (nan_skipped=1) | stop (FloatingPointError)
     transformer_engine: Optional[bool] = None  # TE's layer spec on GPU: None = when usable (gpt.use_transformer_engine)
+    # sequence packing (workers/packing.py): a micro-batch's rows as one sequence, real tokens only;
+    # max_tokens_per_micro_batch (packing only): micro-batches by token budget instead of row count
+    pack_sequences: bool = False
+    max_tokens_per_micro_batch: Optional[int] = None
 
 
 def engine_config_from(cfg, role: str) -> EngineConfig:
@@ -87,6 +92,8 @@ def engine_config_from(cfg, role: str) -> EngineConfig:
         seed=int(cfg.trainer.seed),
         on_nan=cfg.trainer.on_nan,
         transformer_engine=cfg.model.transformer_engine,
+        pack_sequences=bool(getattr(section, "pack_sequences", False)),
+        max_tokens_per_micro_batch=getattr(section, "max_tokens_per_micro_batch", None),
     )
 
 
@@ -198,6 +205,13 @@ class MegatronEngine:
             for c in chunks:
                 if getattr(c, "post_process", False):
                     c.output_layer.register_forward_pre_hook(self._head_on_outputs)
+        self._rope_positions = None
+        if self.config.pack_sequences:
+            if self.uses_te:
+                raise ValueError("pack_sequences with Transformer Engine needs megatron's THD path (cu_seqlens), "
+                                 "not wired yet: set model.transformer_engine=false or pack_sequences=false")
+            for c in chunks:
+                c.rotary_pos_emb.register_forward_hook(self._packed_rope)
         from_dist_ckpt = is_dist_checkpoint(model_path)
         self.value_head_initialised = [] if from_dist_ckpt else \
             load_hf_weights(chunks, model_path, self.dims, self.tp_rank, layout.tp)
@@ -215,6 +229,7 @@ class MegatronEngine:
         self._host = HostOffload()
         self._resident_depth = 0
         self.last_width = 0
+        self.last_computed_tokens = 0  # what the last forward computed: rows x width, or packed widths
         if from_dist_ckpt:  # a megatron dist checkpoint (+ HF config.json) instead of HF weights
             self.load_checkpoint(model_path, load_optimizer=False)
         if self.config.offload:
@@ -332,7 +347,35 @@ class MegatronEngine:
         multiple = self.layout.tp if self.tf_config.sequence_parallel else 1
         out = right_align(b, response_length, seq_multiple=multiple)
         self.last_width = int(out["input_ids"].shape[1])  # the columns the model computes (tokens / row)
+        self.last_computed_tokens = int(out["input_ids"].numel())
         return out
+
+    def _packed_micro_batches(self, batch: dict, micro_batch_size: int) -> tuple[list[dict], int]:
+        """The right-aligned batch as packed micro-batches (workers/packing.py), each with its block-causal
+        mask on the device; returns (micro-batches, their common width)."""
+        lengths = batch["attention_mask"].sum(-1).tolist()
+        groups = packing.plan_micro_batches(lengths, micro_batch_size, self.config.max_tokens_per_micro_batch)
+        if self.layout.virtual_pp and len(groups) % self.layout.pp:
+            raise ValueError(f"interleaved pipeline (vpp={self.layout.vpp}) needs a multiple of pp={self.layout.pp} "
+                             f"micro-batches; the token budget gave {len(groups)}: set max_tokens_per_micro_batch "
+                             "null (row-count micro-batches) or turn vpp off")
+        width = packing.packed_width(lengths, groups, self.layout.tp if self.tf_config.sequence_parallel else 1)
+        micro = []
+        for g in groups:
+            mb = packing.pack(batch, g, width)
+            mb["_mask"] = packing.block_causal_mask(mb.pop("_segments")).to(self.device)
+            micro.append(mb)
+        self.last_computed_tokens = width * len(groups)
+        return micro, width
+
+    def _packed_rope(self, module, args, output):
+        """Forward hook of each chunk's RotaryEmbedding: megatron's RoPE is indexed by column; a packed
+        micro-batch's rows restart at their own positions, so the frequencies are looked up per token."""
+        pos = self._rope_positions
+        if pos is None:
+            return None
+        full = type(module).forward(module, int(pos.max()) + 1)  # [max position + 1, 1, 1, d] (no hooks)
+        return full.index_select(0, pos.to(full.device))
 
     def _head_on_outputs(self, head, args):
         """Forward pre-hook of the last stage's output layer: its input, the hidden states [s, b, h],
@@ -353,6 +396,9 @@ class MegatronEngine:
             logits = output
         else:
             logits = output.gather(1, idx.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
+        rows, r = mb["_targets"].shape
+        if logits.shape[0] != rows:  # packed: [1, rows * R, *] -> [rows, R, *]
+            logits = logits.reshape(rows, r, logits.shape[-1])
         if self.value_head:
             return {"values": logits[..., 0].float()}
         logp, ent = vocab_parallel_logprobs(logits, mb["_targets"], vocab_size=self.dims.vocab_size,
@@ -371,20 +417,26 @@ class MegatronEngine:
         if not 1 <= response_length < seq:
             raise ValueError(f"response_length must be in [1, {seq - 1}], got {response_length}")
         batch = self._prepare(batch, response_length)
-        bsz, seq = batch["input_ids"].shape
-        micro = _split(batch, micro_batch_size)
-        if self.layout.virtual_pp and len(micro) % self.layout.pp:
-            raise ValueError(f"interleaved pipeline (vpp={self.layout.vpp}) needs the number of micro-batches "
-                             f"({len(micro)}) to be a multiple of pp={self.layout.pp}")
-        if len({m["input_ids"].shape[0] for m in micro}) != 1:
-            raise ValueError(f"batch size {bsz} is not a multiple of micro_batch_size {micro_batch_size}")
+        packed = self.config.pack_sequences
+        if packed:  # each micro-batch one sequence of real tokens: the schedule sees [width, 1] micro-batches
+            micro, seq = self._packed_micro_batches(batch, micro_batch_size)
+            schedule_mbs = 1
+        else:
+            bsz, seq = batch["input_ids"].shape
+            micro, schedule_mbs = _split(batch, micro_batch_size), micro_batch_size
+            if self.layout.virtual_pp and len(micro) % self.layout.pp:
+                raise ValueError(f"interleaved pipeline (vpp={self.layout.vpp}) needs the number of micro-batches "
+                                 f"({len(micro)}) to be a multiple of pp={self.layout.pp}")
+            if len({m["input_ids"].shape[0] for m in micro}) != 1:
+                raise ValueError(f"batch size {bsz} is not a multiple of micro_batch_size {micro_batch_size}")
 
         def loss_func(mb, output):
             outs = self._model_outputs(output, mb, temperature, compute_entropy)
             one = torch.ones((), dtype=torch.int, device=output.device)
             if forward_only and loss_fn is None:
+                rows = {"_rows": mb["_rows"]} if packed else {}  # forward_only puts the rows back in order
                 return torch.zeros((), dtype=torch.float32, device=output.device), one, \
-                    {k: v.detach() for k, v in outs.items()}
+                    {**{k: v.detach() for k, v in outs.items()}, **rows}
             loss_sum, metrics = loss_fn(outs, mb)
             loss = loss_sum / normalizer
             reported = {"loss": loss.detach().clone()}
@@ -401,17 +453,18 @@ class MegatronEngine:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             self._out_index = mb["_out_index"] if self.head_on_outputs else None  # read by _head_on_outputs
+            self._rope_positions = mb["position_ids"][0] if packed else None  # read by _packed_rope
             try:
-                output = model(mb["input_ids"], mb["position_ids"], mask)
+                output = model(mb["input_ids"], mb["position_ids"], mb["_mask"] if packed else mask)
             finally:
-                self._out_index = None
+                self._out_index = self._rope_positions = None
             return output, partial(loss_func, mb)
 
         iters = [iter(micro) for _ in self.model] if len(self.model) > 1 else iter(micro)
         fb = get_forward_backward_func()
         return fb(forward_step_func=forward_step, data_iterator=iters, model=self.model if len(self.model) > 1
                   else self.model[0], num_microbatches=len(micro), seq_length=seq,
-                  micro_batch_size=micro_batch_size, forward_only=forward_only)
+                  micro_batch_size=schedule_mbs, forward_only=forward_only)
 
     # ---- public API ------------------------------------------------------------------------------
 
@@ -431,7 +484,14 @@ class MegatronEngine:
                               compute_entropy)
         if not self.is_last_stage:
             return None
-        return {k: torch.cat([d[k] for d in store], dim=0) for k in store[0]}
+        out = {k: torch.cat([d[k] for d in store], dim=0) for k in store[0]}
+        rows = out.pop("_rows", None)
+        if rows is not None:  # packed micro-batches may hold the rows in another order (token budget)
+            for k, v in out.items():
+                back = torch.empty_like(v)
+                back[rows.to(v.device)] = v
+                out[k] = back
+        return out
 
     def train_step(self, batch: dict, loss_fn: Callable, normalizer: float, response_length: int,
                    micro_batch_size: int = 1, temperature: float = 1.0, compute_entropy: bool = True) -> dict:

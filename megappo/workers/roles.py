@@ -133,7 +133,7 @@ def _train(engine, data: DataProto, loss, role_cfg, dp: int, temperature: float 
                 history[k if "/" in k else f"{loss.name}/{k}"].append(float(v))
             ids = mini.batch["input_ids"]
             tokens[0] += float(mini.batch["attention_mask"].sum())
-            tokens[1] += float(ids.shape[0] * engine.last_width)
+            tokens[1] += float(engine.last_computed_tokens)
             tokens[2] += float(ids.numel())
     metrics = {k: sum(v) / len(v) for k, v in history.items()}
     real, computed, padded = _dp_all_reduce_sum(tokens)  # the waste padding would cost, made visible

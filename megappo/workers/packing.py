@@ -1,0 +1,92 @@
+"""Sequence packing for the Megatron engine: a micro-batch's rows concatenated into one sequence, so the
+model computes real tokens only (no padding columns), with per-row positions and attention that never
+crosses rows. Pure functions over the engine's right-aligned batch (megatron_engine.right_align):
+
+    groups = plan_micro_batches(lengths, micro_batch_size=4, max_tokens=None)   # rows per micro-batch
+    mb = pack(batch, groups[0], width=T)       # input_ids / position_ids [1, T], _segments [T], per-row keys
+    mask = block_causal_mask(mb["_segments"])  # bool [1, 1, T, T], True = masked (megatron's convention)
+
+- A micro-batch is `micro_batch_size` rows in order, or, with a token budget (`max_tokens`), rows taken
+  longest first into the first micro-batch with room (first-fit decreasing; a row longer than the
+  budget gets one of its own): micro-batches of ~equal tokens whatever the lengths.
+- Every micro-batch of one call is padded to the same width T (the pipeline's p2p buffers have one
+  shape); the padding is one extra segment nobody attends to.
+- `_out_index` [1, n*R] is the packed column predicting each response token (the row's own segment,
+  clamped inside it for a short row), so the LM / value head runs on those columns only.
+On CPU the attention is megatron's local attention with this dense mask (exact; memory T^2 per
+micro-batch: keep T to a few thousand tokens with the budget). TE's THD path (cu_seqlens) is the GPU
+route and is not wired yet.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+# per-row keys the packed micro-batch recomputes; every other [B, ...] key is selected by row
+_PACKED_KEYS = ("input_ids", "position_ids", "attention_mask", "_out_index")
+
+
+def plan_micro_batches(lengths: Sequence[int], micro_batch_size: int, max_tokens: Optional[int] = None) -> list[list[int]]:
+    """Row indices of each micro-batch (see the module docstring)."""
+    n = len(lengths)
+    if max_tokens is None:
+        return [list(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens_per_micro_batch={max_tokens} must be >= 1")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(n), key=lambda k: (-int(lengths[k]), k)):
+        size = int(lengths[i])
+        for b, free in enumerate(room):
+            if size <= free:
+                bins[b].append(i)
+                room[b] -= size
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens - size)
+    return bins
+
+
+def packed_width(lengths: Sequence[int], groups: list[list[int]], multiple: int = 1) -> int:
+    """The one width every packed micro-batch of the call gets: the fullest one's tokens, rounded up."""
+    widest = max(sum(int(lengths[i]) for i in g) for g in groups)
+    return -(-max(widest, 1) // multiple) * multiple
+
+
+def pack(batch: dict, rows: list[int], width: int) -> dict:
+    """One packed micro-batch of `rows` of a right-aligned batch (tokens from column 0, `attention_mask`
+    1 on them, `_out_index` [B, R] columns within each row)."""
+    valid = batch["attention_mask"].bool()
+    lengths = valid.sum(-1)
+    device = batch["input_ids"].device
+    ids = torch.zeros(width, dtype=batch["input_ids"].dtype, device=device)
+    pos = torch.zeros(width, dtype=batch["position_ids"].dtype, device=device)
+    seg = torch.full((width,), -1, dtype=torch.long, device=device)
+    out_index, start = [], 0
+    for k, r in enumerate(rows):
+        n = int(lengths[r])
+        if start + n > width:
+            raise ValueError(f"packed micro-batch needs {start + n} columns, width is {width}")
+        ids[start:start + n] = batch["input_ids"][r, :n]
+        pos[start:start + n] = batch["position_ids"][r, :n]
+        seg[start:start + n] = k
+        out_index.append(start + batch["_out_index"][r].clamp(0, max(n - 1, 0)))
+        start += n
+    out = {k: v[rows] for k, v in batch.items() if torch.is_tensor(v) and k not in _PACKED_KEYS
+           and v.dim() >= 1 and v.shape[0] == valid.shape[0]}
+    out.update(input_ids=ids[None], position_ids=pos[None], _segments=seg,
+               _out_index=torch.cat(out_index)[None] if out_index else torch.zeros(1, 0, dtype=torch.long),
+               _rows=torch.tensor(rows, dtype=torch.long, device="cpu"))
+    return out
+
+
+def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
+    """bool [1, 1, T, T], True = masked: a token sees the earlier tokens of its own segment only (the
+    padding, segment -1, is one more segment)."""
+    t = segments.shape[0]
+    same = segments[:, None] == segments[None, :]
+    causal = torch.ones(t, t, dtype=torch.bool, device=segments.device).tril()
+    return ~(same & causal)[None, None]
