@@ -77,7 +77,7 @@ smollm2: install
 
 # The README's test command.
 test: install system-deps
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: install
 	$(PY) -m pytest -q tests -m "not slow"

@@ -150,25 +150,21 @@ def test_a_hung_worker_is_restarted_and_the_run_matches_the_uninterrupted_one(sy
     import ray
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from megappo.ppo.ray_trainer import RayPPOTrainer
     from megappo.utils.tracking import read_metrics
 
     baseline, _ = sync_baseline
     out = tmp_path / "hung"
-    trainer = RayPPOTrainer(config(tiny_assets, data_dir, out, "trainer.phase_timeout_s=20"), show_progress=False)
     hung = []
 
-    def hang_once(phase: str, step: int) -> None:
-        if (phase, step) == ("values", 4) and not hung:
-            worker = trainer.critic_wg.workers[0]
-            hung.append(worker.__ray_call__.remote(lambda self: __import__("time").sleep(600)))
+    def hang_once(trainer) -> None:
+        def hook(phase: str, step: int) -> None:
+            if (phase, step) == ("values", 4) and not hung:
+                worker = trainer.critic_wg.workers[0]
+                hung.append(worker.__ray_call__.remote(lambda self: __import__("time").sleep(600)))
 
-    trainer.fault_hook = hang_once
-    try:
-        trainer.init_workers()
-        history = trainer.fit()
-    finally:
-        trainer.shutdown()
+        trainer.fault_hook = hook
+
+    history, trainer = run(config(tiny_assets, data_dir, out, "trainer.phase_timeout_s=20"), setup=hang_once)
     assert hung and trainer.restarts == 1 and trainer.steps_redone == 1  # step 3 (done, then redone)
     with pytest.raises(ray.exceptions.RayActorError):  # the sleeping process was killed by the restart
         ray.get(hung[0], timeout=30)
@@ -190,7 +186,6 @@ def test_a_nan_step_is_skipped_and_a_full_disk_ends_the_run_cleanly(ray_session,
     import errno
     import subprocess as sp
 
-    from megappo.ppo.ray_trainer import RayPPOTrainer
     from megappo.utils.tracking import read_metrics
 
     disk = tmp_path / "disk"
@@ -200,20 +195,17 @@ def test_a_nan_step_is_skipped_and_a_full_disk_ends_the_run_cleanly(ray_session,
     try:
         cfg = config(tiny_assets, data_dir, disk / "out", "trainer.save_every=3", "trainer.val_every=0",
                      "trainer.on_nan=skip", "trainer.export_hf=false", "trainer.max_restarts=0")
-        trainer = RayPPOTrainer(cfg, show_progress=False)
-        score = trainer.reward_fn
+        def nan_at_step_1(trainer) -> None:
+            score = trainer.reward_fn
 
-        def nan_at_step_1(batch):
-            scores, metrics = score(batch)
-            return (scores * float("nan"), metrics) if trainer._step == 1 else (scores, metrics)
+            def reward_fn(batch):
+                scores, metrics = score(batch)
+                return (scores * float("nan"), metrics) if trainer._step == 1 else (scores, metrics)
 
-        trainer.reward_fn = nan_at_step_1
-        try:
-            trainer.init_workers()
-            with pytest.raises(OSError) as info:
-                trainer.fit()
-        finally:
-            trainer.shutdown()
+            trainer.reward_fn = reward_fn
+
+        with pytest.raises(OSError) as info:
+            run(cfg, setup=nan_at_step_1)
         assert info.value.errno == errno.ENOSPC
         assert str(info.value).startswith("[Errno 28] checkpoint of step 3 not written: No space left on device")
         assert "point trainer.output_dir at a larger disk" in str(info.value) and "\n" not in str(info.value)

@@ -106,12 +106,11 @@ def test_gpu_check_parity_row_measures_the_trainer(ray_session, tmp_path):
     import ray
 
     from megappo.config.loader import load_config
-    from megappo.ppo.ray_trainer import RayPPOTrainer
     from tools.gpu_check import run_overrides, run_rows
+    from trainer_utils import run
 
     overrides = run_overrides(tmp_path, steps=2, tp=1, gpus=2, device="cpu", dtype="fp32")
     cfg = load_config(REPO / "configs/ppo_tiny.yaml", overrides + ["trainer.val_every=0", "trainer.export_hf=false"])
-    trainer = RayPPOTrainer(cfg, show_progress=False)
 
     def _perturb_actor(worker, scale: float = 1.05):  # runs in each actor worker (defined here: pickled by value)
         import torch
@@ -121,16 +120,14 @@ def test_gpu_check_parity_row_measures_the_trainer(ray_session, tmp_path):
                 for p in chunk.parameters():
                     p.mul_(scale)
 
-    def perturb_before_step_2_pi_old(phase: str, step: int) -> None:
-        if (phase, step) == ("old_log_prob", 2):
-            ray.get([w.__ray_call__.remote(_perturb_actor) for w in trainer.actor_wg.workers])
+    def perturb_before_step_2_pi_old(trainer) -> None:
+        def hook(phase: str, step: int) -> None:
+            if (phase, step) == ("old_log_prob", 2):
+                ray.get([w.__ray_call__.remote(_perturb_actor) for w in trainer.actor_wg.workers])
 
-    trainer.fault_hook = perturb_before_step_2_pi_old
-    try:
-        trainer.init_workers()
-        history = trainer.fit()
-    finally:
-        trainer.shutdown()
+        trainer.fault_hook = hook
+
+    history, _ = run(cfg, setup=perturb_before_step_2_pi_old)
     assert len(history) == 2
     step1, step2 = (run_rows("cpu", [row], 1, dtype="fp32")[2] for row in history)  # (name, ok, detail)
     assert step1[1], step1  # same weights: within the fp32 bound

@@ -329,3 +329,22 @@ def test_packed_sequences_equal_the_padded_path(tiny_assets, layout):
             # this batch is mostly full rows: pairs in order fill 32 columns like the padding does, the budget
             # regroups them into 4 x 30 (104 real tokens)
             assert r[(head, "budget")]["computed"] < base["computed"]
+
+
+def test_dp_balance_keeps_each_mini_batch_and_evens_the_tokens():
+    from megappo.workers.packing import balance_across_dp
+
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(5, 500, (64,), generator=g).tolist()
+    dp, mini = 4, 16
+    order = balance_across_dp(lengths, dp, mini)
+    assert sorted(order) == list(range(64))
+    shards = [order[d * 16:(d + 1) * 16] for d in range(dp)]  # what each DP rank gets
+    for i in range(64 // mini):  # rank d's local mini-batch i: rows (d, i); together global mini-batch i
+        local = [shard[i * 4:(i + 1) * 4] for shard in shards]
+        assert sorted(r for rows in local for r in rows) == list(range(i * mini, (i + 1) * mini))
+        balanced = [sum(lengths[r] for r in rows) for rows in local]
+        plain = [sum(lengths[i * mini + d * 4 + j] for j in range(4)) for d in range(dp)]
+        assert max(balanced) - min(balanced) <= max(plain) - min(plain)
+        assert max(balanced) <= sum(balanced) / dp + max(lengths[i * mini:(i + 1) * mini])
+    assert balance_across_dp(lengths, 1, mini) == list(range(64))

@@ -35,18 +35,22 @@ def overrides(tiny_assets, data_dir, out, *extra) -> list[str]:
     ]
 
 
-def run(cfg, fault_hook=None):
-    """RayPPOTrainer end to end; returns (history, the trainer after shutdown) when fault_hook is given."""
+def run(cfg, fault_hook=None, setup=None):
+    """RayPPOTrainer end to end; `setup(trainer)` runs before the workers start (a test installs its hooks
+    there, with the trainer at hand). Returns (history, the trainer after shutdown) when fault_hook or
+    setup is given."""
     from megappo.ppo.ray_trainer import RayPPOTrainer
 
     trainer = RayPPOTrainer(cfg, show_progress=False)
     trainer.fault_hook = fault_hook
+    if setup is not None:
+        setup(trainer)
     try:
         trainer.init_workers()
         history = trainer.fit()
     finally:
         trainer.shutdown()
-    return (history, trainer) if fault_hook is not None else history
+    return (history, trainer) if fault_hook is not None or setup is not None else history
 
 
 def comparable(row: dict) -> dict:

@@ -537,13 +537,26 @@ class RayPPOTrainer:
         if self.critic_wg is not None:
             keys = _MODEL_IN + list(self.value_loss.required_keys)
             with self._phase("update_critic", timing):
-                critic_metrics = self.critic_wg.update_critic(DataProto({k: b[k] for k in keys}, {}, meta),
+                critic_metrics = self.critic_wg.update_critic(self._update_data(b, keys, meta, self.config.critic),
                                                               self.value_loss)[0]
         keys = _MODEL_IN + self.policy_loss.required_keys + [k for k in self.policy_loss.optional_keys if k in b]
         with self._phase("update_actor", timing):
-            actor_metrics = self.actor_wg.update_actor(DataProto({k: b[k] for k in keys}, {}, meta),
+            actor_metrics = self.actor_wg.update_actor(self._update_data(b, keys, meta, self.config.actor),
                                                        self.policy_loss)[0]
         return critic_metrics, actor_metrics
+
+    @staticmethod
+    def _update_data(b: dict, keys: list, meta: dict, role_cfg) -> DataProto:
+        """The update's rows; with a token budget, dealt to the DP ranks by token count (each global
+        mini-batch keeps its rows: workers/packing.balance_across_dp)."""
+        data = DataProto({k: b[k] for k in keys}, {}, meta)
+        if role_cfg.max_tokens_per_micro_batch is None:
+            return data
+        from megappo.workers.packing import balance_across_dp
+
+        order = balance_across_dp(b["attention_mask"].sum(-1).tolist(), role_cfg.parallel.dp,
+                                  role_cfg.ppo_mini_batch_size)
+        return data[order]
 
     # ---- 7. validation and checkpoints ---------------------------------------------------------------
 

@@ -90,3 +90,26 @@ def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
     same = segments[:, None] == segments[None, :]
     causal = torch.ones(t, t, dtype=torch.bool, device=segments.device).tril()
     return ~(same & causal)[None, None]
+
+
+def balance_across_dp(lengths: Sequence[int], dp: int, mini_batch_size: int) -> list[int]:
+    """A row order for an update whose data is split into `dp` contiguous shards (rank d: rows
+    [d * N/dp, (d+1) * N/dp)), each read as consecutive local mini-batches of mini_batch_size/dp rows:
+    every global mini-batch keeps its rows (so its loss and normaliser are unchanged), but they are
+    dealt to the ranks longest first to the rank with the fewest tokens so far (among those still
+    short of mini_batch_size/dp rows): DP ranks wait less for the slowest one."""
+    n = len(lengths)
+    if dp <= 1 or n % mini_batch_size or mini_batch_size % dp:
+        return list(range(n))
+    per_rank = mini_batch_size // dp
+    shards: list[list[int]] = [[] for _ in range(dp)]
+    for start in range(0, n, mini_batch_size):
+        rows = sorted(range(start, start + mini_batch_size), key=lambda i: (-int(lengths[i]), i))
+        load, taken = [0] * dp, [[] for _ in range(dp)]
+        for i in rows:
+            d = min((d for d in range(dp) if len(taken[d]) < per_rank), key=lambda d: (load[d], d))
+            taken[d].append(i)
+            load[d] += int(lengths[i])
+        for d in range(dp):
+            shards[d] += sorted(taken[d])
+    return [i for shard in shards for i in shard]
