@@ -348,3 +348,10 @@ def test_dp_balance_keeps_each_mini_batch_and_evens_the_tokens():
         assert max(balanced) - min(balanced) <= max(plain) - min(plain)
         assert max(balanced) <= sum(balanced) / dp + max(lengths[i * mini:(i + 1) * mini])
     assert balance_across_dp(lengths, 1, mini) == list(range(64))
+
+
+def test_segment_spans():
+    from megappo.models.packed_attention import segment_spans
+
+    assert segment_spans(torch.tensor([0, 0, 0, 1, 1, 2, -1, -1])) == [(0, 3), (3, 5), (5, 6), (6, 8)]
+    assert segment_spans(torch.tensor([4])) == [(0, 1)] and segment_spans(torch.tensor([], dtype=torch.long)) == []

@@ -110,7 +110,7 @@ def build_transformer_config(hf_config, layout: ParallelLayout, *, device: str =
     return TransformerConfig(**kw)
 
 
-def _layer_spec(config, use_te: bool):
+def _layer_spec(config, use_te: bool, packed: bool = False):
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
 
@@ -121,6 +121,10 @@ def _layer_spec(config, use_te: bool):
         # the lengths and assumes right padding)
         return get_gpt_layer_with_transformer_engine_spec()
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if packed:  # packed rows: attention within each row's span (models/packed_attention.py)
+        from megappo.models.packed_attention import PackedCausalAttention
+
+        spec.submodules.self_attention.submodules.core_attention = PackedCausalAttention
     if config.sequence_parallel:
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
         from megatron.core.transformer.transformer_block import get_num_layers_to_build  # noqa: F401
@@ -159,17 +163,17 @@ class ValueHead(torch.nn.Module):
 
 
 def build_gpt_chunks(hf_config, config, layout: ParallelLayout, value_head: bool = False, seed: int = 0,
-                     use_te: bool = False) -> list:
+                     use_te: bool = False, packed: bool = False) -> list:
     """This rank's GPTModel chunks (one per virtual pipeline stage), where `config` places them (the host
     with use_cpu_initialization, the current GPU otherwise; the caller moves what is left on the host),
-    with TE's layer spec when `use_te` (use_transformer_engine)."""
+    with TE's layer spec when `use_te` (use_transformer_engine); `packed`: attention for packed rows."""
     from megatron.core import parallel_state as mpu
     from megatron.core.enums import ModelType
     from megatron.core.models.gpt import GPTModel
 
     dims = ModelDims.from_hf_config(hf_config, tp=layout.tp, value_head=value_head)
     layout.validate(dims.num_heads, dims.num_kv_heads, dims.num_layers)
-    spec = _layer_spec(config, use_te)
+    spec = _layer_spec(config, use_te, packed)
     chunks = []
     for vp in range(layout.num_model_chunks):
         vp_stage = vp if layout.virtual_pp else None

@@ -196,7 +196,7 @@ class MegatronEngine:
         # head) moves before the HF weights are copied in
         chunks = [c.to(self.device) for c in build_gpt_chunks(self.hf_config, self.tf_config, layout,
                                                                value_head=self.value_head, seed=self.config.seed,
-                                                               use_te=self.uses_te)]
+                                                               use_te=self.uses_te, packed=self.config.pack_sequences)]
         # the LM / value head runs on the R output columns only (see _head_on_outputs); not under sequence
         # parallel, where the head's input is a sequence shard that the head all-gathers itself
         self._out_index = None
@@ -351,8 +351,9 @@ class MegatronEngine:
         return out
 
     def _packed_micro_batches(self, batch: dict, micro_batch_size: int) -> tuple[list[dict], int]:
-        """The right-aligned batch as packed micro-batches (workers/packing.py), each with its block-causal
-        mask on the device; returns (micro-batches, their common width)."""
+        """The right-aligned batch as packed micro-batches (workers/packing.py); returns (micro-batches,
+        their common width). Each carries its rows' ids per column (`_segments`), which the model's
+        attention (models/packed_attention.py) gets where a mask would go."""
         lengths = batch["attention_mask"].sum(-1).tolist()
         groups = packing.plan_micro_batches(lengths, micro_batch_size, self.config.max_tokens_per_micro_batch)
         if self.layout.virtual_pp and len(groups) % self.layout.pp:
@@ -360,11 +361,7 @@ class MegatronEngine:
                              f"micro-batches; the token budget gave {len(groups)}: set max_tokens_per_micro_batch "
                              "null (row-count micro-batches) or turn vpp off")
         width = packing.packed_width(lengths, groups, self.layout.tp if self.tf_config.sequence_parallel else 1)
-        micro = []
-        for g in groups:
-            mb = packing.pack(batch, g, width)
-            mb["_mask"] = packing.block_causal_mask(mb.pop("_segments")).to(self.device)
-            micro.append(mb)
+        micro = [packing.pack(batch, g, width) for g in groups]
         self.last_computed_tokens = width * len(groups)
         return micro, width
 
@@ -448,14 +445,14 @@ class MegatronEngine:
         # attention applies it itself; megatron's local attention gets the causal mask as a tensor
         # (its own default mask is built with device="cuda", also inside activation recompute, where
         # cpu_compat's redirect is not active)
-        mask = None if self.uses_te else causal_mask(seq, self.device)
+        mask = None if self.uses_te or packed else causal_mask(seq, self.device)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             self._out_index = mb["_out_index"] if self.head_on_outputs else None  # read by _head_on_outputs
             self._rope_positions = mb["position_ids"][0] if packed else None  # read by _packed_rope
             try:
-                output = model(mb["input_ids"], mb["position_ids"], mb["_mask"] if packed else mask)
+                output = model(mb["input_ids"], mb["position_ids"], mb["_segments"] if packed else mask)
             finally:
                 self._out_index = self._rope_positions = None
             return output, partial(loss_func, mb)

@@ -4,18 +4,17 @@ crosses rows. Pure functions over the engine's right-aligned batch (megatron_eng
 
     groups = plan_micro_batches(lengths, micro_batch_size=4, max_tokens=None)   # rows per micro-batch
     mb = pack(batch, groups[0], width=T)       # input_ids / position_ids [1, T], _segments [T], per-row keys
-    mask = block_causal_mask(mb["_segments"])  # bool [1, 1, T, T], True = masked (megatron's convention)
 
 - A micro-batch is `micro_batch_size` rows in order, or, with a token budget (`max_tokens`), rows taken
   longest first into the first micro-batch with room (first-fit decreasing; a row longer than the
   budget gets one of its own): micro-batches of ~equal tokens whatever the lengths.
 - Every micro-batch of one call is padded to the same width T (the pipeline's p2p buffers have one
-  shape); the padding is one extra segment nobody attends to.
+  shape); the padding is one extra segment (id -1) whose outputs nobody reads.
 - `_out_index` [1, n*R] is the packed column predicting each response token (the row's own segment,
   clamped inside it for a short row), so the LM / value head runs on those columns only.
-On CPU the attention is megatron's local attention with this dense mask (exact; memory T^2 per
-micro-batch: keep T to a few thousand tokens with the budget). TE's THD path (cu_seqlens) is the GPU
-route and is not wired yet.
+The model attends within each row through models/packed_attention.py (the segment ids stand where
+megatron's mask would): the attention work is sum(len^2) over rows, as unpacked. TE's THD path
+(cu_seqlens) is the GPU route and is not wired yet.
 """
 
 from __future__ import annotations
@@ -81,15 +80,6 @@ def pack(batch: dict, rows: list[int], width: int) -> dict:
                _out_index=torch.cat(out_index)[None] if out_index else torch.zeros(1, 0, dtype=torch.long),
                _rows=torch.tensor(rows, dtype=torch.long, device="cpu"))
     return out
-
-
-def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
-    """bool [1, 1, T, T], True = masked: a token sees the earlier tokens of its own segment only (the
-    padding, segment -1, is one more segment)."""
-    t = segments.shape[0]
-    same = segments[:, None] == segments[None, :]
-    causal = torch.ones(t, t, dtype=torch.bool, device=segments.device).tril()
-    return ~(same & causal)[None, None]
 
 
 def balance_across_dp(lengths: Sequence[int], dp: int, mini_batch_size: int) -> list[int]:
