@@ -332,21 +332,32 @@ def test_packed_sequences_equal_the_padded_path(tiny_assets, layout):
 
 
 def test_dp_balance_keeps_each_mini_batch_and_evens_the_tokens():
+    """Membership read through the real split (the worker group's DataProto.chunk per DP rank, then
+    the update's _mini_batches per rank), not restated: global mini-batch k = local k of every rank."""
+    from megappo.protocol import DataProto
     from megappo.workers.packing import balance_across_dp
+    from megappo.workers.roles import _mini_batches
+
+    def global_mini_batches(order, dp, mini):
+        data = DataProto({"row": torch.tensor(order)}, {}, {})
+        per_rank = [[m.batch["row"].tolist() for m in _mini_batches(shard, mini, dp, "actor")]
+                    for shard in data.chunk(dp)]
+        return [[rank[k] for rank in per_rank] for k in range(len(per_rank[0]))]  # [k][d] -> rows
 
     g = torch.Generator().manual_seed(3)
     lengths = torch.randint(5, 500, (64,), generator=g).tolist()
     dp, mini = 4, 16
     order = balance_across_dp(lengths, dp, mini)
     assert sorted(order) == list(range(64))
-    shards = [order[d * 16:(d + 1) * 16] for d in range(dp)]  # what each DP rank gets
-    for i in range(64 // mini):  # rank d's local mini-batch i: rows (d, i); together global mini-batch i
-        local = [shard[i * 4:(i + 1) * 4] for shard in shards]
-        assert sorted(r for rows in local for r in rows) == list(range(i * mini, (i + 1) * mini))
-        balanced = [sum(lengths[r] for r in rows) for rows in local]
-        plain = [sum(lengths[i * mini + d * 4 + j] for j in range(4)) for d in range(dp)]
-        assert max(balanced) - min(balanced) <= max(plain) - min(plain)
-        assert max(balanced) <= sum(balanced) / dp + max(lengths[i * mini:(i + 1) * mini])
+    plain_minis, minis = global_mini_batches(list(range(64)), dp, mini), global_mini_batches(order, dp, mini)
+    for plain, balanced in zip(plain_minis, minis):
+        assert sorted(sum(plain, [])) == sorted(sum(balanced, []))  # the same rows: the same loss
+        plain_tok = [sum(lengths[r] for r in rows) for rows in plain]
+        bal_tok = [sum(lengths[r] for r in rows) for rows in balanced]
+        assert max(bal_tok) - min(bal_tok) <= max(plain_tok) - min(plain_tok)
+        assert max(bal_tok) <= sum(bal_tok) / dp + max(lengths[r] for r in sum(plain, []))
+    assert sum(max(sum(lengths[r] for r in rows) for rows in m) for m in minis) < \
+        sum(max(sum(lengths[r] for r in rows) for rows in m) for m in plain_minis)  # the slowest rank waits less
     assert balance_across_dp(lengths, 1, mini) == list(range(64))
 
 

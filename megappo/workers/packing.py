@@ -83,23 +83,24 @@ def pack(batch: dict, rows: list[int], width: int) -> dict:
 
 
 def balance_across_dp(lengths: Sequence[int], dp: int, mini_batch_size: int) -> list[int]:
-    """A row order for an update whose data is split into `dp` contiguous shards (rank d: rows
-    [d * N/dp, (d+1) * N/dp)), each read as consecutive local mini-batches of mini_batch_size/dp rows:
-    every global mini-batch keeps its rows (so its loss and normaliser are unchanged), but they are
-    dealt to the ranks longest first to the rank with the fewest tokens so far (among those still
-    short of mini_batch_size/dp rows): DP ranks wait less for the slowest one."""
+    """A row order for an update whose rows are cut into `dp` contiguous shards (rank d: rows
+    [d * N/dp, (d+1) * N/dp)), each read as consecutive local mini-batches of m = mini_batch_size/dp rows,
+    so that global mini-batch k is local mini-batch k of every rank: rows d * N/dp + [k*m, (k+1)*m).
+    Every global mini-batch keeps its rows (its loss and normaliser are unchanged), but they are dealt
+    longest first to the rank with the fewest tokens so far (among those still short of m rows): DP
+    ranks wait less for the slowest one."""
     n = len(lengths)
     if dp <= 1 or n % mini_batch_size or mini_batch_size % dp:
         return list(range(n))
-    per_rank = mini_batch_size // dp
+    per_rank, shard = mini_batch_size // dp, n // dp
     shards: list[list[int]] = [[] for _ in range(dp)]
-    for start in range(0, n, mini_batch_size):
-        rows = sorted(range(start, start + mini_batch_size), key=lambda i: (-int(lengths[i]), i))
+    for k in range(n // mini_batch_size):
+        rows = [d * shard + k * per_rank + j for d in range(dp) for j in range(per_rank)]
         load, taken = [0] * dp, [[] for _ in range(dp)]
-        for i in rows:
+        for i in sorted(rows, key=lambda i: (-int(lengths[i]), i)):
             d = min((d for d in range(dp) if len(taken[d]) < per_rank), key=lambda d: (load[d], d))
             taken[d].append(i)
             load[d] += int(lengths[i])
         for d in range(dp):
             shards[d] += sorted(taken[d])
-    return [i for shard in shards for i in shard]
+    return [i for shard_rows in shards for i in shard_rows]
