@@ -14,6 +14,7 @@ setup(
         "torch",
         "megatron-core==0.16.1",
         "psutil",
+        "pyseccomp",
         "omegaconf>=2.3,<2.4",
         "numpy",
         "pyarrow",

@@ -147,6 +147,27 @@ class RefConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn, tool-using rollouts (megappo/agent/): each sample alternates model turns and tool
+    results until it answers, or runs out of turns, tool calls or rollout.max_new_tokens (model and
+    tool tokens together). Tool tokens are attended to but not trained on."""
+
+    enable: bool = False
+    max_turns: int = 4  # model turns per sample
+    max_tool_calls: int = 3  # per sample
+    tools: list[str] = field(default_factory=lambda: ["calculator"])  # agent/tools.py TOOLS: calculator, python
+    tool_timeout_s: float = 5.0  # per call (the python tool's wall clock; its CPU limit too)
+    max_tool_output_chars: int = 512  # a longer result is cut (the model sees that it was)
+    # a system prompt describing the tools, {tools} standing for their JSON schemas (one per line); needed
+    # when the chat template has no tools section (SmolLM2's); null: the template's own (Qwen's)
+    tool_prompt: Optional[str] = None
+    # "auto": the model decides; "required": each sample's first turn is constrained (vLLM structured
+    # outputs) to a well-formed call of one of the tools, a scaffold for a model that never calls one.
+    # The forced turn is not trained on (its log-probs come from the constrained distribution).
+    tool_choice: str = "auto"
+
+
+@dataclass
 class RolloutConfig:
     tp: int = 1
     n: int = 1  # responses per prompt
@@ -172,6 +193,7 @@ class RolloutConfig:
     # what sleep does with vLLM's weights: 2 = discard them (the hybrid engine re-syncs every weight
     # before each rollout anyway), 1 = keep a pinned host copy (host RAM: the model's weights per GPU)
     sleep_level: int = 2
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass

@@ -121,6 +121,7 @@ def validate_config(cfg, check_paths: bool = False) -> None:
     _check_algorithm(cfg)
     _check_data_and_batches(cfg)
     _check_packing(cfg)
+    _check_multi_turn(cfg)
     _check_trainer(cfg, check_paths)
     if check_paths:
         _check_paths(cfg)
@@ -198,6 +199,38 @@ def _check_algorithm(cfg) -> None:
     if r.overlong_buffer_len and not 0 < r.overlong_buffer_len <= cfg.rollout.max_new_tokens:
         raise ConfigError(f"reward.overlong_buffer_len={r.overlong_buffer_len} must be in (0, rollout.max_new_tokens="
                           f"{cfg.rollout.max_new_tokens}]; 0 turns the length penalty off")
+
+
+def _check_multi_turn(cfg) -> None:
+    """The tool-format check needs the tokenizer: agent/format.tool_prompt_mode, when the prompts are built."""
+    m = cfg.rollout.multi_turn
+    if not m.enable:
+        return
+    from megappo.agent.tools import TOOLS
+
+    unknown = [t for t in m.tools if t not in TOOLS]
+    if unknown:
+        raise ConfigError(f"rollout.multi_turn.tools names unknown tool(s) {unknown}; known: {', '.join(sorted(TOOLS))}")
+    if not m.tools:
+        raise ConfigError("rollout.multi_turn.enable=true with no tools; list some in rollout.multi_turn.tools")
+    if m.max_turns < 1 or m.max_tool_calls < 0:
+        raise ConfigError(f"rollout.multi_turn.max_turns={m.max_turns} must be >= 1 and max_tool_calls="
+                          f"{m.max_tool_calls} >= 0")
+    if m.tool_timeout_s <= 0 or m.max_tool_output_chars < 1:
+        raise ConfigError("rollout.multi_turn.tool_timeout_s must be > 0 and max_tool_output_chars >= 1")
+    if m.tool_choice not in ("auto", "required"):
+        raise ConfigError(f"rollout.multi_turn.tool_choice={m.tool_choice!r}; choose auto or required")
+    if m.tool_prompt is not None and "{tools}" not in m.tool_prompt:
+        raise ConfigError("rollout.multi_turn.tool_prompt must contain {tools} (where the tools' schemas go)")
+    if not cfg.data.apply_chat_template:
+        raise ConfigError("rollout.multi_turn renders tool results with the chat template; set data.apply_chat_template=true")
+    if "python" in m.tools:
+        from megappo.agent.sandbox import isolation_problem
+
+        problem = isolation_problem()
+        if problem:
+            raise ConfigError(f"the python tool runs code only in its sandbox, which this machine cannot make "
+                              f"({problem}); drop it from rollout.multi_turn.tools or enable user namespaces")
 
 
 def _check_packing(cfg) -> None:

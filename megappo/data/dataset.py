@@ -13,7 +13,7 @@ import logging
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -27,15 +27,22 @@ REQUIRED_COLUMNS = ("data_source", "reward_model")
 PREPROCESS_HINT = "python -m megappo.data.preprocess_arithmetic --out DIR (or preprocess_gsm8k)"
 
 
-def prompt_to_text(prompt: Any, tokenizer, apply_chat_template: bool = True) -> str:
-    """Chat messages (or a string, taken as one user message) -> the prompt text for generation."""
+def prompt_to_text(prompt: Any, tokenizer, apply_chat_template: bool = True, tools: Optional[list] = None,
+                   tool_prompt: Optional[str] = None) -> str:
+    """Chat messages (or a string, taken as one user message) -> the prompt text for generation.
+    `tools` (JSON schemas): shown to the model as agent/format.with_tools says."""
     if not apply_chat_template:
         if isinstance(prompt, str):
             return prompt
         raise ValueError("RLHFDataset: prompts are chat messages but data.apply_chat_template is false; "
                          "store plain string prompts or enable the chat template")
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    extra = {}
+    if tools:
+        from megappo.agent.format import with_tools
+
+        messages, extra = with_tools(messages, tokenizer, tools, tool_prompt)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
 
 
 class RLHFDataset:
@@ -51,6 +58,8 @@ class RLHFDataset:
         prompt_key: str = "prompt",
         max_prompt_length: int = 128,
         apply_chat_template: bool = True,
+        tools: Optional[list] = None,
+        tool_prompt: Optional[str] = None,
     ):
         files = [parquet_files] if isinstance(parquet_files, (str, os.PathLike)) else list(parquet_files)
         self.tokenizer = tokenizer
@@ -59,7 +68,7 @@ class RLHFDataset:
         self.num_filtered = 0
         for file in files:
             rows = _read_rows(Path(file), prompt_key)
-            texts = [prompt_to_text(row[prompt_key], tokenizer, apply_chat_template) for row in rows]
+            texts = [prompt_to_text(row[prompt_key], tokenizer, apply_chat_template, tools, tool_prompt) for row in rows]
             all_ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"] if texts else []
             for row, ids in zip(rows, all_ids):
                 if len(ids) > max_prompt_length:

@@ -37,6 +37,9 @@ and rollout/*:
                              = the engines disagree by ~1% on a typical token's probability)
   rollout/tis_weight_mean, tis_capped_frac  truncated importance weights min(pi_old / pi_rollout, 2)
   rollout/weights_fingerprint_ok  1 when vLLM's weights matched the trainer's after the sync
+  multi-turn (agent/loop.agent_metrics): rollout/turns_mean, tool_calls_mean, tool_call_rate (share of
+  samples that called a tool), tool_call_valid_rate, tool_errors, tool_timeouts, tokens_model,
+  tokens_tool; timing/tool_s (summed over calls; calls of a turn run concurrently)
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from typing import Mapping
 
 import torch
 
+from megappo.agent.loop import agent_metrics
 from megappo.ppo import core_algos as algos
 
 OPEN_INSTRUCT_KEYS = (
@@ -112,7 +116,7 @@ def step_metrics(*, step: int, batch, reward_metrics: Mapping, kl: Mapping, acto
                  prompts_per_step: int, responses_per_step: int, dataset_size: int, step_s: float,
                  since_start_s: float) -> dict:
     """The open-instruct set for one step (+ data/parity metrics and the workers' update metrics)."""
-    m = {**data_metrics(batch), **rollout_parity_metrics(batch), **dict(reward_metrics), **dict(kl),
+    m = {**data_metrics(batch), **rollout_parity_metrics(batch), **agent_metrics(batch.batch), **dict(reward_metrics), **dict(kl),
          **dict(actor), **dict(critic)}
     scores = m["objective/scores"]
     m.setdefault("objective/kl", 0.0)

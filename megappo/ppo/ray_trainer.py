@@ -58,6 +58,7 @@ from typing import Callable, Optional
 
 import torch
 
+from megappo.agent.tools import tool_schemas
 from megappo.data.dataset import RLHFDataset
 from megappo.data.sampler import EpochSampler
 from megappo.ppo import core_algos as algos
@@ -119,11 +120,12 @@ class RayPPOTrainer:
                                                     max_response_length=cfg.rollout.max_new_tokens)
         self.val_reward_fn = val_reward_fn or RewardManager(self.tokenizer, 0, r.non_stop_penalty,
                                                             r.non_stop_penalty_value, stop_token_ids=stops)
-        d = cfg.data
+        d, mt = cfg.data, cfg.rollout.multi_turn
+        tools = dict(tools=tool_schemas(mt.tools), tool_prompt=mt.tool_prompt) if mt.enable else {}
         self.train_dataset = RLHFDataset(list(d.train_files), self.tokenizer, d.prompt_key, d.max_prompt_length,
-                                         d.apply_chat_template)
+                                         d.apply_chat_template, **tools)
         self.val_dataset = RLHFDataset(list(d.val_files), self.tokenizer, d.prompt_key, d.max_prompt_length,
-                                       d.apply_chat_template) if d.val_files else None
+                                       d.apply_chat_template, **tools) if d.val_files else None
         self.sampler = EpochSampler(len(self.train_dataset), d.train_batch_size, seed=cfg.trainer.seed,
                                     shuffle=d.shuffle)
         self._check_inputs()

@@ -42,6 +42,9 @@ Output DataProto (B*n rows; sample j of prompt i is row i*n + j; non-tensors rep
   renormalised distribution actually sampled from.
 - `stopped` bool [B*n]: the response ended on EOS / a stop token id (False: cut at max_new_tokens;
   the non-stop penalty uses it).
+- multi-turn (`rollout.multi_turn.enable`, megappo/agent/loop.py): `responses` hold the model's and the
+  tools' tokens in order; `response_mask` is 1 on the model's only, the attention mask on all of them;
+  `rollout_log_probs` are 0 on tool tokens; plus the per-row agent statistics (agent/loop.STAT_KEYS).
 - meta_info["sampling"]: the spec used, with its base seed filled in (the trainer scores the
   responses at its `logprob_temperature`).
 
@@ -282,6 +285,11 @@ class VLLMRollout:
             else self.tokenizer.eos_token_id
         self.eos_token_id = self.tokenizer.eos_token_id
         self.weights_dtype = self.llm.llm_engine.model_config.dtype
+        self.agent = None
+        if self.config.multi_turn.enable:  # multi-turn, tool-using samples (megappo/agent/loop.py)
+            from megappo.agent.loop import AgentLoop
+
+            self.agent = AgentLoop(self.llm, self.tokenizer, self.config.multi_turn)
         self.tie_word_embeddings = bool(getattr(self.llm.llm_engine.model_config.hf_config,
                                                 "tie_word_embeddings", False))
 
@@ -395,8 +403,16 @@ class VLLMRollout:
         pos = (attn.long().cumsum(-1) - 1).clamp(min=0) if pos is None else pos.cpu()
         requests, params = self._requests(ids, attn.bool(), spec, base_seed)
         with preserved_rng(), cpu_compat.suspended():  # vLLM needs no megatron shim
-            outs = self.llm.generate(requests, params, use_tqdm=False)
-        responses, response_mask, logps, stopped = self._response_tensors(outs, R)
+            if self.agent is None:
+                res = self._response_tensors(self.llm.generate(requests, params, use_tqdm=False), R)
+            else:
+                from megappo.agent.loop import trajectory_tensors
+
+                trajs = self.agent.run([r["prompt_token_ids"] for r in requests], spec, base_seed)
+                res = trajectory_tensors(trajs, R, self.pad_token_id)
+        responses, response_mask, logps, stopped = (res.pop(k) for k in ("responses", "response_mask",
+                                                                        "rollout_log_probs", "stopped"))
+        token_mask = res.pop("token_mask", response_mask)  # multi-turn: tool tokens are attended, not trained
 
         rep = lambda t: t.repeat_interleave(n, dim=0)  # noqa: E731
         p_ids, p_mask, p_pos = rep(ids), rep(attn.long()), rep(pos.long())
@@ -406,10 +422,11 @@ class VLLMRollout:
             "responses": responses,
             "response_mask": response_mask,
             "input_ids": torch.cat([p_ids, responses], dim=1),
-            "attention_mask": torch.cat([p_mask, response_mask], dim=1),
+            "attention_mask": torch.cat([p_mask, token_mask], dim=1),
             "position_ids": torch.cat([p_pos, r_pos], dim=1),
             "rollout_log_probs": logps,
             "stopped": stopped,
+            **res,  # multi-turn: agent/loop.STAT_KEYS per row
         }
         non_tensor = {k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()}
         out_meta = dict(meta)
@@ -432,7 +449,7 @@ class VLLMRollout:
                 params.append(SamplingParams(seed=base_seed + i * n + j, logprobs=0, **kwargs))
         return requests, params
 
-    def _response_tensors(self, outs, R: int) -> tuple[torch.Tensor, ...]:
+    def _response_tensors(self, outs, R: int) -> dict[str, torch.Tensor]:
         """vLLM outputs -> responses (pad-filled), response_mask, rollout_log_probs, stopped."""
         rows = len(outs)
         responses = torch.full((rows, R), self.pad_token_id, dtype=torch.long, device="cpu")
@@ -450,7 +467,7 @@ class VLLMRollout:
                 logps[k, :L] = torch.tensor([float(lp[t][tok].logprob) for t, tok in enumerate(toks)],
                                             dtype=torch.float32, device="cpu")
             stopped[k] = c.finish_reason == "stop"
-        return responses, response_mask, logps, stopped
+        return {"responses": responses, "response_mask": response_mask, "rollout_log_probs": logps, "stopped": stopped}
 
 
 def left_pad(token_lists: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:

@@ -1,0 +1,268 @@
+"""Multi-turn, tool-using rollouts (megappo/agent/):
+
+- the python tool's sandbox, attacked: a hang, a crash, a fork bomb, unbounded memory, megabytes of
+  output, a socket to a server on this host, the parent's secrets, writing the run's files and
+  /dev/shm, undoing the mounts, starting a program: each is stopped or refused, returned as a short
+  error, and the run's files are untouched;
+- the calculator is exact and evaluates no code; malformed calls are error observations, counted;
+- the tool formats: Hermes calls parsed, tool results rendered by the chat template (token in, token
+  out), tools shown through the template's tools section or the declared system prompt, and a
+  template with neither refused in one line;
+- the agent loop in a real vLLM engine (tiny llama, one engine for the module): a forced first call
+  (tool_choice=required), the calculator's exact result appended as the template's tool message,
+  the model's tokens kept as sampled with their log-probs, the masks with the gap;
+- a PPO run (Ray workers, Megatron, the hybrid engine) on multi-turn samples: Megatron's log-probs
+  equal vLLM's on the model's tokens, the weights' fingerprints hold, the agent metrics are logged.
+"""
+
+import os
+import re
+import socket
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from megappo.agent.sandbox import Limits, isolation_problem, run_python  # noqa: E402
+
+LIMITS = Limits(wall_s=4, cpu_s=2, memory_mb=512, max_output_bytes=8192)
+
+needs_sandbox = pytest.mark.skipif(isolation_problem() is not None, reason=f"no namespaces: {isolation_problem()}")
+
+
+# ---- the sandbox ----------------------------------------------------------------------------------
+
+@needs_sandbox
+def test_sandbox_runs_code_and_returns_its_output():
+    r = run_python("import numpy\nprint(sum(i * i for i in range(10)), numpy.arange(4).sum())", LIMITS)
+    assert r.error is None and r.output == "285 6\n"
+    r = run_python("open('scratch.txt', 'w').write('hi')\nprint(open('scratch.txt').read())", LIMITS)
+    assert r.output == "hi\n"  # its own working directory is writable
+
+
+@needs_sandbox
+@pytest.mark.parametrize("name, code, expect", [
+    ("hang", "while True: pass", "timed out|CPU time limit"),
+    ("sleep", "import time\ntime.sleep(60)", "timed out"),
+    ("crash", "import ctypes\nctypes.string_at(0)", "SIGSEGV"),
+    ("fork bomb", "import os\nwhile True:\n    os.fork()", "PermissionError"),
+    ("a program", "import subprocess\nsubprocess.run(['ls', '/'])", "PermissionError"),
+    ("memory", "x = []\nwhile True:\n    x.append(bytearray(16 << 20))", "MemoryError"),
+    ("output", "while True:\n    print('x' * 1000)", "output longer than"),
+    ("big file", "open('big', 'wb').write(bytes(64 << 20))", "File too large"),
+])
+def test_sandbox_stops_what_escapes_its_limits(name, code, expect):
+    r = run_python(code, LIMITS)
+    assert r.error is not None and re.search(expect, r.error + r.output), (name, r)
+    assert r.seconds < LIMITS.wall_s + 2 and len(r.output) <= LIMITS.max_output_bytes
+
+
+@needs_sandbox
+def test_sandbox_has_no_network_no_secrets_and_cannot_touch_the_run(tmp_path, monkeypatch):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    run_file = tmp_path / "metrics.jsonl"
+    run_file.write_text("keep")
+    monkeypatch.setenv("WANDB_API_KEY", "secret-123")
+    attempts = {
+        "socket": f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\nprint('connected')",
+        "secret": "import os\nprint(os.environ.get('WANDB_API_KEY'), sorted(os.environ))",
+        "write": f"open({str(run_file)!r}, 'w').write('gone')\nprint('wrote')",
+        "delete": f"import os\nos.remove({str(run_file)!r})\nprint('deleted')",
+        "shm": "open('/dev/shm/megappo-probe', 'w').write('x')\nprint('wrote')",
+        "remount": ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                    "print('mount', libc.mount(None, b'/', None, 32 | 4096, None), ctypes.get_errno())\n"
+                    f"open({str(run_file)!r}, 'w').write('gone')"),
+    }
+    results = {k: run_python(code, LIMITS) for k, code in attempts.items()}
+    server.settimeout(0.2)
+    with pytest.raises(socket.timeout):
+        server.accept()  # nothing connected
+    assert "connected" not in results["socket"].output and results["socket"].error
+    secret = results["secret"]
+    assert "secret-123" not in secret.output and "WANDB_API_KEY" not in secret.output
+    for k in ("write", "delete", "shm", "remount"):
+        assert results[k].error and "Read-only file system" in results[k].output + results[k].error, (k, results[k])
+    assert "mount -1 1" in results["remount"].output  # EPERM: the filter refuses mount(2)
+    assert run_file.read_text() == "keep" and not os.path.exists("/dev/shm/megappo-probe")
+    assert not [p for p in os.listdir(os.environ.get("TMPDIR", "/tmp")) if p.startswith("megappo-tool-")]
+
+
+# ---- tools and formats ----------------------------------------------------------------------------
+
+def test_calculator_is_exact_and_evaluates_no_code():
+    from megappo.agent.tools import make_tools
+
+    calc = make_tools(["calculator"])["calculator"]
+    cases = {"123 * 456": "56088", "7 / 4": "1.75", "1 / 3": "1/3", "(1.1 + 2.2) * 10": "33",
+             "2 ** 64": str(2 ** 64), "-(3 - 5) % 7": "2", "987654321987654321 * 123456789": str(987654321987654321 * 123456789)}
+    for expr, want in cases.items():
+        r = calc.call({"expression": expr})
+        assert (r.text, r.error) == (want, False), expr
+    for expr in ("__import__('os').system('id')", "x + 1", "2 ** 10 ** 10", "1 / 0", "3 +", "[1] * 3"):
+        r = calc.call({"expression": expr})
+        assert r.error and not r.invalid and r.text.startswith("error:"), expr
+    for args in ({"expr": "1"}, "1 + 1", {"expression": 5}, {"expression": "1", "extra": 2}):
+        r = calc.call(args)
+        assert r.error and r.invalid and "calculator" in r.text, args
+
+
+def test_tool_calls_are_parsed_and_malformed_ones_explained():
+    from megappo.agent.format import parse_call
+
+    call = parse_call('I will compute. <tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"}}\n</tool_call>')
+    assert (call.name, call.arguments, call.error) == ("calculator", {"expression": "2+2"}, None)
+    assert parse_call('<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1\\"}"}</tool_call>').arguments \
+        == {"expression": "1"}  # arguments as a JSON string (some models)
+    assert parse_call("The answer is 4.") is None
+    assert "not valid JSON" in parse_call("<tool_call>{name: calculator}</tool_call>").error
+    assert "JSON object" in parse_call('<tool_call>["calculator"]</tool_call>').error
+
+
+def test_forced_call_regex_admits_exactly_well_formed_calls():
+    import re
+
+    from megappo.agent.format import forced_call_regex
+    from megappo.agent.tools import tool_schemas
+
+    regex = forced_call_regex(tool_schemas(["calculator", "python"]))
+    ok = ['<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>',
+          '<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>']
+    bad = ['<tool_call>{"name": "search", "arguments": {"query": "x"}}</tool_call>',
+           '<tool_call>{"name": "python", "arguments": {"code": "a\\"b"}}</tool_call>',
+           '<tool_call>{"name": "calculator", "arguments": {}}</tool_call>']
+    assert all(re.fullmatch(regex, t) for t in ok) and not any(re.fullmatch(regex, t) for t in bad)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_assets):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_assets["tiny-llama"]))
+
+
+QWEN_STYLE_TEMPLATE = (  # a template with a tools section (the shape of Qwen2.5's)
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tools_reach_the_prompt_through_the_template_or_the_declared_prompt(tokenizer):
+    import copy
+
+    from megappo.agent.format import template_has_tools
+    from megappo.agent.tools import tool_schemas
+    from megappo.data.dataset import prompt_to_text
+
+    schemas = tool_schemas(["calculator"])
+    assert not template_has_tools(tokenizer)
+    with pytest.raises(ValueError, match="set rollout.multi_turn.tool_prompt"):
+        prompt_to_text("What is 2+2?", tokenizer, tools=schemas)
+    declared = prompt_to_text("What is 2+2?", tokenizer, tools=schemas, tool_prompt="Tools:\n{tools}\nCall them.")
+    assert declared.startswith("<|im_start|>system\nTools:\n{\"name\": \"calculator\"") and "What is 2+2?" in declared
+    with_system = prompt_to_text([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+                                 tokenizer, tools=schemas, tool_prompt="Tools: {tools}")
+    assert with_system.count("<|im_start|>system") == 1 and "Be brief.\n\nTools: {" in with_system
+    qwen_like = copy.deepcopy(tokenizer)
+    qwen_like.chat_template = QWEN_STYLE_TEMPLATE
+    text = prompt_to_text("What is 2+2?", qwen_like, tools=schemas)
+    assert text.startswith("<|im_start|>system\n# Tools\n") and '"name": "calculator"' in text
+
+
+def test_a_tool_result_is_the_templates_tool_message(tokenizer):
+    from megappo.agent.format import Observations
+
+    obs = Observations(tokenizer)
+    after_call = tokenizer.decode(obs.ids("56088", model_ended_turn=False))
+    assert after_call == "<|im_end|>\n<|im_start|>tool\n56088<|im_end|>\n<|im_start|>assistant\n"
+    after_eos = tokenizer.decode(obs.ids("56088", model_ended_turn=True))
+    assert after_eos == "\n<|im_start|>tool\n56088<|im_end|>\n<|im_start|>assistant\n"
+
+
+# ---- the loop in a real vLLM engine --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def agent_rollout(tiny_assets):
+    from megappo.config.schema import MultiTurnConfig, RolloutConfig
+    from megappo.workers.rollout.vllm_rollout import VLLMRollout
+
+    mt = MultiTurnConfig(enable=True, max_turns=3, max_tool_calls=2, tools=["calculator"], tool_choice="required")
+    cfg = RolloutConfig(n=2, temperature=1.0, max_new_tokens=160, kv_cache_memory_mb=32, multi_turn=mt)
+    return VLLMRollout(tiny_assets["tiny-llama"], cfg, seed=0, dtype="float32", max_model_len=256)
+
+
+def test_agent_loop_layout_in_vllm(agent_rollout, tokenizer):
+    from megappo.agent.format import Observations, parse_call
+    from megappo.agent.tools import make_tools
+    from megappo.protocol import DataProto
+    from megappo.workers.rollout.sampling import SamplingSpec
+    from megappo.workers.rollout.vllm_rollout import left_pad
+
+    texts = ["What is 12 + 30?", "Compute 7 * 6."]
+    ids = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                             tokenize=False), add_special_tokens=False)["input_ids"] for t in texts]
+    spec = SamplingSpec(n=2, temperature=1.0, max_new_tokens=160, seed=11)
+    prompts = DataProto.from_dict(left_pad(ids, tokenizer.pad_token_id), {"uid": ["a", "b"]}, {"sampling": spec})
+    out = agent_rollout.generate_sequences(prompts)
+    b = out.batch
+    R, P = b["responses"].shape[1], b["prompts"].shape[1]
+    calc, obs = make_tools(["calculator"])["calculator"], Observations(tokenizer)
+    for i in range(len(out)):
+        toks = b["responses"][i]
+        model, attended = b["response_mask"][i].bool(), b["attention_mask"][i, P:].bool()
+        n = int(attended.sum())
+        assert attended[:n].all() and not attended[n:].any()  # real tokens first, then padding
+        assert (model <= attended).all() and b["num_turns"][i] >= 2 and b["num_tool_calls"][i] == 1
+        # turn 1: the forced call (not trained on), then the calculator's exact result as the tool message
+        first_model = int(model.nonzero()[0]) if model.any() else n
+        call_and_result = toks[:first_model].tolist()
+        text = tokenizer.decode(call_and_result)
+        call = parse_call(text)
+        assert call is not None and call.error is None and call.name == "calculator"
+        want = obs.ids(calc.call(call.arguments).text, model_ended_turn=False)
+        sampled = call_and_result[:-len(want)]  # the forced call's tokens as vLLM sampled them (not re-tokenised)
+        assert call_and_result[-len(want):] == want and tokenizer.decode(sampled).endswith("</tool_call>")
+        # the model's own turn: log-probs where it sampled, zero on everything else
+        lp = b["rollout_log_probs"][i]
+        assert (lp[model] < 0).all() and (lp[~model] == 0).all()
+    assert int(b["tool_tokens"].sum()) > 0 and b["num_invalid_calls"].sum() >= 0
+    again = agent_rollout.generate_sequences(prompts)  # seeded per request and turn: reproducible
+    assert torch.equal(again.batch["responses"], b["responses"])
+
+
+def test_multi_turn_config_errors(tiny_assets, tmp_path):
+    from megappo.config import ConfigError, load_config
+
+    base = [f"model.path={tiny_assets['tiny-llama']}", "rollout.multi_turn.enable=true"]
+    for extra, match in ((["rollout.multi_turn.tools=[search]"], "unknown tool.*known: calculator, python"),
+                         (["rollout.multi_turn.tool_choice=always"], "choose auto or required"),
+                         (["rollout.multi_turn.tool_prompt='Use tools.'"], "must contain \\{tools\\}"),
+                         (["rollout.multi_turn.tools=[]"], "no tools"),
+                         (["data.apply_chat_template=false"], "apply_chat_template=true")):
+        with pytest.raises(ConfigError, match=match):
+            load_config("configs/ppo_tiny.yaml", base + extra)
+
+
+# ---- a PPO run on multi-turn samples --------------------------------------------------------------
+
+def test_ppo_run_on_multi_turn_samples(ray_session, tiny_assets, data_dir, tmp_path):
+    """Sync PPO with a critic, 2 steps: the model's tokens are scored by Megatron exactly as vLLM sampled
+    them (the gap is fp32 rounding) although tool tokens sit between turns; the metrics are logged."""
+    from trainer_utils import config, run
+
+    cfg = config(tiny_assets, data_dir, tmp_path, "rollout.max_new_tokens=200", "data.max_prompt_length=300",
+                 "rollout.multi_turn.enable=true", "rollout.multi_turn.tool_choice=required",
+                 "rollout.multi_turn.tool_prompt='You can use tools: {tools}'", "trainer.total_steps=2",
+                 "trainer.save_every=0", "trainer.val_every=0", "trainer.export_hf=false")
+    history = run(cfg)
+    for h in history:
+        assert h["rollout/turns_mean"] >= 2 and h["rollout/tool_calls_mean"] == 1.0 and h["rollout/tool_call_rate"] == 1.0
+        assert h["rollout/tokens_tool"] > 0 and h["rollout/tokens_model"] > 0
+        assert h["rollout/weights_fingerprint_ok"] == 1.0
+        for key in ("rollout/tool_call_valid_rate", "rollout/tool_errors", "timing/tool_s", "critic/grad_norm"):
+            assert key in h
+    assert history[0]["rollout/logprob_diff_max"] < 1e-4  # same weights: vLLM's == Megatron's on model tokens
