@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-$(shell cat requirements-cpu.txt constraints-cpu.txt setup.py Makefile | sha1sum | cut -c1-12)
 
-.PHONY: install install-gpu system-deps demo smollm2 test test-fast gpu-check clean-venv trl-venv
+.PHONY: install install-gpu system-deps demo smollm2 smollm2-tools test test-fast gpu-check clean-venv trl-venv
 
 install: $(STAMP)
 
@@ -74,6 +74,25 @@ smollm2: install
 	$(VENV)/bin/megappo train --config $(SMOLLM2_CONFIG) trainer.output_dir=$(SMOLLM2_RUN) $(SMOLLM2_ARGS)
 	$(VENV)/bin/megappo eval --model $(SMOLLM2_RUN)/hf_final --config $(SMOLLM2_CONFIG) \
 	  --out $(SMOLLM2_RUN)/trained_eval.json --baseline $(SMOLLM2_RUN)/base_eval.json
+
+# SmolLM2-135M learning to use a calculator (README "Multi-turn, tool-using rollouts"): held-out 3-digit
+# addition with one worked calculator exchange per prompt; evaluates the base model with the tools and
+# without (plain prompts), trains (configs/tools_smollm2_135m.yaml), evaluates the policy with the tools.
+TOOLS_CONFIG ?= configs/tools_smollm2_135m.yaml
+TOOLS_RUN    ?= outputs/tools_smollm2_135m
+TOOLS_DATA   := --held-out --min-operand 100 --max-operand 999 --val-size 100 --instruction "Give only the number."
+smollm2-tools: install
+	test -f $(SMOLLM2_MODEL)/config.json || $(PY) tools/smollm2_to_hf.py --out $(SMOLLM2_MODEL)
+	$(PY) -m megappo.data.preprocess_arithmetic --out outputs/data/tools_arith --tool-shots 1 $(TOOLS_DATA)
+	$(PY) -m megappo.data.preprocess_arithmetic --out outputs/data/tools_arith_plain $(TOOLS_DATA)
+	test -f $(TOOLS_RUN)/base_eval.json || $(VENV)/bin/megappo eval --model $(SMOLLM2_MODEL) --dtype bfloat16 \
+	  --config $(TOOLS_CONFIG) --out $(TOOLS_RUN)/base_eval.json
+	test -f $(TOOLS_RUN)/base_notools_eval.json || $(VENV)/bin/megappo eval --model $(SMOLLM2_MODEL) --dtype bfloat16 \
+	  --config $(TOOLS_CONFIG) --no-tools --data outputs/data/tools_arith_plain/arith_val.parquet \
+	  --out $(TOOLS_RUN)/base_notools_eval.json
+	$(VENV)/bin/megappo train --config $(TOOLS_CONFIG) trainer.output_dir=$(TOOLS_RUN)
+	$(VENV)/bin/megappo eval --model $(TOOLS_RUN)/hf_final --dtype bfloat16 --config $(TOOLS_CONFIG) \
+	  --out $(TOOLS_RUN)/trained_eval.json --baseline $(TOOLS_RUN)/base_eval.json
 
 # The README's test command.
 test: install system-deps

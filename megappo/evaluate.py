@@ -56,11 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-mb", type=int, default=256, help="CPU: vLLM's KV cache size")
     parser.add_argument("--out", help="write the report as JSON here")
     parser.add_argument("--baseline", help="an earlier report (--out of the base model): print both side by side")
+    parser.add_argument("--no-tools", action="store_true", help="with a --config whose rollout.multi_turn is on: "
+                        "evaluate without the tools (single-turn prompts, no tool section)")
 
 
 def _settings(args) -> dict:
     """Prompt / generation / reward settings: defaults < the run's config < command-line flags."""
-    s = dict(DEFAULTS, data=None, explicit=set())  # explicit: lengths the user chose (never shortened)
+    s = dict(DEFAULTS, data=None, explicit=set(), multi_turn=None)  # explicit: lengths the user chose
     if args.config:
         from megappo.config import ConfigError, load_config
 
@@ -74,6 +76,12 @@ def _settings(args) -> dict:
                  non_stop_penalty_value=cfg.reward.non_stop_penalty_value, data=list(cfg.data.val_files),
                  batch_size=cfg.data.val_batch_size)
         s["explicit"] = {"max_new_tokens", "max_prompt_length"}
+        if cfg.rollout.multi_turn.enable and not args.no_tools:  # the model decides whether to call a tool
+            from omegaconf import OmegaConf
+
+            from megappo.config.schema import MultiTurnConfig
+
+            s["multi_turn"] = MultiTurnConfig(**{**OmegaConf.to_container(cfg.rollout.multi_turn), "tool_choice": "auto"})
     for key in ("max_new_tokens", "max_prompt_length"):
         if getattr(args, key) is not None:
             s[key] = getattr(args, key)
@@ -170,6 +178,8 @@ def _summary(rows: list, n_samples: int) -> dict:
 def evaluate(model, data: list[str], settings: dict, n_samples: int = 1, temperature: Optional[float] = None,
              dtype: str = "float32", seed: int = 0, kv_cache_mb: int = 256) -> dict:
     """Generate with vLLM, score with RewardManager; the report (see the module docstring)."""
+    from megappo.agent.loop import STAT_KEYS, agent_metrics
+    from megappo.agent.tools import tool_schemas
     from megappo.config.schema import RolloutConfig
     from megappo.data.dataset import RLHFDataset
     from megappo.ppo.metrics import eval_metrics
@@ -185,18 +195,19 @@ def evaluate(model, data: list[str], settings: dict, n_samples: int = 1, tempera
         tok = _tokenizer(model_dir)
         prompt_len, new_tokens = fit_lengths(settings, AutoConfig.from_pretrained(str(model_dir)).max_position_embeddings,
                                              model)
-        datasets = []
+        datasets, mt = [], settings.get("multi_turn")
+        tools = dict(tools=tool_schemas(mt.tools), tool_prompt=mt.tool_prompt) if mt else {}
         for file in data:  # one file at a time: files differ in prompt length, batches never mix them
             try:
                 datasets.append(RLHFDataset([file], tok, settings["prompt_key"], prompt_len,
-                                            settings["apply_chat_template"]))
+                                            settings["apply_chat_template"], **tools))
             except (FileNotFoundError, ValueError) as e:
                 raise EvalError(str(e)) from None
         temperature = (1.0 if n_samples > 1 else 0.0) if temperature is None else temperature
         sample = n_samples > 1 or temperature > 0
         cfg = RolloutConfig(n=n_samples, temperature=temperature if sample else 1.0,
                             max_new_tokens=new_tokens, stop_token_ids=settings["stop_token_ids"],
-                            kv_cache_memory_mb=kv_cache_mb)
+                            kv_cache_memory_mb=kv_cache_mb, **({"multi_turn": mt} if mt else {}))
         rollout = VLLMRollout(model_dir, cfg, seed=seed, dtype=None if dtype == "auto" else dtype,
                               max_model_len=prompt_len + new_tokens)
         spec = SamplingSpec.from_config(cfg)
@@ -216,8 +227,9 @@ def evaluate(model, data: list[str], settings: dict, n_samples: int = 1, tempera
                 except (KeyError, ValueError) as e:
                     raise EvalError(str(e)) from None
                 # prompts differ in width from batch to batch; the responses all have max_new_tokens columns
-                responses.append(part.select(batch_keys=[k for k in ("responses", "response_mask", "stopped")
-                                                         if k in part.batch], meta_info_keys=[]))
+                responses.append(part.select(batch_keys=[k for k in ("responses", "response_mask", "stopped",
+                                                                     *STAT_KEYS) if k in part.batch],
+                                             meta_info_keys=[]))
             by_file[str(file)] = _summary(file_rows, n_samples)["all"]
             rows += file_rows
             first += len(dataset)
@@ -229,6 +241,8 @@ def evaluate(model, data: list[str], settings: dict, n_samples: int = 1, tempera
                   "by_source": _summary(rows, n_samples), "by_file": by_file}
         if not sample:
             report.update(eval_metrics(out, reward_metrics))
+        if mt:
+            report["tools"] = {k.removeprefix("rollout/"): v for k, v in agent_metrics(out.batch).items()}
         return report
 
 
@@ -267,6 +281,10 @@ def main(args: argparse.Namespace) -> int:
         extra = f"  pass@{k} {m[f'pass@{k}']:.3f}" if k > 1 else ""
         print(f"{source:>16}: accuracy {m['accuracy']:.3f}{extra}  mean length {m['mean_length']:.1f}  "
               f"stopped {100 * m['stop_rate']:.1f}%  ({m['num_prompts']} prompts)")
+    if "tools" in report:
+        t = report["tools"]
+        print(f"{'tools':>16}: called in {100 * t['tool_call_rate']:.1f}% of samples, {t['tool_calls_mean']:.2f} calls "
+              f"and {t['turns_mean']:.2f} turns per sample, valid calls {100 * t['tool_call_valid_rate']:.1f}%")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

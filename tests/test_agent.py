@@ -234,8 +234,10 @@ def test_agent_loop_layout_in_vllm(agent_rollout, tokenizer):
     assert torch.equal(again.batch["responses"], b["responses"])
 
 
-def test_multi_turn_config_errors(tiny_assets, tmp_path):
+def test_multi_turn_config_errors(tiny_assets, data_dir, tmp_path):
     from megappo.config import ConfigError, load_config
+    from megappo.ppo.ray_trainer import RayPPOTrainer
+    from trainer_utils import config
 
     base = [f"model.path={tiny_assets['tiny-llama']}", "rollout.multi_turn.enable=true"]
     for extra, match in ((["rollout.multi_turn.tools=[search]"], "unknown tool.*known: calculator, python"),
@@ -245,6 +247,10 @@ def test_multi_turn_config_errors(tiny_assets, tmp_path):
                          (["data.apply_chat_template=false"], "apply_chat_template=true")):
         with pytest.raises(ConfigError, match=match):
             load_config("configs/ppo_tiny.yaml", base + extra)
+    # the tiny tokenizer's template has no tools section and no tool_prompt is set: refused while the prompts
+    # are built, before any worker starts (megappo train prints it as one line)
+    with pytest.raises(ValueError, match="^the model's chat template has no tools section: set rollout.multi_turn.tool_prompt"):
+        RayPPOTrainer(config(tiny_assets, data_dir, tmp_path, "rollout.multi_turn.enable=true"), show_progress=False)
 
 
 # ---- a PPO run on multi-turn samples --------------------------------------------------------------
@@ -257,7 +263,7 @@ def test_ppo_run_on_multi_turn_samples(ray_session, tiny_assets, data_dir, tmp_p
     cfg = config(tiny_assets, data_dir, tmp_path, "rollout.max_new_tokens=200", "data.max_prompt_length=300",
                  "rollout.multi_turn.enable=true", "rollout.multi_turn.tool_choice=required",
                  "rollout.multi_turn.tool_prompt='You can use tools: {tools}'", "trainer.total_steps=2",
-                 "trainer.save_every=0", "trainer.val_every=0", "trainer.export_hf=false")
+                 "trainer.save_every=0", "trainer.val_every=2", "trainer.export_hf=false")
     history = run(cfg)
     for h in history:
         assert h["rollout/turns_mean"] >= 2 and h["rollout/tool_calls_mean"] == 1.0 and h["rollout/tool_call_rate"] == 1.0
@@ -266,3 +272,25 @@ def test_ppo_run_on_multi_turn_samples(ray_session, tiny_assets, data_dir, tmp_p
         for key in ("rollout/tool_call_valid_rate", "rollout/tool_errors", "timing/tool_s", "critic/grad_norm"):
             assert key in h
     assert history[0]["rollout/logprob_diff_max"] < 1e-4  # same weights: vLLM's == Megatron's on model tokens
+    assert history[1]["eval/tool_call_rate"] == 1.0 and history[1]["eval/turns_mean"] >= 2  # validation: same loop
+    assert (tmp_path / "reward_curve.png").stat().st_size > 0
+    _check_eval_with_and_without_tools(tiny_assets["tiny-llama"], tmp_path)
+
+
+def _check_eval_with_and_without_tools(model, out):
+    """`megappo eval --config <run>/config.json`: the run's tools offered (the model decides: tool_choice
+    auto) and reported; --no-tools: plain single-turn prompts, no tools report."""
+    import json
+    import subprocess
+    import sys
+
+    reports = {}
+    for name, extra in (("tools", []), ("plain", ["--no-tools"])):
+        proc = subprocess.run([sys.executable, "-m", "megappo.cli", "eval", "--model", str(model), "--config",
+                               str(out / "config.json"), "--out", str(out / f"{name}.json"), *extra],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        reports[name] = json.loads((out / f"{name}.json").read_text())
+    tools = reports["tools"]["tools"]
+    assert tools["turns_mean"] >= 1 and 0 <= tools["tool_call_rate"] <= 1 and "tools" not in reports["plain"]
+    assert reports["tools"]["max_prompt_length"] == reports["plain"]["max_prompt_length"] == 300

@@ -184,3 +184,26 @@ def test_held_out_split_never_trains_on_a_val_problem_or_its_mirror(tmp_path):
             a, b = r["extra_info"]["a"], r["extra_info"]["b"]
             assert r["reward_model"]["ground_truth"] == str(a + b)
             assert r["prompt"][0]["content"] == f"What is {a} + {b}? Give only the number."
+
+
+def test_tool_shots_are_worked_calculator_exchanges(tmp_path):
+    """--tool-shots K: K (question, Hermes call, tool result, answer) exchanges before each question; the
+    calls parse and the results are the calculator's; the val pairs are those of the plain split."""
+    from megappo.agent.format import parse_call
+    from megappo.agent.tools import make_tools
+
+    calc = make_tools(["calculator"])["calculator"]
+    args = ["--held-out", "--min-operand", "100", "--max-operand", "120", "--val-size", "10", "--train-size", "16"]
+    preprocess_arithmetic.main(["--out", str(tmp_path / "shots"), "--tool-shots", "2", *args])
+    preprocess_arithmetic.main(["--out", str(tmp_path / "plain"), *args])
+    shots = pq.read_table(tmp_path / "shots" / "arith_val.parquet").to_pylist()
+    plain = pq.read_table(tmp_path / "plain" / "arith_val.parquet").to_pylist()
+    for row, ref in zip(shots, plain):
+        msgs = row["prompt"]
+        assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "assistant"] * 2 + ["user"]
+        assert msgs[-1] == ref["prompt"][0] and row["reward_model"] == ref["reward_model"]
+        for k in (1, 5):
+            call = parse_call(msgs[k]["content"])
+            assert call.error is None and calc.call(call.arguments).text == msgs[k + 1]["content"] == msgs[k + 2]["content"]
+    with pytest.raises(SystemExit):
+        preprocess_arithmetic.main(["--out", str(tmp_path / "x"), "--tool-shots", "9"])

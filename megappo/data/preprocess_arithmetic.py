@@ -10,11 +10,16 @@ Deterministic by --seed. Writes arith_train.parquet and arith_val.parquet.
 - `--held-out`: every operand pair (a, b) in [--min-operand, --max-operand]^2 goes to exactly one
   split: val holds --val-size pairs that never appear in train (nor does their mirror b + a), so
   validation accuracy measures generalisation to unseen problems (the SmolLM2 recipe).
+- `--tool-shots K`: each prompt starts with K worked exchanges in which the assistant calls the
+  calculator (a Hermes <tool_call>), gets the `tool` message and answers (configs/tools_smollm2_135m.yaml:
+  with K=1 SmolLM2-135M calls it in about a quarter of its samples, with K=0 never). The examples'
+  operands are below 100, outside the 3-digit task's range.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 from pathlib import Path
@@ -24,21 +29,37 @@ import pyarrow.parquet as pq
 
 DATA_SOURCE = "arithmetic"
 INSTRUCTION = "Answer with #### and the number."
+TOOL_SHOTS = ((12, 34), (7, 58), (41, 6))
+
+
+def tool_shots(k: int, instruction: str) -> list[dict]:
+    """K example exchanges: question, calculator call, its result, the answer."""
+    from megappo.agent.format import CALL_END, CALL_START
+
+    if not 0 <= k <= len(TOOL_SHOTS):
+        raise ValueError(f"--tool-shots {k}: choose 0..{len(TOOL_SHOTS)}")
+    messages = []
+    for a, b in TOOL_SHOTS[:k]:
+        call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a} + {b}"}})
+        messages += [{"role": "user", "content": f"What is {a} + {b}? {instruction}".strip()},
+                     {"role": "assistant", "content": f"{CALL_START}{call}{CALL_END}"},
+                     {"role": "tool", "content": str(a + b)}, {"role": "assistant", "content": str(a + b)}]
+    return messages
 
 
 def make_rows(n: int, seed: int, max_operand: int, split: str, pairs: list | None = None,
-              min_operand: int = 0, instruction: str = INSTRUCTION) -> list[dict]:
+              min_operand: int = 0, instruction: str = INSTRUCTION, shots: int = 0) -> list[dict]:
     """n problems: operand pairs drawn from `pairs` (cycled in a seeded order) or at random."""
     rng = random.Random(seed)
     order = list(pairs) if pairs is not None else None
     if order is not None:
         rng.shuffle(order)
-    rows = []
+    rows, examples = [], tool_shots(shots, instruction)
     for i in range(n):
         a, b = order[i % len(order)] if order is not None else \
             (rng.randint(min_operand, max_operand), rng.randint(min_operand, max_operand))
         rows.append({
-            "prompt": [{"role": "user", "content": f"What is {a} + {b}? {instruction}".strip()}],
+            "prompt": examples + [{"role": "user", "content": f"What is {a} + {b}? {instruction}".strip()}],
             "data_source": DATA_SOURCE,
             "reward_model": {"ground_truth": str(a + b), "style": "rule"},
             "extra_info": {"split": split, "index": i, "a": a, "b": b},
@@ -61,14 +82,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-operand", type=int, default=9)
     parser.add_argument("--held-out", action="store_true", help="val pairs (and their mirrors) never in train")
     parser.add_argument("--instruction", default=INSTRUCTION, help=f"after the question (default: {INSTRUCTION!r})")
+    parser.add_argument("--tool-shots", type=int, default=0, help="worked calculator exchanges before each "
+                        f"question (0..{len(TOOL_SHOTS)}; for rollout.multi_turn runs)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if not 0 <= args.tool_shots <= len(TOOL_SHOTS):
+        parser.error(f"--tool-shots {args.tool_shots}: choose 0..{len(TOOL_SHOTS)}")
     out = Path(args.out)
     pairs = {"train": None, "val": None}
     if args.held_out:
         pairs = held_out_pairs(args.min_operand, args.max_operand, args.val_size, args.seed)
     for split, size, seed in (("train", args.train_size, args.seed), ("val", args.val_size, args.seed + 1)):
-        rows = make_rows(size, seed, args.max_operand, split, pairs[split], args.min_operand, args.instruction)
+        rows = make_rows(size, seed, args.max_operand, split, pairs[split], args.min_operand, args.instruction,
+                         args.tool_shots)
         path = write_parquet(rows, out / f"arith_{split}.parquet")
         print(f"wrote {size} rows to {path}")
     return 0

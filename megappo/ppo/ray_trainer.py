@@ -58,6 +58,7 @@ from typing import Callable, Optional
 
 import torch
 
+from megappo.agent.loop import agent_metrics
 from megappo.agent.tools import tool_schemas
 from megappo.data.dataset import RLHFDataset
 from megappo.data.sampler import EpochSampler
@@ -576,7 +577,8 @@ class RayPPOTrainer:
         out = DataProto.concat(parts)
         out.meta_info.pop("metrics", None)
         _, reward_metrics = self.val_reward_fn(out)
-        return {**eval_metrics(out, reward_metrics), "timing/validate_s": time.perf_counter() - t0}
+        tools = {k.replace("rollout/", "eval/"): v for k, v in agent_metrics(out.batch).items() if k.startswith("rollout/")}
+        return {**eval_metrics(out, reward_metrics), **tools, "timing/validate_s": time.perf_counter() - t0}
 
     def _trained_groups(self) -> list:
         """The groups holding the actor and the critic, each once (they may be one colocated group)."""
@@ -817,7 +819,7 @@ class _Progress:
 
 
 CURVE_KEYS = (("objective/scores", "-"), ("objective/verifiable_correct_rate", "--"),
-              ("eval/verifiable_correct_rate", "o-"))
+              ("eval/verifiable_correct_rate", "o-"), ("rollout/tool_call_rate", ":"), ("eval/tool_call_rate", "s-"))
 
 
 def reward_curve_series(rows: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
@@ -835,7 +837,7 @@ def reward_curve_series(rows: list[dict]) -> dict[str, tuple[list[int], list[flo
 
 def plot_reward_curve(output_dir) -> Optional[Path]:
     """`<output_dir>/reward_curve.png`: objective/scores and verifiable_correct_rate per step, eval accuracy,
-    and the base model's eval accuracy as a line when `<output_dir>/base_eval.json` holds it."""
+    the tool-call rates of a multi-turn run (rollouts, greedy eval), and the base model's eval accuracy as a line when `<output_dir>/base_eval.json` holds it."""
     from megappo.utils.tracking import read_metrics
 
     path = Path(output_dir) / "metrics.jsonl"
