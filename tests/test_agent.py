@@ -294,3 +294,21 @@ def _check_eval_with_and_without_tools(model, out):
     tools = reports["tools"]["tools"]
     assert tools["turns_mean"] >= 1 and 0 <= tools["tool_call_rate"] <= 1 and "tools" not in reports["plain"]
     assert reports["tools"]["max_prompt_length"] == reports["plain"]["max_prompt_length"] == 300
+
+
+def test_async_grpo_on_multi_turn_samples(ray_session, tiny_assets, data_dir, tmp_path):
+    """Async mode (a separate rollout pool fed over the weight-sync group) with GRPO and no critic: the
+    pool's engines run the same agent loop; step 1's samples come from the weights it trains from."""
+    from trainer_utils import config, run
+
+    cfg = config(tiny_assets, data_dir, tmp_path, "rollout.max_new_tokens=200", "data.max_prompt_length=300",
+                 "rollout.multi_turn.enable=true", "rollout.multi_turn.tool_choice=required",
+                 "rollout.multi_turn.tool_prompt='You can use tools: {tools}'", "trainer.mode=async",
+                 "resources.rollout_workers=1", "algorithm.adv_estimator=grpo", "critic.enable=false",
+                 "trainer.total_steps=2", "trainer.save_every=0", "trainer.val_every=0", "trainer.export_hf=false")
+    history = run(cfg)
+    assert len(history) == 2 and "critic/grad_norm" not in history[0]
+    for h in history:
+        assert h["rollout/tool_calls_mean"] == 1.0 and h["rollout/tokens_tool"] > 0
+        assert h["rollout/weights_fingerprint_ok"] == 1.0
+    assert history[0]["rollout/logprob_diff_max"] < 1e-4
