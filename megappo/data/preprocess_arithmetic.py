@@ -12,7 +12,7 @@ Deterministic by --seed. Writes arith_train.parquet and arith_val.parquet.
   validation accuracy measures generalisation to unseen problems (the SmolLM2 recipe).
 - `--tool-shots K`: each prompt starts with K worked exchanges in which the assistant calls the
   calculator (a Hermes <tool_call>), gets the `tool` message and answers (configs/tools_smollm2_135m.yaml:
-  with K=1 SmolLM2-135M calls it in about a quarter of its samples, with K=0 never). The examples'
+  with K=1 SmolLM2-135M calls it in some of its samples (8% of the recipe's first 64), with K=0 never). The examples'
   operands are below 100, outside the 3-digit task's range.
 """
 
