@@ -179,7 +179,7 @@ def evaluate(model, data: list[str], settings: dict, n_samples: int = 1, tempera
              dtype: str = "float32", seed: int = 0, kv_cache_mb: int = 256) -> dict:
     """Generate with vLLM, score with RewardManager; the report (see the module docstring)."""
     from megappo.agent.loop import STAT_KEYS, agent_metrics
-    from megappo.agent.tools import tool_schemas
+    from megappo.agent.tools import prompt_tools
     from megappo.config.schema import RolloutConfig
     from megappo.data.dataset import RLHFDataset
     from megappo.ppo.metrics import eval_metrics
@@ -196,7 +196,7 @@ def evaluate(model, data: list[str], settings: dict, n_samples: int = 1, tempera
         prompt_len, new_tokens = fit_lengths(settings, AutoConfig.from_pretrained(str(model_dir)).max_position_embeddings,
                                              model)
         datasets, mt = [], settings.get("multi_turn")
-        tools = dict(tools=tool_schemas(mt.tools), tool_prompt=mt.tool_prompt) if mt else {}
+        tools = prompt_tools(mt) if mt else {}
         for file in data:  # one file at a time: files differ in prompt length, batches never mix them
             try:
                 datasets.append(RLHFDataset([file], tok, settings["prompt_key"], prompt_len,

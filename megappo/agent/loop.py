@@ -82,19 +82,14 @@ class AgentLoop:
                                      include_stop_str_in_output=True, **extra)
                       for k in live]
             outs = self.llm.generate(requests, params, use_tqdm=False)
-            calls = {}
-            for k, o in zip(live, outs):
-                calls[k] = self._model_turn(trajs[k], o.outputs[0], budget, last_turn=turn == self.config.max_turns - 1,
-                                            forced=forced)
+            last_turn = turn == self.config.max_turns - 1
+            calls = {k: self._model_turn(trajs[k], o.outputs[0], budget, last_turn, forced) for k, o in zip(live, outs)}
             pending = {k: c for k, c in calls.items() if c is not None}
-            results = dict(zip(pending, self.pool.map(self._execute, pending.values())))
-            for k, (result, ended_turn) in ((k, (results[k], calls[k].ended_turn)) for k in pending):
-                self._tool_turn(trajs[k], result, ended_turn, budget)
-        for t in trajs:  # out of turns while still calling tools: cut, not an answer
-            t.done = True
+            for (k, call), result in zip(pending.items(), self.pool.map(self._execute, pending.values())):
+                self._tool_turn(trajs[k], result, call.ended_turn, budget)
         return trajs
 
-    def _model_turn(self, traj: Trajectory, out, budget: int, last_turn: bool, forced: bool = False):
+    def _model_turn(self, traj: Trajectory, out, budget: int, last_turn: bool, forced: bool):
         """Append the model's tokens (a forced turn's as untrained context); returns the call to run, or
         None when the sample is finished."""
         toks = list(out.token_ids)

@@ -59,7 +59,7 @@ from typing import Callable, Optional
 import torch
 
 from megappo.agent.loop import agent_metrics
-from megappo.agent.tools import tool_schemas
+from megappo.agent.tools import prompt_tools
 from megappo.data.dataset import RLHFDataset
 from megappo.data.sampler import EpochSampler
 from megappo.ppo import core_algos as algos
@@ -121,8 +121,7 @@ class RayPPOTrainer:
                                                     max_response_length=cfg.rollout.max_new_tokens)
         self.val_reward_fn = val_reward_fn or RewardManager(self.tokenizer, 0, r.non_stop_penalty,
                                                             r.non_stop_penalty_value, stop_token_ids=stops)
-        d, mt = cfg.data, cfg.rollout.multi_turn
-        tools = dict(tools=tool_schemas(mt.tools), tool_prompt=mt.tool_prompt) if mt.enable else {}
+        d, tools = cfg.data, prompt_tools(cfg.rollout.multi_turn)
         self.train_dataset = RLHFDataset(list(d.train_files), self.tokenizer, d.prompt_key, d.max_prompt_length,
                                          d.apply_chat_template, **tools)
         self.val_dataset = RLHFDataset(list(d.val_files), self.tokenizer, d.prompt_key, d.max_prompt_length,
