@@ -179,12 +179,12 @@ def evaluate(model, data: list[str], settings: dict, n_samples: int = 1, tempera
              dtype: str = "float32", seed: int = 0, kv_cache_mb: int = 256) -> dict:
     """Generate with vLLM, score with RewardManager; the report (see the module docstring)."""
     from megappo.agent.loop import STAT_KEYS, agent_metrics
-    from megappo.agent.tools import prompt_tools
+    from megappo.agent.environment import Environments
     from megappo.config.schema import RolloutConfig
     from megappo.data.dataset import RLHFDataset
     from megappo.ppo.metrics import eval_metrics
     from megappo.protocol import DataProto
-    from megappo.rewards.manager import RewardManager
+    from megappo.rewards.manager import DEFAULT_SCORERS, RewardManager
     from megappo.workers.rollout.sampling import SamplingSpec
     from megappo.workers.rollout.vllm_rollout import VLLMRollout
 
@@ -196,7 +196,11 @@ def evaluate(model, data: list[str], settings: dict, n_samples: int = 1, tempera
         prompt_len, new_tokens = fit_lengths(settings, AutoConfig.from_pretrained(str(model_dir)).max_position_embeddings,
                                              model)
         datasets, mt = [], settings.get("multi_turn")
-        tools = prompt_tools(mt) if mt else {}
+        try:  # each row's environment (its tools, the reward of its trajectory) by data_source
+            envs = Environments(mt, DEFAULT_SCORERS) if mt else None
+        except ValueError as e:
+            raise EvalError(str(e)) from None
+        tools = envs.prompt_args() if envs else {}
         for file in data:  # one file at a time: files differ in prompt length, batches never mix them
             try:
                 datasets.append(RLHFDataset([file], tok, settings["prompt_key"], prompt_len,
@@ -213,7 +217,7 @@ def evaluate(model, data: list[str], settings: dict, n_samples: int = 1, tempera
         spec = SamplingSpec.from_config(cfg)
         spec = spec.with_seed(seed) if sample else spec.greedy()
         manager = RewardManager(tok, 0, settings["non_stop_penalty"], settings["non_stop_penalty_value"],
-                                stop_token_ids=settings["stop_token_ids"])
+                                stop_token_ids=settings["stop_token_ids"], environments=envs)
         rows, responses, by_file, first = [], [], {}, 0
         for file, dataset in zip(data, datasets):
             file_rows = []

@@ -183,6 +183,53 @@ def test_a_tool_result_is_the_templates_tool_message(tokenizer):
     assert after_eos == "\n<|im_start|>tool\n56088<|im_end|>\n<|im_start|>assistant\n"
 
 
+# ---- environments: tools and a trajectory reward per data_source ------------------------------------
+
+def test_environments_by_data_source(tokenizer, tmp_path):
+    """Rule environments for every reward rule (the config's tools, the rule on the final answer), a
+    registered one winning over them, each row shown and carrying its environment's tools; a row whose
+    data_source has no environment is refused in one line naming the file, the row and the fix."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from megappo.agent.environment import Environments, Episode
+    from megappo.config.schema import MultiTurnConfig
+    from megappo.data.dataset import RLHFDataset
+    from megappo.rewards.manager import DEFAULT_SCORERS
+
+    mt = MultiTurnConfig(enable=True, tools=["calculator"], tool_prompt="Tools: {tools}",
+                         environments={"py_task": "agent_envs:PythonOnly", "counted": "agent_envs:CountToolCalls"})
+    envs = Environments(mt, DEFAULT_SCORERS)
+    assert envs.tools_for("arithmetic") == ("calculator",) and envs.tools_for("py_task") == ("python",)
+    turns = ({"role": "assistant", "text": '<tool_call>{"name": "calculator"}</tool_call>'},
+             {"role": "tool", "name": "calculator", "arguments": {}, "text": "error: ...", "error": True},
+             {"role": "assistant", "text": "#### 7"})
+    assert Episode(turns, "7", "arithmetic", True).answer == "#### 7"
+    assert envs.score("arithmetic", turns, "7", True) == 1.0  # the rule, on the final answer
+    assert envs.score("arithmetic", turns[:2], "7", True) == 0.0
+    assert envs.score("counted", turns, "7", True) == 1.0
+    with pytest.raises(ValueError, match="^no environment for data_source 'nowhere' .*register one with "
+                                         "rollout.multi_turn.environments.nowhere="):
+        envs.get("nowhere")
+    for target, match in (("agent_envs", "is not 'module:attribute'"), ("agent_envs:Missing", "cannot load it"),
+                          ("no_such_module:X", "cannot load it"), ("agent_envs:NOT_AN_ENVIRONMENT", "no score")):
+        with pytest.raises(ValueError, match=match):
+            Environments(MultiTurnConfig(enable=True, environments={"s": target}), DEFAULT_SCORERS)
+
+    rows = [("arithmetic", "1 + 2?"), ("py_task", "print 3"), ("nowhere", "?")]
+    file = tmp_path / "mixed.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": q}], "data_source": source,
+                                          "reward_model": {"ground_truth": "3"}} for source, q in rows]), file)
+    with pytest.raises(ValueError, match=r"mixed.parquet' row 2: no environment for data_source 'nowhere'"):
+        RLHFDataset([file], tokenizer, max_prompt_length=512, **envs.prompt_args())
+    pq.write_table(pq.read_table(file).slice(0, 2), file)
+    ds = RLHFDataset([file], tokenizer, max_prompt_length=512, **envs.prompt_args())
+    shown = [tokenizer.decode(r["input_ids"]) for r in ds.rows]
+    assert '"name": "calculator"' in shown[0] and '"name": "python"' not in shown[0]
+    assert '"name": "python"' in shown[1] and '"name": "calculator"' not in shown[1]
+    assert list(ds.get_batch([0, 1]).non_tensor_batch["tools"]) == [("calculator",), ("python",)]
+
+
 # ---- the loop in a real vLLM engine --------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -234,6 +281,33 @@ def test_agent_loop_layout_in_vllm(agent_rollout, tokenizer):
     assert torch.equal(again.batch["responses"], b["responses"])
 
 
+@needs_sandbox
+def test_each_row_calls_only_its_environments_tools(agent_rollout, tokenizer):
+    """Rows carrying different tools (their environments'): the forced first call is a call of the row's
+    own tool, recorded in agent_turns with its result; a call of a tool the row was not given is invalid."""
+    from megappo.agent.format import Call
+    from megappo.protocol import DataProto
+    from megappo.workers.rollout.sampling import SamplingSpec
+    from megappo.workers.rollout.vllm_rollout import left_pad
+
+    ids = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                             tokenize=False), add_special_tokens=False)["input_ids"]
+           for t in ("What is 12 + 30?", "Print 42.")]
+    spec = SamplingSpec(n=2, temperature=1.0, max_new_tokens=160, seed=5)
+    prompts = DataProto.from_dict(left_pad(ids, tokenizer.pad_token_id),
+                                  {"uid": ["a", "b"], "tools": [("calculator",), ("python",)]}, {"sampling": spec})
+    out = agent_rollout.generate_sequences(prompts)
+    b, turns = out.batch, out.non_tensor_batch["agent_turns"]
+    for i, allowed in enumerate(["calculator", "calculator", "python", "python"]):
+        assert [t["role"] for t in turns[i]][:2] == ["assistant", "tool"] and turns[i][1]["name"] == allowed
+        assert len([t for t in turns[i] if t["role"] == "assistant"]) == int(b["num_turns"][i])
+        # the recorded texts are the tokens' own: the assistant turns after the forced one are the trained tokens
+        trained = tokenizer.decode(b["responses"][i][b["response_mask"][i].bool()].tolist(), skip_special_tokens=True)
+        assert trained == "".join(t["text"] for t in turns[i][2:] if t["role"] == "assistant")
+    wrong = agent_rollout.agent._execute(Call("calculator", {"expression": "1+1"}), ("python",))
+    assert wrong.invalid and "unknown tool 'calculator'; available: python" in wrong.text
+
+
 def test_multi_turn_config_errors(tiny_assets, data_dir, tmp_path):
     from megappo.config import ConfigError, load_config
     from megappo.ppo.ray_trainer import RayPPOTrainer
@@ -244,28 +318,43 @@ def test_multi_turn_config_errors(tiny_assets, data_dir, tmp_path):
                          (["rollout.multi_turn.tool_choice=always"], "choose auto or required"),
                          (["rollout.multi_turn.tool_prompt='Use tools.'"], "must contain \\{tools\\}"),
                          (["rollout.multi_turn.tools=[]"], "no tools"),
-                         (["data.apply_chat_template=false"], "apply_chat_template=true")):
+                         (["data.apply_chat_template=false"], "apply_chat_template=true"),
+                         (["rollout.multi_turn.environments.arithmetic=agent_envs"], "is not 'module:attribute'")):
         with pytest.raises(ConfigError, match=match):
             load_config("configs/ppo_tiny.yaml", base + extra)
     # the tiny tokenizer's template has no tools section and no tool_prompt is set: refused while the prompts
     # are built, before any worker starts (megappo train prints it as one line)
     with pytest.raises(ValueError, match="^the model's chat template has no tools section: set rollout.multi_turn.tool_prompt"):
         RayPPOTrainer(config(tiny_assets, data_dir, tmp_path, "rollout.multi_turn.enable=true"), show_progress=False)
+    # a row whose data_source has no environment (no reward rule, none registered): one line, no worker started
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(data_dir / "arith_train.parquet")
+    pq.write_table(table.set_column(table.column_names.index("data_source"), "data_source",
+                                    [["my_search"] * len(table)]), tmp_path / "search.parquet")
+    with pytest.raises(ValueError, match="search.parquet' row 0: no environment for data_source 'my_search' .*"
+                                         "rollout.multi_turn.environments.my_search=my_pkg.envs:MyEnv"):
+        RayPPOTrainer(config(tiny_assets, data_dir, tmp_path, "rollout.multi_turn.enable=true",
+                             "rollout.multi_turn.tool_prompt='Tools: {tools}'",
+                             f"data.train_files=[{tmp_path / 'search.parquet'}]"), show_progress=False)
 
 
 # ---- a PPO run on multi-turn samples --------------------------------------------------------------
 
 def test_ppo_run_on_multi_turn_samples(ray_session, tiny_assets, data_dir, tmp_path):
     """Sync PPO with a critic, 2 steps: the model's tokens are scored by Megatron exactly as vLLM sampled
-    them (the gap is fp32 rounding) although tool tokens sit between turns; the metrics are logged."""
+    them (the gap is fp32 rounding) although tool tokens sit between turns; the metrics are logged. The
+    rows' environment is a registered one (tests/agent_envs.py) whose reward counts the tool calls."""
     from trainer_utils import config, run
 
     cfg = config(tiny_assets, data_dir, tmp_path, "rollout.max_new_tokens=200", "data.max_prompt_length=300",
                  "rollout.multi_turn.enable=true", "rollout.multi_turn.tool_choice=required",
                  "rollout.multi_turn.tool_prompt='You can use tools: {tools}'", "trainer.total_steps=2",
+                 "rollout.multi_turn.environments.arithmetic=agent_envs:CountToolCalls", "reward.non_stop_penalty=false",
                  "trainer.save_every=0", "trainer.val_every=2", "trainer.export_hf=false")
     history = run(cfg)
     for h in history:
+        assert h["objective/scores"] == h["rollout/tool_calls_mean"]  # the environment's reward, not the rule's
         assert h["rollout/turns_mean"] >= 2 and h["rollout/tool_calls_mean"] == 1.0 and h["rollout/tool_call_rate"] == 1.0
         assert h["rollout/tokens_tool"] > 0 and h["rollout/tokens_model"] > 0
         assert h["rollout/weights_fingerprint_ok"] == 1.0
@@ -288,11 +377,15 @@ def _check_eval_with_and_without_tools(model, out):
     for name, extra in (("tools", []), ("plain", ["--no-tools"])):
         proc = subprocess.run([sys.executable, "-m", "megappo.cli", "eval", "--model", str(model), "--config",
                                str(out / "config.json"), "--out", str(out / f"{name}.json"), *extra],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True,  # the run's environment module (tests/agent_envs.py)
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__),
+                                                                               os.environ.get("PYTHONPATH", "")])})
         assert proc.returncode == 0, proc.stderr[-2000:]
         reports[name] = json.loads((out / f"{name}.json").read_text())
     tools = reports["tools"]["tools"]
     assert tools["turns_mean"] >= 1 and 0 <= tools["tool_call_rate"] <= 1 and "tools" not in reports["plain"]
+    # with tools, the registered environment scores (a call scores 1 = correct); without, the arithmetic rule
+    assert reports["tools"]["by_source"]["arithmetic"]["accuracy"] == tools["tool_call_rate"]
     assert reports["tools"]["max_prompt_length"] == reports["plain"]["max_prompt_length"] == 300
 
 

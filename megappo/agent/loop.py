@@ -1,7 +1,8 @@
 """The multi-turn agent loop inside the rollout engine: token in, token out.
 
     loop = AgentLoop(llm, tokenizer, cfg.rollout.multi_turn)
-    trajectories = loop.run(prompts, spec, base_seed)   # prompts: token id lists, one per sample
+    trajectories = loop.run(prompts, spec, base_seed, tools)   # prompts: token id lists, one per sample;
+                                                               # tools: the tool names each may call
 
 Every live sample of the call is generated in one batched vLLM call per turn (never one sample at a
 time). A turn ends on EOS / end-of-turn or on `</tool_call>`; a turn that makes a call gets the tool's
@@ -14,7 +15,9 @@ sample). Tool calls of one turn run concurrently (threads: the python tool's wor
 A Trajectory's tokens are the model's exactly as sampled, with the tool tokens between them;
 `model_mask` says which is which: the trainer computes no loss, KL or value target on tool tokens
 (response_mask 0) but the model attends to them (attention_mask 1). Seeds: turn t of request k is
-sampled with base_seed + k + t * TURN_SEED_STRIDE (turn 0 is the single-turn seed).
+sampled with base_seed + k + t * TURN_SEED_STRIDE (turn 0 is the single-turn seed). `turns` records
+each turn as text (assistant turns; tool calls with their arguments and results): what the row's
+environment scores (agent/environment.Episode).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Optional
 import torch
 
 from megappo.agent.format import CALL_END, Observations, forced_call_regex, parse_call
-from megappo.agent.tools import ToolResult, make_tools
+from megappo.agent.tools import TOOLS, ToolResult, make_tools
 
 TURN_SEED_STRIDE = 1_000_003
 # per-row statistics a multi-turn rollout adds to the batch (float32 [B]); ppo/metrics.agent_metrics reads them
@@ -42,6 +45,7 @@ class Trajectory:
     logprobs: list = field(default_factory=list)
     stopped: bool = False  # ended with an answer turn closed by EOS / a stop token
     done: bool = False
+    turns: list = field(default_factory=list)  # {"role": "assistant", "text"} / {"role": "tool", "name", ...}
     stats: dict = field(default_factory=lambda: dict.fromkeys(STAT_KEYS, 0.0))
 
     def add(self, tokens, logprobs=None, model: bool = True) -> None:
@@ -55,39 +59,47 @@ class AgentLoop:
         self.llm = llm
         self.tokenizer = tokenizer
         self.config = config
-        self.tools = make_tools(config.tools, config.tool_timeout_s, config.max_tool_output_chars)
+        self.tools = make_tools(TOOLS, config.tool_timeout_s, config.max_tool_output_chars)
         self.observations = Observations(tokenizer)
-        self.forced = None  # tool_choice=required: the first turn's regex
-        if config.tool_choice == "required":
-            self.forced = forced_call_regex([t.schema() for t in self.tools.values()])
+        self._forced_regex: dict = {}  # tool_choice=required: tool names -> the first turn's regex
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="megappo-tool")
 
-    def run(self, prompts: list[list[int]], spec, base_seed: int) -> list[Trajectory]:
-        """One trajectory per entry of `prompts` (request k is prompts[k])."""
+    def run(self, prompts: list[list[int]], spec, base_seed: int, tools=None) -> list[Trajectory]:
+        """One trajectory per entry of `prompts` (request k is prompts[k]); request k may call the tools
+        named in tools[k] (default: rollout.multi_turn.tools), others are invalid calls."""
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
 
         budget = int(spec.max_new_tokens)
         trajs = [Trajectory() for _ in prompts]
+        allowed = [tuple(t) for t in tools] if tools is not None else [tuple(self.config.tools)] * len(prompts)
+        required = self.config.tool_choice == "required"
         kwargs = spec.vllm_kwargs()
         for turn in range(int(self.config.max_turns)):
             live = [k for k, t in enumerate(trajs) if not t.done]
             if not live:
                 break
             requests = [{"prompt_token_ids": prompts[k] + trajs[k].tokens} for k in live]
-            forced = self.forced is not None and turn == 0
-            extra = {"structured_outputs": StructuredOutputsParams(regex=self.forced)} if forced else {}
+            forced = required and turn == 0  # a well-formed call of one of the row's tools
             params = [SamplingParams(**{**kwargs, "max_tokens": budget - len(trajs[k].tokens)},
                                      seed=base_seed + k + turn * TURN_SEED_STRIDE, logprobs=0, stop=[CALL_END],
-                                     include_stop_str_in_output=True, **extra)
+                                     include_stop_str_in_output=True,
+                                     **({"structured_outputs": StructuredOutputsParams(regex=self._forced(allowed[k]))}
+                                        if forced else {}))
                       for k in live]
             outs = self.llm.generate(requests, params, use_tqdm=False)
             last_turn = turn == self.config.max_turns - 1
             calls = {k: self._model_turn(trajs[k], o.outputs[0], budget, last_turn, forced) for k, o in zip(live, outs)}
             pending = {k: c for k, c in calls.items() if c is not None}
-            for (k, call), result in zip(pending.items(), self.pool.map(self._execute, pending.values())):
-                self._tool_turn(trajs[k], result, call.ended_turn, budget)
+            results = self.pool.map(self._execute, pending.values(), (allowed[k] for k in pending))
+            for (k, call), result in zip(pending.items(), results):
+                self._tool_turn(trajs[k], call, result, budget)
         return trajs
+
+    def _forced(self, names: tuple) -> str:
+        if names not in self._forced_regex:
+            self._forced_regex[names] = forced_call_regex([self.tools[n].schema() for n in names])
+        return self._forced_regex[names]
 
     def _model_turn(self, traj: Trajectory, out, budget: int, last_turn: bool, forced: bool):
         """Append the model's tokens (a forced turn's as untrained context); returns the call to run, or
@@ -96,6 +108,7 @@ class AgentLoop:
         lp = out.logprobs or []
         traj.add(toks, None if forced else [float(lp[i][tok].logprob) for i, tok in enumerate(toks)], model=not forced)
         traj.stats["num_turns"] += 1
+        traj.turns.append({"role": "assistant", "text": self.tokenizer.decode(toks, skip_special_tokens=True)})
         by_call = out.finish_reason == "stop" and out.stop_reason == CALL_END
         call = parse_call(self.tokenizer.decode(toks)) if out.finish_reason == "stop" else None
         if call is None:  # an answer (stopped), or the budget ran out mid-turn (not stopped)
@@ -107,23 +120,24 @@ class AgentLoop:
         call.ended_turn = not by_call  # the turn closed with EOS after the call
         return call
 
-    def _execute(self, call) -> ToolResult:
+    def _execute(self, call, allowed: tuple) -> ToolResult:
         if call.error is not None:
             return ToolResult(call.error, error=True, invalid=True)
-        tool = self.tools.get(call.name)
-        if tool is None:
-            return ToolResult(f"error: unknown tool {call.name!r}; available: {', '.join(self.tools)}", error=True,
+        if call.name not in allowed:
+            return ToolResult(f"error: unknown tool {call.name!r}; available: {', '.join(allowed)}", error=True,
                               invalid=True)
-        return tool.call(call.arguments)
+        return self.tools[call.name].call(call.arguments)
 
-    def _tool_turn(self, traj: Trajectory, result: ToolResult, ended_turn: bool, budget: int) -> None:
+    def _tool_turn(self, traj: Trajectory, call, result: ToolResult, budget: int) -> None:
         s = traj.stats
         s["num_tool_calls"] += 1
         s["num_invalid_calls"] += float(result.invalid)
         s["num_tool_errors"] += float(result.error and not result.invalid)
         s["num_tool_timeouts"] += float(result.timed_out)
         s["tool_s"] += result.seconds
-        ids = self.observations.ids(result.text, model_ended_turn=ended_turn)
+        traj.turns.append({"role": "tool", "name": call.name, "arguments": call.arguments, "text": result.text,
+                           "error": result.error})
+        ids = self.observations.ids(result.text, model_ended_turn=call.ended_turn)
         room = budget - len(traj.tokens)
         if len(ids) >= room:  # no room left for the model to answer
             ids, traj.done = ids[:room], True

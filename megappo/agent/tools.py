@@ -166,12 +166,4 @@ def tool_schemas(names) -> list[dict]:
     return [t.schema() for t in make_tools(names).values()]
 
 
-def prompt_tools(multi_turn) -> dict:
-    """RLHFDataset's tool arguments for a rollout.multi_turn section: what the prompts show the model
-    (nothing when multi-turn is off)."""
-    if not multi_turn.enable:
-        return {}
-    return {"tools": tool_schemas(multi_turn.tools), "tool_prompt": multi_turn.tool_prompt}
-
-
-__all__ = ["prompt_tools", "tool_schemas", "Tool", "ToolResult", "Calculator", "Python", "TOOLS", "make_tools"]
+__all__ = ["tool_schemas", "Tool", "ToolResult", "Calculator", "Python", "TOOLS", "make_tools"]

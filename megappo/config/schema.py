@@ -165,6 +165,9 @@ class MultiTurnConfig:
     # outputs) to a well-formed call of one of the tools, a scaffold for a model that never calls one.
     # The forced turn is not trained on (its log-probs come from the constrained distribution).
     tool_choice: str = "auto"
+    # data_source -> "module:attribute" of an agent.environment.Environment (its tools and a reward that sees
+    # the whole trajectory); every data_source with a reward rule already has one (the rule on the final answer)
+    environments: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

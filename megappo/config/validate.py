@@ -222,6 +222,13 @@ def _check_multi_turn(cfg) -> None:
         raise ConfigError(f"rollout.multi_turn.tool_choice={m.tool_choice!r}; choose auto or required")
     if m.tool_prompt is not None and "{tools}" not in m.tool_prompt:
         raise ConfigError("rollout.multi_turn.tool_prompt must contain {tools} (where the tools' schemas go)")
+    from megappo.agent.environment import split_target
+
+    for source, target in m.environments.items():
+        try:
+            split_target(str(source), str(target))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if not cfg.data.apply_chat_template:
         raise ConfigError("rollout.multi_turn renders tool results with the chat template; set data.apply_chat_template=true")
     if "python" in m.tools:

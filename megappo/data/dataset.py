@@ -5,6 +5,9 @@ Parquet schema (written by megappo.data.preprocess_*):
   data_source   str, picks the reward rule (see megappo.rewards)
   reward_model  {"ground_truth": str, "style": "rule"}
   extra_info    dict (optional)
+
+Multi-turn runs (`tools_for`: data_source -> tool names, agent/environment.Environments.tools_for): each
+prompt shows its row's tools, and the row carries their names (non_tensor "tools") to the rollout.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import logging
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -58,7 +61,7 @@ class RLHFDataset:
         prompt_key: str = "prompt",
         max_prompt_length: int = 128,
         apply_chat_template: bool = True,
-        tools: Optional[list] = None,
+        tools_for: Optional[Callable[[str], Sequence[str]]] = None,
         tool_prompt: Optional[str] = None,
     ):
         files = [parquet_files] if isinstance(parquet_files, (str, os.PathLike)) else list(parquet_files)
@@ -68,13 +71,16 @@ class RLHFDataset:
         self.num_filtered = 0
         for file in files:
             rows = _read_rows(Path(file), prompt_key)
-            texts = [prompt_to_text(row[prompt_key], tokenizer, apply_chat_template, tools, tool_prompt) for row in rows]
+            tools = _row_tools(rows, tools_for, file) if tools_for is not None else [((), None)] * len(rows)
+            texts = [prompt_to_text(row[prompt_key], tokenizer, apply_chat_template, schemas, tool_prompt)
+                     for row, (_, schemas) in zip(rows, tools)]
             all_ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"] if texts else []
-            for row, ids in zip(rows, all_ids):
+            for row, ids, row_tools in zip(rows, all_ids, tools):
                 if len(ids) > max_prompt_length:
                     self.num_filtered += 1
                     continue
                 self.rows.append({
+                    **({"tools": row_tools[0]} if tools_for is not None else {}),
                     "input_ids": ids,
                     "raw_prompt": row[prompt_key],
                     "data_source": row["data_source"],
@@ -97,6 +103,24 @@ class RLHFDataset:
 
     def get_batch(self, indices: Sequence[int]) -> DataProto:
         return collate([self.rows[int(i)] for i in indices], self.tokenizer, self.max_prompt_length)
+
+
+def _row_tools(rows: list[dict], tools_for: Callable[[str], Sequence[str]], file) -> list[tuple]:
+    """(tool names, their JSON schemas) per row, by its data_source; a source without tools is named in one line."""
+    from megappo.agent.tools import tool_schemas
+
+    by_source: dict[str, tuple] = {}
+    out = []
+    for i, row in enumerate(rows):
+        source = str(row["data_source"])
+        if source not in by_source:
+            try:
+                names = tuple(tools_for(source))
+            except ValueError as e:
+                raise ValueError(f"RLHFDataset: {str(file)!r} row {i}: {e}") from None
+            by_source[source] = (names, tool_schemas(names))
+        out.append(by_source[source])
+    return out
 
 
 def _read_rows(file: Path, prompt_key: str) -> list[dict[str, Any]]:
@@ -133,7 +157,7 @@ def collate(rows: Sequence[dict[str, Any]], tokenizer, max_prompt_length: int) -
     """Left-pad the prompts to the longest in the batch.
 
     batch: input_ids, attention_mask, position_ids (cumsum(mask) - 1, clipped at 0), all [B, L] int64.
-    non_tensor_batch: data_source, reward_model, extra_info, raw_prompt, index, and a fresh `uid`
+    non_tensor_batch: data_source, reward_model, extra_info, raw_prompt, (multi-turn) tools, index, and a fresh `uid`
     per prompt (GRPO/RLOO group id; DataProto.repeat(n) copies it to the n responses)."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     lengths = [len(r["input_ids"]) for r in rows]
@@ -141,7 +165,8 @@ def collate(rows: Sequence[dict[str, Any]], tokenizer, max_prompt_length: int) -
         raise ValueError(f"collate: a prompt has {max(lengths)} tokens > max_prompt_length={max_prompt_length}")
     input_ids, attention_mask = left_pad([r["input_ids"] for r in rows], pad_id)
     position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
-    non_tensors = {key: [r[key] for r in rows] for key in ("data_source", "reward_model", "extra_info", "raw_prompt")}
+    keys = ("data_source", "reward_model", "extra_info", "raw_prompt") + (("tools",) if "tools" in rows[0] else ())
+    non_tensors = {key: [r[key] for r in rows] for key in keys}
     non_tensors["index"] = np.array([r["index"] for r in rows], dtype=np.int64)
     non_tensors["uid"] = [str(uuid.uuid4()) for _ in rows]
     return DataProto.from_dict(

@@ -59,7 +59,7 @@ from typing import Callable, Optional
 import torch
 
 from megappo.agent.loop import agent_metrics
-from megappo.agent.tools import prompt_tools
+from megappo.agent.environment import Environments
 from megappo.data.dataset import RLHFDataset
 from megappo.data.sampler import EpochSampler
 from megappo.ppo import core_algos as algos
@@ -121,7 +121,13 @@ class RayPPOTrainer:
                                                     max_response_length=cfg.rollout.max_new_tokens)
         self.val_reward_fn = val_reward_fn or RewardManager(self.tokenizer, 0, r.non_stop_penalty,
                                                             r.non_stop_penalty_value, stop_token_ids=stops)
-        d, tools = cfg.data, prompt_tools(cfg.rollout.multi_turn)
+        # multi-turn: each row's environment (its tools, its trajectory reward) by data_source
+        self.environments = None
+        if cfg.rollout.multi_turn.enable:
+            self.environments = Environments(cfg.rollout.multi_turn, self.reward_fn.scorers)
+            for fn in (self.reward_fn, self.val_reward_fn):
+                fn.environments = fn.environments or self.environments
+        d, tools = cfg.data, (self.environments.prompt_args() if self.environments else {})
         self.train_dataset = RLHFDataset(list(d.train_files), self.tokenizer, d.prompt_key, d.max_prompt_length,
                                          d.apply_chat_template, **tools)
         self.val_dataset = RLHFDataset(list(d.val_files), self.tokenizer, d.prompt_key, d.max_prompt_length,
@@ -157,7 +163,8 @@ class RayPPOTrainer:
         self._plotting: Optional[threading.Thread] = None  # fit's reward_curve.png, drawn in the background
 
     def _check_inputs(self) -> None:
-        """Before any worker starts: the tokenizer fits the model, and every data_source has a reward rule."""
+        """Before any worker starts: the tokenizer fits the model, and every data_source has a reward rule
+        (multi-turn: an environment; the datasets already refused a row without one)."""
         from transformers import AutoConfig
 
         m = self.config.model
@@ -168,7 +175,11 @@ class RayPPOTrainer:
                              "tokenizer (model.tokenizer)")
         for ds in (self.train_dataset, self.val_dataset):
             for source in sorted({str(r["data_source"]) for r in ds.rows} if ds is not None else ()):
-                self.reward_fn.scorer_for(source)  # a ValueError naming the known rules and how to add one
+                # a ValueError naming the known rules (environments) and how to add one
+                if self.environments:
+                    self.environments.get(source)
+                else:
+                    self.reward_fn.scorer_for(source)
 
     # ---- workers -----------------------------------------------------------------------------------
 

@@ -9,6 +9,9 @@ DataProto keys read:
   batch["rm_scores"]        [B] or [B, T] (summed), optional: reward-model scores, added
   batch["prompts"]          [B, P] optional, only for printing samples
   non_tensor_batch["data_source"], non_tensor_batch["reward_model"][i]["ground_truth"]
+  non_tensor_batch["agent_turns"]  multi-turn rows (agent/loop.py): with `environments` set, each row is
+                            scored by its data_source's environment on the whole trajectory
+                            (agent/environment.py) instead of the rule on the response text
 """
 
 from __future__ import annotations
@@ -86,8 +89,10 @@ class RewardManager:
         overlong_buffer_len: int = 0,
         overlong_penalty_factor: float = 1.0,
         max_response_length: int = 0,
+        environments=None,
     ):
         self.tokenizer = tokenizer
+        self.environments = environments  # agent/environment.Environments: multi-turn rows' scores
         self.num_examine = num_examine
         self.non_stop_penalty = non_stop_penalty
         self.non_stop_penalty_value = float(non_stop_penalty_value)
@@ -136,15 +141,20 @@ class RewardManager:
         sources = data.non_tensor_batch["data_source"]
         reward_info = data.non_tensor_batch["reward_model"]
         uids = data.non_tensor_batch.get("uid", range(len(data)))
+        turns = data.non_tensor_batch.get("agent_turns") if self.environments is not None else None
         rows, shown, warned = [], defaultdict(int), set()
         for i in range(len(data)):
             source = str(sources[i])
-            scorer = self.scorer_for(source)
+            if turns is None:
+                scorer = self.scorer_for(source)
+            else:  # multi-turn: the row's environment scores the whole trajectory
+                self.environments.get(source)  # raises for a source without one, as scorer_for does
             text = self.tokenizer.decode(responses[i][mask[i]].tolist(), skip_special_tokens=True)
             ground_truth = reward_info[i]["ground_truth"]
             error = False
             try:
-                rule_score = float(scorer(text, ground_truth))
+                rule_score = (float(scorer(text, ground_truth)) if turns is None
+                              else self.environments.score(source, turns[i], ground_truth, stopped[i]))
             except Exception as e:  # noqa: BLE001 - a user's rule failing on one row scores it 0
                 rule_score, error = 0.0, True
                 if source not in warned:

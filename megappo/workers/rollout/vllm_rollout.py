@@ -44,7 +44,9 @@ Output DataProto (B*n rows; sample j of prompt i is row i*n + j; non-tensors rep
   the non-stop penalty uses it).
 - multi-turn (`rollout.multi_turn.enable`, megappo/agent/loop.py): `responses` hold the model's and the
   tools' tokens in order; `response_mask` is 1 on the model's only, the attention mask on all of them;
-  `rollout_log_probs` are 0 on tool tokens; plus the per-row agent statistics (agent/loop.STAT_KEYS).
+  `rollout_log_probs` are 0 on tool tokens; plus the per-row agent statistics (agent/loop.STAT_KEYS)
+  and non_tensor "agent_turns" (each row's turns as text). A row calls only the tools named in its
+  non_tensor "tools" (its environment's, data/dataset.py) when the prompts carry them.
 - meta_info["sampling"]: the spec used, with its base seed filled in (the trainer scores the
   responses at its `logprob_temperature`).
 
@@ -408,8 +410,12 @@ class VLLMRollout:
             else:
                 from megappo.agent.loop import trajectory_tensors
 
-                trajs = self.agent.run([r["prompt_token_ids"] for r in requests], spec, base_seed)
+                tools = prompts.non_tensor_batch.get("tools")  # the row's environment's tools (data/dataset.py)
+                trajs = self.agent.run([r["prompt_token_ids"] for r in requests], spec, base_seed,
+                                       None if tools is None else np.repeat(tools, n, axis=0))
                 res = trajectory_tensors(trajs, R, self.pad_token_id)
+                turns = np.empty(len(trajs), dtype=object)
+                turns[:] = [t.turns for t in trajs]
         responses, response_mask, logps, stopped = (res.pop(k) for k in ("responses", "response_mask",
                                                                         "rollout_log_probs", "stopped"))
         token_mask = res.pop("token_mask", response_mask)  # multi-turn: tool tokens are attended, not trained
@@ -429,6 +435,8 @@ class VLLMRollout:
             **res,  # multi-turn: agent/loop.STAT_KEYS per row
         }
         non_tensor = {k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()}
+        if self.agent is not None:
+            non_tensor["agent_turns"] = turns  # what each row's environment scores (agent/environment.py)
         out_meta = dict(meta)
         out_meta.update(sampling=spec.with_seed(base_seed), response_length=R)
         return DataProto(batch, non_tensor, out_meta)
