@@ -26,6 +26,7 @@
 #                     (default 10002..19999, Ray's own: megappo's rendezvous ports are drawn from 20000 up)
 #   RAY_CLIENT_PORT   the head's Ray Client server port (default 10001, Ray's own)
 #   RAY_WAIT_S        how long to wait for the cluster to register (default 300)
+#   RAY_PORT_WAIT_S   how long a busy head port is retried before the job is refused (default 20)
 #   LOG_ROOT          where the job directory with per-node logs goes (default $MEGAPPO_ROOT/outputs/slurm)
 #   SKIP_PLAN=1       skip the memory planner (CPU runs)
 set -euo pipefail
@@ -39,6 +40,7 @@ RAY_CLIENT_PORT=${RAY_CLIENT_PORT:-10001}
 RAY_MIN_WORKER_PORT=${RAY_MIN_WORKER_PORT:-10002}
 RAY_MAX_WORKER_PORT=${RAY_MAX_WORKER_PORT:-19999}
 RAY_WAIT_S=${RAY_WAIT_S:-300}
+RAY_PORT_WAIT_S=${RAY_PORT_WAIT_S:-20}
 JOB_ID=${SLURM_JOB_ID:-local}
 JOB_DIR=${LOG_ROOT:-$MEGAPPO_ROOT/outputs/slurm}/${SLURM_JOB_NAME:-megappo}-$JOB_ID
 mkdir -p "$JOB_DIR"
@@ -108,12 +110,13 @@ fi
 head_ip=$(node_ip "$head_node")
 [[ -n "$head_ip" ]] || die "could not resolve the IP of head node $head_node (set NETWORK_INTERFACE?)"
 # The head's fixed ports (GCS, Ray Client server: the head fails on a busy one) must be free = bindable as a
-# server binds them (SO_REUSEADDR: TIME_WAIT sockets of a previous run do not count); retried for 20 s,
-# since a requeued job can start while its predecessor's Ray head is still exiting. Prints the busy one.
+# server binds them (SO_REUSEADDR: TIME_WAIT sockets of a previous run do not count); retried for
+# RAY_PORT_WAIT_S seconds, since a requeued job can start while its predecessor's Ray head is still
+# exiting. Prints the busy one.
 ports_free='
 import socket, sys, time
-for arg in sys.argv[1:]:
-    for _ in range(20):
+for arg in sys.argv[2:]:
+    for _ in range(max(1, int(sys.argv[1]))):
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
@@ -123,7 +126,7 @@ for arg in sys.argv[1:]:
     else:
         print(arg.split("=")[0]); sys.exit(1)'
 if ! busy=$(srun --nodes=1 --ntasks=1 --overlap -w "$head_node" python -c "$ports_free" \
-            "RAY_PORT=$RAY_PORT" "RAY_CLIENT_PORT=$RAY_CLIENT_PORT" 2>/dev/null); then
+            "$RAY_PORT_WAIT_S" "RAY_PORT=$RAY_PORT" "RAY_CLIENT_PORT=$RAY_CLIENT_PORT" 2>/dev/null); then
   busy=${busy:-RAY_PORT}
   die "$busy=${!busy} is in use on $head_node (another Ray, or another service); set $busy to a free port"
 fi

@@ -74,7 +74,7 @@ def test_ray_port_in_use_is_refused(slurm, tiny_assets, data_dir, tmp_path, var)
         ports = {"RAY_PORT": str(free_port()), "RAY_CLIENT_PORT": str(free_port()), var: str(port)}
         rc, log = slurm.sbatch(str(REPO / "slurm/ppo_tiny.sbatch"), cwd=REPO, timeout=300,
                                env={"OVERRIDES": " ".join(overrides(tiny_assets, data_dir, tmp_path / "run")),
-                                    "LOG_ROOT": str(tmp_path / "logs"), **ports})
+                                    "LOG_ROOT": str(tmp_path / "logs"), "RAY_PORT_WAIT_S": "2", **ports})
     assert rc != 0
     assert f"{var}={port} is in use on" in log and f"set {var} to a free port" in log, log
     assert not list(tmp_path.glob("logs/*/ray-head-*.log"))
