@@ -21,6 +21,7 @@ checkpoint written with torch Adam (a CPU run) stores the group step as a float,
 
 from __future__ import annotations
 
+import inspect
 import queue
 import shutil
 import threading
@@ -123,7 +124,12 @@ def save(path, sharded_state_dict: dict, background: bool = False) -> "Optional[
     if not isinstance(filesystem_async._results_queue, queue.Queue):
         filesystem_async._results_queue = queue.Queue()  # where _get_write_results_queue() looks first
     live = _storages(sharded_state_dict)  # before save: it replaces factories by what they build
-    pending = BackgroundSave(dist_checkpointing.save(sharded_state_dict, str(path), async_sharded_save=True), live)
+    # megatron-core >= 0.19 defaults async_strategy="nvrx" (nvidia-resiliency-ext); the built-in writer
+    # (FileSystemWriterAsync, whose write_preloaded_data BackgroundSave drives) is async_strategy="mcore"
+    kw = {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters \
+        else {}
+    pending = BackgroundSave(dist_checkpointing.save(sharded_state_dict, str(path), async_sharded_save=True, **kw),
+                             live)
     if background:
         return pending
     pending.finish()
