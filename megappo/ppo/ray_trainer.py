@@ -126,7 +126,8 @@ class RayPPOTrainer:
         if cfg.rollout.multi_turn.enable:
             self.environments = Environments(cfg.rollout.multi_turn, self.reward_fn.scorers)
             for fn in (self.reward_fn, self.val_reward_fn):
-                fn.environments = fn.environments or self.environments
+                if isinstance(fn, RewardManager) and fn.environments is None:
+                    fn.environments = self.environments
         d, tools = cfg.data, (self.environments.prompt_args() if self.environments else {})
         self.train_dataset = RLHFDataset(list(d.train_files), self.tokenizer, d.prompt_key, d.max_prompt_length,
                                          d.apply_chat_template, **tools)
