@@ -644,9 +644,10 @@ class RayPPOTrainer:
             yield
         except Exception as e:  # noqa: BLE001 - say what it means for the run
             cause = _os_error_behind(e)
-            if cause is None and _disk_nearly_full(self.ckpt_root):
-                # torch's C++ writer reports a full disk as "basic_ios::clear: iostream error" (no errno):
-                # read the disk before the temp dir is removed (which frees it again)
+            if (cause is None or cause.errno is None) and _disk_nearly_full(self.ckpt_root):
+                # torch's C++ writer reports a full disk as "basic_ios::clear: iostream error" (no errno;
+                # megatron-core 0.19's writer passes it on as an OSError without one): read the disk
+                # before the temp dir is removed (which frees it again)
                 cause = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             self._abandon_checkpoint()
             if cause is not None and cause.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -734,14 +735,17 @@ def left_pad_prompts(parts: list, pad_id: int) -> list:
 
 
 def _os_error_behind(err: BaseException) -> Optional[OSError]:
-    """The OSError a (Ray- / megatron-wrapped) exception was caused by, if any."""
-    seen = set()
+    """The OSError a (Ray- / megatron-wrapped) exception was caused by, if any: the first in the chain
+    with an errno (Ray's RayTaskError(OSError) is an OSError without one; its `cause` has it)."""
+    seen, found = set(), None
     while err is not None and id(err) not in seen:
         if isinstance(err, OSError):
-            return err
+            if err.errno is not None:
+                return err
+            found = found or err
         seen.add(id(err))
         err = getattr(err, "cause", None) or err.__cause__ or err.__context__
-    return None
+    return found
 
 
 def _disk_nearly_full(path, min_free: int = 1 << 20) -> bool:
