@@ -284,7 +284,8 @@ def test_agent_loop_layout_in_vllm(agent_rollout, tokenizer):
 @needs_sandbox
 def test_each_row_calls_only_its_environments_tools(agent_rollout, tokenizer):
     """Rows carrying different tools (their environments'): the forced first call is a call of the row's
-    own tool, recorded in agent_turns with its result; a call of a tool the row was not given is invalid."""
+    own tool, recorded in agent_turns with its result; a row with no tools is not forced (its first turn
+    is trained on); a call of a tool the row was not given is invalid."""
     from megappo.agent.format import Call
     from megappo.protocol import DataProto
     from megappo.workers.rollout.sampling import SamplingSpec
@@ -292,10 +293,11 @@ def test_each_row_calls_only_its_environments_tools(agent_rollout, tokenizer):
 
     ids = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                              tokenize=False), add_special_tokens=False)["input_ids"]
-           for t in ("What is 12 + 30?", "Print 42.")]
+           for t in ("What is 12 + 30?", "Print 42.", "Say hi.")]
     spec = SamplingSpec(n=2, temperature=1.0, max_new_tokens=160, seed=5)
     prompts = DataProto.from_dict(left_pad(ids, tokenizer.pad_token_id),
-                                  {"uid": ["a", "b"], "tools": [("calculator",), ("python",)]}, {"sampling": spec})
+                                  {"uid": ["a", "b", "c"], "tools": [("calculator",), ("python",), ()]},
+                                  {"sampling": spec})
     out = agent_rollout.generate_sequences(prompts)
     b, turns = out.batch, out.non_tensor_batch["agent_turns"]
     for i, allowed in enumerate(["calculator", "calculator", "python", "python"]):
@@ -304,6 +306,9 @@ def test_each_row_calls_only_its_environments_tools(agent_rollout, tokenizer):
         # the recorded texts are the tokens' own: the assistant turns after the forced one are the trained tokens
         trained = tokenizer.decode(b["responses"][i][b["response_mask"][i].bool()].tolist(), skip_special_tokens=True)
         assert trained == "".join(t["text"] for t in turns[i][2:] if t["role"] == "assistant")
+    for i in (4, 5):  # no tools: nothing forced, the first turn is the model's own (trained on)
+        assert b["response_mask"][i, 0] == 1 and turns[i][0]["role"] == "assistant"
+        assert all(t["error"] for t in turns[i] if t["role"] == "tool")  # any call it makes names no tool it has
     wrong = agent_rollout.agent._execute(Call("calculator", {"expression": "1+1"}), ("python",))
     assert wrong.invalid and "unknown tool 'calculator'; available: python" in wrong.text
 

@@ -80,16 +80,18 @@ class AgentLoop:
             if not live:
                 break
             requests = [{"prompt_token_ids": prompts[k] + trajs[k].tokens} for k in live]
-            forced = required and turn == 0  # a well-formed call of one of the row's tools
+            # tool_choice=required: turn 0 is a well-formed call of one of the row's tools (if it has any)
+            forced = {k: required and turn == 0 and bool(allowed[k]) for k in live}
             params = [SamplingParams(**{**kwargs, "max_tokens": budget - len(trajs[k].tokens)},
                                      seed=base_seed + k + turn * TURN_SEED_STRIDE, logprobs=0, stop=[CALL_END],
                                      include_stop_str_in_output=True,
                                      **({"structured_outputs": StructuredOutputsParams(regex=self._forced(allowed[k]))}
-                                        if forced else {}))
+                                        if forced[k] else {}))
                       for k in live]
             outs = self.llm.generate(requests, params, use_tqdm=False)
             last_turn = turn == self.config.max_turns - 1
-            calls = {k: self._model_turn(trajs[k], o.outputs[0], budget, last_turn, forced) for k, o in zip(live, outs)}
+            calls = {k: self._model_turn(trajs[k], o.outputs[0], budget, last_turn, forced[k])
+                     for k, o in zip(live, outs)}
             pending = {k: c for k, c in calls.items() if c is not None}
             results = self.pool.map(self._execute, pending.values(), (allowed[k] for k in pending))
             for (k, call), result in zip(pending.items(), results):
