@@ -165,7 +165,7 @@ class RayPPOTrainer:
 
     def _check_inputs(self) -> None:
         """Before any worker starts: the tokenizer fits the model, and every data_source has a reward rule
-        (multi-turn: an environment; the datasets already refused a row without one)."""
+        (multi-turn: an environment, which the datasets already checked row by row)."""
         from transformers import AutoConfig
 
         m = self.config.model
@@ -174,13 +174,11 @@ class RayPPOTrainer:
             raise ValueError(f"the tokenizer ({m.tokenizer or m.path}) has {len(self.tokenizer)} tokens but the model "
                              f"({m.path}) has vocab_size {vocab}: they do not belong together; use the model's own "
                              "tokenizer (model.tokenizer)")
+        if self.environments:
+            return
         for ds in (self.train_dataset, self.val_dataset):
             for source in sorted({str(r["data_source"]) for r in ds.rows} if ds is not None else ()):
-                # a ValueError naming the known rules (environments) and how to add one
-                if self.environments:
-                    self.environments.get(source)
-                else:
-                    self.reward_fn.scorer_for(source)
+                self.reward_fn.scorer_for(source)  # a ValueError naming the known rules and how to add one
 
     # ---- workers -----------------------------------------------------------------------------------
 

@@ -414,8 +414,7 @@ class VLLMRollout:
                 trajs = self.agent.run([r["prompt_token_ids"] for r in requests], spec, base_seed,
                                        None if tools is None else np.repeat(tools, n, axis=0))
                 res = trajectory_tensors(trajs, R, self.pad_token_id)
-                turns = np.empty(len(trajs), dtype=object)
-                turns[:] = [t.turns for t in trajs]
+                turns = [t.turns for t in trajs]  # DataProto makes it a 1-D object array (one row per sample)
         responses, response_mask, logps, stopped = (res.pop(k) for k in ("responses", "response_mask",
                                                                         "rollout_log_probs", "stopped"))
         token_mask = res.pop("token_mask", response_mask)  # multi-turn: tool tokens are attended, not trained
