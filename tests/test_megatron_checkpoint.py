@@ -4,6 +4,8 @@ TP1xPP2, take steps: equals the uninterrupted TP2 run. Catches megatron-core 0.1
 one (trainer.async_save) finished after the next step: a snapshot that missed a tensor would resume
 from step-2 values."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -68,3 +70,63 @@ def test_save_tp2_load_tp1_pp2_then_step_equals_uninterrupted(runs):
     ms, mr = res[0][0]["metrics"], res[-1][1]["metrics"]
     assert abs(ms["lr"] - mr["lr"]) <= 1e-12 and ms["lr"] < OPTIM["lr"]  # cosine schedule resumed
     assert abs(ms["loss"] - mr["loss"]) <= 1e-5 * abs(ms["loss"])
+
+
+# ---- a checkpoint written before the upgrade to megatron-core 0.19 (Python 3.12) -----------------------
+
+OLD = Path(__file__).parent / "fixtures" / "mcore_0_16_1"
+
+
+def _resume_old_worker(rank, world, port):
+    from megappo.parallel.megatron_init import init_distributed, init_megatron
+    from megappo.workers.megatron_engine import EngineConfig, MegatronEngine, OptimConfig
+
+    init_distributed(rank, world, "127.0.0.1", port)
+    init_megatron(ParallelLayout())
+    b1 = make_batch()
+    b2 = dict(b1, advantages=-b1["advantages"].flip(0))
+    eng = MegatronEngine(str(OLD / "model"), ParallelLayout(),
+                         EngineConfig(optim=OptimConfig(**OPTIM), schedule_steps=10))
+    eng.load_checkpoint(OLD / "ckpt")
+    steps = eng.steps
+    metrics = eng.train_step(b2, pg_loss, b1["response_mask"].sum().item(), R, 2)
+    return {"params": {k: v.detach().clone() for k, v in eng.named_parameters_global()}, "tp": 0,
+            "metrics": metrics, "steps": steps}
+
+
+def test_checkpoint_of_megatron_core_0_16_resumes_resharded_on_this_stack():
+    """tests/fixtures/mcore_0_16_1: saved at TP2 by Python 3.11 + megatron-core 0.16.1 after one step
+    (with common.pt, the old format), plus the weights after the next step in that same process. Loaded
+    here at TP1 (resharded) the same next step gives the same weights (a user upgrading mid-run)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    meta = json.loads((OLD / "meta.json").read_text())
+    assert meta["megatron-core"] == "0.16.1" and (OLD / "ckpt" / "common.pt").is_file()
+    (res,) = spawn_local(_resume_old_worker, 1, timeout=300)
+    assert res["steps"] == 1
+    want, got = load_file(OLD / "after_step2.safetensors"), to_hf([res], str(OLD / "model"), 1)
+    assert want.keys() == got.keys() and len(want) == 21
+    worst = max(((want[k] - got[k]).norm() / want[k].norm()).item() for k in want)
+    print(f"0.16.1 checkpoint resumed on this stack: max per-tensor relative error after the next step {worst:.2e}")
+    assert worst <= 1e-5
+    m = meta["step2_metrics"]
+    assert abs(res["metrics"]["lr"] - m["lr"]) <= 1e-12 and abs(res["metrics"]["loss"] - m["loss"]) <= 1e-5 * abs(m["loss"])
+
+
+def test_a_megatron_core_too_old_for_a_checkpoint_is_named_in_one_line(runs):
+    """The reverse of the upgrade cannot work (0.16 needs common.pt, 0.17+ no longer writes it): the
+    loader names the directory, the version that wrote it and `make install` instead of a traceback."""
+    import megatron.core
+
+    from megappo.utils.checkpoint import megatron_format_problem
+
+    _, ckpt, _ = runs
+    assert megatron_format_problem(ckpt, megatron.core.__version__) is None
+    assert megatron_format_problem(OLD / "ckpt", "0.16.1") is None  # the old format, read by the old version
+    if (ckpt / "common.pt").exists():
+        pytest.skip(f"megatron-core {megatron.core.__version__} still writes common.pt")
+    msg = megatron_format_problem(ckpt, "0.16.1")
+    assert msg and str(ckpt) in msg and "megatron-core 0.16.1 cannot read" in msg and "make install" in msg
+    assert "\n" not in msg

@@ -1,27 +1,31 @@
-"""The only place that makes megatron-core 0.16.1 run on a CPU-only torch. Applied only when there is
-no GPU (`apply()` is a no-op in a GPU process, as parallel/device.py decides); everything else in megappo is written
-as if it ran on a GPU. See docs/ENVIRONMENT.md ("megatron-core 0.16.1 on CPU + gloo").
+"""The only place that makes megatron-core run on a CPU-only torch (written for 0.16.1; every shim re-checked
+against 0.19.2, the pinned release, and still needed there: the 0.19.2 sites are named below). Applied
+only when there is no GPU (`apply()` is a no-op in a GPU process, as parallel/device.py decides);
+everything else in megappo is written as if it ran on a GPU. See docs/ENVIRONMENT.md ("megatron-core
+0.16.1 on CPU + gloo" and "Moving to Python 3.12 + megatron-core 0.19.2").
 
 Shims (each has a test in tests/test_cpu_compat.py):
 
 1. `CudaToCpuMode` - a process-wide `torch.overrides.TorchFunctionMode` that rewrites
    `device="cuda"` / `device=0` arguments, `.cuda()` and `.to("cuda")` to the CPU, and makes
    `Tensor.type()` answer `torch.cuda.FloatTensor` (megatron type-checks grads/params with it:
-   clip_grads.py:167, distrib_optimizer.py:420, optimizer.py:690). About 40 hard-coded
-   `device="cuda"` sites (schedules' token counters, optimizer buffers, clip_grads, causal mask) go
-   through it. Torch-function modes are thread-local: it covers the thread that called `apply()`.
+   0.19.2 clip_grads.py:174, distrib_optimizer.py:466, optimizer.py:1028; 0.16.1 clip_grads.py:167,
+   distrib_optimizer.py:420, optimizer.py:690). 68 hard-coded `device="cuda"` sites in 0.19.2
+   (schedules.py:749's token counter, clip_grads.py:96/108/112/180/231, optimizer buffers, the causal
+   mask) go through it. Torch-function modes are thread-local: it covers the thread that called `apply()`.
 2. `torch.cuda.current_device()` returns "cpu" (megatron allocates buffers with
-   `device=torch.cuda.current_device()`); `torch.cuda.synchronize()`, `torch.cuda.empty_cache()` and
-   stream/event helpers used by p2p / checkpoint / DDP code become no-ops.
+   `device=torch.cuda.current_device()`: 199 sites in 0.19.2, e.g. param_and_grad_buffer.py:1162);
+   `torch.cuda.synchronize()` (filesystem_async.py:248, fully_parallel.py:287), `torch.cuda.empty_cache()`
+   and stream/event helpers used by p2p / checkpoint / DDP code become no-ops.
 3. `CpuRNGStatesTracker` - megatron's model-parallel RNG tracker on the CPU generator
-   (megatron's own calls `torch.cuda.get_rng_state`). Installed by `install_rng_tracker()` after
-   `initialize_model_parallel()` and before `model_parallel_cuda_manual_seed()`; megatron's
-   `_get_cuda_rng_state` / `_set_cuda_rng_state` (used by activation recompute) also go to the CPU
+   (megatron's own calls `torch.cuda.get_rng_state`: 0.19.2 tensor_parallel/random.py:303-306). Installed by
+   `install_rng_tracker()` after `initialize_model_parallel()` and before `model_parallel_cuda_manual_seed()`;
+   megatron's `_get_cuda_rng_state` / `_set_cuda_rng_state` (used by activation recompute) also go to the CPU
    generator.
 4. `SequenceParallelTorchNorm` - torch RMSNorm/LayerNorm usable with `sequence_parallel=True`:
-   megatron's `WrappedTorchNorm` asserts on it (torch_norm.py:32) because apex/TE are absent. Its
-   params carry the `sequence_parallel` attribute so `finalize_model_grads` all-reduces their grads
-   over TP.
+   megatron's `WrappedTorchNorm` asserts on it (0.19.2 torch_norm.py:50, 0.16.1 :32) because apex/TE are
+   absent. Its params carry the `sequence_parallel` attribute so `finalize_model_grads` all-reduces their
+   grads over TP.
 """
 
 from __future__ import annotations

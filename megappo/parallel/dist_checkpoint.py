@@ -5,7 +5,8 @@ Works on anything exposing `inner_chunks()`, `optimizer`, `scheduler` and `_shar
 (workers/megatron_engine.py's MegatronEngine). Every rank calls save/load (collective).
 
 Three DistributedOptimizer load bugs of megatron-core 0.16.1 with the torch AdamW fallback (no
-apex / TE FusedAdam; see docs/ENVIRONMENT.md) are handled in `load`:
+apex / TE FusedAdam; see docs/ENVIRONMENT.md) are handled in `load`; all three are still in 0.19.2, the
+pinned release (distrib_optimizer.py:838, :1222, :1028 there; the line numbers below are 0.16.1's):
 1. distrib_optimizer.py:642 `state_dict()` asserts one `step` over an EMPTY state (before the first
    step): we allocate the Adam state (zeros, one `step` tensor per param) first.
 2. distrib_optimizer.py:940 `KeyError: 'step'`: the per-param copy iterates the live state keys
@@ -212,7 +213,14 @@ def _snapshot(buckets: list, preload_fn, live: set) -> list:
 
 
 def load(path, engine, load_optimizer: bool = True) -> None:
+    import megatron.core
     from megatron.core import dist_checkpointing
+
+    from megappo.utils.checkpoint import megatron_format_problem
+
+    problem = megatron_format_problem(path, megatron.core.__version__)
+    if problem:
+        raise ValueError(problem)
 
     opt = engine.optimizer if load_optimizer else None
     dopts = _distributed_optimizers(opt) if opt is not None else []

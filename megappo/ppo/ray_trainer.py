@@ -67,7 +67,8 @@ from megappo.ppo.losses import PolicyLoss, ValueLoss
 from megappo.ppo.metrics import eval_metrics, kl_metrics, step_metrics
 from megappo.protocol import DataProto
 from megappo.rewards.manager import RewardManager
-from megappo.utils.checkpoint import PendingCheckpoint, is_complete, latest_checkpoint, rng_state, set_rng_state
+from megappo.utils.checkpoint import (PendingCheckpoint, is_complete, latest_checkpoint, megatron_format_problem,
+                                     rng_state, set_rng_state, software_stack)
 from megappo.workers.rollout.sampling import SamplingSpec
 
 _MODEL_IN = ["input_ids", "attention_mask", "position_ids", "responses"]
@@ -694,6 +695,9 @@ class RayPPOTrainer:
             if self.restarts:
                 self._load_driver_state(self._initial_state)
             return None
+        problem = megatron_format_problem(path, software_stack()["megatron-core"])
+        if problem:
+            raise ValueError(f"trainer.resume={mode}: {problem}")
         for c in [g.submit("load_checkpoint", str(path)) for g in self._trained_groups()]:
             c.result()
         self._load_driver_state(json.loads((path / "trainer_state.json").read_text()))

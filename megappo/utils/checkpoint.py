@@ -41,12 +41,52 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def software_stack() -> dict:
+    """What wrote a checkpoint (recorded in its manifest; read back when a later install resumes it)."""
+    return {"python": sys.version.split()[0], "torch": _version("torch"), "megatron-core": _version("megatron-core")}
+
+
 def write_manifest(directory: Path, step: int) -> None:
     files = sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
     sizes = {f: (directory / f).stat().st_size for f in files}
     tmp = directory / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "time": time.time(), "files": sizes}, indent=1))
+    tmp.write_text(json.dumps({"step": step, "time": time.time(), "stack": software_stack(), "files": sizes}, indent=1))
     os.replace(tmp, directory / MANIFEST)
+
+
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def megatron_format_problem(directory: str | os.PathLike, installed: str | None) -> str | None:
+    """Why megatron-core `installed` cannot read the megatron dist checkpoints under `directory`, in one
+    line, or None. megatron-core 0.17+ writes the common (non-sharded) state inside the DCP files and no
+    `common.pt`; 0.16 and older require `common.pt` (docs/ENVIRONMENT.md, "Moving to Python 3.12"). The
+    other direction works: 0.19 still reads 0.16's checkpoints."""
+    directory = Path(directory)
+    if installed is None or _minor(installed) >= (0, 17):
+        return None
+    newer = sorted(str(m.parent) for m in directory.rglob("metadata.json")
+                   if (m.parent / ".metadata").is_file() and not (m.parent / "common.pt").exists())
+    if not newer:
+        return None
+    try:
+        wrote = json.loads((directory / MANIFEST).read_text()).get("stack", {}).get("megatron-core") or ">= 0.17"
+    except (OSError, ValueError):
+        wrote = ">= 0.17"
+    return (f"{newer[0]} was written by megatron-core {wrote} (no common.pt), which megatron-core {installed} "
+            f"cannot read: run `make install` (Python 3.12 + megatron-core 0.19.2) to resume it, or resume from "
+            f"a checkpoint written before the upgrade")
 
 
 def is_complete(directory: Path) -> bool:
