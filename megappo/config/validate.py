@@ -342,7 +342,7 @@ def _check_output_dir(out: Path) -> None:
 
 def _check_resume(cfg) -> None:
     """trainer.resume: an explicit checkpoint must be whole; any checkpoint resumed must be of this model."""
-    from megappo.utils.checkpoint import MANIFEST, is_complete, latest_checkpoint
+    from megappo.utils.checkpoint import MANIFEST, is_complete, latest_checkpoint, megatron_format_problem, software_stack
 
     mode = cfg.trainer.resume
     if mode == "never":
@@ -354,6 +354,9 @@ def _check_resume(cfg) -> None:
         if not is_complete(path):
             raise ConfigError(f"trainer.resume={mode} is a torn checkpoint (no valid {MANIFEST}: its save was cut "
                               "short); point it at an earlier step, or use resume=auto")
+    problem = path and megatron_format_problem(path, software_stack()["megatron-core"])
+    if problem:
+        raise ConfigError(f"trainer.resume={mode}: {problem}")
     theirs = None if path is None else path / "actor" / "config.json"
     if theirs is None or not theirs.is_file():
         return  # checkpoints written before they carried their config: nothing to compare
