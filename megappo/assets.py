@@ -2,7 +2,7 @@
 
 - `make_tokenizer(dir)`: a byte-level BPE (trained with `tokenizers` on a fixed corpus) wrapped in
   `PreTrainedTokenizerFast` with a ChatML chat template; AutoTokenizer loads it offline.
-- `make_model(dir, family)`: a tiny randomly initialised llama / qwen2 / mistral HF model saved as
+- `make_model(dir, family)`: a tiny randomly initialised llama / qwen2 / mistral / qwen3 HF model saved as
   safetensors next to a copy of that tokenizer. Head dim is 32 (vLLM's CPU attention rejects 16) and
   the vocab (TOKENIZER_VOCAB) is deliberately not a multiple of 128, so padded-vocab code paths run.
 
@@ -39,7 +39,7 @@ TINY_SHAPES = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
-FAMILIES = ("llama", "qwen2", "mistral")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3")
 
 
 def _corpus(seed: int = 0) -> list[str]:
@@ -94,13 +94,16 @@ def make_tokenizer(out_dir: str | os.PathLike) -> Path:
 
 
 def _hf_config(family: str, vocab_size: int, eos_id: int, pad_id: int, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(TINY_SHAPES, vocab_size=vocab_size, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
     if family == "llama":
         cfg = LlamaConfig(**common, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
     elif family == "qwen2":
         cfg = Qwen2Config(**common, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
+    elif family == "qwen3":  # q/k norms, and head_dim 64 != hidden / heads (32), as Qwen3 sizes have
+        cfg = Qwen3Config(**common, head_dim=64, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                          attention_bias=False, use_sliding_window=False)
     elif family == "mistral":
         cfg = MistralConfig(**common, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
                             sliding_window=None)
@@ -212,7 +215,7 @@ def hf_response_logprobs(model_dir: str | os.PathLike, rows: list[dict]) -> list
 
 
 def ensure_assets(root: str | os.PathLike, demo: bool = False) -> dict[str, Path]:
-    """Build (once) the tokenizer and the tiny llama/qwen2/mistral models under `root`; with `demo`,
+    """Build (once) the tokenizer and the tiny llama/qwen2/mistral/qwen3 models under `root`; with `demo`,
     also the demo's warm-started tiny-llama-arith (a short SFT, ~20 s on 2 cores).
 
     Each asset is written to a temp dir and renamed into place, so an interrupted build never leaves a

@@ -32,17 +32,20 @@ def test_tokenizer_is_deterministic(tmp_path, tiny_assets):
 
 def test_tiny_models_load_and_run(tiny_assets):
     tok = AutoTokenizer.from_pretrained(tiny_assets["tokenizer"])
-    for family, tied in (("llama", False), ("qwen2", True), ("mistral", False)):
+    for family, tied in (("llama", False), ("qwen2", True), ("mistral", False), ("qwen3", True)):
         path = tiny_assets[f"tiny-{family}"]
         cfg = AutoConfig.from_pretrained(path)
         assert cfg.model_type == family
         assert cfg.hidden_size // cfg.num_attention_heads == 32
+        assert getattr(cfg, "head_dim", 32) == (64 if family == "qwen3" else 32)
         assert cfg.num_key_value_heads < cfg.num_attention_heads  # GQA
         assert cfg.vocab_size == len(tok) and cfg.vocab_size % 128 != 0
         assert cfg.tie_word_embeddings == tied
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         if family == "qwen2":
             assert model.model.layers[0].self_attn.q_proj.bias is not None
+        if family == "qwen3":
+            assert model.model.layers[0].self_attn.q_norm.weight.shape == (64,)
         out = model(torch.tensor([[1, 2, 3, 4]])).logits
         assert out.shape == (1, 4, cfg.vocab_size) and torch.isfinite(out).all()
         # peaked enough that layout bugs show: the top token is far from uniform

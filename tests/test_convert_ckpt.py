@@ -66,7 +66,7 @@ def _source(name, tiny_assets, reward_dir) -> Path:
     return reward_dir if name == "reward" else tiny_assets[f"tiny-{name}"]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "reward"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "qwen3", "reward"])
 def test_roundtrip_tp2_pp2_is_bit_exact(name, tiny_assets, reward_dir, tmp_path):
     src = _source(name, tiny_assets, reward_dir)
     info = hf_to_mcore(src, tmp_path / "mc", tp=2, pp=2, progress=False)
@@ -79,7 +79,10 @@ def test_roundtrip_tp2_pp2_is_bit_exact(name, tiny_assets, reward_dir, tmp_path)
     shapes = {k: v["shape"] for k, v in info["tensors"].items()}
     assert shapes["decoder.layers.mlp.linear_fc1.weight"] == [4, 512, 128]  # [layers, gate+up, hidden]
     assert shapes["embedding.word_embeddings.weight"] == [1024, 128]  # vocab 1000 padded
-    assert ("output_layer.weight" in shapes) == (name in ("llama", "mistral", "reward"))  # tied qwen2: none
+    assert ("output_layer.weight" in shapes) == (name in ("llama", "mistral", "reward"))  # tied qwen2/3: none
+    assert ("decoder.layers.self_attention.q_layernorm.weight" in shapes) == (name == "qwen3")
+    if name == "qwen3":  # per-head norms over head_dim 64 (explicit, != hidden / heads)
+        assert shapes["decoder.layers.self_attention.q_layernorm.weight"] == [4, 64]
     if name == "reward":
         assert shapes["output_layer.weight"] == [1, 128] and shapes["output_layer.bias"] == [1]
 

@@ -241,7 +241,7 @@ def _check(reports, layout_name, rollout_tp, repack):
     ("tiny-llama", "tp2pp2", 1, "reload", "packed", "collective"),
     ("tiny-qwen2", "tp2pp2", 2, "reload", "packed", "shm"),
     ("tiny-llama", "tp2pp2", 2, "direct", "plain", "collective"),
-    ("tiny-qwen2", "tp2pp2", 1, "direct", "packed", "shm"),
+    ("tiny-qwen3", "tp2pp2", 1, "direct", "packed", "shm"),  # q/k norms, head_dim 64 != hidden / heads
     # virtual pipeline (two model chunks per rank, interleaved layers) and data parallel replicas
     ("tiny-llama", "pp2vpp2dp2", 2, "direct", "packed", "shm"),
 ])

@@ -13,7 +13,7 @@ from megappo.parallel.launch import spawn_local
 from megappo.parallel.layout import ParallelLayout
 
 LAYOUTS = [ParallelLayout(tp=2, pp=2), ParallelLayout(pp=2, vpp=2, dp=2)]
-FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral"]
+FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3"]
 TEMPERATURE = 0.7
 B, S, R = 4, 16, 7
 SEED = 1234

@@ -1,15 +1,17 @@
 """weight_mapping: HF <-> megatron names and TP shard layouts (pure functions, no processes)."""
 
+import pytest
 import torch
 
 from megappo.parallel import weight_mapping as wm
 from megappo.assets import TINY_SHAPES
 
 
-def dims(tp=1, qkv_bias=True, tied=False, value_head=False):
-    return wm.ModelDims(model_type="qwen2", hidden_size=8, ffn_hidden_size=12, num_layers=2, num_heads=4,
-                        num_kv_heads=2, head_dim=2, vocab_size=10, padded_vocab_size=wm.padded_vocab_size(10, tp, 4),
-                        tied_embeddings=tied, qkv_bias=qkv_bias, value_head=value_head)
+def dims(tp=1, qkv_bias=True, tied=False, value_head=False, qk_norm=False):
+    return wm.ModelDims(model_type="qwen3" if qk_norm else "qwen2", hidden_size=8, ffn_hidden_size=12, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=2, vocab_size=10,
+                        padded_vocab_size=wm.padded_vocab_size(10, tp, 4), tied_embeddings=tied, qkv_bias=qkv_bias,
+                        value_head=value_head, qk_norm=qk_norm)
 
 
 def hf_tensors(d):
@@ -30,6 +32,9 @@ def hf_tensors(d):
         t[p + "mlp.down_proj.weight"] = torch.randn(d.hidden_size, d.ffn_hidden_size, generator=g)
         t[p + "input_layernorm.weight"] = torch.randn(d.hidden_size, generator=g)
         t[p + "post_attention_layernorm.weight"] = torch.randn(d.hidden_size, generator=g)
+        if d.qk_norm:
+            t[p + "self_attn.q_norm.weight"] = torch.randn(d.head_dim, generator=g)
+            t[p + "self_attn.k_norm.weight"] = torch.randn(d.head_dim, generator=g)
     return t
 
 
@@ -64,13 +69,14 @@ def test_fc1_shard_is_gate_then_up_of_this_rank():
     assert torch.equal(s1, torch.cat([gate[6:], up[6:]]))
 
 
-def test_round_trip_every_param_at_tp_1_2():
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["qwen2", "qwen3"])
+def test_round_trip_every_param_at_tp_1_2(qk_norm):
     for tp in (1, 2):
-        d = dims(tp=tp)
+        d = dims(tp=tp, qk_norm=qk_norm)
         hf = hf_tensors(d)
         back = {}
         names = wm.megatron_param_names(d)
-        assert len(names) == 1 + 2 * 7 + 2
+        assert len(names) == 1 + 2 * (9 if qk_norm else 7) + 2
         for name in names:
             shards = [wm.hf_to_megatron_shard(name, hf, d, r, tp) for r in range(tp)]
             if wm.tp_split_dim(name, d) is None:
@@ -89,7 +95,9 @@ def test_vocab_padding_rows_are_zero_and_dropped_on_the_way_back():
 
 
 def test_names_both_ways_tied_te_and_value_head():
-    d = dims()
+    d = dims(qk_norm=True)
+    assert wm.megatron_name("model.layers.1.self_attn.k_norm.weight", d) == "decoder.layers.1.self_attention.k_layernorm.weight"
+    assert wm.tp_split_dim("decoder.layers.1.self_attention.q_layernorm.weight", d) is None  # replicated
     for name in wm.megatron_param_names(d):
         for hf_name in wm.hf_names(name, d):
             assert wm.megatron_name(hf_name, d) == name
@@ -117,6 +125,20 @@ def test_transformer_config_kwargs_from_tiny_qwen2_config():
     assert wm.rope_theta(cfg) == 1e6
     assert wm.ModelDims.from_hf_config(cfg, tp=2).tied_embeddings
     assert not wm.ModelDims.from_hf_config(cfg, tp=2, value_head=True).tied_embeddings
+
+
+def test_transformer_config_kwargs_from_tiny_qwen3_config():
+    """Qwen3: q/k norms on, and head_dim taken as written (64 here, not hidden / heads = 32)."""
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(**TINY_SHAPES, head_dim=64, vocab_size=1000, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    kw = wm.transformer_config_kwargs(cfg)
+    assert kw["qk_layernorm"] is True and kw["kv_channels"] == 64 and kw["add_qkv_bias"] is False
+    assert wm.ModelDims.from_hf_config(cfg).qk_norm and not wm.ModelDims.from_hf_config(cfg).qkv_bias
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        wm.transformer_config_kwargs(Qwen3Config(**TINY_SHAPES, vocab_size=1000, use_sliding_window=True))
+    with pytest.raises(ValueError, match="choose one of llama, qwen2, mistral, qwen3"):
+        wm.ModelDims.from_hf_dict({"model_type": "gemma3"})
 
 
 def test_shard_hf_slices_fill_every_hf_tensor_exactly():

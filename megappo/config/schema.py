@@ -29,12 +29,13 @@ class ArchConfig:
     """Model shapes. Filled from `<model.path>/config.json` when that exists; otherwise (planning a big
     model, validating a layout without the weights at hand) taken as written here."""
 
-    family: str = "llama"  # llama | qwen2 | mistral
+    family: str = "llama"  # parallel/weight_mapping.py SUPPORTED_MODEL_TYPES
     hidden_size: int = 128
     intermediate_size: int = 256
     num_layers: int = 4
     num_attention_heads: int = 4
     num_kv_heads: int = 2
+    head_dim: Optional[int] = None  # None: hidden_size / num_attention_heads (qwen3 sizes set it)
     vocab_size: int = 1000
     max_position_embeddings: int = 512
     rope_theta: float = 10000.0

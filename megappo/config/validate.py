@@ -25,7 +25,7 @@ def _arch_as_hf(arch) -> dict:
     """model.arch in HF config.json's names (planning a model without its weights at hand)."""
     return {"model_type": arch.family, "hidden_size": arch.hidden_size, "intermediate_size": arch.intermediate_size,
             "num_hidden_layers": arch.num_layers, "num_attention_heads": arch.num_attention_heads,
-            "num_key_value_heads": arch.num_kv_heads, "vocab_size": arch.vocab_size,
+            "num_key_value_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "vocab_size": arch.vocab_size,
             "max_position_embeddings": arch.max_position_embeddings,
             "tie_word_embeddings": arch.tie_word_embeddings, "attention_bias": arch.qkv_bias}
 

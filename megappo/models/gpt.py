@@ -1,5 +1,5 @@
 """Build megatron-core GPTModel chunks (an LM head, or a value head for critics and reward models) from a HuggingFace
-llama / qwen2 / mistral config, and load HF safetensors weights into whatever TP/PP/VPP layout this
+llama / qwen2 / mistral / qwen3 config, and load HF safetensors weights into whatever TP/PP/VPP layout this
 rank holds (through parallel/weight_mapping.py).
 
 Local (pure megatron-core) layer spec on CPU; the Transformer Engine spec when TE and a GPU exist.
@@ -119,8 +119,8 @@ def _layer_spec(config, use_te: bool, packed: bool = False):
         # needed and TE may pick its flash / fused kernels (an `arbitrary` mask forces unfused attention;
         # `padding_causal` with left padding is silently wrong in TE's cuDNN backend, which keeps only
         # the lengths and assumes right padding)
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     if packed:  # packed rows: attention within each row's span (models/packed_attention.py)
         from megappo.models.packed_attention import PackedCausalAttention
 
@@ -133,6 +133,9 @@ def _layer_spec(config, use_te: bool, packed: bool = False):
 
         spec.submodules.input_layernorm = SequenceParallelTorchNorm
         spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+        if config.qk_layernorm:  # per-head norms see whole sequences, but their grads are summed over TP
+            attn = spec.submodules.self_attention.submodules  # either way (finalize_model_grads)
+            attn.q_layernorm = attn.k_layernorm = SequenceParallelTorchNorm
         return ("sp", spec, SequenceParallelTorchNorm, TransformerBlockSubmodules)
     return spec
 

@@ -1,5 +1,5 @@
 """ONE source of truth for HuggingFace <-> Megatron-core names and tensor layouts (llama / qwen2 /
-mistral families). Pure functions over single tensors, so a converter or a resharder can stream one
+mistral / qwen3 families). Pure functions over single tensors, so a converter or a resharder can stream one
 parameter at a time. Used by models/gpt.py (HF load), the checkpoint converter and the resharder.
 
 Megatron names use the GLOBAL layer index (`decoder.layers.{L}.`); a pipeline stage that holds layers
@@ -15,6 +15,9 @@ Layouts (per TP rank r of T):
 - `embedding.word_embeddings`, `output_layer` (vocab parallel): rows padded with zeros to
   `padded_vocab_size` then split along dim 0; padding rows are dropped when going back to HF.
 - norms, and the critic's value head (`output_layer` of shape [1, hidden], HF `score`): replicated.
+  Qwen3's per-head q/k RMSNorms (`self_attention.q_layernorm` / `k_layernorm`, [head_dim], HF
+  `self_attn.q_norm` / `k_norm`) too: every TP rank applies the same weights to its own heads, and
+  megatron sums their grads over TP (finalize_model_grads, `config.qk_layernorm`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Optional
 if TYPE_CHECKING:  # torch is imported where a tensor is built: the config schema reads this module's
     import torch   # supported families, and the driver validates its config before Ray (and torch) start
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3")
 DEFAULT_VOCAB_DIVISOR = 128
 
 
@@ -67,6 +70,7 @@ class ModelDims:
     tied_embeddings: bool
     qkv_bias: bool
     value_head: bool = False  # critic: output_layer is the [1, hidden] value head
+    qk_norm: bool = False  # qwen3: RMSNorm over each query / key head before RoPE
 
     @classmethod
     def from_hf_config(cls, hf_config, tp: int = 1, value_head: bool = False,
@@ -92,6 +96,7 @@ class ModelDims:
             tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head,
             qkv_bias=qkv_bias,
             value_head=value_head,
+            qk_norm=mt == "qwen3",
         )
 
     @classmethod
@@ -107,7 +112,7 @@ class ModelDims:
 
 
 def transformer_config_kwargs(hf_config) -> dict:
-    """The megatron TransformerConfig fields that describe a HF llama/qwen2/mistral model (dropout
+    """The megatron TransformerConfig fields that describe a HF llama/qwen2/mistral/qwen3 model (dropout
     off: every PPO model runs without dropout). Device/precision/fusion fields are set by the caller."""
     import torch.nn.functional as F
 
@@ -117,6 +122,8 @@ def transformer_config_kwargs(hf_config) -> dict:
     if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True) \
             and hf_config.model_type == "mistral":
         raise ValueError("mistral sliding_window attention is not supported; set sliding_window=None")
+    if hf_config.model_type == "qwen3" and getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("qwen3 use_sliding_window=True is not supported; set use_sliding_window=false")
     return dict(
         num_layers=dims.num_layers,
         hidden_size=dims.hidden_size,
@@ -130,6 +137,7 @@ def transformer_config_kwargs(hf_config) -> dict:
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=dims.qkv_bias,
+        qk_layernorm=dims.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
@@ -148,6 +156,8 @@ _LAYER_MAP = {
     "self_attention.linear_qkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
     "self_attention.linear_qkv.bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
     "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
+    "self_attention.q_layernorm.weight": ["self_attn.q_norm.weight"],  # qwen3
+    "self_attention.k_layernorm.weight": ["self_attn.k_norm.weight"],
     "pre_mlp_layernorm.weight": ["post_attention_layernorm.weight"],
     "mlp.linear_fc1.layer_norm_weight": ["post_attention_layernorm.weight"],  # TE fused spec
     "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
@@ -170,6 +180,8 @@ def megatron_param_names(dims: ModelDims, te_fused_norms: bool = False) -> list[
         names.append(p + "self_attention.linear_qkv.weight")
         if dims.qkv_bias:
             names.append(p + "self_attention.linear_qkv.bias")
+        if dims.qk_norm:
+            names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
         names.append(p + "self_attention.linear_proj.weight")
         names.append(p + ("mlp.linear_fc1.layer_norm_weight" if te_fused_norms else "pre_mlp_layernorm.weight"))
         names.append(p + "mlp.linear_fc1.weight")

@@ -47,9 +47,11 @@ ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", "causal-lm"),
     "Qwen2ForCausalLM": ("qwen2", "causal-lm"),
     "MistralForCausalLM": ("mistral", "causal-lm"),
+    "Qwen3ForCausalLM": ("qwen3", "causal-lm"),
     "LlamaForSequenceClassification": ("llama", "reward"),
     "Qwen2ForSequenceClassification": ("qwen2", "reward"),
     "MistralForSequenceClassification": ("mistral", "reward"),
+    "Qwen3ForSequenceClassification": ("qwen3", "reward"),
 }
 CAUSAL_LM = {fam: arch for arch, (fam, k) in ARCHITECTURES.items() if k == "causal-lm"}
 SEQ_CLS = {fam: arch for arch, (fam, k) in ARCHITECTURES.items() if k == "reward"}
@@ -112,6 +114,8 @@ def megatron_shape(name: str, d: ModelDims) -> tuple:
         return (1, h)
     if name == "output_layer.bias":
         return (1,)
+    if name.endswith("q_layernorm.weight") or name.endswith("k_layernorm.weight"):
+        return (hd,)  # qwen3: per head
     if name.endswith("layer_norm_weight") or name.endswith("layernorm.weight"):
         return (h,)
     if name.endswith("linear_qkv.weight"):
@@ -135,6 +139,8 @@ def hf_shape(name: str, d: ModelDims) -> tuple:
         return (1, h)
     if name == "score.bias":
         return (1,)
+    if name.endswith("self_attn.q_norm.weight") or name.endswith("self_attn.k_norm.weight"):
+        return (hd,)  # qwen3: per head
     if name.endswith("norm.weight"):
         return (h,)
     for proj, rows in (("q_proj", d.num_heads * hd), ("k_proj", d.num_kv_heads * hd), ("v_proj", d.num_kv_heads * hd)):
