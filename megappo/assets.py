@@ -39,7 +39,7 @@ TINY_SHAPES = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe")
 
 
 def _corpus(seed: int = 0) -> list[str]:
@@ -94,7 +94,7 @@ def make_tokenizer(out_dir: str | os.PathLike) -> Path:
 
 
 def _hf_config(family: str, vocab_size: int, eos_id: int, pad_id: int, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(TINY_SHAPES, vocab_size=vocab_size, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
     if family == "llama":
@@ -104,6 +104,10 @@ def _hf_config(family: str, vocab_size: int, eos_id: int, pad_id: int, **overrid
     elif family == "qwen3":  # q/k norms, and head_dim 64 != hidden / heads (32), as Qwen3 sizes have
         cfg = Qwen3Config(**common, head_dim=64, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
                           attention_bias=False, use_sliding_window=False)
+    elif family == "qwen3_moe":  # 4 experts, top-2, renormalised; layer 0 dense (mlp_only_layers), 1-3 routed
+        cfg = Qwen3MoeConfig(**common, head_dim=32, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1,
+                             mlp_only_layers=[0], norm_topk_prob=True, use_sliding_window=False)
     elif family == "mistral":
         cfg = MistralConfig(**common, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
                             sliding_window=None)

@@ -25,6 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (interleaved)")
     parser.add_argument("--dp", type=int, default=1, help="data parallel size")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert parallel size (mixture-of-experts models; must divide --dp and the expert count)")
     parser.add_argument("--input", required=True, help='JSON lines: {"input_ids": [...], "response_start": k}')
     parser.add_argument("--out", required=True, help="output .safetensors")
     parser.add_argument("--critic", action="store_true", help="score values with a value head instead of log-probs")
@@ -64,7 +66,8 @@ def _worker(rank, world, port, args_dict, rows):
     from megappo.parallel.megatron_init import destroy, init_distributed, init_megatron, resolve_device
     from megappo.workers.megatron_engine import EngineConfig, MegatronEngine
 
-    layout = ParallelLayout(tp=args_dict["tp"], pp=args_dict["pp"], dp=args_dict["dp"], vpp=args_dict["vpp"])
+    layout = ParallelLayout(tp=args_dict["tp"], pp=args_dict["pp"], dp=args_dict["dp"], vpp=args_dict["vpp"],
+                            ep=args_dict["ep"])
     init_distributed(rank, world, "127.0.0.1", port)
     init_megatron(layout, seed=args_dict["seed"])
     from megatron.core import parallel_state as mpu
@@ -99,6 +102,7 @@ def score(args) -> dict:
     rows = read_rows(args.input)
     args_dict = {k: getattr(args, k) for k in ("model", "tp", "pp", "dp", "vpp", "critic", "temperature",
                                                  "micro_batch_size", "seed")}
+    args_dict["ep"] = getattr(args, "ep", 1)
     args_dict["device"] = getattr(args, "device", "auto")
     world = args.tp * args.pp * args.dp
     results = spawn_local(_worker, world, args_dict, rows)
@@ -123,7 +127,7 @@ def main(args: argparse.Namespace) -> int:
     from megappo.parallel.layout import ParallelLayout
 
     try:
-        ParallelLayout(tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp)
+        ParallelLayout(tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp, ep=args.ep)
     except ValueError as e:
         print(f"megappo logprobs: {e}", file=sys.stderr)
         return 2

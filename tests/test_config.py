@@ -92,6 +92,7 @@ INVALID = [
     (["algorithm.use_kl_in_reward=true", "actor.use_kl_loss=true"], "KL is applied twice"),
     (["data.max_prompt_length=600"], "exceeds the model's 512 positions"),
     (["bogus"], "is not key=value"),
+    (["model.path=null", "model.arch.family=gemma3"], "choose one of: llama, qwen2, mistral, qwen3, qwen3_moe"),
 ]
 
 
@@ -102,6 +103,12 @@ def test_invalid_cases_one_line(overrides, expected):
     msg = str(info.value)
     assert expected in msg
     assert "\n" not in msg
+
+
+def test_a_mixture_of_experts_model_is_refused_by_the_ppo_loop_in_one_line(tiny_assets):
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, [f"model.path={tiny_assets['tiny-qwen3_moe']}"])
+    assert "qwen3_moe (4 experts): mixture-of-experts PPO" in str(info.value) and "\n" not in str(info.value)
 
 
 def test_check_paths(tmp_path):

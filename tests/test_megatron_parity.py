@@ -1,7 +1,9 @@
 """Megatron log-probs / entropy / values under TP2xPP2 and PP2xVPP2(xDP2) equal a HuggingFace
-transformers forward on the same weights (fp32, CPU, gloo), for tiny llama and qwen2 (tied
-embeddings, qkv bias; vocab 1000 padded to 1024). Left- and right-padded rows are compared with HF
-run on each row WITHOUT padding. One 4-process launch does every check."""
+transformers forward on the same weights (fp32, CPU, gloo), for tiny llama, qwen2 (tied embeddings, qkv
+bias), mistral, qwen3 (q/k norms, head_dim 64) and qwen3-moe (4 experts, top-2, a dense first layer;
+vocab 1000 padded to 1024); the MoE model also with its experts split over 2 expert-parallel ranks,
+with TP2 and with PP2. Left- and right-padded rows are compared with HF run on each row WITHOUT
+padding. One 4-process launch does every check."""
 
 import math
 
@@ -12,8 +14,11 @@ from megappo.models.gpt import ValueHead
 from megappo.parallel.launch import spawn_local
 from megappo.parallel.layout import ParallelLayout
 
-LAYOUTS = [ParallelLayout(tp=2, pp=2), ParallelLayout(pp=2, vpp=2, dp=2)]
-FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3"]
+LAYOUTS = [ParallelLayout(tp=2, pp=2), ParallelLayout(pp=2, vpp=2, dp=2),
+           ParallelLayout(tp=2, dp=2, ep=2), ParallelLayout(pp=2, dp=2, ep=2)]  # expert parallel: MoE only
+FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3", "tiny-qwen3_moe"]
+MOE = ("tiny-qwen3_moe",)
+CASES = [(fam, li) for li, layout in enumerate(LAYOUTS) for fam in FAMILIES if layout.ep == 1 or fam in MOE]
 TEMPERATURE = 0.7
 B, S, R = 4, 16, 7
 SEED = 1234
@@ -45,7 +50,7 @@ def _worker(rank, world, port, paths):
         sl = slice(dp * n, (dp + 1) * n)
         batch = {"input_ids": ids[sl], "attention_mask": mask[sl]}
         mbs = n // (2 if layout.pp > 1 else 1)
-        for fam in FAMILIES:
+        for fam in [f for f, i in CASES if i == li]:
             for role in ("actor", "critic") if li == 0 else ("actor",):
                 head = {"actor": "lm", "critic": "value"}[role]
                 eng = MegatronEngine(paths[fam], layout, EngineConfig(head=head, seed=SEED))
@@ -108,8 +113,7 @@ def test_layout_matches_megatron_rank_order(megatron_outputs):
             assert tuple(o["coords"][li]) == layout.coords(rank), (str(layout), rank)
 
 
-@pytest.mark.parametrize("fam", FAMILIES)
-@pytest.mark.parametrize("li", range(len(LAYOUTS)), ids=[str(l) for l in LAYOUTS])
+@pytest.mark.parametrize("fam,li", CASES, ids=[f"{f}-{LAYOUTS[i]}" for f, i in CASES])
 def test_logprobs_and_entropy_match_hf(megatron_outputs, tiny_assets, fam, li):
     ref_lp, ref_ent, _, valid = _hf_reference(str(tiny_assets[fam]))
     got = _collect(megatron_outputs, li, fam, "actor", LAYOUTS[li])
@@ -132,3 +136,15 @@ def test_critic_values_match_hf_hidden_states(megatron_outputs, tiny_assets, fam
     assert got.shape == (B, R)
     assert (got - ref)[valid].abs().max().item() <= 1e-4
     assert ref[valid].abs().max() > 0.02  # values are not all ~0: the check has teeth
+
+
+def test_logprobs_cli_refuses_an_expert_parallel_size_that_does_not_fit_in_one_line(tiny_assets, tmp_path):
+    """`megappo logprobs --ep`: EP ranks are DP ranks (the engine's EP results are the layouts above)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "rows.jsonl").write_text('{"input_ids": [5, 6, 7], "response_start": 1}\n')
+    bad = subprocess.run([sys.executable, "-m", "megappo.cli", "logprobs", "--model", str(tiny_assets["tiny-qwen3_moe"]),
+                          "--input", str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "lp.safetensors"),
+                          "--dp", "2", "--ep", "3"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "ep=3 must divide dp=2" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

@@ -157,3 +157,35 @@ def test_shard_hf_slices_fill_every_hf_tensor_exactly():
         for k in hf:
             assert torch.equal(out[k], hf[k]), (tp, k)  # no NaN left: every element written
 
+
+
+def test_qwen3_moe_dims_names_and_router_config():
+    """transformers' MoE-layer rule ((i+1) % decoder_sparse_step == 0, minus mlp_only_layers) as an explicit
+    per-layer list; per-expert HF names <-> megatron SequentialMLP names with the GLOBAL expert index; the
+    router math that equals transformers' (norm_topk_prob)."""
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(**{**TINY_SHAPES, "num_hidden_layers": 6}, vocab_size=1000, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=2, mlp_only_layers=[3],
+                         norm_topk_prob=True)
+    d = wm.ModelDims.from_hf_config(cfg)
+    assert d.moe_layers == (False, True, False, False, False, True) and d.num_experts == 8 and d.qk_norm
+    kw = wm.transformer_config_kwargs(cfg)
+    assert kw["moe_layer_freq"] == [0, 1, 0, 0, 0, 1] and kw["num_moe_experts"] == 8 and kw["moe_router_topk"] == 2
+    assert kw["moe_router_pre_softmax"] is False and kw["moe_aux_loss_coeff"] == 0.0  # renormalised top-k, no aux loss
+    cfg.norm_topk_prob = False
+    assert wm.transformer_config_kwargs(cfg)["moe_router_pre_softmax"] is True  # softmax over all, not renormalised
+    names = wm.megatron_param_names(d)
+    assert "decoder.layers.1.mlp.router.weight" in names and "decoder.layers.0.mlp.router.weight" not in names
+    assert "decoder.layers.5.mlp.experts.local_experts.7.linear_fc2.weight" in names
+    assert wm.hf_names("decoder.layers.5.mlp.experts.local_experts.7.linear_fc1.weight", d) == [
+        "model.layers.5.mlp.experts.7.gate_proj.weight", "model.layers.5.mlp.experts.7.up_proj.weight"]
+    for name in names:  # both ways, the MoE layer's pre-MLP norm included
+        for hf_name in wm.hf_names(name, d):
+            assert wm.megatron_name(hf_name, d) == name, hf_name
+    # expert-parallel rank 1 of 2 holds experts 4..7 as local 0..3; pipeline stage 2 starts at layer 4
+    assert wm.global_param_name("decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight", 4, 4) == \
+        "decoder.layers.5.mlp.experts.local_experts.6.linear_fc1.weight"
+    assert wm.global_param_name("decoder.layers.1.mlp.router.weight", 4, 4) == "decoder.layers.5.mlp.router.weight"
+    with pytest.raises(ValueError, match="num_experts and num_experts_per_tok"):
+        wm.ModelDims.from_hf_dict({**cfg.to_dict(), "num_local_experts": None})

@@ -91,7 +91,10 @@ def build_transformer_config(hf_config, layout: ParallelLayout, *, device: str =
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.virtual_pp,
-        sequence_parallel=sequence_parallel and layout.tp > 1,
+        # megatron's MoE layer trains at tp > 1 only with sequence parallelism (moe_layer.py raises otherwise)
+        sequence_parallel=(sequence_parallel or bool(kw.get("num_moe_experts"))) and layout.tp > 1,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.tp,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -110,25 +113,13 @@ def build_transformer_config(hf_config, layout: ParallelLayout, *, device: str =
     return TransformerConfig(**kw)
 
 
-def _layer_spec(config, use_te: bool, packed: bool = False):
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                          get_gpt_layer_with_transformer_engine_spec)
-
-    if use_te:
-        # causal attention (the spec's default): the engine right-aligns every row, so no mask tensor is
-        # needed and TE may pick its flash / fused kernels (an `arbitrary` mask forces unfused attention;
-        # `padding_causal` with left padding is silently wrong in TE's cuDNN backend, which keeps only
-        # the lengths and assumes right padding)
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+def _local_layer(spec, config, packed: bool):
+    """Patch one layer spec of megatron's local (no TE) spec in place for what megappo runs on CPU."""
     if packed:  # packed rows: attention within each row's span (models/packed_attention.py)
         from megappo.models.packed_attention import PackedCausalAttention
 
         spec.submodules.self_attention.submodules.core_attention = PackedCausalAttention
     if config.sequence_parallel:
-        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-        from megatron.core.transformer.transformer_block import get_num_layers_to_build  # noqa: F401
-
         from megappo.parallel.cpu_compat import SequenceParallelTorchNorm
 
         spec.submodules.input_layernorm = SequenceParallelTorchNorm
@@ -136,7 +127,40 @@ def _layer_spec(config, use_te: bool, packed: bool = False):
         if config.qk_layernorm:  # per-head norms see whole sequences, but their grads are summed over TP
             attn = spec.submodules.self_attention.submodules  # either way (finalize_model_grads)
             attn.q_layernorm = attn.k_layernorm = SequenceParallelTorchNorm
-        return ("sp", spec, SequenceParallelTorchNorm, TransformerBlockSubmodules)
+    return spec
+
+
+def _block_spec(config, use_te: bool, packed: bool, vp_stage):
+    """The layer spec(s) of one model chunk: one spec for a dense model (megatron repeats it), a block
+    spec (one per layer of this chunk: dense or routed experts, config.moe_layer_freq) for a MoE model,
+    or whenever the local spec's final norm must allow sequence parallelism."""
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if config.num_moe_experts:
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
+                                           vp_stage=vp_stage)
+        if not use_te:
+            block.layer_specs = [_local_layer(s, config, packed) for s in block.layer_specs]
+            if config.sequence_parallel:
+                from megappo.parallel.cpu_compat import SequenceParallelTorchNorm
+
+                block.layer_norm = SequenceParallelTorchNorm
+        return block
+    if use_te:
+        # causal attention (the spec's default): the engine right-aligns every row, so no mask tensor is
+        # needed and TE may pick its flash / fused kernels (an `arbitrary` mask forces unfused attention;
+        # `padding_causal` with left padding is silently wrong in TE's cuDNN backend, which keeps only
+        # the lengths and assumes right padding)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    spec = _local_layer(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm),
+                        config, packed)
+    if config.sequence_parallel:  # sequence parallel on the local spec: our norms everywhere
+        from megappo.parallel.cpu_compat import SequenceParallelTorchNorm
+
+        return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                          layer_norm=SequenceParallelTorchNorm)
     return spec
 
 
@@ -175,19 +199,17 @@ def build_gpt_chunks(hf_config, config, layout: ParallelLayout, value_head: bool
     from megatron.core.models.gpt import GPTModel
 
     dims = ModelDims.from_hf_config(hf_config, tp=layout.tp, value_head=value_head)
-    layout.validate(dims.num_heads, dims.num_kv_heads, dims.num_layers)
-    spec = _layer_spec(config, use_te, packed)
+    layout.validate(dims.num_heads, dims.num_kv_heads, dims.num_layers, num_experts=dims.num_experts)
+    if dims.num_experts:
+        from megappo.parallel import cpu_compat
+
+        cpu_compat.patch_moe_alltoall()
     chunks = []
     for vp in range(layout.num_model_chunks):
         vp_stage = vp if layout.virtual_pp else None
         pre = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-        layer_spec = spec
-        if isinstance(spec, tuple):  # sequence parallel on the local spec: our norms everywhere
-            from megatron.core.transformer.transformer_block import get_num_layers_to_build
-
-            _, lspec, norm, Sub = spec
-            layer_spec = Sub(layer_specs=[lspec] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=norm)
+        layer_spec = _block_spec(config, use_te, packed, vp_stage)
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,

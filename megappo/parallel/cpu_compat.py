@@ -26,6 +26,8 @@ Shims (each has a test in tests/test_cpu_compat.py):
    megatron's `WrappedTorchNorm` asserts on it (0.19.2 torch_norm.py:50, 0.16.1 :32) because apex/TE are
    absent. Its params carry the `sequence_parallel` attribute so `finalize_model_grads` all-reduces their
    grads over TP.
+5. `patch_moe_alltoall()` - the alltoall MoE token dispatcher's split sizes as numpy for gloo (megatron
+   converts only CUDA tensors; 0.19.2 moe_utils.py:1169-1191, token_dispatcher.py:927-943).
 """
 
 from __future__ import annotations
@@ -258,3 +260,55 @@ class SequenceParallelTorchNorm:
         for p in norm.parameters():
             p.sequence_parallel = bool(config.sequence_parallel)
         return norm
+
+
+# ---- shim 5: the alltoall MoE token dispatcher over gloo --------------------------------------------
+
+def _split_sizes_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron's maybe_move_tensor_to_cpu (0.19.2 moe_utils.py:1169) turns only CUDA tensors into numpy
+    split sizes; a CPU tensor stays a tensor, which gloo's all_to_all_single rejects (TypeError)."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.cpu().numpy()
+    return tensor.cpu() if torch.is_tensor(tensor) else tensor
+
+
+def _uneven(sizes) -> bool:
+    return sizes is not None and len(set(int(x) for x in sizes)) > 1
+
+
+def patch_moe_alltoall() -> None:
+    """Make the alltoall token dispatcher (expert parallel with uneven token counts per rank) run on CPU.
+    Call where a MoE model is built, in a process where `apply()` is active. Besides the split sizes, with
+    expert tensor parallelism the dispatcher gathers / reduce-scatters UNEVEN token blocks over the
+    expert-TP group (token_dispatcher.py:735-745 and its combine), which NCCL does and gloo refuses
+    ("allgather: invalid tensor size"): uneven blocks go through an even, padded all_gather and a full
+    all_reduce instead (the same numbers)."""
+    if not _APPLIED:
+        return
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_to_cpu
+    if getattr(mappings, "_megappo_uneven", False):
+        return
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if not _uneven(output_split_sizes):
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes, m = [int(x) for x in output_split_sizes], max(int(x) for x in output_split_sizes)
+        padded = torch.cat([input_, input_.new_zeros((m - input_.shape[0],) + tuple(input_.shape[1:]))])
+        out = input_.new_empty((m * len(sizes),) + tuple(input_.shape[1:]))
+        dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+        return torch.cat([out[i * m:i * m + n] for i, n in enumerate(sizes)])
+
+    def scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if not _uneven(input_split_sizes):
+            return scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.clone()
+        dist.all_reduce(total, group=group)
+        return list(torch.split(total, [int(x) for x in input_split_sizes], dim=0))[group.rank()].contiguous()
+
+    mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim = gather_uneven, scatter_uneven
+    mappings._megappo_uneven = True

@@ -1,5 +1,10 @@
 """ParallelLayout: how a world of ranks is cut into tensor (tp), pipeline (pp, with vpp virtual stages
-per rank) and data (dp) parallel groups, in megatron-core's rank order.
+per rank) and data (dp) parallel groups, in megatron-core's rank order; and, for a mixture-of-experts
+model, how the routed experts are spread over expert-parallel ranks (ep).
+
+Expert parallelism reuses the data-parallel ranks (megatron's "expert data parallel" = dp / ep): the ep
+ranks of one expert group hold different experts, everything else is replicated over dp as usual. Experts
+are split over tp like a dense MLP (expert tensor parallel = tp, megatron's default).
 
 megatron's `initialize_model_parallel(order="tp-cp-ep-dp-pp")` (the default) numbers ranks with tp
 fastest, then dp, then pp (cp = ep = 1 here):  rank = tp + TP * (dp + DP * pp).
@@ -18,9 +23,10 @@ class ParallelLayout:
     pp: int = 1
     dp: int = 1
     vpp: Optional[int] = None  # virtual stages per pipeline rank (interleaved schedule); None = off
+    ep: int = 1  # expert parallel: routed experts split over ep of the dp ranks (MoE models only)
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "ep"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"ParallelLayout.{name} must be a positive int, got {v!r}")
@@ -29,6 +35,9 @@ class ParallelLayout:
                 raise ValueError(f"ParallelLayout.vpp must be None or a positive int, got {self.vpp!r}")
             if self.vpp > 1 and self.pp < 2:
                 raise ValueError(f"vpp={self.vpp} needs pp >= 2 (interleaving needs a pipeline), got pp={self.pp}")
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp} (expert parallel ranks are data parallel ranks); "
+                             f"raise dp or lower ep")
 
     @property
     def world_size(self) -> int:
@@ -75,8 +84,13 @@ class ParallelLayout:
         _, pp, tp = self.coords(rank)
         return tp == 0 and pp == self.pp - 1
 
-    def validate(self, num_heads: int, num_kv_heads: int, num_layers: int, world_size: Optional[int] = None) -> None:
+    def validate(self, num_heads: int, num_kv_heads: int, num_layers: int, world_size: Optional[int] = None,
+                 num_experts: int = 0) -> None:
         """Raise a one-line ValueError when this layout cannot shard the model (or the world)."""
+        if self.ep > 1 and not num_experts:
+            raise ValueError(f"ep={self.ep} needs a mixture-of-experts model (this one is dense); set ep=1")
+        if num_experts and num_experts % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide the model's {num_experts} experts")
         if world_size is not None and world_size != self.world_size:
             raise ValueError(f"layout tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {self.world_size} != world size {world_size}")
         if num_heads % self.tp:
@@ -89,4 +103,5 @@ class ParallelLayout:
 
     def __str__(self) -> str:
         v = f"xVPP{self.vpp}" if self.virtual_pp else ""
-        return f"TP{self.tp}xPP{self.pp}{v}xDP{self.dp}"
+        e = f"xEP{self.ep}" if self.ep > 1 else ""
+        return f"TP{self.tp}xPP{self.pp}{v}xDP{self.dp}{e}"

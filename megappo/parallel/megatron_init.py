@@ -87,6 +87,8 @@ def init_megatron(layout: ParallelLayout, seed: int = 1234) -> None:
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.virtual_pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.tp,
         order="tp-cp-ep-dp-pp",
     )
     if cpu_compat.needs_cpu_compat():

@@ -18,6 +18,11 @@ Layouts (per TP rank r of T):
   Qwen3's per-head q/k RMSNorms (`self_attention.q_layernorm` / `k_layernorm`, [head_dim], HF
   `self_attn.q_norm` / `k_norm`) too: every TP rank applies the same weights to its own heads, and
   megatron sums their grads over TP (finalize_model_grads, `config.qk_layernorm`).
+- Qwen3-MoE routed experts (megatron's SequentialMLP): `mlp.experts.local_experts.{e}.linear_fc1` /
+  `linear_fc2` per expert, laid out like a dense MLP's fc1 / fc2 (split over TP = expert TP), HF
+  `mlp.experts.{e}.gate_proj|up_proj|down_proj` (transformers' on-disk form); e is the GLOBAL expert index
+  here, an expert-parallel rank holds a contiguous block (`global_param_name`). The router
+  (`mlp.router`, HF `mlp.gate`) is replicated.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Optional
 if TYPE_CHECKING:  # torch is imported where a tensor is built: the config schema reads this module's
     import torch   # supported families, and the driver validates its config before Ray (and torch) start
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe")
 DEFAULT_VOCAB_DIVISOR = 128
 
 
@@ -71,6 +76,15 @@ class ModelDims:
     qkv_bias: bool
     value_head: bool = False  # critic: output_layer is the [1, hidden] value head
     qk_norm: bool = False  # qwen3: RMSNorm over each query / key head before RoPE
+    # mixture of experts (qwen3_moe); num_experts 0: dense
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_layers: tuple = ()  # per layer: True where the MLP is the routed experts
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities (softmax over the k)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
 
     @classmethod
     def from_hf_config(cls, hf_config, tp: int = 1, value_head: bool = False,
@@ -83,6 +97,17 @@ class ModelDims:
         qkv_bias = mt == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
         if mt != "qwen2" and getattr(hf_config, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported")
+        moe = {}
+        if mt == "qwen3_moe":
+            experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+            if not experts or not getattr(hf_config, "num_experts_per_tok", None):
+                raise ValueError("a qwen3_moe config needs num_experts and num_experts_per_tok (its config.json)")
+            step, dense = int(getattr(hf_config, "decoder_sparse_step", 1) or 1), set(getattr(hf_config, "mlp_only_layers", None) or [])
+            moe = dict(num_experts=int(experts), moe_topk=int(hf_config.num_experts_per_tok),
+                       moe_ffn_hidden_size=int(hf_config.moe_intermediate_size),
+                       norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
+                       # transformers' rule (Qwen3MoeDecoderLayer): experts where (i+1) % step == 0, except mlp_only_layers
+                       moe_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(hf_config.num_hidden_layers)))
         return cls(
             model_type=mt,
             hidden_size=hf_config.hidden_size,
@@ -96,7 +121,8 @@ class ModelDims:
             tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head,
             qkv_bias=qkv_bias,
             value_head=value_head,
-            qk_norm=mt == "qwen3",
+            qk_norm=mt in ("qwen3", "qwen3_moe"),
+            **moe,
         )
 
     @classmethod
@@ -122,8 +148,30 @@ def transformer_config_kwargs(hf_config) -> dict:
     if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True) \
             and hf_config.model_type == "mistral":
         raise ValueError("mistral sliding_window attention is not supported; set sliding_window=None")
-    if hf_config.model_type == "qwen3" and getattr(hf_config, "use_sliding_window", False):
-        raise ValueError("qwen3 use_sliding_window=True is not supported; set use_sliding_window=false")
+    if hf_config.model_type in ("qwen3", "qwen3_moe") and getattr(hf_config, "use_sliding_window", False):
+        raise ValueError(f"{hf_config.model_type} use_sliding_window=True is not supported; set use_sliding_window=false")
+    moe = {}
+    if dims.num_experts:
+        moe = dict(
+            num_moe_experts=dims.num_experts,
+            moe_router_topk=dims.moe_topk,
+            moe_ffn_hidden_size=dims.moe_ffn_hidden_size,
+            moe_layer_freq=[int(m) for m in dims.moe_layers],  # explicit: megatron's int rule is i % N == 0
+            # transformers: softmax over all experts in fp32, top-k, then (norm_topk_prob) renormalised over
+            # the k. megatron: pre_softmax=False is a softmax over the top-k logits, the same numbers.
+            moe_router_score_function="softmax",
+            moe_router_pre_softmax=not dims.norm_topk_prob,
+            moe_router_dtype="fp32",
+            # RL fine-tuning keeps the pretrained routing: no load-balancing or z-loss term (as slime's RL
+            # recipes: --moe-aux-loss-coeff 0); megatron's defaults would add an aux loss to the PPO loss
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False,  # SequentialMLP: megatron's local spec on CPU
+            # alltoall: ranks of an expert-parallel group may hold different token counts (the engine cuts
+            # each micro-batch to its longest row; allgather needs equal counts). On CPU with
+            # parallel/cpu_compat.py's patch_moe_alltoall.
+            moe_token_dispatcher_type="alltoall",
+        )
     return dict(
         num_layers=dims.num_layers,
         hidden_size=dims.hidden_size,
@@ -141,6 +189,7 @@ def transformer_config_kwargs(hf_config) -> dict:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
+        **moe,
     )
 
 
@@ -148,6 +197,10 @@ def transformer_config_kwargs(hf_config) -> dict:
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# routed experts (global expert index e): megatron SequentialMLP <-> transformers' per-expert names on disk
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_HF_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_MAP = {"linear_fc1": ["gate_proj", "up_proj"], "linear_fc2": ["down_proj"]}
 
 # megatron per-layer suffix -> HF per-layer suffixes (in merge order)
 _LAYER_MAP = {
@@ -162,6 +215,7 @@ _LAYER_MAP = {
     "mlp.linear_fc1.layer_norm_weight": ["post_attention_layernorm.weight"],  # TE fused spec
     "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
     "mlp.linear_fc2.weight": ["mlp.down_proj.weight"],
+    "mlp.router.weight": ["mlp.gate.weight"],  # qwen3_moe router [experts, hidden]
 }
 _TOP_MAP = {
     "embedding.word_embeddings.weight": ["model.embed_tokens.weight"],
@@ -183,6 +237,13 @@ def megatron_param_names(dims: ModelDims, te_fused_norms: bool = False) -> list[
         if dims.qk_norm:
             names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
         names.append(p + "self_attention.linear_proj.weight")
+        if dims.is_moe_layer(layer):  # megatron keeps a separate pre-MLP norm in front of the router
+            names.append(p + "pre_mlp_layernorm.weight")
+            names.append(p + "mlp.router.weight")
+            for e in range(dims.num_experts):
+                names += [p + f"mlp.experts.local_experts.{e}.linear_fc1.weight",
+                          p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"]
+            continue
         names.append(p + ("mlp.linear_fc1.layer_norm_weight" if te_fused_norms else "pre_mlp_layernorm.weight"))
         names.append(p + "mlp.linear_fc1.weight")
         names.append(p + "mlp.linear_fc2.weight")
@@ -199,6 +260,9 @@ def hf_names(mcore_name: str, dims: ModelDims) -> list[str]:
     m = _LAYER_RE.match(mcore_name)
     if m:
         layer, suffix = m.groups()
+        e = _EXPERT_RE.match(suffix)
+        if e:
+            return [f"model.layers.{layer}.mlp.experts.{e.group(1)}.{h}.weight" for h in _EXPERT_MAP[e.group(2)]]
         if suffix not in _LAYER_MAP:
             raise KeyError(f"no HF mapping for megatron parameter {mcore_name!r}")
         return [f"model.layers.{layer}.{s}" for s in _LAYER_MAP[suffix]]
@@ -216,6 +280,12 @@ def megatron_name(hf_name: str, dims: ModelDims, te_fused_norms: bool = False) -
     m = _HF_LAYER_RE.match(hf_name)
     if m:
         layer, suffix = m.groups()
+        e = _HF_EXPERT_RE.match(suffix)
+        if e:
+            fc = "linear_fc2" if e.group(2) == "down_proj" else "linear_fc1"
+            return f"decoder.layers.{layer}.mlp.experts.local_experts.{e.group(1)}.{fc}.weight"
+        if dims.is_moe_layer(int(layer)) and suffix == "post_attention_layernorm.weight":
+            return f"decoder.layers.{layer}.pre_mlp_layernorm.weight"
         for msuffix, sources in _LAYER_MAP.items():
             is_norm = "layernorm" in suffix
             if suffix in sources and (not is_norm or msuffix.endswith("layer_norm_weight") == te_fused_norms):
@@ -231,12 +301,18 @@ def megatron_name(hf_name: str, dims: ModelDims, te_fused_norms: bool = False) -
     raise KeyError(f"no megatron mapping for HF tensor {hf_name!r}")
 
 
-def global_param_name(local_name: str, layer_offset: int) -> str:
-    """`decoder.layers.{i}.x` of a pipeline stage whose first layer is `layer_offset` -> global name."""
+def global_param_name(local_name: str, layer_offset: int, expert_offset: int = 0) -> str:
+    """`decoder.layers.{i}.x` of a pipeline stage whose first layer is `layer_offset` -> global name; a
+    routed expert's local index i on an expert-parallel rank whose first expert is `expert_offset` ->
+    its global index."""
     m = _LAYER_RE.match(local_name)
     if not m:
         return local_name
-    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{m.group(2)}"
+    suffix = m.group(2)
+    e = _EXPERT_RE.match(suffix)
+    if e:
+        suffix = f"mlp.experts.local_experts.{int(e.group(1)) + expert_offset}.{e.group(2)}.weight"
+    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{suffix}"
 
 
 # ---- tensor layouts -----------------------------------------------------------------------------
@@ -248,11 +324,24 @@ def layer_offset(chunk) -> int:
     return (layers[0].layer_number - 1) if layers is not None and len(layers) else 0
 
 
+def _expert_offsets(chunk) -> dict:
+    """Local layer index -> global index of its first local expert (megatron's MoELayer knows it)."""
+    out = {}
+    for name, mod in chunk.named_modules():
+        indices = getattr(mod, "local_expert_indices", None)
+        m = re.search(r"decoder\.layers\.(\d+)\.mlp$", name)
+        if indices and m:
+            out[int(m.group(1))] = indices[0]
+    return out
+
+
 def global_named_parameters(chunk):
-    """(global megatron name, param) for one megatron model chunk (layer indices made global)."""
-    off = layer_offset(chunk)
+    """(global megatron name, param) for one megatron model chunk (layer and expert indices made global)."""
+    off, experts = layer_offset(chunk), _expert_offsets(chunk)
     for name, p in chunk.named_parameters():
-        yield global_param_name(name.removeprefix("module."), off), p
+        name = name.removeprefix("module.")
+        m = _LAYER_RE.match(name)
+        yield global_param_name(name, off, experts.get(int(m.group(1)), 0) if m else 0), p
 
 
 def _kind(mcore_name: str, dims: ModelDims) -> str:

@@ -181,7 +181,8 @@ class MegatronEngine:
         self.hf_config = load_hf_config(model_path)
         self.value_head = self.config.head == "value"
         self.dims = ModelDims.from_hf_config(self.hf_config, tp=layout.tp, value_head=self.value_head)
-        layout.validate(self.dims.num_heads, self.dims.num_kv_heads, self.dims.num_layers)
+        layout.validate(self.dims.num_heads, self.dims.num_kv_heads, self.dims.num_layers,
+                        num_experts=self.dims.num_experts)
         self.tp_rank = mpu.get_tensor_model_parallel_rank()
         self.pp_rank = mpu.get_pipeline_model_parallel_rank()
         self.dp_rank = mpu.get_data_parallel_rank()
