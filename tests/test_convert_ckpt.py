@@ -66,10 +66,11 @@ def _source(name, tiny_assets, reward_dir) -> Path:
     return reward_dir if name == "reward" else tiny_assets[f"tiny-{name}"]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "qwen3", "reward"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "reward"])
 def test_roundtrip_tp2_pp2_is_bit_exact(name, tiny_assets, reward_dir, tmp_path):
     src = _source(name, tiny_assets, reward_dir)
-    info = hf_to_mcore(src, tmp_path / "mc", tp=2, pp=2, progress=False)
+    moe = name == "qwen3_moe"
+    info = hf_to_mcore(src, tmp_path / "mc", tp=2, pp=2, ep=2 if moe else 1, progress=False)
     mc = tmp_path / "mc"
     # what MegatronEngine.is_dist_checkpoint and megatron's loader need, plus the recorded provenance
     assert (mc / "metadata.json").exists() and (mc / "config.json").exists() and not list(mc.glob("*.safetensors"))
@@ -77,9 +78,16 @@ def test_roundtrip_tp2_pp2_is_bit_exact(name, tiny_assets, reward_dir, tmp_path)
     rec = json.loads((mc / "megappo_convert.json").read_text())
     assert rec["source"]["path"] == str(src.resolve()) and rec["model"] == ("critic" if name == "reward" else "actor")
     shapes = {k: v["shape"] for k, v in info["tensors"].items()}
-    assert shapes["decoder.layers.mlp.linear_fc1.weight"] == [4, 512, 128]  # [layers, gate+up, hidden]
+    if moe:  # megatron keys every layer on its own (dense layer 0, then MoE); a layer's experts stacked
+        assert shapes["decoder.layers.0.mlp.linear_fc1.weight"] == [512, 128]
+        assert shapes["decoder.layers.1.mlp.router.weight"] == [4, 128]  # [experts, hidden]
+        assert shapes["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"] == [4, 128, 128]  # [experts, gate+up, hidden]
+        assert shapes["decoder.layers.3.mlp.experts.experts.linear_fc2.weight"] == [4, 128, 64]
+        assert "decoder.layers.1.mlp.linear_fc1.weight" not in shapes
+    else:
+        assert shapes["decoder.layers.mlp.linear_fc1.weight"] == [4, 512, 128]  # [layers, gate+up, hidden]
     assert shapes["embedding.word_embeddings.weight"] == [1024, 128]  # vocab 1000 padded
-    assert ("output_layer.weight" in shapes) == (name in ("llama", "mistral", "reward"))  # tied qwen2/3: none
+    assert ("output_layer.weight" in shapes) == (name in ("llama", "mistral", "qwen3_moe", "reward"))  # tied: none
     assert ("decoder.layers.self_attention.q_layernorm.weight" in shapes) == (name == "qwen3")
     if name == "qwen3":  # per-head norms over head_dim 64 (explicit, != hidden / heads)
         assert shapes["decoder.layers.self_attention.q_layernorm.weight"] == [4, 64]
@@ -117,20 +125,24 @@ def test_small_shards_and_dtype_cast(tiny_assets, tmp_path):
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
-def test_logprobs_cli_tp2_pp2_on_converted_checkpoint_matches_hf(tiny_assets, tmp_path):
-    """Converted with the megappo CLI (qwen2: tied, qkv bias, padded vocab), scored at TP2xPP2."""
+@pytest.mark.parametrize("name,layout", [("qwen2", ["--tp", "2", "--pp", "2"]),
+                                         ("qwen3_moe", ["--tp", "2", "--dp", "2", "--ep", "2"])])
+def test_logprobs_cli_on_converted_checkpoint_matches_hf(name, layout, tiny_assets, tmp_path):
+    """Converted with the megappo CLI, scored in another layout: qwen2 (tied, qkv bias, padded vocab) at
+    TP2xPP2; qwen3_moe (one chunk per expert on disk) with its experts split over EP2 and TP2."""
     from safetensors.torch import load_file
 
-    src = tiny_assets["tiny-qwen2"]
+    src = tiny_assets[f"tiny-{name}"]
     mc = tmp_path / "mc"
+    ep = layout[layout.index("--ep") + 1] if "--ep" in layout else "1"
     proc = subprocess.run([sys.executable, "-m", "megappo.cli", "convert", "hf-to-mcore", "--hf", str(src), "--out",
-                           str(mc), "--tp", "2", "--pp", "2", "--quiet"], capture_output=True, text=True, timeout=300)
+                           str(mc), "--tp", "2", "--ep", ep, "--quiet"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["model"] == "actor"
     inp = tmp_path / "rows.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     out = tmp_path / "lp.safetensors"
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "logprobs", "--model", str(mc), "--tp", "2", "--pp", "2",
+    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "logprobs", "--model", str(mc), *layout,
                            "--input", str(inp), "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = load_file(str(out))
@@ -138,7 +150,7 @@ def test_logprobs_cli_tp2_pp2_on_converted_checkpoint_matches_hf(tiny_assets, tm
     for i, ref in enumerate(hf_response_logprobs(src, ROWS)):
         assert got[f"logprobs.{i}"].shape == ref.shape
         worst = max(worst, (got[f"logprobs.{i}"] - ref).abs().max().item())
-    print(f"converted qwen2 TP2xPP2 vs HF: max |logprob diff| {worst:.2e}")
+    print(f"converted {name} {' '.join(layout)} vs HF: max |logprob diff| {worst:.2e}")
     assert worst <= 1e-4
 
 
@@ -265,6 +277,49 @@ def test_clear_errors_and_no_half_written_output(tiny_assets, tmp_path):
     assert proc.returncode == 1 and not (tmp_path / "hf").exists()
     err = proc.stderr.strip().splitlines()
     assert err[-1].startswith("convert_ckpt: error: corrupt checkpoint") and "truncated" in err[-1]
+
+
+def test_moe_expert_count_and_layout_errors(tiny_assets, tmp_path):
+    """A MoE checkpoint whose experts do not match its config is refused in one line (never truncated to
+    the config's count), in both directions; --ep must divide the experts."""
+    import shutil
+
+    src = tiny_assets["tiny-qwen3_moe"]
+
+    def with_config(name, **changes) -> Path:
+        d = tmp_path / name
+        shutil.copytree(src, d)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(changes)
+        (d / "config.json").write_text(json.dumps(cfg))
+        return d
+
+    def expect(msg, fn, *args, **kw):
+        with pytest.raises(ConvertError) as e:
+            fn(*args, progress=False, **kw)
+        assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+    out = tmp_path / "out"
+    expect("routes to 4 experts, its config.json says num_experts 8", hf_to_mcore,
+           with_config("more", num_local_experts=8), out)
+    expect("routes to 4 experts, its config.json says num_experts 2", hf_to_mcore,
+           with_config("fewer", num_local_experts=2), out)
+    # an expert the config does not know is refused, not dropped
+    from safetensors.torch import load_file, save_file
+
+    extra = with_config("extra")
+    tensors = load_file(str(extra / "model.safetensors"))
+    tensors["model.layers.2.mlp.experts.4.down_proj.weight"] = tensors["model.layers.2.mlp.experts.3.down_proj.weight"].clone()
+    save_file(tensors, str(extra / "model.safetensors"))
+    expect("holds model.layers.2.mlp.experts.4.down_proj.weight (and 0 more expert tensors) beyond its config's 4 "
+           "experts / MoE layers [1, 2, 3]", hf_to_mcore, extra, out)
+    expect("ep=3 does not divide the model's 4 experts", hf_to_mcore, src, out, ep=3)
+    expect("ep=2 needs a mixture-of-experts model", hf_to_mcore, tiny_assets["tiny-qwen3"], out, ep=2)
+    assert not out.exists()
+    hf_to_mcore(src, out, progress=False)
+    expect("holds 4 experts, the config's num_experts is 2", mcore_to_hf, out, tmp_path / "hf",
+           config=str(with_config("fewer2", num_local_experts=2, num_experts_per_tok=1)))
+    assert not (tmp_path / "hf").exists()
 
 
 def test_smollm2_135m_converts_and_scores_like_transformers(tmp_path):

@@ -115,7 +115,9 @@ def test_tp2_pp2_dp2_step_equals_single_process(runs):
 
 # ---- mixture of experts: expert parallel ------------------------------------------------------------
 
-def _moe_worker(rank, world, port, path, layout):
+def _moe_worker(rank, world, port, path, layout, ckpt=None, resume=None):
+    """One step from the HF weights (then, with `ckpt`: save, and a second step); with `resume`: a fresh
+    engine loads that checkpoint (written at another layout) and takes the second step."""
     from megatron.core import parallel_state as mpu
 
     from megappo.parallel.megatron_init import init_distributed, init_megatron
@@ -123,37 +125,70 @@ def _moe_worker(rank, world, port, path, layout):
 
     init_distributed(rank, world, "127.0.0.1", port)
     init_megatron(layout)
-    eng = MegatronEngine(path, layout, EngineConfig(optim=OptimConfig(**OPTIM)))
-    batch = make_batch()
+    b1 = make_batch()
+    b2 = dict(b1, advantages=-b1["advantages"].flip(0))
     dp, n = mpu.get_data_parallel_rank(), B // layout.dp
-    local = {k: v[dp * n:(dp + 1) * n] for k, v in batch.items()}
-    metrics = eng.train_step(local, pg_loss, batch["response_mask"].sum().item(), response_length=R, micro_batch_size=2)
-    # every rank: expert-parallel ranks hold different experts (names carry the global expert index)
-    return {"metrics": metrics, "params": {k: v.detach().clone() for k, v in eng.named_parameters_global()},
-            "tp": mpu.get_tensor_model_parallel_rank()}
+
+    def step(eng, batch):
+        local = {k: v[dp * n:(dp + 1) * n] for k, v in batch.items()}
+        return eng.train_step(local, pg_loss, batch["response_mask"].sum().item(), response_length=R, micro_batch_size=2)
+
+    def params(eng):  # every rank: expert-parallel ranks hold different experts (global expert names)
+        return {k: v.detach().clone() for k, v in eng.named_parameters_global()}
+
+    eng = MegatronEngine(path, layout, EngineConfig(optim=OptimConfig(**OPTIM)))
+    out = {"metrics": step(eng, b1), "params": params(eng), "tp": mpu.get_tensor_model_parallel_rank()}
+    if ckpt:
+        eng.save_checkpoint(ckpt)
+        out["step2"] = {"metrics": step(eng, b2), "params": params(eng), "tp": out["tp"]}
+    if resume:
+        init_megatron(layout)
+        eng = MegatronEngine(path, layout, EngineConfig(optim=OptimConfig(**OPTIM)))
+        eng.load_checkpoint(resume)
+        out["step2"] = {"metrics": step(eng, b2), "params": params(eng), "tp": out["tp"]}
+    return out
 
 
-def test_moe_step_with_expert_parallel_equals_single_process(tiny_assets):
+def test_moe_step_with_expert_parallel_equals_single_process(tiny_assets, tmp_path):
     """Qwen3-MoE (4 experts, top-2, a dense first layer): one PPO-style step at TP2xPP2xDP2xEP2 (experts
     split over 2 expert-parallel ranks and over TP, megatron's alltoall dispatcher over gloo, sequence
-    parallel) equals the single-process step: loss, grad norm and every weight after the update."""
-    path = str(tiny_assets["tiny-qwen3_moe"])
-    single = spawn_local(_moe_worker, 1, path, ParallelLayout(), timeout=600)
-    dist8 = spawn_local(_moe_worker, 8, path, ParallelLayout(tp=2, pp=2, dp=2, ep=2), timeout=900)
+    parallel) equals the single-process step: loss, grad norm and every weight after the update. Its
+    checkpoint (model + optimizer) exports to HF bit for bit, and resumes in one process (EP 2 -> 1,
+    TP 2 -> 1, PP 2 -> 1): the next step equals the uninterrupted TP2xPP2xDP2xEP2 one."""
+    from megappo.models.gpt import SafetensorsReader
+    from tools.convert_ckpt import mcore_to_hf
+
+    path, ckpt = str(tiny_assets["tiny-qwen3_moe"]), tmp_path / "step1"
+    dist8 = spawn_local(_moe_worker, 8, path, ParallelLayout(tp=2, pp=2, dp=2, ep=2), str(ckpt), timeout=900)
+    single = spawn_local(_moe_worker, 1, path, ParallelLayout(), None, str(ckpt), timeout=600)
     m1, m8 = single[0]["metrics"], dist8[0]["metrics"]
     print("single", m1, "\nTP2xPP2xDP2xEP2", m8)
     assert abs(m1["loss"] - m8["loss"]) <= 1e-5 * abs(m1["loss"])
     assert abs(m1["grad_norm"] - m8["grad_norm"]) <= 1e-5 * m1["grad_norm"] and m1["grad_norm"] > 1.0
     a, b = to_hf(single, path, 1), to_hf(dist8, path, 2)
     assert a.keys() == b.keys() and len(a) == 77 and sum(".mlp.experts." in k for k in a) == 3 * 4 * 3
-    from megappo.models.gpt import SafetensorsReader
+
+    def rel_err(x, y):
+        return max(((x[k] - y[k]).norm() / x[k].norm()).item() for k in x)
 
     init = SafetensorsReader(path)
-    worst = max(((a[k] - b[k]).norm() / a[k].norm()).item() for k in a)
     moved = sorted((a[k] - init.get(k)).abs().max().item() for k in a)
-    print(f"max per-tensor relative error {worst:.2e}; smallest max |update| {moved[0]:.2e}")
-    assert worst <= 1e-5
+    print(f"max per-tensor relative error {rel_err(a, b):.2e}; smallest max |update| {moved[0]:.2e}")
+    assert rel_err(a, b) <= 1e-5
     assert moved[0] > 1e-4  # every tensor, every expert's included, really took a step
+
+    # the EP2 training checkpoint as HF: exactly the weights the 8 ranks held
+    mcore_to_hf(ckpt, tmp_path / "hf", config=path, progress=False)
+    from safetensors.torch import load_file
+
+    exported = {k: v for f in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert exported.keys() == b.keys() and all(torch.equal(exported[k], b[k]) for k in b)
+    # resumed at EP1 in one process: the second step equals the uninterrupted one
+    a2, b2 = to_hf([r["step2"] for r in single], path, 1), to_hf([r["step2"] for r in dist8], path, 2)
+    l1, l8 = single[0]["step2"]["metrics"]["loss"], dist8[0]["step2"]["metrics"]["loss"]
+    print(f"step 2 after the EP2 -> EP1 resume: loss {l1:.8f} vs {l8:.8f}; max relative error {rel_err(a2, b2):.2e}")
+    assert abs(l1 - l8) <= 1e-5 * abs(l8)
+    assert rel_err(a2, b2) <= 1e-5 and rel_err(b, b2) > 1e-4  # the step moved them
 
 
 # ---- host offload ---------------------------------------------------------------------------------

@@ -118,8 +118,8 @@ def validate_config(cfg, check_paths: bool = False) -> None:
     dims = model_dims(cfg)
     if dims.num_experts:  # issue #26: the Megatron side runs (engine, EP, logprobs); the PPO loop does not yet
         raise ConfigError(f"model {dims.model_type} ({dims.num_experts} experts): mixture-of-experts PPO (weight "
-                          "sync into vLLM, checkpoint conversion, export) is not supported yet; `megappo logprobs "
-                          "--ep E` scores it, or train a dense model (llama, qwen2, mistral, qwen3)")
+                          "sync into vLLM) is not supported yet; `megappo logprobs --ep E` scores it and `megappo "
+                          "convert` converts it, or train a dense model (llama, qwen2, mistral, qwen3)")
     _check_layouts(cfg, dims)
     _check_rollout(cfg, dims)
     _check_algorithm(cfg)

@@ -229,6 +229,8 @@ def build_gpt_chunks(hf_config, config, layout: ParallelLayout, value_head: bool
             model.output_layer = ValueHead(dims.hidden_size, config.sequence_parallel, config.params_dtype, seed)
         _cast_params(model, config.params_dtype)
         mark_tensor_parallel_params(model)
+        if dims.num_experts:
+            mark_expert_params(model)
         chunks.append(model)
     return chunks
 
@@ -257,6 +259,17 @@ def mark_tensor_parallel_params(chunk) -> None:
         w = getattr(mod, "weight", None)
         if dim is not None and isinstance(w, torch.nn.Parameter) and not getattr(w, "tensor_model_parallel", False):
             set_tensor_model_parallel_attributes(w, is_parallel=True, dim=dim, stride=1)
+
+
+def mark_expert_params(chunk) -> None:
+    """Routed experts' params as expert-parallel (`allreduce=False`) at every EP size. megatron marks them
+    only at EP > 1 (or expert TP != TP), and its optimizer is then a ChainedOptimizer [dense, experts]
+    whose checkpoint keys (`chained_0.` / `chained_1.`) would differ from EP 1's single optimizer, so a
+    checkpoint could not resume at another EP. At EP 1 the expert groups are the dense ones (expert DP =
+    DP, expert TP = TP): the same reductions, in a second optimizer."""
+    for name, p in chunk.named_parameters():
+        if ".mlp.experts." in name:
+            p.allreduce = False
 
 
 class SafetensorsReader:

@@ -13,13 +13,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub.required = True
     a = sub.add_parser("hf-to-mcore", help="HF safetensors dir -> megatron-core dist checkpoint (torch_dist)",
                        description="HF safetensors dir -> megatron-core dist checkpoint (torch_dist), loadable at any "
-                                   "TP/PP/VPP. The layout flags validate the model against the layout you will load it "
+                                   "TP/PP/VPP/EP. The layout flags validate the model against the layout you will load it "
                                    "at; --tp also sets the vocab padding (lcm(128, tp), the same for any power-of-two TP).")
     a.add_argument("--hf", required=True, help="HF model dir (config.json + *.safetensors)")
     a.add_argument("--out", required=True, help="checkpoint dir to create")
     a.add_argument("--tp", type=int, default=1, help="tensor parallel size to validate for (default 1)")
     a.add_argument("--pp", type=int, default=1, help="pipeline parallel size to validate for (default 1)")
     a.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank to validate for")
+    a.add_argument("--ep", type=int, default=1, help="expert parallel size to validate for (MoE models; the "
+                   "checkpoint itself loads at any EP that divides the expert count)")
     a.add_argument("--model", default="auto", choices=["auto", "actor", "critic"],
                    help="auto: causal LM -> actor, ...ForSequenceClassification -> critic (score -> value head); "
                         "critic from a causal LM: fresh value head")
@@ -49,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         from tools.convert_ckpt import core
 
         if args.direction == "hf-to-mcore":
-            info = core.hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, model=args.model,
+            info = core.hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, model=args.model,
                                     seed=args.seed, overwrite=args.overwrite, progress=not args.quiet)
             nbytes = sum(_nbytes(v) for v in info["tensors"].values())
             summary = {"out": args.out, "model": info["model"], "tensors": len(info["tensors"]), "bytes": nbytes,

@@ -48,10 +48,12 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": ("qwen2", "causal-lm"),
     "MistralForCausalLM": ("mistral", "causal-lm"),
     "Qwen3ForCausalLM": ("qwen3", "causal-lm"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "causal-lm"),
     "LlamaForSequenceClassification": ("llama", "reward"),
     "Qwen2ForSequenceClassification": ("qwen2", "reward"),
     "MistralForSequenceClassification": ("mistral", "reward"),
     "Qwen3ForSequenceClassification": ("qwen3", "reward"),
+    "Qwen3MoeForSequenceClassification": ("qwen3_moe", "reward"),
 }
 CAUSAL_LM = {fam: arch for arch, (fam, k) in ARCHITECTURES.items() if k == "causal-lm"}
 SEQ_CLS = {fam: arch for arch, (fam, k) in ARCHITECTURES.items() if k == "reward"}
@@ -63,6 +65,9 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 INFO_FILE = "megappo_convert.json"
 FORMAT = "megappo-convert/1"
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# a routed expert's parameter: megatron's SequentialMLP checkpoints all experts of a layer as one key
+# `...mlp.experts.experts.<fc>` with a leading global-expert axis (its sharded_state_dict)
+_EXPERT_PARAM_RE = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(.+)$")
 
 
 def _log(msg: str) -> None:
@@ -108,6 +113,10 @@ def checked_dims(hf_config, tp: int, value_head: bool) -> ModelDims:
 
 def megatron_shape(name: str, d: ModelDims) -> tuple:
     h, hd = d.hidden_size, d.head_dim
+    if ".mlp.experts.local_experts." in name:  # one routed expert: a dense MLP of moe_ffn_hidden_size
+        return (2 * d.moe_ffn_hidden_size, h) if name.endswith("linear_fc1.weight") else (h, d.moe_ffn_hidden_size)
+    if name.endswith("mlp.router.weight"):
+        return (d.num_experts, h)
     if name == "embedding.word_embeddings.weight" or (name == "output_layer.weight" and not d.value_head):
         return (d.padded_vocab_size, h)
     if name == "output_layer.weight":
@@ -133,6 +142,10 @@ def megatron_shape(name: str, d: ModelDims) -> tuple:
 
 def hf_shape(name: str, d: ModelDims) -> tuple:
     h, hd = d.hidden_size, d.head_dim
+    if ".mlp.experts." in name:
+        return (h, d.moe_ffn_hidden_size) if name.endswith("down_proj.weight") else (d.moe_ffn_hidden_size, h)
+    if name.endswith(".mlp.gate.weight"):  # the router
+        return (d.num_experts, h)
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return (d.vocab_size, h)
     if name == "score.weight":
@@ -159,17 +172,24 @@ def hf_shape(name: str, d: ModelDims) -> tuple:
 
 @dataclass(frozen=True)
 class Unit:
-    """One megatron parameter (of one layer): global name, checkpoint key (+ layer), shape, HF sources."""
+    """One megatron parameter: global name, checkpoint key, shape, HF sources. `index` is its position
+    along the key's stacked leading axis of size `stack` (the layer axis of a homogeneous model, or a MoE
+    layer's expert axis); None: the key is this tensor alone."""
 
     mname: str
     key: str
-    layer: Optional[int]
+    index: Optional[int]
+    stack: int
     shape: tuple
     hf: tuple
 
     @property
     def is_vocab(self) -> bool:
         return self.shape[0] > 1 and self.mname in ("embedding.word_embeddings.weight", "output_layer.weight")
+
+    @property
+    def stored_shape(self) -> tuple:
+        return ((self.stack,) if self.index is not None else ()) + self.shape
 
 
 def _fast_kind(u: Unit) -> str:
@@ -185,12 +205,41 @@ def _fast_kind(u: Unit) -> str:
 
 
 def megatron_units(d: ModelDims) -> list[Unit]:
+    """Every parameter with the key megatron's sharded_state_dict (local spec) gives it. A dense model
+    stacks each layer parameter into one [num_layers, ...] key; with MoE layers megatron keys every layer
+    on its own (TransformerBlock's non_homogeneous_layers, forced by an explicit moe_layer_freq) and
+    stacks a layer's experts along a [num_experts, ...] axis."""
+    per_layer = bool(d.moe_layers)
     units = []
     for name in megatron_param_names(d, te_fused_norms=True):  # megatron's checkpoint names for the norms
+        shape, hf = megatron_shape(name, d), tuple(hf_names(name, d))
+        e = _EXPERT_PARAM_RE.match(name)
         m = _LAYER_RE.match(name)
-        key, layer = (f"decoder.layers.{m.group(2)}", int(m.group(1))) if m else (name, None)
-        units.append(Unit(name, key, layer, megatron_shape(name, d), tuple(hf_names(name, d))))
+        if e:
+            units.append(Unit(name, f"{e.group(1)}experts.{e.group(3)}", int(e.group(2)), d.num_experts, shape, hf))
+        elif m and not per_layer:
+            units.append(Unit(name, f"decoder.layers.{m.group(2)}", int(m.group(1)), d.num_layers, shape, hf))
+        else:  # the local spec stores a MoE layer's separate pre-MLP norm under the fused name, as a dense one's
+            key = name.replace(".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight")
+            units.append(Unit(name, key, None, 0, shape, hf))
     return units
+
+
+def extra_state_items(d: ModelDims) -> list[Item]:
+    """The (None) `_extra_state` ShardedObjects of the local spec's linears, keyed like the parameters."""
+    if not d.moe_layers:
+        return [Item(f"decoder.layers.{m}._extra_state", None, None, layer, d.num_layers)
+                for layer in range(d.num_layers) for m in EXTRA_STATE_MODULES]
+    items = []
+    for layer in range(d.num_layers):
+        p = f"decoder.layers.{layer}."
+        if d.is_moe_layer(layer):
+            items += [Item(f"{p}{m}._extra_state", None, None, 0, 1) for m in EXTRA_STATE_MODULES[:2]]
+            items += [Item(f"{p}mlp.experts.experts.{fc}._extra_state", None, None, e, d.num_experts)
+                      for fc in ("linear_fc1", "linear_fc2") for e in range(d.num_experts)]
+        else:
+            items += [Item(f"{p}{m}._extra_state", None, None, 0, 1) for m in EXTRA_STATE_MODULES]
+    return items
 
 
 # ---- output dir ---------------------------------------------------------------------------------
@@ -279,7 +328,7 @@ class _Progress:
 
 
 def hf_to_mcore(hf_dir, out_dir, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, model: str = "auto",
-                seed: int = 1234, overwrite: bool = False, progress: bool = True) -> dict:
+                seed: int = 1234, overwrite: bool = False, progress: bool = True, ep: int = 1) -> dict:
     """Convert a HF model dir into a megatron torch_dist checkpoint dir; returns the recorded info.
     model: auto (causal LM -> actor, ...ForSequenceClassification -> critic with its `score` head),
     actor, or critic (from a causal LM: a fresh value head, seeded)."""
@@ -291,16 +340,14 @@ def hf_to_mcore(hf_dir, out_dir, tp: int = 1, pp: int = 1, vpp: Optional[int] = 
     raw, arch, family, src_kind = read_hf_config(src)
     kind = _target_kind(model, src_kind, arch)
     d = checked_dims(load_config_object(src / "config.json"), tp, value_head=kind == "critic")
-    _check_layout(d, tp, pp, vpp)
+    _check_layout(d, tp, pp, vpp, ep)
     st = SafetensorsDir(src)
     units = megatron_units(d)
     fresh_head = kind == "critic" and src_kind == "causal-lm"
     dtypes = _check_hf_tensors(st, units, d, src, kind, fresh_head)
-    items = [Item(u.key, u.shape, dtypes[u.mname], u.layer, d.num_layers if u.layer is not None else 0, payload=u)
-             for u in units]
-    for layer in range(d.num_layers):
-        items += [Item(f"decoder.layers.{m}._extra_state", None, None, layer, d.num_layers) for m in EXTRA_STATE_MODULES]
-    info = _hf_to_mcore_info(src, arch, src_kind, kind, family, st, d, fresh_head, seed, (tp, pp, vpp), items)
+    items = [Item(u.key, u.shape, dtypes[u.mname], u.index, u.stack, payload=u) for u in units]
+    items += extra_state_items(d)
+    info = _hf_to_mcore_info(src, arch, src_kind, kind, family, st, d, fresh_head, seed, (tp, pp, vpp, ep), items)
     bar = _Progress(f"hf-to-mcore {src.name}", sum(it.nbytes for it in items),
                     sum(1 for it in items if it.shape is not None), progress)
     try:
@@ -325,11 +372,12 @@ def _target_kind(model: str, src_kind: str, arch: str) -> str:
     return kind
 
 
-def _check_layout(d: ModelDims, tp: int, pp: int, vpp: Optional[int]) -> None:
+def _check_layout(d: ModelDims, tp: int, pp: int, vpp: Optional[int], ep: int = 1) -> None:
     from megappo.parallel.layout import ParallelLayout
 
-    try:
-        ParallelLayout(tp=tp, pp=pp, vpp=vpp).validate(d.num_heads, d.num_kv_heads, d.num_layers)
+    try:  # expert-parallel ranks are data-parallel ranks: validate with the smallest dp that holds them
+        ParallelLayout(tp=tp, pp=pp, vpp=vpp, dp=ep, ep=ep).validate(d.num_heads, d.num_kv_heads, d.num_layers,
+                                                                    num_experts=d.num_experts)
     except ValueError as e:
         raise ConvertError(str(e)) from None
 
@@ -346,6 +394,9 @@ def _check_hf_tensors(st, units: list["Unit"], d: ModelDims, src: Path, kind: st
             if n not in st:
                 raise ConvertError(f"missing tensor {n} in {src} (needed for {u.mname})")
             got, want = st.info(n).shape, hf_shape(n, d)
+            if n.endswith(".mlp.gate.weight") and tuple(got[1:]) == tuple(want[1:]) and got[0] != want[0]:
+                raise ConvertError(f"{n} in {src} routes to {got[0]} experts, its config.json says num_experts "
+                                   f"{d.num_experts}: fix the config")
             if tuple(got) != tuple(want):
                 raise ConvertError(f"shape mismatch for {n}: checkpoint has {list(got)}, config implies {list(want)}")
             used.add(n)
@@ -357,6 +408,11 @@ def _check_hf_tensors(st, units: list["Unit"], d: ModelDims, src: Path, kind: st
     for u in units:
         dtypes[u.mname] = dtypes.get(u.mname) or base_dtype
     unused = sorted(set(st.keys()) - used)
+    extra = [n for n in unused if ".mlp.experts." in n or n.endswith(".mlp.gate.weight")]
+    if extra:  # never drop experts: a config / checkpoint mismatch, not unused heads
+        raise ConvertError(f"{src} holds {extra[0]} (and {len(extra) - 1} more expert tensors) beyond its config's "
+                           f"{d.num_experts} experts / MoE layers {[i for i, m in enumerate(d.moe_layers) if m]}: "
+                           "fix num_experts / mlp_only_layers in config.json")
     if unused:
         _log(f"ignoring {len(unused)} HF tensor(s) not used by the {kind}: {', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''}")
     return dtypes
@@ -397,7 +453,7 @@ def _megatron_tensor_producer(st, d: ModelDims, fresh_head: bool, seed: int):
 def _hf_to_mcore_info(src: Path, arch, src_kind, kind, family, st, d: ModelDims, fresh_head: bool, seed: int,
                       layout: tuple, items: list) -> dict:
     """What megappo_convert.json records: what was converted from where, and how."""
-    tp, pp, vpp = layout
+    tp, pp, vpp, ep = layout
     value_head = None
     if kind == "critic":
         value_head = f"fresh (ValueHead init, seed {seed})" if fresh_head else \
@@ -411,12 +467,11 @@ def _hf_to_mcore_info(src: Path, arch, src_kind, kind, family, st, d: ModelDims,
         "model": kind,
         "family": family,
         "value_head": value_head,
-        "layout_hint": {"tp": tp, "pp": pp, "vpp": vpp},
+        "layout_hint": {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep},
         "vocab_size": d.vocab_size,
         "padded_vocab_size": d.padded_vocab_size,
         "tied_embeddings": d.tied_embeddings,
-        "tensors": {it.key: {"shape": ([it.num_layers] if it.layer is not None else []) + list(it.shape),
-                             "dtype": str(it.dtype).removeprefix("torch.")}
+        "tensors": {it.key: {"shape": list(it.payload.stored_shape), "dtype": str(it.dtype).removeprefix("torch.")}
                     for it in items if it.shape is not None},
         "versions": _versions(),
     }
@@ -459,8 +514,7 @@ def mcore_to_hf(ckpt_dir, out_dir, config: Optional[str] = None, dtype: Optional
     if kind == "actor" and src_kind == "reward":
         raise ConvertError(f"{ckpt} has an LM head but its config is {arch}")
     d = _checkpoint_dims(load_config_object(cfg_file), tensors, kind)
-    units = megatron_units(d)
-    _check_mcore_tensors(units, tensors, d, ckpt)
+    units = _check_mcore_tensors(megatron_units(d), tensors, d, ckpt)
     if kind == "actor" and d.tied_embeddings and "output_layer.weight" in tensors:
         _log("config ties the embeddings: the checkpoint's separate output_layer.weight is not exported")
     keep_bias = kind == "critic" and _value_bias_nonzero(reader)
@@ -516,14 +570,24 @@ def _checkpoint_dims(hf_config, tensors: dict, kind: str) -> ModelDims:
     return dataclasses.replace(d, padded_vocab_size=rows)
 
 
-def _check_mcore_tensors(units: list["Unit"], tensors: dict, d: ModelDims, ckpt: Path) -> None:
+def _check_mcore_tensors(units: list["Unit"], tensors: dict, d: ModelDims, ckpt: Path) -> list["Unit"]:
+    """Every unit's key is in the checkpoint with the shape the config implies; returns the units with
+    the key found (a MoE layer's pre-MLP norm is `pre_mlp_layernorm.weight` when the TE spec wrote it)."""
+    found = []
     for u in units:
-        want = ((d.num_layers,) if u.layer is not None else ()) + u.shape
+        if u.key not in tensors and u.mname.endswith(".pre_mlp_layernorm.weight") and u.mname in tensors:
+            u = dataclasses.replace(u, key=u.mname)
         if u.key not in tensors:
             raise ConvertError(f"missing tensor {u.key} in {ckpt} (needed for {u.mname})")
         got = tuple(tensors[u.key].size)
-        if got != want:
-            raise ConvertError(f"shape mismatch for {u.key}: checkpoint has {list(got)}, config implies {list(want)}")
+        if got != u.stored_shape:
+            expert_axis = ".experts.experts." in u.key or u.key.endswith(".mlp.router.weight")
+            if expert_axis and got[1:] == u.stored_shape[1:] and got[0] != d.num_experts:
+                raise ConvertError(f"{u.key} in {ckpt} holds {got[0]} experts, the config's num_experts is "
+                                   f"{d.num_experts}: pass --config with the model's own config.json")
+            raise ConvertError(f"shape mismatch for {u.key}: checkpoint has {list(got)}, config implies {list(u.stored_shape)}")
+        found.append(u)
+    return found
 
 
 def _value_bias_nonzero(reader) -> bool:
@@ -554,10 +618,10 @@ def _hf_output_config(raw: dict, kind: str, src_kind: str, family: str, cast: Op
 def _hf_tensors(reader, units: list["Unit"], d: ModelDims):
     """(HF name, tensor) of every unit, read one megatron tensor (of one layer) at a time."""
     for u in units:
-        if u.layer is None:
+        if u.index is None:
             t = reader.read(u.key)
-        else:
-            t = reader.read(u.key, (u.layer,) + (0,) * len(u.shape), (1,) + u.shape)[0]
+        else:  # one layer (or one expert) of a stacked key
+            t = reader.read(u.key, (u.index,) + (0,) * len(u.shape), (1,) + u.shape)[0]
         fk = _fast_kind(u)  # views instead of copies for weight_mapping's TP=1 identities
         if fk == "vocab":
             hf = {u.hf[0]: t[: d.vocab_size]}
