@@ -42,6 +42,13 @@ class PendingCall:
         self.group, self.method, self.spec, self.plan, self.refs = group, method, spec, plan, refs
         self.after = after  # run once the call succeeded (NVMegatron: read coordinates after init_model)
 
+    def settle(self, timeout_s: float) -> None:
+        """Wait until every rank's part has ended, however it ends (at most timeout_s): `result()` raises
+        at the first failed rank while the others may still be running."""
+        import ray
+
+        ray.wait(self.refs, num_returns=len(self.refs), timeout=timeout_s)
+
     def result(self, timeout_s: Optional[float] = None) -> Any:
         results = self.group._wait(self.refs, self.method, timeout_s)
         if self.after is not None:

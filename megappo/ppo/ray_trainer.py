@@ -606,8 +606,7 @@ class RayPPOTrainer:
         m = self.config.model
         ckpt = self._unfinished = PendingCheckpoint(self.ckpt_root, step)
         with self._checkpoint_errors(step):
-            for c in [g.submit("save_checkpoint", str(ckpt.tmp), not wait) for g in self._trained_groups()]:
-                c.result()
+            _wait_all([g.submit("save_checkpoint", str(ckpt.tmp), not wait) for g in self._trained_groups()])
             # each role's HF config + tokenizer next to its tensors: the checkpoint exports on its own
             from tools.convert_ckpt.core import copy_hf_files
 
@@ -625,8 +624,7 @@ class RayPPOTrainer:
         if ckpt is None:
             return
         with self._checkpoint_errors(ckpt.step):
-            for c in [g.submit("finish_checkpoint") for g in self._trained_groups()]:
-                c.result()
+            _wait_all([g.submit("finish_checkpoint") for g in self._trained_groups()])
             ckpt.commit()
         self._unfinished = None
         self._saved_steps.append(ckpt.step)
@@ -883,3 +881,23 @@ def plot_reward_curve(output_dir) -> Optional[Path]:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def _wait_all(calls: list, settle_s: float = 60.0) -> None:
+    """Every group call's result. After an error raised by a live worker (a full disk, say) every rank of
+    every call first runs to its end (at most settle_s): a checkpoint writer still running would put
+    files into the temp dir the failure is about to remove, and leave a stray `.tmp-step_*` behind. A
+    dead or hung worker (WorkerError) raises at once: the restart must not wait for its peers."""
+    from megappo.controller.resource_pool import WorkerError
+
+    error = None
+    for c in calls:
+        try:
+            c.result()
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            error = error or e
+    if error is not None:
+        if not isinstance(error, WorkerError):
+            for c in calls:
+                c.settle(settle_s)
+        raise error

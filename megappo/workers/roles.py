@@ -413,8 +413,12 @@ class ActorCriticWorker(ActorRolloutRefWorker, CriticWorker):
 
     @register(Dispatch.ONE_TO_ALL)
     def finish_checkpoint(self) -> None:
-        ActorRolloutRefWorker.finish_checkpoint(self)
-        CriticWorker.finish_checkpoint(self)
+        # both roles' writers end (and run their collective finalize) even when the first one failed: a
+        # writer left running would keep filling the temp dir the trainer removes after the failure
+        try:
+            ActorRolloutRefWorker.finish_checkpoint(self)
+        finally:
+            CriticWorker.finish_checkpoint(self)
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path, load_optimizer: bool = True) -> None:
