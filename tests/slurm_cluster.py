@@ -12,6 +12,10 @@ from pathlib import Path
 
 from megappo.parallel.launch import free_port  # outside the ephemeral range, like every rendezvous port
 
+# MinJobAge=4: `sbatch --wait` polls after 2 s, then multiplies its sleep by 4 while it is under
+# MinJobAge/2 and 32 s (slurm's src/sbatch/sbatch.c `_job_wait`): with the default 300 a 3 s job is seen
+# done after 10 s and a 60 s job up to 32 s late; at 4 it polls every 2 s (finished jobs are purged >= 4 s
+# after they end, on slurmctld's purge pass, after sbatch's next poll).
 CONF = """\
 ClusterName=megappo-test
 SlurmctldHost={host}
@@ -34,6 +38,7 @@ SelectTypeParameters=CR_Core
 MpiDefault=none
 ReturnToService=2
 KillWait=5
+MinJobAge=4
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
 NodeName={host} CPUs={cpus} State=UNKNOWN

@@ -310,7 +310,7 @@ def test_disk_full_during_save_leaves_nothing_half_written(tmp_path):
     import errno
     import subprocess as sp
 
-    from megappo.ppo.ray_trainer import checkpoint_disk_full
+    from megappo.ppo.checkpointing import checkpoint_disk_full
     from megappo.utils.checkpoint import atomic_checkpoint
 
     disk = tmp_path / "disk"

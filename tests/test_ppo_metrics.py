@@ -68,7 +68,7 @@ def test_parity_and_data_metrics():
 
 
 def test_reward_curve_png(tmp_path):
-    from megappo.ppo.ray_trainer import plot_reward_curve
+    from megappo.ppo.reward_curve import plot_reward_curve
 
     assert plot_reward_curve(tmp_path) is None
     rows = [{"step": s, "objective/scores": 0.1 * s, "objective/verifiable_correct_rate": 0.05 * s} for s in (1, 2, 3)]
@@ -78,7 +78,7 @@ def test_reward_curve_png(tmp_path):
     png = plot_reward_curve(tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 2000
     # what is drawn: one point per step, the re-logged step 3 with its last row
-    from megappo.ppo.ray_trainer import reward_curve_series
+    from megappo.ppo.reward_curve import reward_curve_series
 
     series = reward_curve_series(rows)
     assert series["objective/scores"] == ([1, 2, 3], [0.1, 0.2, 0.9])
