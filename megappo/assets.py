@@ -218,9 +218,14 @@ def hf_response_logprobs(model_dir: str | os.PathLike, rows: list[dict]) -> list
     return out
 
 
-def ensure_assets(root: str | os.PathLike, demo: bool = False) -> dict[str, Path]:
-    """Build (once) the tokenizer and the tiny llama/qwen2/mistral/qwen3 models under `root`; with `demo`,
-    also the demo's warm-started tiny-llama-arith (a short SFT, ~20 s on 2 cores).
+# warm starts on the demo task (make_arith_sft_model): asset name -> the tiny model it starts from
+DEMO_MODELS = {"tiny-llama-arith": "tiny-llama", "tiny-qwen3_moe-arith": "tiny-qwen3_moe"}
+
+
+def ensure_assets(root: str | os.PathLike, demo: bool = False, demo_moe: bool = False) -> dict[str, Path]:
+    """Build (once) the tokenizer and the tiny llama/qwen2/mistral/qwen3/qwen3_moe models under `root`;
+    with `demo`, also the demo's warm-started tiny-llama-arith (a short SFT, ~20 s on 2 cores); with
+    `demo_moe`, the MoE demo's tiny-qwen3_moe-arith (configs/ppo_tiny_moe.yaml).
 
     Each asset is written to a temp dir and renamed into place, so an interrupted build never leaves a
     half-written directory that a later call would trust."""
@@ -230,6 +235,8 @@ def ensure_assets(root: str | os.PathLike, demo: bool = False) -> dict[str, Path
     paths.update({f"tiny-{f}": root / f"tiny-{f}" for f in FAMILIES})
     if demo:
         paths["tiny-llama-arith"] = root / "tiny-llama-arith"  # the CPU demo's warm start
+    if demo_moe:
+        paths["tiny-qwen3_moe-arith"] = root / "tiny-qwen3_moe-arith"
     for key, path in paths.items():
         if (path / ".complete").exists():
             continue
@@ -237,8 +244,8 @@ def ensure_assets(root: str | os.PathLike, demo: bool = False) -> dict[str, Path
         tmp.chmod(0o755)
         if key == "tokenizer":
             make_tokenizer(tmp)
-        elif key == "tiny-llama-arith":
-            make_arith_sft_model(tmp, paths["tiny-llama"])
+        elif key in DEMO_MODELS:
+            make_arith_sft_model(tmp, paths[DEMO_MODELS[key]])
         else:
             make_model(tmp, family=key.removeprefix("tiny-"), tokenizer_dir=paths["tokenizer"])
         (tmp / ".complete").write_text(json.dumps({"asset": key}))
@@ -250,9 +257,11 @@ def ensure_assets(root: str | os.PathLike, demo: bool = False) -> dict[str, Path
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="assets", help="directory to build the tiny assets in (default: assets)")
     parser.add_argument("--demo", action="store_true", help="also build the demo's warm-started tiny-llama-arith")
+    parser.add_argument("--demo-moe", action="store_true",
+                        help="also build the MoE demo's warm-started tiny-qwen3_moe-arith (configs/ppo_tiny_moe.yaml)")
 
 
 def main(args: argparse.Namespace) -> int:
-    for key, path in ensure_assets(args.out, demo=args.demo).items():
+    for key, path in ensure_assets(args.out, demo=args.demo, demo_moe=args.demo_moe).items():
         print(f"{key}: {path}")
     return 0

@@ -105,10 +105,30 @@ def test_invalid_cases_one_line(overrides, expected):
     assert "\n" not in msg
 
 
-def test_a_mixture_of_experts_model_is_refused_by_the_ppo_loop_in_one_line(tiny_assets):
+MOE_INVALID = [
+    (["actor.parallel.ep=3"], "actor.parallel.ep=3 does not divide the model's 4 experts"),
+    (["critic.parallel.ep=4"], "critic.parallel.ep=4 must divide critic.parallel.dp=2"),
+    (["rollout.weight_load=reload"], "use rollout.weight_load=direct"),
+    (["actor.pack_sequences=true", "actor.max_tokens_per_micro_batch=256"], "same number of them"),
+    (["model.moe.token_dispatcher=flex"], "needs DeepEP on GPUs"),
+    (["model.moe.token_dispatcher=allgather"], "use alltoall"),
+    (["model.moe.aux_loss_coeff=-0.1"], "model.moe.aux_loss_coeff=-0.1 must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", MOE_INVALID, ids=[" ".join(o) for o, _ in MOE_INVALID])
+def test_mixture_of_experts_layouts_refused_in_one_line(tiny_assets, overrides, expected):
+    moe = [f"model.path={tiny_assets['tiny-qwen3_moe']}"]
+    load_config(REPO / "configs/ppo_tiny_moe.yaml", moe)  # the shipped MoE layout (DP2 x EP2) is valid
     with pytest.raises(ConfigError) as info:
-        load_config(TINY, [f"model.path={tiny_assets['tiny-qwen3_moe']}"])
-    assert "qwen3_moe (4 experts): mixture-of-experts PPO" in str(info.value) and "\n" not in str(info.value)
+        load_config(REPO / "configs/ppo_tiny_moe.yaml", moe + overrides)
+    assert expected in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_expert_parallel_on_a_dense_model_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, ["actor.parallel.ep=2"])
+    assert "actor.parallel.ep=2 needs a mixture-of-experts model" in str(info.value) and "\n" not in str(info.value)
 
 
 def test_check_paths(tmp_path):
@@ -154,7 +174,7 @@ def test_cli_check_and_show():
 
     resolved = yaml.safe_load(shown.stdout)
     assert resolved["trainer"]["total_steps"] == 7
-    assert resolved["actor"]["parallel"] == {"tp": 8, "pp": 2, "vpp": None, "dp": 4}
+    assert resolved["actor"]["parallel"] == {"tp": 8, "pp": 2, "vpp": None, "dp": 4, "ep": 1}
 
 
 def test_cli_help_lists_subcommands():

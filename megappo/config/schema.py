@@ -22,6 +22,10 @@ class ParallelConfig:
     pp: int = 1  # pipeline parallel size
     vpp: Optional[int] = None  # virtual pipeline chunks per pp rank (interleaved 1F1B); None = off
     dp: int = 1  # data parallel size; tp * pp * dp = the role's worker count
+    # expert parallel (mixture-of-experts models only): each MoE layer's routed experts are split over ep
+    # of the dp ranks (megatron's expert data parallel = dp / ep); ep divides dp and the expert count.
+    # Expert tensor parallel is the role's tp.
+    ep: int = 1
 
 
 @dataclass
@@ -42,6 +46,30 @@ class ArchConfig:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    # mixture of experts (family qwen3_moe; config.json's names): 0 experts = dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # one expert's FFN size
+    decoder_sparse_step: int = 1  # MoE layers where (i + 1) % step == 0 ...
+    mlp_only_layers: list = field(default_factory=list)  # ... except these (dense)
+    norm_topk_prob: bool = True  # the top-k weights renormalised to sum to 1
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-experts training (ignored for a dense model)."""
+
+    # RL fine-tuning keeps the pretrained routing: a load-balancing (aux) loss or a router z-loss adds a term
+    # to the policy loss that moves the router for balance's sake, away from the routing the sampler used
+    # (the train/rollout mismatch MoE RL is most fragile to) and from what pretraining balanced already;
+    # slime's and NeMo-RL's Qwen3-MoE RL recipes keep them off. 0 = off; megatron's names and meaning
+    # (moe_aux_loss_coeff with load_balancing_type aux_loss, moe_z_loss_coeff).
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    # alltoall: ranks of an expert-parallel group may route different token counts (gloo on CPU, via
+    # parallel/cpu_compat.py's shims; NCCL on GPU); allgather: every rank of an expert group must hold the
+    # same token count (fine at ep=1); flex: DeepEP (GPU only)
+    token_dispatcher: str = "alltoall"
 
 
 @dataclass
@@ -54,6 +82,7 @@ class ModelConfig:
     # a warning) | true = TE or a one-line error saying what is missing | false = the local spec. Never on CPU.
     transformer_engine: Optional[bool] = None
     arch: ArchConfig = field(default_factory=ArchConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass
@@ -317,6 +346,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "kl", "mse", "low_var_kl")  # kl/mse/l
 CHOICES: dict[str, tuple[Any, ...]] = {
     "model.arch.family": SUPPORTED_MODEL_TYPES,  # what parallel/weight_mapping.py maps
     "model.dtype": ("auto", "fp32", "bf16"),
+    "model.moe.token_dispatcher": ("alltoall", "allgather", "flex"),
     "resources.device": ("auto", "cpu", "cuda"),
     "actor.optim.lr_schedule": LR_SCHEDULES,
     "critic.optim.lr_schedule": LR_SCHEDULES,

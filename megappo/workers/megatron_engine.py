@@ -46,6 +46,7 @@ import torch.distributed as dist
 from megappo.config.schema import OptimConfig
 from megappo.models.gpt import build_gpt_chunks, build_transformer_config, load_hf_config, use_transformer_engine, \
     load_hf_weights
+from megappo.models.expert_load import ExpertLoad
 from megappo.models.logprobs import vocab_parallel_logprobs
 from megappo.parallel.layout import ParallelLayout
 from megappo.parallel.megatron_init import resolve_device
@@ -73,6 +74,10 @@ class EngineConfig:
     # max_tokens_per_micro_batch (packing only): micro-batches by token budget instead of row count
     pack_sequences: bool = False
     max_tokens_per_micro_batch: Optional[int] = None
+    # MoE (config/schema.py MoEConfig): aux / z-loss coefficients, token dispatcher
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
+    moe_token_dispatcher: str = "alltoall"
 
 
 def engine_config_from(cfg, role: str) -> EngineConfig:
@@ -94,6 +99,9 @@ def engine_config_from(cfg, role: str) -> EngineConfig:
         transformer_engine=cfg.model.transformer_engine,
         pack_sequences=bool(getattr(section, "pack_sequences", False)),
         max_tokens_per_micro_batch=getattr(section, "max_tokens_per_micro_batch", None),
+        moe_aux_loss_coeff=float(cfg.model.moe.aux_loss_coeff),
+        moe_z_loss_coeff=float(cfg.model.moe.z_loss_coeff),
+        moe_token_dispatcher=cfg.model.moe.token_dispatcher,
     )
 
 
@@ -191,7 +199,7 @@ class MegatronEngine:
                                                   params_dtype=self.config.params_dtype,
                                                   recompute=self.config.recompute,
                                                   sequence_parallel=self.config.sequence_parallel,
-                                                  use_te=self.uses_te)
+                                                  use_te=self.uses_te, moe=self._moe_overrides())
         self.device = torch.device(self.config.device)
         # megatron allocates on the GPU itself (on CPU: on the host); what it leaves elsewhere (the value
         # head) moves before the HF weights are copied in
@@ -207,6 +215,9 @@ class MegatronEngine:
                 if getattr(c, "post_process", False):
                     c.output_layer.register_forward_pre_hook(self._head_on_outputs)
         self._rope_positions = None
+        # MoE: tokens per expert in each update (forward hooks on the routers)
+        self.expert_load = ExpertLoad(chunks, self.dims.num_layers, self.dims.num_experts) \
+            if self.dims.num_experts else None
         if self.config.pack_sequences:
             if self.uses_te:
                 raise ValueError("pack_sequences with Transformer Engine needs megatron's THD path (cu_seqlens), "
@@ -237,6 +248,16 @@ class MegatronEngine:
             self.offload()
 
     # ---- setup ------------------------------------------------------------------------------------
+
+    def _moe_overrides(self) -> dict:
+        """megatron TransformerConfig fields from the MoE knobs (none for a dense model)."""
+        if not self.dims.num_experts:
+            return {}
+        c = self.config
+        out = {"moe_token_dispatcher_type": c.moe_token_dispatcher, "moe_z_loss_coeff": c.moe_z_loss_coeff or None}
+        if c.moe_aux_loss_coeff:
+            out.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=c.moe_aux_loss_coeff)
+        return out
 
     def _wrap_ddp(self, chunks):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -453,7 +474,8 @@ class MegatronEngine:
             self._out_index = mb["_out_index"] if self.head_on_outputs else None  # read by _head_on_outputs
             self._rope_positions = mb["position_ids"][0] if packed else None  # read by _packed_rope
             try:
-                output = model(mb["input_ids"], mb["position_ids"], mb["_segments"] if packed else mask)
+                with self._expert_tokens(mb, packed):
+                    output = model(mb["input_ids"], mb["position_ids"], mb["_segments"] if packed else mask)
             finally:
                 self._out_index = self._rope_positions = None
             return output, partial(loss_func, mb)
@@ -463,6 +485,16 @@ class MegatronEngine:
         return fb(forward_step_func=forward_step, data_iterator=iters, model=self.model if len(self.model) > 1
                   else self.model[0], num_microbatches=len(micro), seq_length=seq,
                   micro_batch_size=schedule_mbs, forward_only=forward_only)
+
+    def _expert_tokens(self, mb: dict, packed: bool):
+        """MoE: the micro-batch's real tokens [s, b] for the expert-load counts (models/expert_load.py)."""
+        if self.expert_load is None:
+            return contextlib.nullcontext()
+        if packed:
+            valid = (mb["_segments"] >= 0)[:, None]
+        else:
+            valid = mb["attention_mask"].bool().t() if "attention_mask" in mb else None
+        return self.expert_load.tokens(valid)
 
     # ---- public API ------------------------------------------------------------------------------
 
@@ -512,6 +544,8 @@ class MegatronEngine:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.expert_load is not None:
+            self.expert_load.reset()
         store = self._run(batch, response_length, micro_batch_size, False, loss_fn, float(normalizer), temperature,
                           compute_entropy=compute_entropy)
         finite = self._loss_is_finite(store)
@@ -547,6 +581,8 @@ class MegatronEngine:
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["update_successful"] = bool(ok)
         metrics["nan_skipped"] = float(not finite)
+        if self.expert_load is not None:  # TP ranks route the same tokens unless sequence parallel splits them
+            metrics.update(self.expert_load.metrics(self.tf_config.sequence_parallel or self.tp_rank == 0))
         return metrics
 
     def _loss_is_finite(self, store) -> bool:

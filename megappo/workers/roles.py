@@ -59,7 +59,7 @@ _MODEL_KEYS = ("input_ids", "attention_mask", "position_ids")
 def _layout(parallel):
     from megappo.parallel.layout import ParallelLayout
 
-    return ParallelLayout(tp=parallel.tp, pp=parallel.pp, dp=parallel.dp, vpp=parallel.vpp)
+    return ParallelLayout(tp=parallel.tp, pp=parallel.pp, dp=parallel.dp, vpp=parallel.vpp, ep=parallel.ep)
 
 
 def _response_length(data: DataProto) -> int:

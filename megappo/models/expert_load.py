@@ -1,0 +1,85 @@
+"""Per-step expert load of a mixture-of-experts model: how many real tokens each routed expert got.
+
+    load = ExpertLoad(model_chunks, num_layers, num_experts)   # forward hooks on megatron's routers
+    load.reset()
+    with load.tokens(valid):        # around each micro-batch's forward: [s, b] bool, True on real tokens
+        model(...)
+    load.metrics(count_here)        # collective over the default group: summary of the counts so far
+
+Each router's forward returns (probs, routing_map [tokens, experts]); the hook adds the routing map's
+column sums over the real tokens (padding columns of a right-aligned or packed micro-batch are not
+counted). With sequence parallelism a TP rank routes its own slice of the sequence, so the counts of
+every rank add up: data-parallel and expert-parallel ranks route different rows, pipeline stages
+different layers. `count_here=False` (TP > 1 without sequence parallelism: the TP ranks route the same
+tokens) leaves a rank out of the sum.
+
+Metrics of one optimizer step (the roles log them as `actor/moe_*`, `critic/moe_*`, averaged over the
+step's mini-batches), summarised over the MoE layers from each layer's max and mean tokens per expert:
+  moe_load_max_over_mean        mean over layers of max / mean tokens per expert (1 = perfectly even)
+  moe_load_max_over_mean_worst  the worst layer's max / mean
+  moe_idle_experts              (layer, expert) pairs that got no token
+  moe_tokens_routed             real tokens x top-k routed, all layers
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class ExpertLoad:
+    def __init__(self, chunks: list, num_layers: int, num_experts: int):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device="cpu")
+        self._valid: Optional[torch.Tensor] = None
+        for chunk in chunks:
+            for module in chunk.modules():
+                if isinstance(module, TopKRouter):
+                    layer = int(module.layer_number) - 1  # megatron's global, 1-based layer number
+                    module.register_forward_hook(self._hook(layer))
+
+    def _hook(self, layer: int):
+        def hook(module, args, output):
+            routing_map = output[1].detach()
+            valid = self._valid
+            if valid is not None:
+                flat = valid.reshape(-1)
+                if flat.numel() != routing_map.shape[0]:  # sequence parallel: this TP rank's slice of s
+                    from megatron.core import parallel_state as mpu
+
+                    s = valid.shape[0] // mpu.get_tensor_model_parallel_world_size()
+                    r = mpu.get_tensor_model_parallel_rank()
+                    flat = valid[r * s:(r + 1) * s].reshape(-1)
+                routing_map = routing_map[flat.to(routing_map.device)]
+            self.counts[layer] += routing_map.sum(0).to(device="cpu", dtype=torch.float64)
+        return hook
+
+    def reset(self) -> None:
+        self.counts.zero_()
+
+    @contextlib.contextmanager
+    def tokens(self, valid: Optional[torch.Tensor]):
+        """The real-token mask [s, b] of the micro-batch the model is about to run (None: count all)."""
+        self._valid = valid
+        try:
+            yield
+        finally:
+            self._valid = None
+
+    def metrics(self, count_here: bool = True) -> dict:
+        """Collective (default group): the counts since `reset()`, summed over the ranks, summarised."""
+        total = self.counts.clone() if count_here else torch.zeros_like(self.counts)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(total)
+        layers = [i for i in range(total.shape[0]) if total[i].sum() > 0]  # the MoE layers of every stage
+        if not layers:
+            return {}
+        per = total[layers]  # [moe layers, experts]
+        mean = per.mean(1).clamp_min(1e-12)
+        ratio = per.max(1).values / mean
+        return {"moe_load_max_over_mean": float(ratio.mean()), "moe_load_max_over_mean_worst": float(ratio.max()),
+                "moe_idle_experts": float((per == 0).sum()), "moe_tokens_routed": float(per.sum())}
