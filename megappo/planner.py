@@ -5,6 +5,11 @@
 The model (stated so it can be checked by hand):
 - Parameters per GPU: the worst pipeline stage's parameters / tp (layers/pp of them, plus the
   embedding on the first stage and the output layer on the last; both vocab-parallel, vocab padded).
+  Mixture of experts: a MoE layer's routed experts are split over ep (and tp: expert TP = tp), the
+  router and attention over tp only; MoE layers are spread evenly over the stages. The distributed
+  optimizer shards dense params over dp and expert params over the expert-data-parallel dp / ep.
+  vLLM holds every expert on every rollout TP rank (TP-sliced; no vLLM expert parallel), and the
+  weight sync sends every expert into every rollout GPU.
 - Trained roles (actor, critic), megatron mixed precision with the distributed optimizer:
   weights bf16 2 B/param + fp32 grad buffer 4 B/param (full: DDP reduce-scatters into it)
   + fp32 main params and Adam m, v 12 B/param sharded over dp.  Frozen roles (ref, RM): 2 B/param.
@@ -51,31 +56,62 @@ CUDA_CONTEXT_GB = 0.6
 ROLES = ("actor", "critic", "ref")
 
 
-def layer_params(cfg) -> int:
-    a = cfg.model.arch
-    head_dim = a.hidden_size // a.num_attention_heads
+def _attention_params(a) -> int:
+    """Attention + the two norms of one layer (+ q/k norms for qwen3)."""
+    head_dim = a.head_dim or a.hidden_size // a.num_attention_heads
     qkv = a.hidden_size * (a.num_attention_heads + 2 * a.num_kv_heads) * head_dim
     qkv_bias = (a.num_attention_heads + 2 * a.num_kv_heads) * head_dim if a.qkv_bias else 0
     proj = a.num_attention_heads * head_dim * a.hidden_size
-    mlp = 3 * a.hidden_size * a.intermediate_size
-    return qkv + qkv_bias + proj + mlp + 2 * a.hidden_size
+    qk_norm = 2 * head_dim if a.family in ("qwen3", "qwen3_moe") else 0
+    return qkv + qkv_bias + proj + 2 * a.hidden_size + qk_norm
 
 
-def stage_params(cfg, tp: int, pp: int, head: str) -> int:
-    """Parameters on one GPU of the worst pipeline stage (head: 'lm' or 'value')."""
+def moe_layers(a) -> int:
+    """How many layers are mixture-of-experts (transformers' rule: (i + 1) % step == 0, not in mlp_only_layers)."""
+    if not a.num_experts:
+        return 0
+    dense = set(a.mlp_only_layers or [])
+    return sum(1 for i in range(a.num_layers) if i not in dense and (i + 1) % max(1, a.decoder_sparse_step) == 0)
+
+
+def expert_params_per_layer(a) -> int:
+    return a.num_experts * 3 * a.hidden_size * a.moe_intermediate_size
+
+
+def layer_params(cfg) -> int:
+    """A dense layer's parameters."""
+    a = cfg.model.arch
+    return _attention_params(a) + 3 * a.hidden_size * a.intermediate_size
+
+
+def stage_split(cfg, tp: int, pp: int, ep: int, head: str) -> tuple[int, int]:
+    """(dense, expert) parameters on one GPU of the worst pipeline stage (head: 'lm' or 'value')."""
     a = cfg.model.arch
     emb = padded_vocab_size(a.vocab_size, tp) * a.hidden_size // tp
     out = emb if head == "lm" else a.hidden_size  # value head is replicated [1, hidden]
-    layers = a.num_layers // pp * layer_params(cfg) // tp
+    n_moe = moe_layers(a)
+    per_stage = a.num_layers / pp
+    moe_per_stage, dense_per_stage = n_moe / pp, (a.num_layers - n_moe) / pp
+    dense = int(per_stage * _attention_params(a) + dense_per_stage * 3 * a.hidden_size * a.intermediate_size
+                + moe_per_stage * a.num_experts * a.hidden_size) // tp  # router [experts, hidden]
+    experts = int(moe_per_stage * expert_params_per_layer(a)) // (tp * ep)
     if pp == 1:
-        return layers + emb + a.hidden_size + (0 if (head == "lm" and a.tie_word_embeddings) else out)
-    return max(layers + emb, layers + a.hidden_size + out)  # first stage vs last stage
+        return dense + emb + a.hidden_size + (0 if (head == "lm" and a.tie_word_embeddings) else out), experts
+    return max(dense + emb, dense + a.hidden_size + out), experts  # first stage vs last stage
+
+
+def stage_params(cfg, tp: int, pp: int, head: str, ep: int = 1) -> int:
+    """Parameters on one GPU of the worst pipeline stage (head: 'lm' or 'value')."""
+    return sum(stage_split(cfg, tp, pp, ep, head))
 
 
 def total_params(cfg) -> int:
     a = cfg.model.arch
     emb = a.vocab_size * a.hidden_size
-    return emb * (1 if a.tie_word_embeddings else 2) + a.num_layers * layer_params(cfg) + a.hidden_size
+    n_moe = moe_layers(a)
+    layers = (a.num_layers - n_moe) * layer_params(cfg) + n_moe * (
+        _attention_params(a) + a.num_experts * a.hidden_size + expert_params_per_layer(a))
+    return emb * (1 if a.tie_word_embeddings else 2) + layers + a.hidden_size
 
 
 def activation_bytes(cfg, role_cfg, par, lm_head: bool) -> int:
@@ -95,6 +131,7 @@ def activation_bytes(cfg, role_cfg, par, lm_head: bool) -> int:
 @dataclass
 class RoleMemory:
     params_per_gpu: int
+    expert_params_per_gpu: int
     weights_gb: float
     grads_gb: float
     optimizer_gb: float
@@ -108,10 +145,13 @@ class RoleMemory:
 def role_memory(cfg, role: str) -> RoleMemory:
     rcfg = cfg[role]
     par = rcfg.parallel
-    n = stage_params(cfg, par.tp, par.pp, "value" if role == "critic" else "lm")
+    dense, experts = stage_split(cfg, par.tp, par.pp, par.ep, "value" if role == "critic" else "lm")
+    n = dense + experts
     if role == "ref":
-        return RoleMemory(n, 2 * n / GB, 0.0, 0.0, 0.0)
-    return RoleMemory(n, 2 * n / GB, 4 * n / GB, 12 * n / par.dp / GB,
+        return RoleMemory(n, experts, 2 * n / GB, 0.0, 0.0, 0.0)
+    # the distributed optimizer shards dense params over dp, expert params over dp / ep (expert data parallel)
+    optimizer = 12 * (dense / par.dp + experts / (par.dp // par.ep))
+    return RoleMemory(n, experts, 2 * n / GB, 4 * n / GB, optimizer / GB,
                       activation_bytes(cfg, rcfg, par, lm_head=(role == "actor")) / GB)
 
 
@@ -156,7 +196,9 @@ def plan(cfg) -> dict:
         "gpus": cfg.resources.nodes * cfg.resources.workers_per_node,
         "gpu_mem_gb": gpu_gb,
         "total_params_b": round(total_params(cfg) / 1e9, 3),
-        "roles": {r: {"params_per_gpu_m": round(m.params_per_gpu / 1e6, 1), "weights_gb": round(m.weights_gb, 2),
+        "roles": {r: {"params_per_gpu_m": round(m.params_per_gpu / 1e6, 1),
+                      "expert_params_per_gpu_m": round(m.expert_params_per_gpu / 1e6, 1),
+                      "weights_gb": round(m.weights_gb, 2),
                       "grads_gb": round(m.grads_gb, 2), "optimizer_gb": round(m.optimizer_gb, 2),
                       "activations_gb": round(m.activations_gb, 2), "offload": offload[r],
                       "freed_by_offload_gb": round(m.resident_gb + m.activations_gb, 2)}
@@ -174,17 +216,20 @@ def plan(cfg) -> dict:
         "host_vllm_sleep_gb_per_gpu": round(vllm_host_gb, 2),
         "host_gb_per_node": round((host_gb + vllm_host_gb) * cfg.resources.workers_per_node, 1),
         "weight_sync": {"bytes_per_gpu": int(sync_bytes_per_gpu), "replicas": replicas,
-                        "bytes_total": int(sync_bytes_per_gpu * cfg.rollout.tp * replicas)},
+                        "bytes_total": int(sync_bytes_per_gpu * cfg.rollout.tp * replicas),
+                        # MoE: every expert reaches every rollout TP rank (TP-sliced), from the EP rank holding it
+                        "experts_per_rollout_gpu": cfg.model.arch.num_experts * moe_layers(cfg.model.arch)},
     }
 
 
 def _same_layout(a, b) -> bool:
-    return (a.tp, a.pp, a.dp, a.vpp) == (b.tp, b.pp, b.dp, b.vpp)
+    return (a.tp, a.pp, a.dp, a.vpp, a.ep) == (b.tp, b.pp, b.dp, b.vpp, b.ep)
 
 
 def _layout_str(par) -> str:
     v = f"xVPP{par.vpp}" if par.vpp else ""
-    return f"TP{par.tp}xPP{par.pp}{v}xDP{par.dp}"
+    e = f"xEP{par.ep}" if par.ep > 1 else ""
+    return f"TP{par.tp}xPP{par.pp}{v}xDP{par.dp}{e}"
 
 
 def with_pool(cfg, nodes: int | None, gpus_per_node: int | None, gpu_mem_gb: float | None):
@@ -213,17 +258,19 @@ def suggest(cfg) -> dict | None:
     tps = [t for t in (1, 2, 4, 8) if t <= cfg.resources.workers_per_node
            and a.num_attention_heads % t == 0 and a.num_kv_heads % t == 0]
     pps = [p for p in range(1, a.num_layers + 1) if a.num_layers % p == 0 and world % p == 0 and p <= 16]
+    eps = [e for e in (1, 2, 4, 8, 16, 32, 64) if not a.num_experts and e == 1
+           or a.num_experts and a.num_experts % e == 0 and e <= world]
     p0 = cfg.actor.parallel
     candidates = []
-    for tp, pp, off in itertools.product(tps, pps, (False, True)):
-        if world % (tp * pp):
+    for tp, pp, ep, off in itertools.product(tps, pps, eps, (False, True)):
+        if world % (tp * pp) or (world // (tp * pp)) % ep:
             continue
-        cost = abs(math.log2(tp / p0.tp)) + abs(math.log2(pp / p0.pp)) + (4 if off else 0)
-        candidates.append((cost, tp, pp, off))
-    for _, tp, pp, off in sorted(candidates):
+        cost = abs(math.log2(tp / p0.tp)) + abs(math.log2(pp / p0.pp)) + abs(math.log2(ep / p0.ep)) + (4 if off else 0)
+        candidates.append((cost, tp, pp, ep, off))
+    for _, tp, pp, ep, off in sorted(candidates):
         c = OmegaConf.create(OmegaConf.to_container(cfg))
         for r in ROLES:
-            c[r].parallel.tp, c[r].parallel.pp, c[r].parallel.vpp = tp, pp, None
+            c[r].parallel.tp, c[r].parallel.pp, c[r].parallel.vpp, c[r].parallel.ep = tp, pp, None, ep
             c[r].parallel.dp = world // (tp * pp)
             c[r].offload = off or bool(cfg[r].offload)
         try:
@@ -232,7 +279,7 @@ def suggest(cfg) -> dict | None:
             continue
         result = plan(c)
         if result["fits"]:
-            return {"tp": tp, "pp": pp, "dp": world // (tp * pp), "offload": off or None,
+            return {"tp": tp, "pp": pp, "dp": world // (tp * pp), "ep": ep, "offload": off or None,
                     "peak_gpu_gb": result["peak_gpu_gb"]}
     return None
 
@@ -292,7 +339,9 @@ def refusal(result: dict) -> str:
     s = result.get("suggestion")
     if s:
         off = " with actor/critic/ref offload=true" if s["offload"] else ""
-        msg += f"; nearest layout that fits: tp={s['tp']} pp={s['pp']} dp={s['dp']}{off} ({s['peak_gpu_gb']:.1f} GB)"
+        ep = f" ep={s['ep']}" if s.get("ep", 1) > 1 else ""
+        msg += (f"; nearest layout that fits: tp={s['tp']} pp={s['pp']} dp={s['dp']}{ep}{off} "
+                f"({s['peak_gpu_gb']:.1f} GB)")
     else:
         msg += "; no layout of this pool fits: add nodes"
     return msg
@@ -301,11 +350,13 @@ def refusal(result: dict) -> str:
 def render(result: dict) -> str:
     lines = [f"{result['total_params_b']}B params on {result['gpus']} GPUs x {result['gpu_mem_gb']:.0f} GB; "
              f"layouts: " + ", ".join(f"{k} {v}" for k, v in result["layout"].items())]
-    lines.append(f"{'role':8} {'params/GPU':>11} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8}  offload")
+    lines.append(f"{'role':8} {'params/GPU':>11} {'experts':>9} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8}"
+                 "  offload")
     for r, m in result["roles"].items():
         if r == "rollout":
             continue
-        lines.append(f"{r:8} {m['params_per_gpu_m']:>10.1f}M {m['weights_gb']:>7.2f}G {m['grads_gb']:>7.2f}G "
+        lines.append(f"{r:8} {m['params_per_gpu_m']:>10.1f}M {m['expert_params_per_gpu_m']:>8.1f}M "
+                     f"{m['weights_gb']:>7.2f}G {m['grads_gb']:>7.2f}G "
                      f"{m['optimizer_gb']:>7.2f}G {m['activations_gb']:>7.2f}G  {m['offload']}"
                      f" (frees {m['freed_by_offload_gb']:.1f}G)")
     v = result["roles"]["rollout"]
@@ -313,8 +364,10 @@ def render(result: dict) -> str:
                  f"{v['kv_cache_and_workspace_gb']:.2f}G), sleeps outside rollout: {v['sleeps_outside_rollout']}")
     lines.append("phases (GB/GPU incl. overhead): " + ", ".join(f"{k} {g:.1f}" for k, g in result["phases_gb"].items()))
     ws = result["weight_sync"]
+    experts = f"; every one of {ws['experts_per_rollout_gpu']} (layer, expert) pairs, TP-sliced" \
+        if ws.get("experts_per_rollout_gpu") else ""
     lines.append(f"weight sync per step: {ws['bytes_per_gpu'] / GB:.2f} GB into each rollout GPU, "
-                 f"{ws['bytes_total'] / GB:.1f} GB in all ({ws['replicas']} vLLM replicas)")
+                 f"{ws['bytes_total'] / GB:.1f} GB in all ({ws['replicas']} vLLM replicas){experts}")
     if result["host_gb_per_node"]:
         lines.append(f"pinned host memory: offloaded roles {result['host_offload_gb_per_gpu']:.1f} GB + vLLM asleep "
                      f"{result['host_vllm_sleep_gb_per_gpu']:.1f} GB per GPU, {result['host_gb_per_node']:.0f} GB per node")

@@ -280,7 +280,8 @@ def _check(reports, layout_name, rollout_tp, repack):
     ("tiny-llama", "tp2pp2", 1, "reload", "packed", "collective"),
     ("tiny-qwen2", "tp2pp2", 2, "reload", "packed", "shm"),
     ("tiny-llama", "tp2pp2", 2, "direct", "plain", "collective"),
-    ("tiny-qwen3", "tp2pp2", 1, "direct", "packed", "shm"),  # q/k norms, head_dim 64 != hidden / heads
+    # q/k norms, head_dim 64 != hidden / heads; rollout TP4 > 2 kv heads: vLLM replicates each kv head twice
+    ("tiny-qwen3", "tp2pp2", 4, "direct", "packed", "shm"),
     # virtual pipeline (two model chunks per rank, interleaved layers) and data parallel replicas
     ("tiny-llama", "pp2vpp2dp2", 2, "direct", "packed", "shm"),
     # Qwen3-MoE at expert parallel 2 (each EP rank holds 2 of the 4 experts of every MoE layer) into

@@ -161,9 +161,12 @@ def _check_rollout(cfg, dims: ModelDims) -> None:
     if r.tp < 1 or rollout_world % r.tp:
         which = "resources.rollout_workers" if cfg.resources.rollout_workers else "the actor world size"
         raise ConfigError(f"rollout.tp={r.tp} does not divide {which} ({rollout_world}); pick a divisor of it")
-    if dims.num_heads % r.tp or dims.num_kv_heads % r.tp:
-        raise ConfigError(f"rollout.tp={r.tp} does not divide the model's {dims.num_heads} attention / "
-                          f"{dims.num_kv_heads} key/value heads; use a tp that divides both")
+    # vLLM's rule: tp divides the attention heads; key/value heads are split (tp divides them) or, with more
+    # ranks than kv heads, replicated (a multiple of them: Qwen3-235B's 4 kv heads at TP8)
+    if dims.num_heads % r.tp or (dims.num_kv_heads % r.tp and r.tp % dims.num_kv_heads):
+        raise ConfigError(f"rollout.tp={r.tp} does not fit the model's {dims.num_heads} attention / "
+                          f"{dims.num_kv_heads} key/value heads; use a tp that divides the attention heads and "
+                          f"divides or is a multiple of the key/value heads")
     if r.n < 1:
         raise ConfigError(f"rollout.n={r.n} must be >= 1")
     if r.temperature <= 0:

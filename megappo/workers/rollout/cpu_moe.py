@@ -60,11 +60,10 @@ def packed_expert_layers(model: torch.nn.Module) -> list:
     return [m for m in model.modules() if hasattr(m, _PLAIN)]
 
 
-def _prepacked(layer, name: str) -> torch.Tensor:
-    """What the kernel must hold for the layer's plain `name`: intermediate dim zero-padded to the
-    kernel's alignment (vLLM's `_pad_moe_intermediate`), then `cpu_prepack_moe_weight`."""
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import cpu_prepack_moe_weight
-
+def _pack_into(layer, name: str, out: torch.Tensor) -> torch.Tensor:
+    """`out` := what the kernel must hold for the layer's plain `name`: the intermediate dim zero-padded
+    to the kernel's alignment (vLLM's `_pad_moe_intermediate`), then prepacked (vLLM's
+    `cpu_prepack_moe_weight`, written straight into `out`: no temporary of the packed size)."""
     packer, plain = getattr(layer, _PACKER), getattr(layer, _PLAIN)[name]
     inter = packer.moe_config.intermediate_size_per_partition
     padded = packer._padded_intermediate_size(packer.moe_config)
@@ -78,7 +77,8 @@ def _prepacked(layer, name: str) -> torch.Tensor:
             full = plain.new_zeros(*plain.shape[:2], padded)
             full[:, :, :inter] = plain
         plain = full
-    return cpu_prepack_moe_weight(plain, packer.isa)
+    torch.ops._C.prepack_moe_weight(plain, out, packer.isa)
+    return out
 
 
 @contextlib.contextmanager
@@ -98,11 +98,16 @@ def plain_experts_loaded(model: torch.nn.Module, repack: bool = True):
     finally:
         params = {id(p) for n, p in model.named_parameters() if n in loaded}
         for m in layers:
-            touched = any(id(getattr(m, k)) in params for k in _WEIGHTS)
             for k in _WEIGHTS:
                 getattr(m, k).data = packed[(id(m), k)]
-                if repack and touched:
-                    packed[(id(m), k)].copy_(_prepacked(m, k))
+            if repack and any(id(getattr(m, k)) in params for k in _WEIGHTS):
+                repack_expert_layer(m)
+
+
+def repack_expert_layer(layer) -> None:
+    """The kernel's packed w13 / w2 storage rebuilt from the layer's plain copy."""
+    for k in _WEIGHTS:
+        _pack_into(layer, k, getattr(layer, k).data)
 
 
 def expert_fingerprints(layer, base: str, tp_rank: int, fingerprint) -> list:
@@ -116,7 +121,8 @@ def expert_fingerprints(layer, base: str, tp_rank: int, fingerprint) -> list:
     plain: Optional[dict] = getattr(layer, _PLAIN, None)
     ok = True
     if plain is not None:  # CPU: read the plain copy, and check the kernel's storage was rebuilt from it
-        ok = all(torch.equal(getattr(layer, k).data, _prepacked(layer, k)) for k in _WEIGHTS)
+        ok = all(torch.equal(getattr(layer, k).data, _pack_into(layer, k, torch.empty_like(getattr(layer, k).data)))
+                 for k in _WEIGHTS)
         w13, w2 = plain["w13_weight"], plain["w2_weight"]
     elif str(layer.w13_weight.device) == "cpu" and not getattr(
             getattr(getattr(layer.quant_method, "moe_kernel", None), "fused_experts", None), "_use_zentorch", True):
