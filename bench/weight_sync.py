@@ -55,7 +55,6 @@ def make_100m(out: Path, tok_dir: Path) -> Path:
     vocab 32000), fp32 safetensors + the tiny tokenizer."""
     if (out / "model.safetensors").exists() or (out / "model.safetensors.index.json").exists():
         return out
-    import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
@@ -63,12 +62,7 @@ def make_100m(out: Path, tok_dir: Path) -> Path:
                       head_dim=64, intermediate_size=2048, vocab_size=32000, max_position_embeddings=512,
                       rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id, bos_token_id=None)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.float32)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True, max_shard_size="2GB")
-    tok.save_pretrained(out)
-    return out
+    return _save_random(LlamaForCausalLM, cfg, out, tok)
 
 
 def make_moe_100m(out: Path, tok_dir: Path) -> Path:
@@ -76,7 +70,6 @@ def make_moe_100m(out: Path, tok_dir: Path) -> Path:
     ffn 512, top-2, every layer routed, vocab 32000), fp32 safetensors + the tiny tokenizer."""
     if (out / "model.safetensors").exists() or (out / "model.safetensors.index.json").exists():
         return out
-    import torch
     from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
@@ -86,8 +79,14 @@ def make_moe_100m(out: Path, tok_dir: Path) -> Path:
                          vocab_size=32000, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
                          use_sliding_window=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                          bos_token_id=None)
+    return _save_random(Qwen3MoeForCausalLM, cfg, out, tok)
+
+
+def _save_random(model_cls, cfg, out: Path, tok) -> Path:
+    import torch
+
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(cfg).to(torch.float32)
+    model = model_cls(cfg).to(torch.float32)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True, max_shard_size="2GB")
     tok.save_pretrained(out)

@@ -174,12 +174,7 @@ def _job(rank, world, port, model_dir, layout_name, rollout_tp, weight_load, cpu
             t.view(-1)[0] += 0.5  # in flight, after the trainer-side fingerprint was taken
 
     hybrid.corrupt_hook = corrupt
-    try:
-        with hybrid:
-            pass
-        report["corruption_error"] = None
-    except WeightSyncError as e:
-        report["corruption_error"] = str(e)
+    report["corruption_error"] = _sync_error(hybrid, WeightSyncError)
     report["corrupted_name"] = None
     hybrid.corrupt_hook = None
     with hybrid:  # a clean sync repairs it
@@ -192,11 +187,7 @@ def _job(rank, world, port, model_dir, layout_name, rollout_tp, weight_load, cpu
     if rollout.repack:
         _train_on(engine, last)
         rollout.repack = rollout.repack_experts = False
-        try:
-            with hybrid:
-                pass
-        except WeightSyncError as e:
-            report["stale_kernel_error"] = str(e)
+        report["stale_kernel_error"] = _sync_error(hybrid, WeightSyncError)
         rollout.repack = rollout.repack_experts = True
         with hybrid:
             pass
@@ -204,12 +195,7 @@ def _job(rank, world, port, model_dir, layout_name, rollout_tp, weight_load, cpu
     if engine.dims.num_experts:  # the linears re-packed, the experts not: caught, naming an expert
         _train_on(engine, last)
         rollout.repack_experts = False
-        try:
-            with hybrid:
-                pass
-            report["stale_experts_error"] = None
-        except WeightSyncError as e:
-            report["stale_experts_error"] = str(e)
+        report["stale_experts_error"] = _sync_error(hybrid, WeightSyncError)
         rollout.repack_experts = True
     if engine.dims.num_experts and transport == "shm":
         # the other transport on the same engines: at EP > 1 each EP rank broadcasts its experts over the
@@ -232,6 +218,16 @@ def _job(rank, world, port, model_dir, layout_name, rollout_tp, weight_load, cpu
         if b.index == 2:
             report["corrupted_name"] = b.tensors[0][0]
     return report
+
+
+def _sync_error(hybrid, error_type):
+    """One sync (enter + exit); the WeightSyncError's message, or None when it passed."""
+    try:
+        with hybrid:
+            pass
+    except error_type as e:
+        return str(e)
+    return None
 
 
 def _run(model_dir, layout_name, rollout_tp, weight_load, cpu_linear, transport):
