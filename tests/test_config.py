@@ -181,3 +181,31 @@ def test_cli_help_lists_subcommands():
     out = _megappo("--help")
     assert out.returncode == 0
     assert "config" in out.stdout and "assets" in out.stdout
+
+
+def test_a_mixture_of_experts_checkpoint_missing_an_expert_or_with_more_is_refused_before_workers(tiny_assets, tmp_path):
+    """`megappo train`'s path check (config check --paths) reads the safetensors headers: a missing expert
+    tensor, or an expert beyond config.json's num_experts, is one line naming the fix."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_assets["tiny-qwen3_moe"]
+    state = load_file(str(next(src.glob("*.safetensors"))))
+    for case, edit, expected in [
+        ("missing", lambda st: st.pop("model.layers.2.mlp.experts.3.up_proj.weight"),
+         "lacks 1 routed-expert tensor(s) of its config.json's 4 experts, e.g. model.layers.2.mlp.experts.3.up_proj"),
+        ("extra", lambda st: st.update({"model.layers.1.mlp.experts.4.up_proj.weight":
+                                        st["model.layers.1.mlp.experts.0.up_proj.weight"].clone()}),
+         "holds expert 4 but its config.json says num_experts=4"),
+    ]:
+        model = tmp_path / case
+        shutil.copytree(src, model)
+        for f in model.glob("*.safetensors"):
+            f.unlink()
+        st = dict(state)
+        edit(st)
+        save_file({k: v.contiguous() for k, v in st.items()}, str(model / "model.safetensors"))
+        with pytest.raises(ConfigError) as info:
+            load_config(REPO / "configs/ppo_tiny_moe.yaml", [f"model.path={model}"], check_paths=True)
+        assert expected in str(info.value) and "\n" not in str(info.value), str(info.value)

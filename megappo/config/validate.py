@@ -359,13 +359,37 @@ def _check_model_dir(key: str, p: Path) -> None:
                           "point it at a complete model directory")
     from safetensors import safe_open
 
+    names: set = set()
     for f in files:
         try:
             with safe_open(str(f), "np") as h:  # the header only: no torch import
-                list(h.keys())
+                names.update(h.keys())
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise ConfigError(f"{key}: {f} is not a readable safetensors file ({str(e).splitlines()[0][:120]}); "
                               "re-download or re-export the model") from None
+    if files:
+        _check_expert_tensors(key, p, names)
+
+
+def _check_expert_tensors(key: str, p: Path, names: set) -> None:
+    """A mixture-of-experts checkpoint holds every routed expert of every MoE layer, and no expert beyond
+    config.json's count (a checkpoint of another expert count under this config would load wrongly)."""
+    import re
+
+    from megappo.parallel.weight_mapping import hf_names, megatron_param_names, routed_expert
+
+    dims = ModelDims.from_hf_dict(json.loads((p / "config.json").read_text()))
+    if not dims.num_experts:
+        return
+    held = [int(m.group(1)) for n in names if (m := re.search(r"\.mlp\.experts\.(\d+)\.", n))]
+    if held and max(held) >= dims.num_experts:
+        raise ConfigError(f"{key}={p} holds expert {max(held)} but its config.json says num_experts="
+                          f"{dims.num_experts}; use the config.json that came with these weights")
+    expected = [h for n in megatron_param_names(dims) if routed_expert(n) is not None for h in hf_names(n, dims)]
+    missing = [n for n in expected if n not in names]
+    if missing:
+        raise ConfigError(f"{key}={p} lacks {len(missing)} routed-expert tensor(s) of its config.json's "
+                          f"{dims.num_experts} experts, e.g. {missing[0]}; re-download or re-export the model")
 
 
 def _check_output_dir(out: Path) -> None:
