@@ -39,7 +39,7 @@ TINY_SHAPES = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral")
 
 
 def _corpus(seed: int = 0) -> list[str]:
@@ -94,7 +94,7 @@ def make_tokenizer(out_dir: str | os.PathLike) -> Path:
 
 
 def _hf_config(family: str, vocab_size: int, eos_id: int, pad_id: int, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(TINY_SHAPES, vocab_size=vocab_size, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
     if family == "llama":
@@ -108,6 +108,9 @@ def _hf_config(family: str, vocab_size: int, eos_id: int, pad_id: int, **overrid
         cfg = Qwen3MoeConfig(**common, head_dim=32, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1,
                              mlp_only_layers=[0], norm_topk_prob=True, use_sliding_window=False)
+    elif family == "mixtral":  # every layer routed: 4 experts of intermediate_size, top-2 renormalised
+        cfg = MixtralConfig(**common, rms_norm_eps=1e-5, rope_theta=1000000.0, tie_word_embeddings=False,
+                            num_local_experts=4, num_experts_per_tok=2, sliding_window=None, router_jitter_noise=0.0)
     elif family == "mistral":
         cfg = MistralConfig(**common, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
                             sliding_window=None)
@@ -223,7 +226,7 @@ DEMO_MODELS = {"tiny-llama-arith": "tiny-llama", "tiny-qwen3_moe-arith": "tiny-q
 
 
 def ensure_assets(root: str | os.PathLike, demo: bool = False, demo_moe: bool = False) -> dict[str, Path]:
-    """Build (once) the tokenizer and the tiny llama/qwen2/mistral/qwen3/qwen3_moe models under `root`;
+    """Build (once) the tokenizer and the tiny llama/qwen2/mistral/qwen3/qwen3_moe/mixtral models under `root`;
     with `demo`, also the demo's warm-started tiny-llama-arith (a short SFT, ~20 s on 2 cores); with
     `demo_moe`, the MoE demo's tiny-qwen3_moe-arith (configs/ppo_tiny_moe.yaml).
 

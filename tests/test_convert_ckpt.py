@@ -66,10 +66,10 @@ def _source(name, tiny_assets, reward_dir) -> Path:
     return reward_dir if name == "reward" else tiny_assets[f"tiny-{name}"]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "reward"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "reward"])
 def test_roundtrip_tp2_pp2_is_bit_exact(name, tiny_assets, reward_dir, tmp_path):
     src = _source(name, tiny_assets, reward_dir)
-    moe = name == "qwen3_moe"
+    moe = name in ("qwen3_moe", "mixtral")
     info = hf_to_mcore(src, tmp_path / "mc", tp=2, pp=2, ep=2 if moe else 1, progress=False)
     mc = tmp_path / "mc"
     # what MegatronEngine.is_dist_checkpoint and megatron's loader need, plus the recorded provenance
@@ -78,16 +78,20 @@ def test_roundtrip_tp2_pp2_is_bit_exact(name, tiny_assets, reward_dir, tmp_path)
     rec = json.loads((mc / "megappo_convert.json").read_text())
     assert rec["source"]["path"] == str(src.resolve()) and rec["model"] == ("critic" if name == "reward" else "actor")
     shapes = {k: v["shape"] for k, v in info["tensors"].items()}
-    if moe:  # megatron keys every layer on its own (dense layer 0, then MoE); a layer's experts stacked
+    if name == "qwen3_moe":  # megatron keys every layer on its own (dense layer 0, then MoE); experts stacked
         assert shapes["decoder.layers.0.mlp.linear_fc1.weight"] == [512, 128]
         assert shapes["decoder.layers.1.mlp.router.weight"] == [4, 128]  # [experts, hidden]
         assert shapes["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"] == [4, 128, 128]  # [experts, gate+up, hidden]
         assert shapes["decoder.layers.3.mlp.experts.experts.linear_fc2.weight"] == [4, 128, 64]
         assert "decoder.layers.1.mlp.linear_fc1.weight" not in shapes
+    elif name == "mixtral":  # every layer routed: experts of intermediate_size 256 (HF w1 / w3 / w2)
+        assert shapes["decoder.layers.0.mlp.router.weight"] == [4, 128]
+        assert shapes["decoder.layers.0.mlp.experts.experts.linear_fc1.weight"] == [4, 512, 128]
+        assert "decoder.layers.0.mlp.linear_fc1.weight" not in shapes
     else:
         assert shapes["decoder.layers.mlp.linear_fc1.weight"] == [4, 512, 128]  # [layers, gate+up, hidden]
     assert shapes["embedding.word_embeddings.weight"] == [1024, 128]  # vocab 1000 padded
-    assert ("output_layer.weight" in shapes) == (name in ("llama", "mistral", "qwen3_moe", "reward"))  # tied: none
+    assert ("output_layer.weight" in shapes) == (name in ("llama", "mistral", "qwen3_moe", "mixtral", "reward"))  # tied: none
     assert ("decoder.layers.self_attention.q_layernorm.weight" in shapes) == (name == "qwen3")
     if name == "qwen3":  # per-head norms over head_dim 64 (explicit, != hidden / heads)
         assert shapes["decoder.layers.self_attention.q_layernorm.weight"] == [4, 64]

@@ -376,12 +376,12 @@ def _check_expert_tensors(key: str, p: Path, names: set) -> None:
     config.json's count (a checkpoint of another expert count under this config would load wrongly)."""
     import re
 
-    from megappo.parallel.weight_mapping import hf_names, megatron_param_names, routed_expert
+    from megappo.parallel.weight_mapping import hf_names, is_hf_moe_tensor, megatron_param_names, routed_expert
 
     dims = ModelDims.from_hf_dict(json.loads((p / "config.json").read_text()))
     if not dims.num_experts:
         return
-    held = [int(m.group(1)) for n in names if (m := re.search(r"\.mlp\.experts\.(\d+)\.", n))]
+    held = [int(m.group(1)) for n in names if is_hf_moe_tensor(n) and (m := re.search(r"\.experts\.(\d+)\.", n))]
     if held and max(held) >= dims.num_experts:
         raise ConfigError(f"{key}={p} holds expert {max(held)} but its config.json says num_experts="
                           f"{dims.num_experts}; use the config.json that came with these weights")

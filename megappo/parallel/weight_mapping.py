@@ -22,7 +22,8 @@ Layouts (per TP rank r of T):
   `linear_fc2` per expert, laid out like a dense MLP's fc1 / fc2 (split over TP = expert TP), HF
   `mlp.experts.{e}.gate_proj|up_proj|down_proj` (transformers' on-disk form); e is the GLOBAL expert index
   here, an expert-parallel rank holds a contiguous block (`global_param_name`). The router
-  (`mlp.router`, HF `mlp.gate`) is replicated.
+  (`mlp.router`, HF `mlp.gate`) is replicated. Mixtral: the same megatron model, HF names
+  `block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1|w3|w2` (gate, up, down): `_MOE_HF`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Optional
 if TYPE_CHECKING:  # torch is imported where a tensor is built: the config schema reads this module's
     import torch   # supported families, and the driver validates its config before Ray (and torch) start
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral")
 DEFAULT_VOCAB_DIVISOR = 128
 
 
@@ -98,6 +99,14 @@ class ModelDims:
         if mt != "qwen2" and getattr(hf_config, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported")
         moe = {}
+        if mt == "mixtral":  # every layer routed; softmax over all experts, top-k renormalised; experts of intermediate_size
+            if not getattr(hf_config, "num_local_experts", None) or not getattr(hf_config, "num_experts_per_tok", None):
+                raise ValueError("a mixtral config needs num_local_experts and num_experts_per_tok (its config.json)")
+            if getattr(hf_config, "router_jitter_noise", 0.0):
+                raise ValueError("mixtral router_jitter_noise > 0 (random routing in training) is not supported; set 0")
+            moe = dict(num_experts=int(hf_config.num_local_experts), moe_topk=int(hf_config.num_experts_per_tok),
+                       moe_ffn_hidden_size=int(hf_config.intermediate_size), norm_topk_prob=True,
+                       moe_layers=(True,) * hf_config.num_hidden_layers)
         if mt == "qwen3_moe":
             experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
             if not experts or not getattr(hf_config, "num_experts_per_tok", None):
@@ -146,8 +155,8 @@ def transformer_config_kwargs(hf_config) -> dict:
     if hf_config.hidden_act != "silu":
         raise ValueError(f"hidden_act {hf_config.hidden_act!r} not supported (SwiGLU/silu only)")
     if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True) \
-            and hf_config.model_type == "mistral":
-        raise ValueError("mistral sliding_window attention is not supported; set sliding_window=None")
+            and hf_config.model_type in ("mistral", "mixtral"):
+        raise ValueError(f"{hf_config.model_type} sliding_window attention is not supported; set sliding_window=None")
     if hf_config.model_type in ("qwen3", "qwen3_moe") and getattr(hf_config, "use_sliding_window", False):
         raise ValueError(f"{hf_config.model_type} use_sliding_window=True is not supported; set use_sliding_window=false")
     moe = {}
@@ -199,8 +208,11 @@ _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # routed experts (global expert index e): megatron SequentialMLP <-> transformers' per-expert names on disk
 _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
-_HF_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_EXPERT_MAP = {"linear_fc1": ["gate_proj", "up_proj"], "linear_fc2": ["down_proj"]}
+_HF_EXPERT_RE = re.compile(r"^(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+# per MoE family: the HF block holding the router (`{block}.gate`) and experts, and each megatron expert
+# linear's HF projections in merge order (fc1 = [gate; up], fc2 = down)
+_MOE_HF = {"qwen3_moe": ("mlp", {"linear_fc1": ["gate_proj", "up_proj"], "linear_fc2": ["down_proj"]}),
+           "mixtral": ("block_sparse_moe", {"linear_fc1": ["w1", "w3"], "linear_fc2": ["w2"]})}
 
 # megatron per-layer suffix -> HF per-layer suffixes (in merge order)
 _LAYER_MAP = {
@@ -215,7 +227,6 @@ _LAYER_MAP = {
     "mlp.linear_fc1.layer_norm_weight": ["post_attention_layernorm.weight"],  # TE fused spec
     "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
     "mlp.linear_fc2.weight": ["mlp.down_proj.weight"],
-    "mlp.router.weight": ["mlp.gate.weight"],  # qwen3_moe router [experts, hidden]
 }
 _TOP_MAP = {
     "embedding.word_embeddings.weight": ["model.embed_tokens.weight"],
@@ -262,7 +273,10 @@ def hf_names(mcore_name: str, dims: ModelDims) -> list[str]:
         layer, suffix = m.groups()
         e = _EXPERT_RE.match(suffix)
         if e:
-            return [f"model.layers.{layer}.mlp.experts.{e.group(1)}.{h}.weight" for h in _EXPERT_MAP[e.group(2)]]
+            return hf_expert_names(f"model.layers.{layer}.{_moe_hf(dims)[0]}.experts.", int(e.group(1)), dims.model_type,
+                                   e.group(2))
+        if suffix == "mlp.router.weight":  # the router [experts, hidden]
+            return [f"model.layers.{layer}.{_moe_hf(dims)[0]}.gate.weight"]
         if suffix not in _LAYER_MAP:
             raise KeyError(f"no HF mapping for megatron parameter {mcore_name!r}")
         return [f"model.layers.{layer}.{s}" for s in _LAYER_MAP[suffix]]
@@ -275,9 +289,23 @@ def hf_names(mcore_name: str, dims: ModelDims) -> list[str]:
     raise KeyError(f"no HF mapping for megatron parameter {mcore_name!r}")
 
 
-def hf_expert_names(base: str, expert: int) -> list[str]:
-    """HF names of routed expert `expert` under `base` ("model.layers.L.mlp.experts."): gate, up, down."""
-    return [f"{base}{expert}.{h}.weight" for fc in ("linear_fc1", "linear_fc2") for h in _EXPERT_MAP[fc]]
+def _moe_hf(dims: ModelDims) -> tuple:
+    if dims.model_type not in _MOE_HF:
+        raise KeyError(f"{dims.model_type} has no routed experts")
+    return _MOE_HF[dims.model_type]
+
+
+def hf_expert_names(base: str, expert: int, model_type: str = "qwen3_moe", fc: Optional[str] = None) -> list[str]:
+    """HF names of routed expert `expert` under `base` ("model.layers.L.mlp.experts."): gate, up, down
+    (`fc`: only those of megatron's linear_fc1 or linear_fc2)."""
+    proj = _MOE_HF[model_type][1]
+    return [f"{base}{expert}.{h}.weight" for f in ((fc,) if fc else ("linear_fc1", "linear_fc2")) for h in proj[f]]
+
+
+def is_hf_moe_tensor(hf_name: str) -> bool:
+    """A HF router or routed-expert tensor (of any MoE family)."""
+    return any(f".{block}.experts." in hf_name or hf_name.endswith(f".{block}.gate.weight")
+               for block, _ in _MOE_HF.values())
 
 
 def routed_expert(mcore_name: str) -> Optional[int]:
@@ -293,9 +321,12 @@ def megatron_name(hf_name: str, dims: ModelDims, te_fused_norms: bool = False) -
     if m:
         layer, suffix = m.groups()
         e = _HF_EXPERT_RE.match(suffix)
-        if e:
-            fc = "linear_fc2" if e.group(2) == "down_proj" else "linear_fc1"
-            return f"decoder.layers.{layer}.mlp.experts.local_experts.{e.group(1)}.{fc}.weight"
+        if e and dims.model_type in _MOE_HF and e.group(1) == _moe_hf(dims)[0]:
+            fc = next((f for f, proj in _moe_hf(dims)[1].items() if e.group(3) in proj), None)
+            if fc is not None:
+                return f"decoder.layers.{layer}.mlp.experts.local_experts.{e.group(2)}.{fc}.weight"
+        if dims.model_type in _MOE_HF and suffix == f"{_moe_hf(dims)[0]}.gate.weight":
+            return f"decoder.layers.{layer}.mlp.router.weight"
         if dims.is_moe_layer(int(layer)) and suffix == "post_attention_layernorm.weight":
             return f"decoder.layers.{layer}.pre_mlp_layernorm.weight"
         for msuffix, sources in _LAYER_MAP.items():

@@ -37,9 +37,9 @@ from typing import Optional
 
 import torch
 
-from megappo.parallel.weight_mapping import (ModelDims, hf_names, hf_to_megatron_full,
-                                             megatron_param_names, megatron_shards_to_hf, routed_expert,
-                                             transformer_config_kwargs)
+from megappo.parallel.weight_mapping import (ModelDims, hf_names, hf_to_megatron_full, is_hf_moe_tensor,
+                                             megatron_name, megatron_param_names, megatron_shards_to_hf,
+                                             routed_expert, transformer_config_kwargs)
 from tools.convert_ckpt.dcp_io import CheckpointReader, Item, save_lazy
 from tools.convert_ckpt.errors import ConvertError, read_json
 from tools.convert_ckpt.safetensors_io import SafetensorsDir, ShardedWriter, parse_size
@@ -50,11 +50,13 @@ ARCHITECTURES = {
     "MistralForCausalLM": ("mistral", "causal-lm"),
     "Qwen3ForCausalLM": ("qwen3", "causal-lm"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "causal-lm"),
+    "MixtralForCausalLM": ("mixtral", "causal-lm"),
     "LlamaForSequenceClassification": ("llama", "reward"),
     "Qwen2ForSequenceClassification": ("qwen2", "reward"),
     "MistralForSequenceClassification": ("mistral", "reward"),
     "Qwen3ForSequenceClassification": ("qwen3", "reward"),
     "Qwen3MoeForSequenceClassification": ("qwen3_moe", "reward"),
+    "MixtralForSequenceClassification": ("mixtral", "reward"),
 }
 CAUSAL_LM = {fam: arch for arch, (fam, k) in ARCHITECTURES.items() if k == "causal-lm"}
 SEQ_CLS = {fam: arch for arch, (fam, k) in ARCHITECTURES.items() if k == "reward"}
@@ -142,10 +144,11 @@ def megatron_shape(name: str, d: ModelDims) -> tuple:
 
 def hf_shape(name: str, d: ModelDims) -> tuple:
     h, hd = d.hidden_size, d.head_dim
-    if ".mlp.experts." in name:
-        return (h, d.moe_ffn_hidden_size) if name.endswith("down_proj.weight") else (d.moe_ffn_hidden_size, h)
-    if name.endswith(".mlp.gate.weight"):  # the router
-        return (d.num_experts, h)
+    if is_hf_moe_tensor(name):
+        if ".experts." not in name:  # the router
+            return (d.num_experts, h)
+        down = megatron_name(name, d).endswith("linear_fc2.weight")
+        return (h, d.moe_ffn_hidden_size) if down else (d.moe_ffn_hidden_size, h)
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return (d.vocab_size, h)
     if name == "score.weight":
@@ -394,7 +397,7 @@ def _check_hf_tensors(st, units: list["Unit"], d: ModelDims, src: Path, kind: st
             if n not in st:
                 raise ConvertError(f"missing tensor {n} in {src} (needed for {u.mname})")
             got, want = st.info(n).shape, hf_shape(n, d)
-            if n.endswith(".mlp.gate.weight") and tuple(got[1:]) == tuple(want[1:]) and got[0] != want[0]:
+            if is_hf_moe_tensor(n) and ".experts." not in n and tuple(got[1:]) == tuple(want[1:]) and got[0] != want[0]:
                 raise ConvertError(f"{n} in {src} routes to {got[0]} experts, its config.json says num_experts "
                                    f"{d.num_experts}: fix the config")
             if tuple(got) != tuple(want):
@@ -408,7 +411,7 @@ def _check_hf_tensors(st, units: list["Unit"], d: ModelDims, src: Path, kind: st
     for u in units:
         dtypes[u.mname] = dtypes.get(u.mname) or base_dtype
     unused = sorted(set(st.keys()) - used)
-    extra = [n for n in unused if ".mlp.experts." in n or n.endswith(".mlp.gate.weight")]
+    extra = [n for n in unused if is_hf_moe_tensor(n)]
     if extra:  # never drop experts: a config / checkpoint mismatch, not unused heads
         raise ConvertError(f"{src} holds {extra[0]} (and {len(extra) - 1} more expert tensors) beyond its config's "
                            f"{d.num_experts} experts / MoE layers {[i for i, m in enumerate(d.moe_layers) if m]}: "

@@ -110,9 +110,9 @@ def repack_expert_layer(layer) -> None:
         _pack_into(layer, k, getattr(layer, k).data)
 
 
-def expert_fingerprints(layer, base: str, tp_rank: int, fingerprint) -> list:
+def expert_fingerprints(layer, base: str, tp_rank: int, fingerprint, model_type: str = "qwen3_moe") -> list:
     """This vLLM TP rank's share of the fingerprints of every expert of a RoutedExperts layer, under
-    the HF names `{base}{e}.gate_proj|up_proj|down_proj.weight` (base: "model.layers.L.mlp.experts.").
+    the HF names of `model_type` (weight_mapping.hf_expert_names; base: "model.layers.L.mlp.experts.").
     w13 holds [gate; up] rows of this rank's intermediate slice, w2 its columns, so the slices sit at
     row / column tp_rank * I_local of the HF tensors. `fingerprint(t, row_offset, col_offset)`."""
     if getattr(layer, "local_num_experts", None) != getattr(layer, "global_num_experts", None):
@@ -134,7 +134,7 @@ def expert_fingerprints(layer, base: str, tp_rank: int, fingerprint) -> list:
     nan = (float("nan"), float("nan"))
     out = []
     for e in range(w13.shape[0]):
-        gate, up, down = hf_expert_names(base, e)
+        gate, up, down = hf_expert_names(base, e, model_type)
         vals = [(gate, fingerprint(w13[e, :inter], row_offset=tp_rank * inter)),
                 (up, fingerprint(w13[e, inter:2 * inter], row_offset=tp_rank * inter)),
                 (down, fingerprint(w2[e], col_offset=tp_rank * inter))]

@@ -28,8 +28,9 @@ tolerance scaled by `sum |W c| u` (1e-5 for fp32 weights, 2e-2 for 16-bit weight
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Optional
 
 import torch
 
@@ -206,24 +207,26 @@ def _bias(layer):
     return bias.detach().double() if isinstance(bias, torch.Tensor) and bias.numel() else None
 
 
-def _experts_fps(layer, mod_name: str, base: str, subs: list, tp_rank: int):
+def _experts_fps(layer, mod_name: str, base: str, subs: list, tp_rank: int, model_type: Optional[str] = None):
     """Routed experts (vLLM's fused w13 / w2 of all experts) -> HF `experts.{e}.gate|up|down_proj`,
     read from the plain copy on CPU, with a check that the packed kernel storage matches it."""
     from megappo.workers.rollout.cpu_moe import expert_fingerprints
 
     # vLLM 0.32 nests the experts one level down (mlp.experts.routed_experts); HF: mlp.experts.{e}.*
-    return expert_fingerprints(layer, mod_name.removesuffix(".routed_experts") + ".", tp_rank, tensor_fingerprint)
+    return expert_fingerprints(layer, mod_name.removesuffix(".routed_experts") + ".", tp_rank, tensor_fingerprint,
+                               model_type or "qwen3_moe")
 
 
-def _layer_kinds() -> list:
+def _layer_kinds(model_type: Optional[str] = None) -> list:
     """(vLLM class, fingerprint function) of every layer kind read specially; anything else holding
-    parameters directly (norms) is read as plain, TP-replicated tensors."""
+    parameters directly (norms) is read as plain, TP-replicated tensors. `model_type` (HF): how the
+    routed experts are named."""
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.linear import LinearBase, RowParallelLinear
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     return [(VocabParallelEmbedding, _embedding_fps), (RowParallelLinear, _row_parallel_fps),
-            (LinearBase, _column_parallel_fps), (RoutedExperts, _experts_fps)]
+            (LinearBase, _column_parallel_fps), (RoutedExperts, functools.partial(_experts_fps, model_type=model_type))]
 
 
 def _vllm_tp_rank() -> int:
@@ -240,7 +243,7 @@ def vllm_model_fingerprints(model: torch.nn.Module) -> dict[str, tuple[float, fl
     (summing the contributions over the rollout TP group gives the full-tensor values). Every rank
     returns the same key set (zeros where it holds nothing), so the sum can be an all-reduce."""
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
-    kinds = _layer_kinds()
+    kinds = _layer_kinds(getattr(getattr(model, "config", None), "model_type", None))
     tp_rank = _vllm_tp_rank()
     out: dict[str, list[float]] = {}
     handled: set[int] = set()
