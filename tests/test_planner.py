@@ -114,3 +114,35 @@ def test_host_memory_for_offload_checked_against_the_node():
     assert "256 GB" in small.stderr
     big = _plan_cli("--config", "configs/ppo_70b.yaml", "--host-mem-gb", "1024", "--json")
     assert big.returncode == 0 and json.loads(big.stdout)["host_fits"]
+
+
+def test_mixture_of_experts_per_ep_rank_against_hand_calculation():
+    """Qwen3-30B-A3B (configs/ppo_qwen3_30b_a3b.yaml, TP1 x PP2 x DP4 x EP4) and Mixtral-8x7B shapes: the
+    published totals, experts split over ep, expert optimizer states over dp / ep; a layout that does not
+    fit is refused with the nearest one that does (an ep among the choices)."""
+    cfg = load_config(REPO / "configs/ppo_qwen3_30b_a3b.yaml")
+    # per layer: q 2048x4096, k/v 2048x512 each, o 4096x2048, norms 2x2048, q/k norms 2x128;
+    # router 128x2048; 128 experts x 3 x 2048 x 768
+    attn = 2048 * 4096 + 2 * 2048 * 512 + 4096 * 2048 + 2 * 2048 + 2 * 128
+    router, experts = 128 * 2048, 128 * 3 * 2048 * 768
+    total = 48 * (attn + router + experts) + 2 * 151936 * 2048 + 2048
+    result = plan(cfg)
+    assert result["total_params_b"] == round(total / 1e9, 3) and 30.4 < total / 1e9 < 30.6  # "30B-A3B"
+    actor = result["roles"]["actor"]
+    expert_per_gpu = 24 * experts // 4  # 24 layers per stage, experts over ep 4 (tp 1)
+    assert actor["expert_params_per_gpu_m"] == round(expert_per_gpu / 1e6, 1)
+    dense = actor["params_per_gpu_m"] * 1e6 - expert_per_gpu
+    # optimizer: 12 B per param, dense sharded over dp 4, experts over dp / ep = 1
+    assert abs(actor["optimizer_gb"] - 12 * (dense / 4 + expert_per_gpu) / GB) < 0.02
+    assert result["fits"] and result["weight_sync"]["experts_per_rollout_gpu"] == 48 * 128
+
+    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "plan", "--config", "configs/ppo_qwen3_30b_a3b.yaml",
+                           "actor.parallel.pp=1", "critic.parallel.pp=1", "ref.parallel.pp=1", "actor.parallel.ep=8",
+                           "critic.parallel.ep=8", "ref.parallel.ep=8"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 1 and "nearest layout that fits: tp=1 pp=2 dp=4 ep=4" in proc.stderr, proc.stderr
+
+    mixtral = load_config(REPO / "configs/ppo_7b.yaml", [
+        "model.arch.family=mixtral", "model.arch.num_experts=8", "model.arch.num_experts_per_tok=2",
+        "model.arch.intermediate_size=14336", "model.arch.num_kv_heads=8", "actor.parallel.ep=2",
+        "critic.parallel.ep=2", "ref.parallel.ep=2"])
+    assert round(plan(mixtral)["total_params_b"], 1) == 46.7  # Mixtral-8x7B

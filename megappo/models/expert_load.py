@@ -8,7 +8,8 @@
 
 Each router's forward returns (probs, routing_map [tokens, experts]); the hook adds the routing map's
 column sums over the real tokens (padding columns of a right-aligned or packed micro-batch are not
-counted). With sequence parallelism a TP rank routes its own slice of the sequence, so the counts of
+counted) while `tokens()` is open: the forward of each micro-batch, not the re-run of a layer's forward
+that activation recompute does during backward. With sequence parallelism a TP rank routes its own slice of the sequence, so the counts of
 every rank add up: data-parallel and expert-parallel ranks route different rows, pipeline stages
 different layers. `count_here=False` (TP > 1 without sequence parallelism: the TP ranks route the same
 tokens) leaves a rank out of the sum.
@@ -36,6 +37,7 @@ class ExpertLoad:
 
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device="cpu")
         self._valid: Optional[torch.Tensor] = None
+        self._active = False  # inside `tokens()`: a recomputed forward (activation recompute) is not counted
         for chunk in chunks:
             for module in chunk.modules():
                 if isinstance(module, TopKRouter):
@@ -44,6 +46,8 @@ class ExpertLoad:
 
     def _hook(self, layer: int):
         def hook(module, args, output):
+            if not self._active:  # activation recompute re-runs the router during backward: counted once
+                return
             routing_map = output[1].detach()
             valid = self._valid
             if valid is not None:
@@ -64,11 +68,11 @@ class ExpertLoad:
     @contextlib.contextmanager
     def tokens(self, valid: Optional[torch.Tensor]):
         """The real-token mask [s, b] of the micro-batch the model is about to run (None: count all)."""
-        self._valid = valid
+        self._valid, self._active = valid, True
         try:
             yield
         finally:
-            self._valid = None
+            self._valid, self._active = None, False
 
     def metrics(self, count_here: bool = True) -> dict:
         """Collective (default group): the counts since `reset()`, summed over the ranks, summarised."""

@@ -130,7 +130,9 @@ def expert_fingerprints(layer, base: str, tp_rank: int, fingerprint, model_type:
                            "a direct weight load); use rollout.weight_load=direct for a mixture-of-experts model")
     else:
         w13, w2 = layer.w13_weight.detach(), layer.w2_weight.detach()
-    inter = w2.shape[-1]  # this rank's intermediate size (plain: unpadded)
+    # this rank's intermediate size, unpadded (a GPU backend may pad the tensors it allocates)
+    inter = getattr(getattr(layer, "moe_config", None), "intermediate_size_per_partition_unpadded", None) \
+        or w2.shape[-1]
     nan = (float("nan"), float("nan"))
     out = []
     for e in range(w13.shape[0]):
