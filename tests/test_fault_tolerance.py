@@ -104,6 +104,7 @@ def test_sync_run_survives_three_kills_and_a_preemption(sync_baseline, tiny_asse
         assert d.name.startswith("step_") and is_complete(d), d
 
 
+@pytest.mark.long  # 85 s; CI keeps the sync run's kills, the hung worker and async mode itself (test_trainer)
 def test_async_run_survives_a_rollout_worker_kill(ray_session, tiny_assets, data_dir, tmp_path):
     cfg = config(tiny_assets, data_dir, tmp_path / "async", "trainer.mode=async", "resources.rollout_workers=1",
                  "trainer.total_steps=3", "trainer.save_every=1", "trainer.val_every=0")

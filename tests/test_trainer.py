@@ -357,6 +357,7 @@ def test_smollm2_grpo_recipe_as_shipped(ray_session, smollm2_model, smollm2_data
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 99 s; CI keeps the GRPO recipe above (bf16 Megatron + bf16 vLLM on SmolLM2)
 def test_smollm2_ppo_recipe_as_shipped(ray_session, smollm2_model, smollm2_data, tmp_path):
     """configs/ppo_smollm2_135m.yaml: GAE with a bf16 critic colocated with the actor; a checkpoint and the
     export at the end (a plain HF dir: weights, config, tokenizer)."""
