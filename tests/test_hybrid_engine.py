@@ -273,7 +273,8 @@ def _check(reports, layout_name, rollout_tp, repack):
 
 
 @pytest.mark.parametrize("family,layout_name,rollout_tp,weight_load,cpu_linear,transport", [
-    # 44 s; CI keeps reload (the qwen2 case) and the collective transport (the plain and MoE cases)
+    # 44 s; CI keeps reload (the qwen2 case) and the collective transport (the plain and MoE cases), all with
+    # rollout TP >= train TP; this one alone gathers TP2 into rollout TP1
     pytest.param("tiny-llama", "tp2pp2", 1, "reload", "packed", "collective", marks=pytest.mark.long),
     ("tiny-qwen2", "tp2pp2", 2, "reload", "packed", "shm"),
     ("tiny-llama", "tp2pp2", 2, "direct", "plain", "collective"),

@@ -84,7 +84,8 @@ def _squeue(slurm, fmt: str) -> list[str]:
     return subprocess.run(["squeue", "-h", "-o", fmt], env=slurm.env, capture_output=True, text=True).stdout.split()
 
 
-@pytest.mark.long  # 93 s; CI keeps the trainer-level preemption (test_fault_tolerance) and the preflight tests
+@pytest.mark.long  # 93 s; CI keeps the trainer-level SIGTERM (test_fault_tolerance) and the sbatch preflight /
+# port refusals; the full bootstrap (Ray via srun, USR1, exit 75, scontrol requeue, resume) runs only here
 def test_preempted_job_requeues_and_finishes_like_an_uninterrupted_run(slurm, sync_baseline, tiny_assets, data_dir,
                                                                        tmp_path):
     """The bootstrap the 70B job uses (preflight -> Ray via srun -> megappo train -> teardown), preempted:

@@ -347,6 +347,8 @@ def _smollm2_recipe(config: str, model, data, out, *extra):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 55 s; CI keeps the PPO recipe below (bf16 Megatron + bf16 vLLM on SmolLM2, a bf16
+# critic, checkpoint and export) and grpo_tiny as shipped (no critic, no reference)
 def test_smollm2_grpo_recipe_as_shipped(ray_session, smollm2_model, smollm2_data, tmp_path):
     """configs/grpo_smollm2_135m.yaml (make smollm2's default): GRPO, no critic, no reference, bf16."""
     cfg, history = _smollm2_recipe("grpo_smollm2_135m.yaml", smollm2_model, smollm2_data, tmp_path / "run",
@@ -357,7 +359,6 @@ def test_smollm2_grpo_recipe_as_shipped(ray_session, smollm2_model, smollm2_data
 
 
 @pytest.mark.slow
-@pytest.mark.long  # 99 s; CI keeps the GRPO recipe above (bf16 Megatron + bf16 vLLM on SmolLM2)
 def test_smollm2_ppo_recipe_as_shipped(ray_session, smollm2_model, smollm2_data, tmp_path):
     """configs/ppo_smollm2_135m.yaml: GAE with a bf16 critic colocated with the actor; a checkpoint and the
     export at the end (a plain HF dir: weights, config, tokenizer)."""

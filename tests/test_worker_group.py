@@ -366,7 +366,6 @@ def _config(tiny_assets, tmp_path):
     return cfg
 
 
-@pytest.mark.long  # 54 s; every CI trainer run colocates the roles (configs/ppo_tiny.yaml)
 def test_colocated_actor_and_critic_match_single_process(ray_session, tiny_assets, tmp_path):
     from megappo.ppo.losses import PolicyLoss, ValueLoss
     from megappo.workers.roles import ActorRolloutRefWorker, CriticWorker, RewardModelWorker, check_reward_model_vocab
