@@ -112,7 +112,7 @@ def resolve_model(path: Path, tmp: Path) -> Path:
             raise EvalError(str(e)) from None
         return tmp / "hf"
     if (path / "metadata.json").is_file() and (path / "config.json").is_file():  # a role's dist checkpoint
-        from tools.convert_ckpt.core import mcore_to_hf
+        from tools.convert_ckpt.to_hf import mcore_to_hf
         from tools.convert_ckpt.errors import ConvertError
 
         try:

@@ -46,7 +46,7 @@ def export_checkpoint(ckpt, out, role: str = "actor", dtype: Optional[str] = Non
                       overwrite: bool = False, progress: bool = True) -> dict:
     """Export `role` of the megappo checkpoint `ckpt` (a step_N dir) as a HF model dir `out`."""
     from megappo.utils.checkpoint import MANIFEST, is_complete
-    from tools.convert_ckpt.core import mcore_to_hf
+    from tools.convert_ckpt.to_hf import mcore_to_hf
     from tools.convert_ckpt.errors import ConvertError
 
     ckpt = Path(ckpt)

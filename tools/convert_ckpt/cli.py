@@ -48,18 +48,18 @@ def run(args: argparse.Namespace) -> int:
     from tools.convert_ckpt.errors import ConvertError
 
     try:
-        from tools.convert_ckpt import core
+        from tools.convert_ckpt import hf_to_mcore, mcore_to_hf
 
         if args.direction == "hf-to-mcore":
-            info = core.hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, model=args.model,
-                                    seed=args.seed, overwrite=args.overwrite, progress=not args.quiet)
+            info = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, model=args.model,
+                               seed=args.seed, overwrite=args.overwrite, progress=not args.quiet)
             nbytes = sum(_nbytes(v) for v in info["tensors"].values())
             summary = {"out": args.out, "model": info["model"], "tensors": len(info["tensors"]), "bytes": nbytes,
                        "seconds": info["seconds"]}
         else:
-            summary = core.mcore_to_hf(args.ckpt, args.out, config=args.config, dtype=args.dtype,
-                                       max_shard_size=args.max_shard_size, overwrite=args.overwrite,
-                                       progress=not args.quiet)
+            summary = mcore_to_hf(args.ckpt, args.out, config=args.config, dtype=args.dtype,
+                                  max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+                                  progress=not args.quiet)
             summary = {"out": args.out, **summary}
     except ConvertError as e:
         print(f"convert_ckpt: error: {e}", file=sys.stderr)

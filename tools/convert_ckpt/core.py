@@ -1,4 +1,6 @@
-"""HF <-> megatron-core dist checkpoint conversion, one tensor at a time.
+"""HF <-> megatron-core dist checkpoint conversion, one tensor at a time: what both directions share
+(architectures, shapes, the unit of conversion, output dirs written atomically, progress). The two
+directions are to_mcore.py (hf_to_mcore) and to_hf.py (mcore_to_hf).
 
 hf_to_mcore: HF safetensors dir -> megatron torch_dist checkpoint dir (loadable at any TP/PP/VPP whose
              padded vocab matches: lcm(128, tp) padding, the same for every power-of-two TP <= 128),
@@ -21,28 +23,20 @@ largest tensor (plus the interpreter), whatever the model size.
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
-import json
 import os
 import re
 import shutil
 import sys
 import tempfile
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import torch
-
-from megappo.parallel.weight_mapping import (ModelDims, hf_names, hf_to_megatron_full, is_hf_moe_tensor,
-                                             megatron_name, megatron_param_names, megatron_shards_to_hf,
-                                             routed_expert, transformer_config_kwargs)
-from tools.convert_ckpt.dcp_io import CheckpointReader, Item, save_lazy
+from megappo.parallel.weight_mapping import (ModelDims, hf_names, is_hf_moe_tensor, megatron_name,
+                                             megatron_param_names, routed_expert, transformer_config_kwargs)
+from tools.convert_ckpt.dcp_io import Item
 from tools.convert_ckpt.errors import ConvertError, read_json
-from tools.convert_ckpt.safetensors_io import SafetensorsDir, ShardedWriter, parse_size
 
 ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", "causal-lm"),
@@ -72,7 +66,7 @@ _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # `...mlp.experts.experts.<fc>` with a leading global-expert axis (its sharded_state_dict)
 
 
-def _log(msg: str) -> None:
+def log(msg: str) -> None:
     print(f"convert_ckpt: {msg}", file=sys.stderr, flush=True)
 
 
@@ -195,7 +189,7 @@ class Unit:
         return ((self.stack,) if self.index is not None else ()) + self.shape
 
 
-def _fast_kind(u: Unit) -> str:
+def fast_kind(u: Unit) -> str:
     """How a unit's global megatron tensor relates to its HF tensors at TP=1 (see weight_mapping):
     vocab (zero-padded rows), fc1 ([gate; up]), same (identical tensor), or mapped (linear_qkv)."""
     if u.is_vocab:
@@ -248,7 +242,7 @@ def extra_state_items(d: ModelDims) -> list[Item]:
 # ---- output dir ---------------------------------------------------------------------------------
 
 
-def _check_out(out: Path, overwrite: bool, sources) -> None:
+def check_out(out: Path, overwrite: bool, sources) -> None:
     if out.exists() and not out.is_dir():
         raise ConvertError(f"--out {out} exists and is not a directory")
     ro = out.resolve()
@@ -264,13 +258,13 @@ def _check_out(out: Path, overwrite: bool, sources) -> None:
 def atomic_dir(out: Path, overwrite: bool, sources=()):
     """Yield a temp dir beside `out`; on success it replaces `out` by rename, on any failure it is
     removed, so `out` is never half-written."""
-    _check_out(out, overwrite, sources)
+    check_out(out, overwrite, sources)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         yield tmp
         os.chmod(tmp, 0o755)
-        _check_out(out, overwrite, sources)
+        check_out(out, overwrite, sources)
         old = None
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
@@ -293,10 +287,10 @@ def copy_hf_files(model_dir: Path, dst: Path, tokenizer_dir: Optional[Path] = No
     which mcore_to_hf then exports on its own)."""
     dst.mkdir(parents=True, exist_ok=True)
     shutil.copy2(Path(model_dir) / "config.json", dst / "config.json")
-    return ["config.json"] + _copy_side_files(Path(tokenizer_dir or model_dir), dst)
+    return ["config.json"] + copy_side_files(Path(tokenizer_dir or model_dir), dst)
 
 
-def _copy_side_files(src: Path, dst: Path) -> list[str]:
+def copy_side_files(src: Path, dst: Path) -> list[str]:
     copied = []
     for name in SIDE_FILES:
         if (src / name).is_file():
@@ -305,7 +299,7 @@ def _copy_side_files(src: Path, dst: Path) -> list[str]:
     return copied
 
 
-class _Progress:
+class Progress:
     def __init__(self, desc: str, total_bytes: int, total_tensors: int, enabled: bool):
         self.n_tensors, self.total_tensors = 0, total_tensors
         self.bar = None
@@ -325,315 +319,3 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-# ---- HF -> megatron -----------------------------------------------------------------------------
-
-
-def hf_to_mcore(hf_dir, out_dir, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, model: str = "auto",
-                seed: int = 1234, overwrite: bool = False, progress: bool = True, ep: int = 1) -> dict:
-    """Convert a HF model dir into a megatron torch_dist checkpoint dir; returns the recorded info.
-    model: auto (causal LM -> actor, ...ForSequenceClassification -> critic with its `score` head),
-    actor, or critic (from a causal LM: a fresh value head, seeded)."""
-    t0 = time.monotonic()
-    src, out = Path(hf_dir), Path(out_dir)
-    if not src.is_dir():
-        raise ConvertError(f"HF model dir {src} does not exist")
-    _check_out(out, overwrite, [src])
-    raw, arch, family, src_kind = read_hf_config(src)
-    kind = _target_kind(model, src_kind, arch)
-    d = checked_dims(load_config_object(src / "config.json"), tp, value_head=kind == "critic")
-    _check_layout(d, tp, pp, vpp, ep)
-    st = SafetensorsDir(src)
-    units = megatron_units(d)
-    fresh_head = kind == "critic" and src_kind == "causal-lm"
-    dtypes = _check_hf_tensors(st, units, d, src, kind, fresh_head)
-    items = [Item(u.key, u.shape, dtypes[u.mname], u.index, u.stack, payload=u) for u in units]
-    items += extra_state_items(d)
-    info = _hf_to_mcore_info(src, arch, src_kind, kind, family, st, d, fresh_head, seed, (tp, pp, vpp, ep), items)
-    bar = _Progress(f"hf-to-mcore {src.name}", sum(it.nbytes for it in items),
-                    sum(1 for it in items if it.shape is not None), progress)
-    try:
-        with atomic_dir(out, overwrite, [src]) as tmp:
-            save_lazy(tmp, items, _megatron_tensor_producer(st, d, fresh_head, seed),
-                      on_done=lambda it: bar.step(it.nbytes) if it.shape is not None else None)
-            shutil.copy2(src / "config.json", tmp / "config.json")
-            info["side_files"] = _copy_side_files(src, tmp)
-            info["seconds"] = round(time.monotonic() - t0, 3)
-            (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-    finally:
-        bar.close()
-    return info
-
-
-def _target_kind(model: str, src_kind: str, arch: str) -> str:
-    if model not in ("auto", "actor", "critic"):
-        raise ConvertError(f"--model {model!r}: choose auto, actor or critic")
-    kind = ("actor" if src_kind == "causal-lm" else "critic") if model == "auto" else model
-    if kind == "actor" and src_kind == "reward":
-        raise ConvertError(f"{arch} has no LM head: convert it with --model critic (its score head becomes the value head)")
-    return kind
-
-
-def _check_layout(d: ModelDims, tp: int, pp: int, vpp: Optional[int], ep: int = 1) -> None:
-    from megappo.parallel.layout import ParallelLayout
-
-    try:  # expert-parallel ranks are data-parallel ranks: validate with the smallest dp that holds them
-        ParallelLayout(tp=tp, pp=pp, vpp=vpp, dp=ep, ep=ep).validate(d.num_heads, d.num_kv_heads, d.num_layers,
-                                                                    num_experts=d.num_experts)
-    except ValueError as e:
-        raise ConvertError(str(e)) from None
-
-
-def _check_hf_tensors(st, units: list["Unit"], d: ModelDims, src: Path, kind: str, fresh_head: bool) -> dict:
-    """Every HF tensor a unit needs exists with the shape the config implies, one dtype per unit.
-    Returns {megatron name: dtype}; logs the HF tensors nothing uses."""
-    used, dtypes = set(), {}
-    for u in units:
-        if fresh_head and u.mname.startswith("output_layer."):
-            continue
-        srcs = [n for n in u.hf if not (n == "score.bias" and n not in st)]  # HF score has no bias: zeros
-        for n in srcs:
-            if n not in st:
-                raise ConvertError(f"missing tensor {n} in {src} (needed for {u.mname})")
-            got, want = st.info(n).shape, hf_shape(n, d)
-            if is_hf_moe_tensor(n) and ".experts." not in n and tuple(got[1:]) == tuple(want[1:]) and got[0] != want[0]:
-                raise ConvertError(f"{n} in {src} routes to {got[0]} experts, its config.json says num_experts "
-                                   f"{d.num_experts}: fix the config")
-            if tuple(got) != tuple(want):
-                raise ConvertError(f"shape mismatch for {n}: checkpoint has {list(got)}, config implies {list(want)}")
-            used.add(n)
-        kinds = {st.info(n).dtype for n in srcs}
-        if len(kinds) > 1:
-            raise ConvertError(f"{u.mname}: its HF tensors {list(srcs)} have different dtypes {sorted(map(str, kinds))}")
-        dtypes[u.mname] = kinds.pop() if kinds else None
-    base_dtype = st.info("model.embed_tokens.weight").dtype
-    for u in units:
-        dtypes[u.mname] = dtypes.get(u.mname) or base_dtype
-    unused = sorted(set(st.keys()) - used)
-    extra = [n for n in unused if is_hf_moe_tensor(n)]
-    if extra:  # never drop experts: a config / checkpoint mismatch, not unused heads
-        raise ConvertError(f"{src} holds {extra[0]} (and {len(extra) - 1} more expert tensors) beyond its config's "
-                           f"{d.num_experts} experts / MoE layers {[i for i, m in enumerate(d.moe_layers) if m]}: "
-                           "fix num_experts / mlp_only_layers in config.json")
-    if unused:
-        _log(f"ignoring {len(unused)} HF tensor(s) not used by the {kind}: {', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''}")
-    return dtypes
-
-
-def _megatron_tensor_producer(st, d: ModelDims, fresh_head: bool, seed: int):
-    """Item -> its global megatron tensor, read from the HF files when save_lazy asks for it."""
-
-    def produce(it: Item) -> torch.Tensor:
-        u: Unit = it.payload
-        if fresh_head and u.mname == "output_layer.weight":
-            from megappo.models.gpt import ValueHead
-
-            return ValueHead(d.hidden_size, dtype=torch.float32, seed=seed).weight.detach().to(it.dtype)
-        if u.mname == "output_layer.bias" and (fresh_head or "score.bias" not in st):
-            return torch.zeros(1, dtype=it.dtype)
-        # Fast paths read HF bytes straight into the global tensor (one copy, no temporaries); they are
-        # weight_mapping's TP=1 layouts: vocab rows zero-padded, fc1 = [gate; up], row-parallel and
-        # replicated tensors unchanged. linear_qkv (grouped per query group) goes through weight_mapping.
-        kind = _fast_kind(u)
-        if kind == "vocab":
-            full = torch.zeros(u.shape, dtype=it.dtype)
-            st.get(u.hf[0], out=full[: d.vocab_size])
-            return full
-        if kind == "fc1":
-            full = torch.empty(u.shape, dtype=it.dtype)
-            gate, up = full.chunk(2, dim=0)
-            st.get(u.hf[0], out=gate)
-            st.get(u.hf[1], out=up)
-            return full
-        if kind == "same":
-            return st.get(u.hf[0])
-        return hf_to_megatron_full(u.mname, {n: st.get(n) for n in u.hf}, d, tp_size=1)
-
-    return produce
-
-
-def _hf_to_mcore_info(src: Path, arch, src_kind, kind, family, st, d: ModelDims, fresh_head: bool, seed: int,
-                      layout: tuple, items: list) -> dict:
-    """What megappo_convert.json records: what was converted from where, and how."""
-    tp, pp, vpp, ep = layout
-    value_head = None
-    if kind == "critic":
-        value_head = f"fresh (ValueHead init, seed {seed})" if fresh_head else \
-            "score.weight" + (" + score.bias" if "score.bias" in st else " (bias 0)")
-    return {
-        "format": FORMAT,
-        "direction": "hf-to-mcore",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "source": {"path": str(src.resolve()), "architecture": arch, "kind": src_kind,
-                   "files": {p.name: p.stat().st_size for p in sorted(src.glob("*.safetensors"))}},
-        "model": kind,
-        "family": family,
-        "value_head": value_head,
-        "layout_hint": {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep},
-        "vocab_size": d.vocab_size,
-        "padded_vocab_size": d.padded_vocab_size,
-        "tied_embeddings": d.tied_embeddings,
-        "tensors": {it.key: {"shape": list(it.payload.stored_shape), "dtype": str(it.dtype).removeprefix("torch.")}
-                    for it in items if it.shape is not None},
-        "versions": _versions(),
-    }
-
-
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"torch": torch.__version__}
-    for pkg in ("megatron-core", "transformers"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            pass
-    return out
-
-
-# ---- megatron -> HF -----------------------------------------------------------------------------
-
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-           "float32": torch.float32, "fp32": torch.float32}
-
-
-def mcore_to_hf(ckpt_dir, out_dir, config: Optional[str] = None, dtype: Optional[str] = None,
-                max_shard_size: str = "5GB", overwrite: bool = False, progress: bool = True) -> dict:
-    """Export a megatron torch_dist checkpoint (actor or critic) as a complete HF model dir."""
-    t0 = time.monotonic()
-    ckpt, out = Path(ckpt_dir), Path(out_dir)
-    if not ckpt.is_dir():
-        raise ConvertError(f"checkpoint dir {ckpt} does not exist")
-    _check_out(out, overwrite, [ckpt])
-    cast = _cast_dtype(dtype)
-    reader = CheckpointReader(ckpt)
-    cfg_file = _config_file(ckpt, config)
-    raw, arch, family, src_kind = read_hf_config(cfg_file)
-    tensors = reader.tensors()
-    if "embedding.word_embeddings.weight" not in tensors:
-        raise ConvertError(f"{ckpt} holds no embedding.word_embeddings.weight: not a megatron GPT checkpoint")
-    kind = "critic" if "output_layer.bias" in tensors else "actor"
-    if kind == "actor" and src_kind == "reward":
-        raise ConvertError(f"{ckpt} has an LM head but its config is {arch}")
-    d = _checkpoint_dims(load_config_object(cfg_file), tensors, kind)
-    units = _check_mcore_tensors(megatron_units(d), tensors, d, ckpt)
-    if kind == "actor" and d.tied_embeddings and "output_layer.weight" in tensors:
-        _log("config ties the embeddings: the checkpoint's separate output_layer.weight is not exported")
-    keep_bias = kind == "critic" and _value_bias_nonzero(reader)
-    specs = [(n, hf_shape(n, d), cast or tensors[u.key].properties.dtype)
-             for u in units for n in u.hf if n != "score.bias" or keep_bias]
-    out_cfg = _hf_output_config(raw, kind, src_kind, family, cast)
-    side_src = ckpt if any((ckpt / f).exists() for f in SIDE_FILES) else cfg_file.parent
-    bar = None
-    try:
-        with atomic_dir(out, overwrite, [ckpt]) as tmp:
-            writer = ShardedWriter(tmp, specs, parse_size(max_shard_size))
-            bar = _Progress(f"mcore-to-hf {ckpt.name}", writer.total_bytes, len(specs), progress)
-            for name, tensor in _hf_tensors(reader, units, d):
-                if name != "score.bias" or keep_bias:
-                    bar.step(writer.write(name, tensor if cast is None else tensor.to(cast)))
-            writer.finish()
-            if out_cfg == raw:
-                shutil.copy2(cfg_file, tmp / "config.json")
-            else:
-                (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2, sort_keys=True) + "\n")
-            copied = _copy_side_files(side_src, tmp)
-    finally:
-        if bar is not None:
-            bar.close()
-    return {"direction": "mcore-to-hf", "model": kind, "architecture": out_cfg["architectures"][0],
-            "tensors": len(specs), "bytes": writer.total_bytes, "shards": len(set(writer.index["weight_map"].values())),
-            "side_files": copied, "seconds": round(time.monotonic() - t0, 3)}
-
-
-def _cast_dtype(dtype: Optional[str]) -> Optional[torch.dtype]:
-    if dtype in (None, "auto"):
-        return None
-    if dtype not in _DTYPES:
-        raise ConvertError(f"--dtype {dtype!r}: choose auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
-
-
-def _config_file(ckpt: Path, config: Optional[str]) -> Path:
-    cfg_dir = Path(config) if config else ckpt
-    cfg_file = cfg_dir if cfg_dir.is_file() else cfg_dir / "config.json"
-    if not cfg_file.exists():
-        raise ConvertError(f"no config.json in {cfg_dir}: pass --config with the model's HF config dir")
-    return cfg_file
-
-
-def _checkpoint_dims(hf_config, tensors: dict, kind: str) -> ModelDims:
-    """The config's dims with the checkpoint's own padded vocab (the rows it was saved with)."""
-    d = checked_dims(hf_config, 1, value_head=kind == "critic")
-    rows = tensors["embedding.word_embeddings.weight"].size[0]
-    if rows < d.vocab_size:
-        raise ConvertError(f"shape mismatch for embedding.word_embeddings.weight: checkpoint has {rows} rows, "
-                           f"config vocab_size is {d.vocab_size}")
-    return dataclasses.replace(d, padded_vocab_size=rows)
-
-
-def _check_mcore_tensors(units: list["Unit"], tensors: dict, d: ModelDims, ckpt: Path) -> list["Unit"]:
-    """Every unit's key is in the checkpoint with the shape the config implies; returns the units with
-    the key found (a MoE layer's pre-MLP norm is `pre_mlp_layernorm.weight` when the TE spec wrote it)."""
-    found = []
-    for u in units:
-        if u.key not in tensors and u.mname.endswith(".pre_mlp_layernorm.weight") and u.mname in tensors:
-            u = dataclasses.replace(u, key=u.mname)
-        if u.key not in tensors:
-            raise ConvertError(f"missing tensor {u.key} in {ckpt} (needed for {u.mname})")
-        got = tuple(tensors[u.key].size)
-        if got != u.stored_shape:
-            expert_axis = ".experts.experts." in u.key or u.key.endswith(".mlp.router.weight")
-            if expert_axis and got[1:] == u.stored_shape[1:] and got[0] != d.num_experts:
-                raise ConvertError(f"{u.key} in {ckpt} holds {got[0]} experts, the config's num_experts is "
-                                   f"{d.num_experts}: pass --config with the model's own config.json")
-            raise ConvertError(f"shape mismatch for {u.key}: checkpoint has {list(got)}, config implies {list(u.stored_shape)}")
-        found.append(u)
-    return found
-
-
-def _value_bias_nonzero(reader) -> bool:
-    bias = reader.read("output_layer.bias")
-    nonzero = bool(bias.abs().max() > 0)
-    if nonzero:
-        _log(f"value head bias is {bias.item():.6g}: HF ...ForSequenceClassification has no score bias; "
-             "it is kept as score.bias (megappo loads it; transformers ignores it)")
-    return nonzero
-
-
-def _hf_output_config(raw: dict, kind: str, src_kind: str, family: str, cast: Optional[torch.dtype]) -> dict:
-    """config.json of the export: a critic saved from a causal-LM config becomes *ForSequenceClassification."""
-    out_cfg = dict(raw)
-    if kind == "critic" and src_kind == "causal-lm":
-        out_cfg["architectures"] = [SEQ_CLS[family]]
-        out_cfg["id2label"] = {"0": "LABEL_0"}
-        out_cfg["label2id"] = {"LABEL_0": 0}
-        out_cfg.pop("num_labels", None)
-    if cast is not None:
-        name = str(cast).removeprefix("torch.")
-        for k in ("dtype", "torch_dtype"):
-            if k in out_cfg or k == "dtype":
-                out_cfg[k] = name
-    return out_cfg
-
-
-def _hf_tensors(reader, units: list["Unit"], d: ModelDims):
-    """(HF name, tensor) of every unit, read one megatron tensor (of one layer) at a time."""
-    for u in units:
-        if u.index is None:
-            t = reader.read(u.key)
-        else:  # one layer (or one expert) of a stacked key
-            t = reader.read(u.key, (u.index,) + (0,) * len(u.shape), (1,) + u.shape)[0]
-        fk = _fast_kind(u)  # views instead of copies for weight_mapping's TP=1 identities
-        if fk == "vocab":
-            hf = {u.hf[0]: t[: d.vocab_size]}
-        elif fk == "fc1":
-            hf = dict(zip(u.hf, t.chunk(2, dim=0)))
-        elif fk == "same":
-            hf = {u.hf[0]: t}
-        else:
-            hf = megatron_shards_to_hf(u.mname, [t], d)
-        del t
-        yield from hf.items()
-        del hf
