@@ -55,7 +55,8 @@ def step_shape(config: str, seed: int, steps: int | None) -> dict:
              "mini_batch": a.ppo_mini_batch_size, "epochs": a.ppo_epochs,
              "kl_coef": a.kl_loss_coef if a.use_kl_loss else 0.0, "clip": a.clip_ratio,
              "non_stop_penalty": c.reward.non_stop_penalty_value if c.reward.non_stop_penalty else None,
-             "seed": seed}
+             # megappo's bf16 is mixed precision (fp32 main params) = TRL's bf16=True (autocast, fp32 params)
+             "bf16": m.dtype == "bf16", "seed": seed}
     if algo == "grpo":
         return shape
     # PPO: TRL 0.29's PPOTrainer puts a fixed k1/k3 KL penalty in the reward, whitens the advantages and
@@ -102,11 +103,14 @@ def main(argv=None) -> int:
     shape = step_shape(args.config, seeds[0], args.steps)
     if not TRL_PY.exists() or (shape["algo"] == "ppo" and not (TRL_PPO_PATH / "trl").is_dir()):
         raise SystemExit(f"{TRL_PY} or {TRL_PPO_PATH} not found: run `make trl-venv` first (TRL in its own venv)")
+    # both sides evaluate the validation prompts once, after the last step (TRL has no periodic eval
+    # here); megappo also writes its one checkpoint and the HF export then (TRL saves nothing)
+    once_at_end = (f"trainer.val_every={shape['steps']}", f"trainer.save_every={shape['steps']}")
     with tempfile.TemporaryDirectory(prefix="megappo-trl-") as tmp:
         root = Path(args.out or tmp)
         megappo, trl = [], []
         for s in seeds:  # alternate, so drift in the machine's load hits both sides alike
-            megappo.append(run_once(args.config, s, args.steps, root / f"megappo{s}"))
+            megappo.append(run_once(args.config, s, args.steps, root / f"megappo{s}", once_at_end))
             trl.append(run_trl(dict(shape, seed=s), root / f"trl{s}"))
     mean = lambda rs, k: round(statistics.mean(r[k] for r in rs), 3)  # noqa: E731
     summary = {side: {k: mean(rs, k) for k in ("wall_s", "final_eval_accuracy")}
