@@ -27,9 +27,17 @@ def rows(path: str) -> list[dict]:
             for r in pq.read_table(path).to_pylist()]
 
 
-def greedy_accuracy(model, tok, val: list[dict], max_new_tokens: int, score, batch: int = 64) -> float:
+def greedy_accuracy(model, tok, val: list[dict], max_new_tokens: int, score, bf16: bool, batch: int = 64) -> float:
     """Share of the validation prompts whose greedy response (HF generate, chat template, left padding)
-    gets the full score (>= 1.0), as megappo's eval/verifiable_correct_rate counts it."""
+    gets the full score (>= 1.0), as megappo's eval/verifiable_correct_rate counts it. bf16: under bf16
+    autocast, as the run trained (megappo evaluates a bf16 run in bf16 vLLM)."""
+    import torch
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        return _greedy_accuracy(model, tok, val, max_new_tokens, score, batch)
+
+
+def _greedy_accuracy(model, tok, val, max_new_tokens, score, batch) -> float:
     import torch
 
     model = model.eval()

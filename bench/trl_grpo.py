@@ -7,8 +7,9 @@ megatron. The only thing it takes from the project is the task's scorer, loaded 
 
 SHAPE.json (written by bench/trl_compare.py from a megappo config): model, tokenizer, train/val
 parquet, steps, prompts_per_step, n, max_new_tokens, temperature, lr, mini_batch, epochs, kl_coef,
-clip, non_stop_penalty (null or the value), seed. Writes OUT_DIR/result.json: the training time and
-the greedy accuracy on the validation prompts after training (HF generate, the same scorer).
+clip, non_stop_penalty (null or the value), bf16 (TRL's bf16=True: autocast over fp32 params), seed.
+Writes OUT_DIR/result.json: the training time and the greedy accuracy on the validation prompts after
+training (HF generate, the same scorer).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def main(shape_path: str, out_dir: str) -> int:
     per_gen = s["prompts_per_step"] * s["n"]
     updates_per_step = (per_gen // s["mini_batch"]) * s["epochs"]
     cfg = GRPOConfig(
-        output_dir=str(out / "trl"), use_cpu=True, bf16=s.get("bf16", False), report_to="none", save_strategy="no",
+        output_dir=str(out / "trl"), use_cpu=True, bf16=s["bf16"], report_to="none", save_strategy="no",
         logging_steps=updates_per_step, seed=s["seed"], disable_dropout=True,
         max_steps=s["steps"] * updates_per_step, learning_rate=s["lr"], lr_scheduler_type="constant",
         num_generations=s["n"], per_device_train_batch_size=s["mini_batch"],
@@ -68,9 +69,8 @@ def main(shape_path: str, out_dir: str) -> int:
     train_s = time.perf_counter() - t0
 
     val = rows(s["val_file"])
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.get("bf16", False)):  # megappo evals in bf16 vLLM
-        accuracy = greedy_accuracy(trainer.model, tok, val, s["max_new_tokens"], score)
-    result = {"train_s": round(train_s, 1), "bf16": s.get("bf16", False), "optimizer_steps": trainer.state.global_step,
+    accuracy = greedy_accuracy(trainer.model, tok, val, s["max_new_tokens"], score, s["bf16"])
+    result = {"train_s": round(train_s, 1), "bf16": s["bf16"], "optimizer_steps": trainer.state.global_step,
               "final_eval_accuracy": round(accuracy, 4), "val_prompts": len(val),
               "trl": __import__("trl").__version__}
     (out / "result.json").write_text(json.dumps(result))

@@ -132,7 +132,7 @@ def main(shape_path: str, out_dir: str) -> int:
     if per_step % s["mini_batch"]:
         raise SystemExit(f"prompts x n = {per_step} is not a multiple of the mini-batch {s['mini_batch']}")
     cfg = PPOConfig(
-        output_dir=str(out / "trl"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+        output_dir=str(out / "trl"), use_cpu=True, bf16=s["bf16"], report_to="none", save_strategy="no",
         logging_steps=1, disable_tqdm=True, seed=s["seed"], gradient_checkpointing=False,
         per_device_train_batch_size=per_step, gradient_accumulation_steps=1,
         local_rollout_forward_batch_size=per_step, num_mini_batches=per_step // s["mini_batch"],
@@ -181,13 +181,14 @@ def main(shape_path: str, out_dir: str) -> int:
 
     val = rows(s["val_file"])
     model = trainer.accelerator.unwrap_model(trainer.model).policy
-    accuracy = greedy_accuracy(model, tok, val, s["max_new_tokens"], score)
+    accuracy = greedy_accuracy(model, tok, val, s["max_new_tokens"], score, s["bf16"])
     mean5 = lambda xs: round(statistics.mean(xs), 3) if xs else None  # noqa: E731
     result = {"train_s": round(train_s, 1), "steps": trainer.state.global_step,
               "optimizer_steps": trainer.state.global_step * cfg.num_mini_batches * cfg.num_ppo_epochs,
               "step_median_s": round(statistics.median(steps.step_s), 3) if steps.step_s else None,
               "first5_scores": mean5(steps.scores[:5]), "last5_scores": mean5(steps.scores[-5:]),
-              "final_eval_accuracy": round(accuracy, 4), "val_prompts": len(val), "trl": trl.__version__}
+              "final_eval_accuracy": round(accuracy, 4), "val_prompts": len(val), "bf16": s["bf16"],
+              "trl": trl.__version__}
     (out / "result.json").write_text(json.dumps(result))
     print(json.dumps(result))
     return 0
