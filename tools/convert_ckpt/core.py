@@ -62,8 +62,6 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 INFO_FILE = "megappo_convert.json"
 FORMAT = "megappo-convert/1"
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-# a routed expert's parameter: megatron's SequentialMLP checkpoints all experts of a layer as one key
-# `...mlp.experts.experts.<fc>` with a leading global-expert axis (its sharded_state_dict)
 
 
 def log(msg: str) -> None:
