@@ -47,6 +47,7 @@ from omegaconf import OmegaConf
 
 from megappo.config import ConfigError, load_config
 from megappo.config.schema import MegappoConfig
+from megappo.parallel.layout import same_layout
 from megappo.parallel.weight_mapping import padded_vocab_size
 from megappo.config.validate import validate_config
 
@@ -186,7 +187,7 @@ def plan(cfg) -> dict:
         phases["critic_update"] = resident("critic") + c.resident_gb + c.activations_gb + sleeping_vllm()
     phases["actor_update"] = resident("actor") + a.resident_gb + a.activations_gb + sleeping_vllm()
     processes = 1 + sum(1 for r in ("critic",) if r in roles) + int(bool(cfg.reward.model.enable)) + \
-        int("ref" in roles and not _same_layout(cfg.ref.parallel, cfg.actor.parallel))
+        int("ref" in roles and not same_layout(cfg.ref.parallel, cfg.actor.parallel))
     overhead = OVERHEAD_GB + CUDA_CONTEXT_GB * processes
     phases = {k: v + overhead for k, v in phases.items()}
     peak_phase = max(phases, key=phases.get)
@@ -223,10 +224,6 @@ def plan(cfg) -> dict:
                         # MoE: every expert reaches every rollout TP rank (TP-sliced), from the EP rank holding it
                         "experts_per_rollout_gpu": cfg.model.arch.num_experts * moe_layers(cfg.model.arch)},
     }
-
-
-def _same_layout(a, b) -> bool:
-    return (a.tp, a.pp, a.dp, a.vpp, a.ep) == (b.tp, b.pp, b.dp, b.vpp, b.ep)
 
 
 def _layout_str(par) -> str:

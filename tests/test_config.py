@@ -125,6 +125,25 @@ def test_mixture_of_experts_layouts_refused_in_one_line(tiny_assets, overrides, 
     assert expected in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
+def test_a_role_sharing_the_actors_processes_with_another_ep_is_refused_in_one_line(tiny_assets):
+    """A critic (colocated) or ref with the actor's tp/pp/dp/vpp runs in the actor's processes, under one
+    megatron parallel_state: an ep of its own is refused before any worker starts."""
+    moe = [f"model.path={tiny_assets['tiny-qwen3_moe']}"]
+    for overrides, line in [
+        (["critic.parallel.ep=1", "ref.parallel.ep=1"], "critic.parallel.ep=1 but actor.parallel.ep=2: a critic with "
+         "the actor's tp/pp/dp/vpp runs in the actor's processes, under its expert-parallel groups; set "
+         "critic.parallel.ep to 2 like actor.parallel.ep, or set resources.colocate=false"),
+        (["ref.parallel.ep=1"], "ref.parallel.ep=1 but actor.parallel.ep=2: a ref with the actor's tp/pp/dp/vpp runs "
+         "in the actor's processes, under its expert-parallel groups; set ref.parallel.ep to 2 like "
+         "actor.parallel.ep, or give the ref its own tp/pp/dp"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            load_config(REPO / "configs/ppo_tiny_moe.yaml", moe + overrides)
+        assert str(info.value) == line
+    # a critic in its own processes may have its own ep
+    load_config(REPO / "configs/ppo_tiny_moe.yaml", moe + ["critic.parallel.ep=1", "resources.colocate=false"])
+
+
 def test_expert_parallel_on_a_dense_model_is_refused_in_one_line():
     with pytest.raises(ConfigError) as info:
         load_config(TINY, ["actor.parallel.ep=2"])

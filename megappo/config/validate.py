@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from megappo.config.errors import ConfigError
 from megappo.config.schema import CHOICES, GROUP_ESTIMATORS, LOGGERS
+from megappo.parallel.layout import same_layout
 from megappo.parallel.weight_mapping import ModelDims
 
 
@@ -165,6 +166,20 @@ def _check_layouts(cfg, dims: ModelDims) -> None:
         check_parallel("reward.model", cfg.reward.model.parallel, dims, world)
         if not cfg.reward.model.path:
             raise ConfigError("reward.model.enable=true needs reward.model.path (a HF *ForSequenceClassification dir)")
+    _check_ep_of_shared_roles(cfg)
+
+
+def _check_ep_of_shared_roles(cfg) -> None:
+    """A role with the actor's tp/pp/dp/vpp runs in the actor's processes (the ref always, the critic with
+    resources.colocate: ppo/ray_trainer.py), under one megatron parallel_state: its ep must be the actor's."""
+    a = cfg.actor.parallel
+    for role, shares in (("critic", cfg.resources.colocate), ("ref", True)):
+        p = cfg[role].parallel
+        if cfg[role].enable and shares and p.ep != a.ep and same_layout(p, a, but=("ep",)):
+            other = "set resources.colocate=false" if role == "critic" else "give the ref its own tp/pp/dp"
+            raise ConfigError(f"{role}.parallel.ep={p.ep} but actor.parallel.ep={a.ep}: a {role} with the actor's "
+                              f"tp/pp/dp/vpp runs in the actor's processes, under its expert-parallel groups; set "
+                              f"{role}.parallel.ep to {a.ep} like actor.parallel.ep, or {other}")
 
 
 def _check_rollout(cfg, dims: ModelDims) -> None:

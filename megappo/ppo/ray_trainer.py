@@ -58,6 +58,7 @@ from megappo.agent.loop import agent_metrics
 from megappo.agent.environment import Environments
 from megappo.data.dataset import RLHFDataset
 from megappo.data.sampler import EpochSampler
+from megappo.parallel.layout import same_layout
 from megappo.ppo import core_algos as algos
 from megappo.ppo.checkpointing import CheckpointingMixin
 from megappo.ppo.losses import PolicyLoss, ValueLoss
@@ -88,10 +89,6 @@ def _timer(name: str, timing: dict):
     t0 = time.perf_counter()
     yield
     timing[name] = timing.get(name, 0.0) + time.perf_counter() - t0
-
-
-def _same_layout(a, b) -> bool:
-    return (a.tp, a.pp, a.dp, a.vpp) == (b.tp, b.pp, b.dp, b.vpp)
 
 
 class _Inflight:
@@ -188,10 +185,10 @@ class RayPPOTrainer(CheckpointingMixin):
         from megappo.workers.roles import ActorCriticWorker, ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
         cfg, res = self.config, self.config.resources
-        fuse_ref = cfg.ref.enable and _same_layout(cfg.ref.parallel, cfg.actor.parallel)
+        fuse_ref = cfg.ref.enable and same_layout(cfg.ref.parallel, cfg.actor.parallel)
         # resources.colocate: the critic joins the actor's processes when it has the actor's layout
         # (one megatron world, one process per device: no contention, no second set of imports)
-        fuse_critic = cfg.critic.enable and res.colocate and _same_layout(cfg.critic.parallel, cfg.actor.parallel)
+        fuse_critic = cfg.critic.enable and res.colocate and same_layout(cfg.critic.parallel, cfg.actor.parallel)
         actor_kind = ("actor" if self.async_mode else "actor_rollout") + ("_ref" if fuse_ref else "")
         spec = {"train": [res.workers_per_node] * res.nodes}
         mapping = {Role.ActorRolloutRef if fuse_ref else Role.ActorRollout: "train"}
