@@ -1,9 +1,6 @@
 """Multi-turn, tool-using rollouts (megappo/agent/):
 
-- the python tool's sandbox, attacked: a hang, a crash, a fork bomb, unbounded memory, megabytes of
-  output, a socket to a server on this host, the parent's secrets, writing the run's files and
-  /dev/shm, undoing the mounts, starting a program: each is stopped or refused, returned as a short
-  error, and the run's files are untouched;
+- (the python tool's sandbox is attacked in tests/test_sandbox.py);
 - the calculator is exact and evaluates no code; malformed calls are error observations, counted;
 - the tool formats: Hermes calls parsed, tool results rendered by the chat template (token in, token
   out), tools shown through the template's tools section or the declared system prompt, and a
@@ -17,79 +14,12 @@
 
 import os
 import re
-import socket
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
-from megappo.agent.sandbox import Limits, isolation_problem, run_python  # noqa: E402
-
-LIMITS = Limits(wall_s=4, cpu_s=2, memory_mb=512, max_output_bytes=8192)
-
-needs_sandbox = pytest.mark.skipif(isolation_problem() is not None, reason=f"no namespaces: {isolation_problem()}")
-
-
-# ---- the sandbox ----------------------------------------------------------------------------------
-
-@needs_sandbox
-def test_sandbox_runs_code_and_returns_its_output():
-    r = run_python("import numpy\nprint(sum(i * i for i in range(10)), numpy.arange(4).sum())", LIMITS)
-    assert r.error is None and r.output == "285 6\n"
-    r = run_python("open('scratch.txt', 'w').write('hi')\nprint(open('scratch.txt').read())", LIMITS)
-    assert r.output == "hi\n"  # its own working directory is writable
-
-
-@needs_sandbox
-@pytest.mark.parametrize("name, code, expect", [
-    ("hang", "while True: pass", "timed out|CPU time limit"),
-    ("sleep", "import time\ntime.sleep(60)", "timed out"),
-    ("crash", "import ctypes\nctypes.string_at(0)", "SIGSEGV"),
-    ("fork bomb", "import os\nwhile True:\n    os.fork()", "PermissionError"),
-    ("a program", "import subprocess\nsubprocess.run(['ls', '/'])", "PermissionError"),
-    ("memory", "x = []\nwhile True:\n    x.append(bytearray(16 << 20))", "MemoryError"),
-    ("output", "while True:\n    print('x' * 1000)", "output longer than"),
-    ("big file", "open('big', 'wb').write(bytes(64 << 20))", "File too large"),
-])
-def test_sandbox_stops_what_escapes_its_limits(name, code, expect):
-    r = run_python(code, LIMITS)
-    assert r.error is not None and re.search(expect, r.error + r.output), (name, r)
-    assert r.seconds < LIMITS.wall_s + 2 and len(r.output) <= LIMITS.max_output_bytes
-
-
-@needs_sandbox
-def test_sandbox_has_no_network_no_secrets_and_cannot_touch_the_run(tmp_path, monkeypatch):
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen()
-    port = server.getsockname()[1]
-    run_file = tmp_path / "metrics.jsonl"
-    run_file.write_text("keep")
-    monkeypatch.setenv("WANDB_API_KEY", "secret-123")
-    attempts = {
-        "socket": f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\nprint('connected')",
-        "secret": "import os\nprint(os.environ.get('WANDB_API_KEY'), sorted(os.environ))",
-        "write": f"open({str(run_file)!r}, 'w').write('gone')\nprint('wrote')",
-        "delete": f"import os\nos.remove({str(run_file)!r})\nprint('deleted')",
-        "shm": "open('/dev/shm/megappo-probe', 'w').write('x')\nprint('wrote')",
-        "remount": ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-                    "print('mount', libc.mount(None, b'/', None, 32 | 4096, None), ctypes.get_errno())\n"
-                    f"open({str(run_file)!r}, 'w').write('gone')"),
-    }
-    results = {k: run_python(code, LIMITS) for k, code in attempts.items()}
-    server.settimeout(0.2)
-    with pytest.raises(socket.timeout):
-        server.accept()  # nothing connected
-    assert "connected" not in results["socket"].output and results["socket"].error
-    secret = results["secret"]
-    assert "secret-123" not in secret.output and "WANDB_API_KEY" not in secret.output
-    for k in ("write", "delete", "shm", "remount"):
-        assert results[k].error and "Read-only file system" in results[k].output + results[k].error, (k, results[k])
-    assert "mount -1 1" in results["remount"].output  # EPERM: the filter refuses mount(2)
-    assert run_file.read_text() == "keep" and not os.path.exists("/dev/shm/megappo-probe")
-    assert not [p for p in os.listdir(os.environ.get("TMPDIR", "/tmp")) if p.startswith("megappo-tool-")]
 
 
 # ---- tools and formats ----------------------------------------------------------------------------
@@ -281,7 +211,6 @@ def test_agent_loop_layout_in_vllm(agent_rollout, tokenizer):
     assert torch.equal(again.batch["responses"], b["responses"])
 
 
-@needs_sandbox
 def test_each_row_calls_only_its_environments_tools(agent_rollout, tokenizer):
     """Rows carrying different tools (their environments'): the forced first call is a call of the row's
     own tool, recorded in agent_turns with its result; a row with no tools is not forced (its first turn

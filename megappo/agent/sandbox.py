@@ -1,49 +1,64 @@
-"""Run code a model wrote, with limits. One child process per call:
+"""Run code a model wrote, confined. One sandbox per call:
 
     result = run_python("print(2 ** 10)", Limits(wall_s=5))   # SandboxResult(output='1024\\n', error=None, ...)
 
-What confines the child (each line is something a test in tests/test_agent_tools.py tries to break):
-- namespaces (util-linux `unshare`; unprivileged user namespaces, so it works as root and as a user):
-  a new network namespace (only a loopback that is down: no socket reaches the host or beyond), a new
-  PID namespace whose init is the child (when it ends, the kernel kills every process it forked),
-  killed with the launcher (`--kill-child`), a new mount namespace in which every mount is remounted
-  read-only (the run's files, /dev/shm where Ray and vLLM keep theirs) and a size-capped tmpfs is the
-  working directory; the child checks that no other mount stayed writable and refuses to run the code
-  otherwise. A machine that refuses namespaces gets an error result, never an unconfined run
-  (`isolation_problem()`, which the config check calls before any worker starts);
-- a seccomp filter (libseccomp via pyseccomp) loaded before the code runs: no new processes (fork,
-  vfork, clone without CLONE_THREAD; clone3 answers ENOSYS so libc uses clone; threads still work) -
-  a fork bomb gets EPERM at its first fork (RLIMIT_NPROC would not do: the kernel does not enforce it
-  for uid 0, and a user namespace of root maps to uid 0) - and none of the calls that could undo the
-  confinement from inside (mount, umount2, unshare, setns, chroot, pivot_root, ptrace, bpf, ...);
-- rlimits: CPU seconds, address space (allocations past it raise MemoryError), file size, open files;
-- a wall-clock timeout (the whole process group is killed), output read up to `max_output_bytes`
-  (the child is killed past it: printing megabytes costs nothing), a fresh temporary working
-  directory removed afterwards, an environment of PATH / LANG only (no secrets inherited), Python in
-  isolated mode (-I: no user site, no PYTHON* variables, no cwd on sys.path).
+What the code sees and may do (docs/SANDBOX.md is the threat model; tests/test_sandbox.py tries each escape,
+after showing that its payload works unconfined):
+- **a minimal world**: a fresh root holding the interpreter and its standard library, the allowed packages
+  (ALLOWED_PACKAGES), the system's shared libraries, a /dev of null/zero/random/urandom, its own /proc, and
+  a size-capped noexec tmpfs at /tmp as the working directory and HOME. Nothing of the host's /work, /home,
+  /root, /tmp, /dev/shm, /run or /var: no checkout, data, checkpoints, sockets or credentials. Every mount
+  but /tmp is read-only and locked (pivot_root, then a nested user namespace: see sandbox_child.py);
+- **its own namespaces**: user (root of it maps to an unprivileged host uid of its own per call where the
+  worker is root), mount, network (a downed loopback only), PID (the code is the namespace's init: when
+  the call ends the launcher kills it through a pidfd, and the kernel kills everything else in it,
+  whatever it did with setsid, death signals or signal handlers), IPC (no System V object outlives the
+  call), UTS and cgroup;
+- **an allow-list of system calls** (megappo/agent/syscalls.py): no processes, no exec, no sockets but a
+  socketpair, no mount calls of either API, no namespaces, keyrings, io_uring, userfaultfd, bpf, ptrace;
+- **limits for the whole call**: CPU seconds over all its threads (RLIMIT_CPU counts the process, every
+  thread), memory = the address space (RLIMIT_AS; shared memory cannot be made: SysV and memfd are
+  refused, there is no /dev/shm) + the tmpfs's size cap, a thread count (RLIMIT_NPROC on the call's own
+  uid: enforced where the worker is root, which gives each call its own uid; otherwise not enforced), open
+  files, a wall-clock timeout and an output cap. cgroup v2 is not used: this machine's is not delegated
+  (a v1/v2 hybrid with no v2 controllers), and rlimits enforce the same bounds per call;
+- an environment of PATH / LANG / HOME only; Python in isolated mode (-I -S).
+
+A machine that cannot build this gets an error result, never an unconfined run (`isolation_problem()`,
+which `megappo config check` calls before any worker starts).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
+import json
 import os
-import shutil
+import select
 import signal
 import subprocess
 import sys
-import tempfile
+import sysconfig
 import time
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Optional
+
+ALLOWED_PACKAGES = ("numpy", "sympy", "mpmath")  # importable inside, read-only; the standard library always is
+_CHILD_SOURCE = (Path(__file__).with_name("sandbox_child.py")).read_text()
+_UID_BASE = 0x4D500000  # per-call host uids (and gids) when the worker is root: 2^20 of them above this
+_uid_counter = itertools.count()
 
 
 @dataclass(frozen=True)
 class Limits:
     wall_s: float = 5.0
-    cpu_s: int = 5
+    cpu_s: int = 5  # CPU seconds, all threads together
     memory_mb: int = 512  # address space
-    max_file_mb: int = 8
+    max_file_mb: int = 8  # the working tmpfs: all files together (and any one file)
     max_output_bytes: int = 16384
+    max_threads: int = 16  # enforced where the worker is root (each call its own uid)
 
 
 @dataclass
@@ -52,140 +67,220 @@ class SandboxResult:
     error: Optional[str]  # None: ran to completion with exit code 0; else a short reason
     timed_out: bool = False
     seconds: float = 0.0
+    cpu_s: float = 0.0  # user + system time of the whole call
+    max_rss_mb: float = 0.0
 
 
-# runs inside the namespaces, before the model's code: every mount read-only, a size-capped tmpfs as the
-# working directory, the check that nothing else stayed writable (fail closed), the limits, then the
-# code (read from stdin, so nothing of it is on a command line)
-_BOOTSTRAP = r"""
-import os, resource, subprocess, sys
-workdir = sys.argv[1]
-cpu, mem, fsize = (int(a) for a in sys.argv[2:5])
-def mounts():
-    top = {}
-    for line in open("/proc/self/mountinfo"):
-        f = line.split()
-        top[f[4].encode().decode("unicode_escape")] = f[5].split(",")  # the last entry is the visible one
-    return top
-for point in mounts():
-    subprocess.run(["mount", "-o", "remount,bind,ro", point], stderr=subprocess.DEVNULL)
-subprocess.run(["mount", "-t", "tmpfs", "-o", "size=%d,mode=700" % fsize, "tmpfs", workdir], check=True)
-writable = [p for p, opts in mounts().items() if "ro" not in opts and p != workdir]
-if writable:
-    sys.exit("sandbox: could not make %s read-only" % writable)
-os.chdir(workdir)
-import signal
-def _cpu_limit(*_, _write=os.write, _exit=os._exit):  # the soft limit: say so (unshare does not pass a
-    _write(2, b"CPU time limit exceeded\n")                # signal death on cleanly); the hard one: SIGKILL
-    _exit(152)
-signal.signal(signal.SIGXCPU, _cpu_limit)
-import errno, pyseccomp as sc
-f = sc.SyscallFilter(defaction=sc.ALLOW)
-for call in ("fork", "vfork", "mount", "umount2", "pivot_root", "chroot", "unshare", "setns", "ptrace",
-             "process_vm_writev", "bpf", "perf_event_open", "keyctl", "add_key", "request_key"):
-    f.add_rule(sc.ERRNO(errno.EPERM), call)
-f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, 0x00010000, 0))  # no CLONE_THREAD: a process
-f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # its flags are behind a pointer: libc falls back to clone
-f.load()
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-for what, value in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_NOFILE, 64),
-                    (resource.RLIMIT_CORE, 0)):
-    resource.setrlimit(what, (value, value))
-code = sys.stdin.read()
-sys.stdin = open(os.devnull)
-sys.argv = ["<tool>"]
-del os, resource, subprocess, sys, signal, errno, sc, f, call, mounts, workdir, cpu, mem, fsize, writable
-exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})
-"""
+class _SetupError(Exception):
+    pass
 
-_UNSHARE = ["unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
+
+@dataclass(frozen=True)
+class _World:
+    binds: tuple  # (host path, path inside, is a directory)
+    empty: tuple  # paths inside that get an empty read-only mount
+    symlinks: tuple  # (path inside, target)
+
+
+@lru_cache(maxsize=None)
+def _world() -> _World:
+    """What the child's root is made of, from this interpreter's own installation."""
+    ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    stdlib = sysconfig.get_paths()["stdlib"]
+    binds = [(os.path.realpath(sys.executable), "/opt/python/bin/python3", False), (stdlib, f"/opt/python/lib/{ver}", True)]
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        lib = os.path.join(sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME"))
+        binds.append((os.path.realpath(lib), "/opt/python/lib/" + os.path.basename(lib), False))
+    dynload = os.path.dirname(importlib.util.find_spec("_json").origin)
+    if not dynload.startswith(stdlib + os.sep):
+        raise _SetupError(f"the standard library's extension modules ({dynload}) are outside {stdlib}")
+    for name in ALLOWED_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            continue
+        path = spec.submodule_search_locations[0] if spec.submodule_search_locations else spec.origin
+        binds.append((path, f"/opt/packages/{os.path.basename(path)}", os.path.isdir(path)))
+        if os.path.isdir(path + ".libs"):  # the shared libraries a wheel vendors (numpy's OpenBLAS)
+            binds.append((path + ".libs", f"/opt/packages/{name}.libs", True))
+    multiarch = sysconfig.get_config_var("MULTIARCH") or ""
+    symlinks = [(top, os.readlink(top)) for top in ("/lib", "/lib64", "/lib32") if os.path.islink(top)]
+    for d in ("/lib/" + multiarch, "/usr/lib/" + multiarch, "/lib64", "/usr/lib64"):
+        if os.path.isdir(d) and os.path.realpath(d) == d:  # a real directory, not one seen through a link
+            binds.append((d, d, True))
+    empty = [f"/opt/python/lib/{ver}/site-packages"] if os.path.isdir(os.path.join(stdlib, "site-packages")) else []
+    return _World(tuple(binds), tuple(empty), tuple(symlinks))
+
+
+def _identity(limits: Limits) -> tuple[int, int, int]:
+    """The host uid/gid the sandbox's root maps to, and its RLIMIT_NPROC (0: not enforceable)."""
+    if os.geteuid() == 0:  # an unprivileged uid of the call's own: an escape is nobody, and threads count
+        uid = _UID_BASE + ((os.getpid() << 10) + next(_uid_counter)) % (1 << 20)
+        return uid, uid, limits.max_threads + 2  # + the outer stage and the main thread
+    return os.geteuid(), os.getegid(), 0
 
 
 @lru_cache(maxsize=None)
 def isolation_problem() -> Optional[str]:
-    """None when this machine can make the namespaces (checked once per process), else why not."""
-    if shutil.which("unshare") is None:
-        return "the `unshare` command (util-linux) is not installed"
+    """None when this machine can build the sandbox (one real call, checked once per process), else why not."""
     try:
-        r = subprocess.run(_UNSHARE + ["true"], capture_output=True, timeout=10, start_new_session=True)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"unshare failed: {e}"
-    if r.returncode:
-        return f"unshare refused: {r.stderr.decode(errors='replace').strip()[:200]}"
-    return None
+        r = _run("print('ok')", Limits(wall_s=20, cpu_s=10))
+    except _SetupError as e:
+        return str(e)
+    if r.error is None and r.output == "ok\n":
+        return None
+    said = r.output.strip().splitlines()
+    return f"{r.error}: {said[-1][:300]}" if said else str(r.error)  # one line
 
 
 def run_python(code: str, limits: Limits = Limits()) -> SandboxResult:
-    """Run `code` with `python -I` in a confined child (see the module docstring)."""
+    """Run `code` in the sandbox (see the module docstring); never unconfined."""
     problem = isolation_problem()
-    if problem:  # never unconfined
+    if problem:
         return SandboxResult("", f"sandbox unavailable: {problem}")
-    workdir = tempfile.mkdtemp(prefix="megappo-tool-")  # the mount point of the child's tmpfs
-    cmd = _UNSHARE + [sys.executable, "-I", "-c", _BOOTSTRAP, workdir, str(limits.cpu_s), str(limits.memory_mb << 20),
-            str(limits.max_file_mb << 20)]
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
+    try:
+        return _run(code, limits)
+    except _SetupError as e:
+        return SandboxResult("", f"sandbox setup failed: {e}")
+
+
+def _run(code: str, limits: Limits) -> SandboxResult:
+    from megappo.agent.syscalls import build_filter
+
     t0 = time.perf_counter()
+    deadline = t0 + limits.wall_s
+    world, program = _world(), build_filter()
+    uid, gid, nproc = _identity(limits)
+    ctl_r, ctl_w = os.pipe()
+    st_r, st_w = os.pipe()
+    cfg = {"ctl": ctl_r, "status": st_w, "root": "/tmp" if os.path.isdir("/tmp") else "/mnt",
+           "binds": [list(b) for b in world.binds],
+           "empty": list(world.empty), "symlinks": [list(s) for s in world.symlinks], "source": _CHILD_SOURCE,
+           "cpu_s": limits.cpu_s, "memory_bytes": limits.memory_mb << 20, "tmpfs_bytes": limits.max_file_mb << 20,
+           "nproc": nproc}
     try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                cwd=workdir, env=env, start_new_session=True)
-        return _collect(proc, code, limits, t0)
+        proc = subprocess.Popen(
+            [os.path.realpath(sys.executable), "-I", "-S", "-c", _CHILD_SOURCE, "outer", json.dumps(cfg)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=(ctl_r, st_w),
+            cwd="/", env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, start_new_session=True,
+            extra_groups=[] if os.geteuid() == 0 else None)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _collect(proc: subprocess.Popen, code: str, limits: Limits, t0: float) -> SandboxResult:
-    """Feed the code, read at most max_output_bytes before the deadline, then kill the group."""
-    import selectors
-
+        os.close(ctl_r)
+        os.close(st_w)
+    pidfd = None
     try:
-        proc.stdin.write(code.encode())
-        proc.stdin.close()
-    except BrokenPipeError:
-        pass
+        pidfd = _handshake(proc, ctl_w, st_r, uid, gid, deadline)
+        if pidfd is None:
+            out = proc.stdout.read(limits.max_output_bytes).decode(errors="replace")
+            proc.wait()
+            raise _SetupError(out.strip().splitlines()[-1] if out.strip() else f"exit code {proc.returncode}")
+        try:
+            proc.stdin.write(b"%d\n" % len(program) + program + code.encode())
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        return _collect(proc, pidfd, st_r, limits, t0)
+    finally:
+        _end(proc, pidfd, st_r)
+        os.close(ctl_w)
+        os.close(st_r)
+
+
+def _handshake(proc, ctl_w: int, st_r: int, uid: int, gid: int, deadline: float) -> Optional[int]:
+    """Map the child's user namespace, then take a pidfd of its PID namespace's init. None: the child died."""
+    if _read_status(st_r, deadline, b"U") != b"U":
+        return None
+    for name, text in (("uid_map", f"0 {uid} 1"), ("setgroups", "deny"), ("gid_map", f"0 {gid} 1")):
+        with open(f"/proc/{proc.pid}/{name}", "w") as f:
+            f.write(text)
+    os.write(ctl_w, b"G")
+    line = _read_status(st_r, deadline, b"\n")
+    if not line.startswith(b"C"):
+        return None
+    pidfd = os.pidfd_open(int(line[1:]))  # not yet reapable: the outer stage waits for the next byte
+    os.write(ctl_w, b"A")
+    return pidfd
+
+
+def _read_status(fd: int, deadline: float, until: bytes) -> bytes:
+    out = b""
+    while not out.endswith(until):
+        left = deadline - time.perf_counter()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise _SetupError("the sandbox did not start in time")
+        chunk = os.read(fd, 1)
+        if not chunk:
+            return out
+        out += chunk
+    return out
+
+
+def _collect(proc: subprocess.Popen, pidfd: int, st_r: int, limits: Limits, t0: float) -> SandboxResult:
+    """Read at most max_output_bytes before the deadline; then end the call (_end) and say how it ended."""
     out, error, timed_out = bytearray(), None, False
     deadline = t0 + limits.wall_s
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
+    fd = proc.stdout.fileno()
     while True:
         left = deadline - time.perf_counter()
         if left <= 0:
             timed_out, error = True, f"timed out after {limits.wall_s:g} s"
             break
-        if not sel.select(timeout=min(left, 0.1)):
+        if not select.select([fd], [], [], min(left, 0.1))[0]:
             continue
-        chunk = os.read(proc.stdout.fileno(), 65536)
+        chunk = os.read(fd, 65536)
         if not chunk:
             break
         out += chunk
         if len(out) > limits.max_output_bytes:
             error = f"output longer than {limits.max_output_bytes} bytes: stopped"
             break
-    _kill_group(proc)
-    sel.close()
-    proc.stdout.close()
-    rc = proc.wait()
+    rc, (cpu_s, max_rss_mb) = _end(proc, pidfd, st_r)
     if error is None and rc:
         error = _exit_reason(rc, limits)
     text = bytes(out[:limits.max_output_bytes]).decode(errors="replace")
-    return SandboxResult(text, error, timed_out, time.perf_counter() - t0)
+    return SandboxResult(text, error, timed_out, time.perf_counter() - t0, cpu_s, max_rss_mb)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _end(proc: subprocess.Popen, pidfd: Optional[int], st_r: int):
+    """Kill the PID namespace's init (the kernel then kills everything in the namespace), reap the outer
+    stage (which reaps the init and reports its usage), and return the exit code and (CPU s, peak MB)."""
+    if proc.returncode is not None:
+        return proc.returncode, (0.0, 0.0)
+    if pidfd is not None:
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.close(pidfd)
+    end = time.perf_counter() + 2.0
+    while True:
+        pid, status = os.waitpid(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.perf_counter() > end:  # the outer stage is trusted code; this is only a backstop
+            proc.kill()
+            _, status = os.waitpid(proc.pid, 0)
+            break
+        time.sleep(0.002)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    report = os.read(st_r, 256) if select.select([st_r], [], [], 0)[0] else b""
+    usage = tuple(float(x) for x in report.split()[1:3]) if report.startswith(b"R ") else (0.0, 0.0)
+    for f in (proc.stdin, proc.stdout):
+        if f and not f.closed:
+            try:
+                f.close()
+            except BrokenPipeError:
+                pass
+    return proc.returncode, usage
 
 
 def _exit_reason(rc: int, limits: Limits) -> str:
     if rc < 0:
-        sig = signal.Signals(-rc).name
         if -rc == signal.SIGXCPU:
             return f"CPU time limit ({limits.cpu_s} s) exceeded"
-        return f"killed by {sig}"
-    if rc == 152:  # the bootstrap's SIGXCPU handler
+        return f"killed by {signal.Signals(-rc).name}"
+    if rc == 152:  # the tool stage's SIGXCPU handler
         return f"CPU time limit ({limits.cpu_s} s) exceeded"
     return f"exited with code {rc}"
 
 
-__all__ = ["Limits", "SandboxResult", "run_python", "isolation_problem"]
+__all__ = ["ALLOWED_PACKAGES", "Limits", "SandboxResult", "run_python", "isolation_problem"]
