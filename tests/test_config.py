@@ -90,6 +90,8 @@ INVALID = [
     (["trainer.mode=async"], "resources.rollout_workers>=1"),
     (["trainer.loggers=[console,mlflow]"], "unknown logger 'mlflow'"),
     (["algorithm.use_kl_in_reward=true", "actor.use_kl_loss=true"], "KL is applied twice"),
+    (["algorithm.filter_groups.metric=accuracy"], "algorithm.filter_groups.metric='accuracy' is not supported; "
+     "choose one of: acc, score"),
     (["data.max_prompt_length=600"], "exceeds the model's 512 positions"),
     (["bogus"], "is not key=value"),
     (["model.path=null", "model.arch.family=gemma3"], "choose one of: llama, qwen2, mistral, qwen3, qwen3_moe"),

@@ -488,11 +488,11 @@ def test_reward_manager_applies_the_overlong_penalty(tmp_path):
 
 
 def test_dynamic_sampling_keeps_groups_whose_scores_differ():
-    from megappo.ppo.ray_trainer import groups_with_varied_scores, left_pad_prompts
+    from megappo.ppo.ray_trainer import left_pad_prompts
     from megappo.protocol import DataProto
 
     uids = np.array(["a", "a", "b", "b", "c", "c"], dtype=object)
-    varied, same = groups_with_varied_scores(uids, torch.tensor([1.0, 0.0, 0.1, 0.1, -1.0, -1.0]))
+    varied, same = ca.groups_with_varied_scores(uids, torch.tensor([1.0, 0.0, 0.1, 0.1, -1.0, -1.0]))
     assert (varied, same) == (["a"], ["b", "c"])
 
     def part(width, rows):
@@ -508,3 +508,38 @@ def test_dynamic_sampling_keeps_groups_whose_scores_differ():
     assert a.batch["position_ids"][0].tolist() == [0, 0, 0, 1, 2, 3, 4] and torch.equal(b.batch["prompts"],
                                                                                          part(5, 1).batch["prompts"])
     DataProto.concat([a, b])  # the widths now agree
+
+
+def test_dynamic_sampling_keeps_groups_whose_accuracy_varies():
+    """DAPO's filter (Yu et al. 2025, eq. 11) keeps a group when 0 < #correct < G: the rule's correctness,
+    not the shaped reward. Rows scored as the trainer scores them (RewardManager.score_rows, overlong
+    penalty on): "acc" is the paper, "score" the shaped scalar."""
+    from megappo.protocol import DataProto
+    from megappo.rewards.manager import RewardManager
+
+    class Tok:  # token 7 answers "#### 7" (right), any other "#### 3" (wrong, well formed: 0.1)
+        eos_token_id, pad_token_id = 0, 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            return f"#### {7 if ids[0] == 7 else 3}"
+
+    R = 10
+    # (uid, answer token, length): a all wrong, lengths differ (overlong penalty) - b mixed -
+    # c all right, same length - d all right, lengths differ
+    rows = [("a", 3, 3), ("a", 3, 8), ("b", 7, 3), ("b", 3, 3), ("c", 7, 3), ("c", 7, 3), ("d", 7, 3), ("d", 7, 10)]
+    mask = torch.tensor([[1] * n + [0] * (R - n) for _, _, n in rows])
+    data = DataProto({"responses": torch.tensor([[t] * R for _, t, _ in rows]), "response_mask": mask,
+                      "stopped": torch.ones(len(rows), dtype=torch.bool)},
+                     {"data_source": np.array(["arithmetic"] * len(rows), dtype=object),
+                      "reward_model": np.array([{"ground_truth": "7"}] * len(rows), dtype=object),
+                      "uid": np.array([u for u, _, _ in rows], dtype=object)})
+    scored = RewardManager(Tok(), 0, overlong_buffer_len=4, max_response_length=R).score_rows(data)
+    acc, score = [r.correct for r in scored], [r.final for r in scored]
+    assert acc == [False, False, True, False, True, True, True, True]
+    assert score == pytest.approx([0.1, 0.1 - 2 / 4, 1.0, 0.1, 1.0, 1.0, 1.0, 0.0])
+    uids = data.non_tensor_batch["uid"]
+    assert ca.groups_to_keep(uids, acc, score, "acc") == (["b"], ["a", "c", "d"])
+    assert ca.groups_to_keep(uids, acc, score) == (["b"], ["a", "c", "d"])  # the paper's is the default
+    assert ca.groups_to_keep(uids, acc, score, "score") == (["a", "b", "d"], ["c"])
+    with pytest.raises(ValueError, match="choose one of: acc, score"):
+        ca.groups_to_keep(uids, acc, score, "accuracy")

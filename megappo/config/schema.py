@@ -251,13 +251,16 @@ class KLControlConfig:
 
 @dataclass
 class FilterGroupsConfig:
-    """DAPO's dynamic sampling (group estimators, sync mode): a prompt whose n responses all scored the same
-    gives zero advantage, so it is dropped and more prompts are sampled until data.train_batch_size prompts
-    with differing scores are in the batch. After max_rounds generations the batch is topped up with
-    dropped groups (they train with zero advantage; counted in dynamic_sampling/groups_topped_up)."""
+    """DAPO's dynamic sampling (group estimators, sync mode): a prompt whose n responses are all right or all
+    wrong (metric=acc; all scored the same: metric=score) is dropped and more prompts are sampled until
+    data.train_batch_size prompts whose responses differ are in the batch. After max_rounds generations the
+    batch is topped up with dropped groups (counted in dynamic_sampling/groups_topped_up)."""
 
     enable: bool = False
     max_rounds: int = 4  # generations per step at most (the first included)
+    # what must differ within a group: "acc" (the paper) the rule's correctness before any shaping;
+    # "score" the shaped scalar reward (overlong / non-stop penalties included)
+    metric: str = "acc"
 
 
 @dataclass
@@ -341,6 +344,7 @@ class MegappoConfig:
 # have exactly the names listed, tests/test_core_algos.py checks).
 LR_SCHEDULES = ("constant", "cosine")
 # advantage estimators that compare the responses to one prompt (they need rollout.n >= 2)
+FILTER_GROUPS_METRICS = ("acc", "score")  # algorithm.filter_groups.metric (ppo/core_algos.groups_to_keep)
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "gpg", "opo", "grpo_passk")
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "kl", "mse", "low_var_kl")  # kl/mse/low_var_kl: verl's k1/k2/k3
 CHOICES: dict[str, tuple[Any, ...]] = {
@@ -355,6 +359,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
                                 "remax", "gpg", "opo", "grpo_passk"),
     "algorithm.kl_penalty": KL_ESTIMATORS,
+    "algorithm.filter_groups.metric": FILTER_GROUPS_METRICS,
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "rollout.weight_load": ("auto", "reload", "direct"),
     "rollout.cpu_linear": ("packed", "plain"),

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megappo.config.schema import CHOICES
+from megappo.config.schema import CHOICES, FILTER_GROUPS_METRICS
 
 LOSS_AGG_MODES = CHOICES["actor.loss_agg_mode"]
 KL_KINDS = CHOICES["algorithm.kl_penalty"]
@@ -269,6 +269,29 @@ def compute_advantages(token_level_rewards: torch.Tensor, response_mask: torch.T
         raise ValueError(f"unknown algorithm.adv_estimator {name!r}; choose one of {', '.join(ADV_ESTIMATORS)}")
     return ADV_ESTIMATORS[name](token_level_rewards, response_mask, algorithm, values=values, index=index,
                                 baselines=baselines)
+
+
+# ----------------------------------------------------------------------------- DAPO dynamic sampling
+def groups_with_varied_scores(uids, seq_scores) -> tuple[list, list]:
+    """The prompt uids (in order of first appearance) whose responses' scores differ, and those whose
+    scores are all equal (a group estimator gives them zero advantage)."""
+    by_uid: dict = {}
+    for u, s in zip(uids, seq_scores.tolist() if torch.is_tensor(seq_scores) else seq_scores):
+        by_uid.setdefault(u, []).append(s)
+    varied = [u for u, s in by_uid.items() if max(s) != min(s)]
+    return varied, [u for u in by_uid if u not in set(varied)]
+
+
+def groups_to_keep(uids, acc, score, metric: str = "acc") -> tuple[list, list]:
+    """DAPO's dynamic sampling (Yu et al. 2025, eq. 11: keep a prompt when 0 < |{o_i correct}| < G): the
+    prompt uids whose responses differ in `metric`, and those whose responses do not.
+    acc: each response's correctness by the rule, before any shaping (the paper; verl's DAPO recipe);
+    score: the shaped scalar reward (overlong and non-stop penalties included)."""
+    if metric not in FILTER_GROUPS_METRICS:
+        raise ValueError(f"algorithm.filter_groups.metric={metric!r} is not supported; choose one of: "
+                         f"{', '.join(FILTER_GROUPS_METRICS)}")
+    values = acc if metric == "acc" else score
+    return groups_with_varied_scores(uids, [float(v) for v in values])
 
 
 # ----------------------------------------------------------------------------- KL

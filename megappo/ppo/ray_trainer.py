@@ -446,11 +446,11 @@ class RayPPOTrainer(CheckpointingMixin):
         return (wg or self.rollout_wg).generate_sequences(prompts)[0]
 
     def _filter_groups(self, batch: DataProto, step: int, timing: dict) -> DataProto:
-        """DAPO's dynamic sampling: drop the prompts whose responses all got the same reward (zero advantage
-        for a group estimator), generate more prompts until data.train_batch_size prompts with differing
-        rewards are in hand (at most algorithm.filter_groups.max_rounds generations; then the batch is
-        topped up with dropped prompts), keep exactly that many. The rewards are the training ones (rule,
-        penalties); the reward phase scores the kept rows again."""
+        """DAPO's dynamic sampling: drop the prompts whose responses are all right or all wrong
+        (algorithm.filter_groups.metric=acc, the rule's correctness; =score: all got the same shaped reward),
+        generate more prompts until data.train_batch_size prompts whose responses differ are in hand (at
+        most algorithm.filter_groups.max_rounds generations; then the batch is topped up with dropped
+        prompts), keep exactly that many. The reward phase scores the kept rows again."""
         want, fg = self.config.data.train_batch_size, self.config.algorithm.filter_groups
         parts, kept, flat = [batch], [], []
         for rnd in range(fg.max_rounds):
@@ -460,8 +460,9 @@ class RayPPOTrainer(CheckpointingMixin):
                 part = self._generate(more, self._sampling_for(step).with_seed(seed))
                 part.meta_info.pop("metrics", None)
                 parts.append(part)
-            scores, _ = self.reward_fn(parts[-1])
-            varied, same = groups_with_varied_scores(parts[-1].non_tensor_batch["uid"], scores.sum(-1))
+            rows = self.reward_fn.score_rows(parts[-1])
+            varied, same = algos.groups_to_keep(parts[-1].non_tensor_batch["uid"], [r.correct for r in rows],
+                                                [r.final for r in rows], fg.metric)
             kept += varied
             flat += same
             if len(kept) >= want:
@@ -583,16 +584,6 @@ class RayPPOTrainer(CheckpointingMixin):
         _, reward_metrics = self.val_reward_fn(out)
         tools = {k.replace("rollout/", "eval/"): v for k, v in agent_metrics(out.batch).items() if k.startswith("rollout/")}
         return {**eval_metrics(out, reward_metrics), **tools, "timing/validate_s": time.perf_counter() - t0}
-
-def groups_with_varied_scores(uids, seq_scores: torch.Tensor) -> tuple[list, list]:
-    """The prompt uids (in order of first appearance) whose responses' scores differ, and those whose
-    scores are all equal (a group estimator gives them zero advantage)."""
-    by_uid: dict = {}
-    for u, s in zip(uids, seq_scores.tolist()):
-        by_uid.setdefault(u, []).append(s)
-    varied = [u for u, s in by_uid.items() if max(s) != min(s)]
-    return varied, [u for u in by_uid if u not in set(varied)]
-
 
 # the prompt-side columns of a generated batch: [B, P] or [B, P + R], left-padded; fill value per key
 _PROMPT_COLUMNS = {"prompts": None, "input_ids": None, "attention_mask": 0, "position_ids": 0}
