@@ -437,6 +437,13 @@ def test_clip_higher_matches_the_dapo_objective():
     both, *_ = ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, clip_ratio_c=None, clip_ratio_low=0.2,
                                       clip_ratio_high=0.2)
     assert torch.equal(sym, both)
+    # what clip-higher let through = what symmetric clipping clips minus what clip-higher clips
+    _, sym_frac, _, _ = ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, clip_ratio_c=None)
+    _, high_frac, _, _ = ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, clip_ratio_c=None,
+                                                clip_ratio_high=0.5)
+    kept = ca.clip_higher_kept_frac(old, logp, adv, mask, 0.2, 0.5)
+    assert kept > 0
+    torch.testing.assert_close(kept, sym_frac - high_frac)
 
 
 def test_policy_loss_from_config_passes_the_decoupled_clip():

@@ -267,8 +267,9 @@ def test_grpo_config_as_shipped(ray_session, tiny_assets, data_dir, tmp_path):
 
 def test_dapo_controls_in_a_run(ray_session, tiny_assets, data_dir, tmp_path):
     """grpo_tiny with DAPO's controls: dynamic sampling keeps data.train_batch_size prompts whose responses
-    scored differently (more generations when needed, counted), clip-higher, overlong shaping; the
-    update sees exactly train_batch_size x n rows."""
+    differ in correctness (more generations when needed, counted), clip-higher, overlong shaping; the
+    update sees exactly train_batch_size x n rows, and clip-higher keeps in the gradient tokens that
+    symmetric clipping would have clipped (2 mini-batches x 4 epochs: the later ones see a moved policy)."""
     from megappo.assets import ensure_assets
     from megappo.config.loader import load_config
 
@@ -276,8 +277,8 @@ def test_dapo_controls_in_a_run(ray_session, tiny_assets, data_dir, tmp_path):
     cfg = load_config(REPO_ROOT / "configs/grpo_tiny.yaml", [
         f"model.path={model}", f"data.train_files=[{data_dir / 'arith_train.parquet'}]",
         f"data.val_files=[{data_dir / 'arith_val.parquet'}]", "data.train_batch_size=4", "rollout.n=8",
-        "rollout.max_new_tokens=8", "rollout.kv_cache_memory_mb=16", "actor.ppo_mini_batch_size=32",
-        "actor.micro_batch_size=8", "actor.ppo_epochs=1", "trainer.total_steps=2", "trainer.save_every=0",
+        "rollout.max_new_tokens=8", "rollout.kv_cache_memory_mb=16", "actor.ppo_mini_batch_size=16",
+        "actor.micro_batch_size=8", "actor.ppo_epochs=4", "trainer.total_steps=2", "trainer.save_every=0",
         "trainer.val_every=0", f"trainer.output_dir={tmp_path}", "trainer.loggers=[jsonl]", "reward.num_examine=0",
         "trainer.export_hf=false", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_rounds=3",
         "actor.clip_ratio_high=0.28", "reward.overlong_buffer_len=4", "reward.non_stop_penalty=false"])
@@ -291,6 +292,10 @@ def test_dapo_controls_in_a_run(ray_session, tiny_assets, data_dir, tmp_path):
         assert -1.0 <= h["reward/overlong_penalty_mean"] <= 0.0 and "reward/overlong_frac" in h
         assert h["rollout/weights_fingerprint_ok"] == 1.0 and math.isfinite(h["objective/loss"])
         assert h["actor/nan_skipped"] == 0.0
+        assert h["actor/rows"] == 4 * 8  # train_batch_size x n, whatever the rounds drew
+    # tokens with A > 0 and ratio in (1.2, 1.28]: clipped by [0.8, 1.2], kept by [0.8, 1.28] (measured: ~0.006-0.008
+    # of the tokens on each step, next to a pg_clipfrac of 0.03-0.06)
+    assert max(h["actor/clip_higher_kept_frac"] for h in history) > 0.0
 
 
 @pytest.fixture(scope="module")

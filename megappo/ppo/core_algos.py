@@ -512,6 +512,17 @@ def compute_policy_loss(
     return loss, clipfrac.detach(), approx_kl, dual_clipfrac.detach()
 
 
+def clip_higher_kept_frac(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                          response_mask: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
+    """What DAPO's clip-higher changed: the fraction of tokens that symmetric clipping, [1 - eps_low,
+    1 + eps_low], would clip but [1 - eps_low, 1 + eps_high] keeps in the gradient (A > 0 and
+    1 + eps_low < ratio <= 1 + eps_high): compute_policy_loss's clipfrac at eps_high = eps_low minus at eps_high."""
+    mask = response_mask.to(log_prob.dtype)
+    ratio = torch.exp((log_prob - old_log_prob).clamp(-20.0, 20.0)).detach()
+    kept = (advantages > 0) & (ratio > 1.0 + eps_low) & (ratio <= 1.0 + eps_high)
+    return masked_mean(kept.to(mask.dtype), mask)
+
+
 def compute_value_loss(
     vpreds: torch.Tensor,
     values: torch.Tensor,

@@ -79,6 +79,10 @@ class PolicyLoss:
         metrics = {f"{p}/pg_loss": pg.detach() / norm, f"{p}/pg_clipfrac": clipfrac * share,
                    f"{p}/ppo_kl": ppo_kl * share, f"{p}/approx_kl": approx_kl.detach() * share,
                    f"{p}/pg_clipfrac_lower": dual * share}
+        eps_low = self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+        if self.clip_ratio_high is not None and self.clip_ratio_high > eps_low:  # clip-higher: what it let through
+            metrics[f"{p}/clip_higher_kept_frac"] = share * algos.clip_higher_kept_frac(
+                mb["old_log_probs"], outs["logprobs"], mb["advantages"], mask, eps_low, self.clip_ratio_high)
         if self.entropy_coeff:
             ent = algos.compute_entropy_loss(outs["entropy"], mask, self.loss_agg_mode, normalizer=1.0)
             loss = loss - self.entropy_coeff * ent

@@ -136,9 +136,10 @@ def _train(engine, data: DataProto, loss, role_cfg, dp: int, temperature: float 
             tokens[1] += float(engine.last_computed_tokens)
             tokens[2] += float(ids.numel())
     metrics = {k: sum(v) / len(v) for k, v in history.items()}
-    real, computed, padded = _dp_all_reduce_sum(tokens)  # the waste padding would cost, made visible
+    # the waste padding would cost, made visible; and the rows trained on (all DP ranks, one pass)
+    real, computed, padded, rows = _dp_all_reduce_sum(tokens + [len(data)])
     metrics.update({f"timing/{loss.name}_tokens_real": real, f"timing/{loss.name}_tokens_computed": computed,
-                    f"timing/{loss.name}_tokens_padded_batch": padded})
+                    f"timing/{loss.name}_tokens_padded_batch": padded, f"{loss.name}/rows": rows})
     return metrics
 
 
