@@ -16,8 +16,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("megappo.convert", "convert checkpoints HF <-> megatron-core dist checkpoint (streaming, any TP/PP)"),
     "assets": ("megappo.assets", "build the tiny tokenizer and tiny llama/qwen2 models used by tests and the demo"),
     "train": ("megappo.train", "run PPO (sync hybrid engine or async one-step off-policy) from a config"),
+    "data": ("megappo.data.from_file", "your own task's rows (.jsonl/.json/.parquet: a prompt and an answer field) "
+             "as megappo's train/test parquet"),
     "eval": ("megappo.evaluate", "accuracy of a HF model or a checkpoint on a parquet (greedy or pass@k, vLLM)"),
     "export": ("megappo.export", "a checkpoint's policy (or critic) as a plain HF model dir"),
+    "serve": ("megappo.gateway.serve", "an OpenAI-compatible API (chat, completions, tool calls) over a HF dir "
+              "or a checkpoint"),
 }
 
 

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Optional
 
 DEFAULTS = {"max_new_tokens": 256, "max_prompt_length": 512, "prompt_key": "prompt", "apply_chat_template": True,
-            "stop_token_ids": [], "non_stop_penalty": True, "non_stop_penalty_value": -10.0, "batch_size": 64}
+            "stop_token_ids": [], "non_stop_penalty": True, "non_stop_penalty_value": -10.0, "batch_size": 64,
+            "rules": {}}
 
 
 class EvalError(ValueError):
@@ -74,7 +75,7 @@ def _settings(args) -> dict:
                  prompt_key=cfg.data.prompt_key, apply_chat_template=cfg.data.apply_chat_template,
                  stop_token_ids=list(cfg.rollout.stop_token_ids), non_stop_penalty=cfg.reward.non_stop_penalty,
                  non_stop_penalty_value=cfg.reward.non_stop_penalty_value, data=list(cfg.data.val_files),
-                 batch_size=cfg.data.val_batch_size)
+                 batch_size=cfg.data.val_batch_size, rules=cfg.reward.rules)
         s["explicit"] = {"max_new_tokens", "max_prompt_length"}
         if cfg.rollout.multi_turn.enable and not args.no_tools:  # the model decides whether to call a tool
             from omegaconf import OmegaConf
@@ -156,7 +157,10 @@ def _tokenizer(model_dir: Path):
 
 
 def _summary(rows: list, n_samples: int) -> dict:
-    """{data_source: accuracy, pass@K, mean length, stop %, counts} over RewardManager row scores."""
+    """{data_source: accuracy, pass@K, mean length, stop %, counts, the rule's extra metrics} over RewardManager
+    row scores."""
+    from megappo.rewards.manager import extra_metrics
+
     by_source = defaultdict(list)
     for r in rows:
         by_source[r.source].append(r)
@@ -169,7 +173,11 @@ def _summary(rows: list, n_samples: int) -> dict:
         out[source] = {"accuracy": sum(r.correct for r in rs) / len(rs),
                        "mean_length": sum(r.length for r in rs) / len(rs),
                        "stop_rate": sum(r.stopped for r in rs) / len(rs),
-                       "num_prompts": len(groups), "num_responses": len(rs)}
+                       "num_prompts": len(groups), "num_responses": len(rs),
+                       "num_scorer_errors": sum(r.scorer_error for r in rs)}
+        extras = {key: sum(v) / len(v) for (_, key), v in extra_metrics(rs).items()} if source != "all" else {}
+        if extras:  # the rule's own metrics (a reward.rules function returning a dict), as training logs them
+            out[source]["rule_metrics"] = extras
         if n_samples > 1:
             out[source][f"pass@{n_samples}"] = sum(any(c) for c in groups.values()) / len(groups)
     return out
@@ -185,6 +193,7 @@ def evaluate(model, data: list[str], settings: dict, n_samples: int = 1, tempera
     from megappo.ppo.metrics import eval_metrics
     from megappo.protocol import DataProto
     from megappo.rewards.manager import DEFAULT_SCORERS, RewardManager
+    from megappo.rewards.rules import load_rules
     from megappo.workers.rollout.sampling import SamplingSpec
     from megappo.workers.rollout.vllm_rollout import VLLMRollout
 
@@ -196,8 +205,9 @@ def evaluate(model, data: list[str], settings: dict, n_samples: int = 1, tempera
         prompt_len, new_tokens = fit_lengths(settings, AutoConfig.from_pretrained(str(model_dir)).max_position_embeddings,
                                              model)
         datasets, mt = [], settings.get("multi_turn")
-        try:  # each row's environment (its tools, the reward of its trajectory) by data_source
-            envs = Environments(mt, DEFAULT_SCORERS) if mt else None
+        try:  # the config's reward.rules; each row's environment (its tools, its trajectory's reward) by data_source
+            rules = load_rules(settings.get("rules"))
+            envs = Environments(mt, {**DEFAULT_SCORERS, **rules}) if mt else None
         except ValueError as e:
             raise EvalError(str(e)) from None
         tools = envs.prompt_args() if envs else {}
@@ -216,7 +226,7 @@ def evaluate(model, data: list[str], settings: dict, n_samples: int = 1, tempera
                               max_model_len=prompt_len + new_tokens)
         spec = SamplingSpec.from_config(cfg)
         spec = spec.with_seed(seed) if sample else spec.greedy()
-        manager = RewardManager(tok, 0, settings["non_stop_penalty"], settings["non_stop_penalty_value"],
+        manager = RewardManager(tok, 0, settings["non_stop_penalty"], settings["non_stop_penalty_value"], scorers=rules,
                                 stop_token_ids=settings["stop_token_ids"], environments=envs)
         rows, responses, by_file, first = [], [], {}, 0
         for file, dataset in zip(data, datasets):
@@ -283,6 +293,8 @@ def main(args: argparse.Namespace) -> int:
     per_file = report["by_file"] if len(report["by_file"]) > 1 else {}
     for source, m in [*report["by_source"].items(), *per_file.items()]:
         extra = f"  pass@{k} {m[f'pass@{k}']:.3f}" if k > 1 else ""
+        extra += "".join(f"  {key} {value:.3f}" for key, value in m.get("rule_metrics", {}).items())
+        extra += f"  scorer errors {m['num_scorer_errors']}" if m.get("num_scorer_errors") else ""
         print(f"{source:>16}: accuracy {m['accuracy']:.3f}{extra}  mean length {m['mean_length']:.1f}  "
               f"stopped {100 * m['stop_rate']:.1f}%  ({m['num_prompts']} prompts)")
     if "tools" in report:

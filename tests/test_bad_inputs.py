@@ -249,7 +249,7 @@ def test_reward_rule_raising_on_a_row_scores_it_zero_and_counts_it(tiny_assets):
 
     tok = AutoTokenizer.from_pretrained(str(tiny_assets["tokenizer"]))
 
-    def picky(response, ground_truth):
+    def picky(response, ground_truth, extra_info):
         if ground_truth == "boom":
             raise RuntimeError("cannot parse")
         return 1.0

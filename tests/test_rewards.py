@@ -156,7 +156,7 @@ def test_manager_unknown_source_and_custom_scorer(tokenizer):
     data = make_batch(tokenizer, ["hello"], ["my_task"], ["x"])
     with pytest.raises(ValueError, match=r"my_task.*known: .*arithmetic.*scorers="):
         RewardManager(tokenizer, num_examine=0)(data)
-    mgr = RewardManager(tokenizer, num_examine=0, scorers={"my_task": lambda r, gt: 0.25 * len(r)})
+    mgr = RewardManager(tokenizer, num_examine=0, scorers={"my_task": lambda r, gt, extra_info: 0.25 * len(r)})
     scores, _ = mgr(data)
     assert scores.sum().item() == pytest.approx(0.25 * len("hello"))
 

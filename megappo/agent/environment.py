@@ -34,6 +34,7 @@ class Episode:
     ground_truth: Any
     data_source: str
     stopped: bool  # ended with an answer turn (not cut by the token budget, max_turns or max_tool_calls)
+    extra_info: Any = None  # the row's extra_info dict (the reward rule's third argument)
 
     @property
     def answer(self) -> str:
@@ -53,13 +54,16 @@ class Environment:
 
 
 class RuleEnvironment(Environment):
-    """A reward rule (response text, ground truth) -> score, applied to the episode's final answer."""
+    """A reward rule (rewards/rules.py: response text, ground truth, extra_info) -> score, applied to the
+    episode's final answer."""
 
-    def __init__(self, rule: Callable[[str, str], float], tools: Optional[Sequence[str]] = None):
+    def __init__(self, rule: Callable, tools: Optional[Sequence[str]] = None):
         self.rule, self.tools = rule, tools
 
     def score(self, episode: Episode) -> float:
-        return float(self.rule(episode.answer, episode.ground_truth))
+        from megappo.rewards.rules import score_one
+
+        return score_one(self.rule, episode.answer, episode.ground_truth, episode.extra_info or {})
 
 
 def split_target(source: str, target: str) -> tuple[str, str]:
@@ -90,7 +94,7 @@ class Environments:
     """data_source -> Environment for a multi-turn run: rule environments for every reward rule, then
     the configured ones (which win)."""
 
-    def __init__(self, multi_turn, rules: dict[str, Callable[[str, str], float]]):
+    def __init__(self, multi_turn, rules: dict[str, Callable]):
         from megappo.agent.tools import TOOLS
 
         self.default_tools = tuple(multi_turn.tools)
@@ -128,8 +132,8 @@ class Environments:
         """RLHFDataset's arguments: each row is shown (and may call) its environment's tools."""
         return {"tools_for": self.tools_for, "tool_prompt": self.tool_prompt}
 
-    def score(self, source: str, turns, ground_truth, stopped: bool) -> float:
-        return float(self.get(source).score(Episode(tuple(turns), ground_truth, source, bool(stopped))))
+    def score(self, source: str, turns, ground_truth, stopped: bool, extra_info=None) -> float:
+        return float(self.get(source).score(Episode(tuple(turns), ground_truth, source, bool(stopped), extra_info)))
 
 
 __all__ = ["Episode", "Environment", "RuleEnvironment", "Environments", "load_environment"]

@@ -85,9 +85,22 @@ def load_config(path: str | os.PathLike, overrides: list[str] = (), validate: bo
         first = str(e).splitlines()[0]
         key = getattr(e, "full_key", None)
         raise ConfigError(f"config key '{key}': {first}" if key else first) from None
+    _absolute_rule_files(cfg)
     if validate:
         validate_config(cfg, check_paths=check_paths)
     return cfg
+
+
+def _absolute_rule_files(cfg) -> None:
+    """reward.rules' file targets (path/to/file.py:fn) as absolute paths: the saved config.json (megappo eval
+    --config) and any process loads the same file wherever it runs."""
+    from megappo.rewards.rules import absolute_target
+
+    for source, spec in cfg.reward.rules.items():
+        if isinstance(spec, str):
+            cfg.reward.rules[source] = absolute_target(spec)
+        elif isinstance(spec, DictConfig) and isinstance(spec.get("fn"), str):
+            spec.fn = absolute_target(spec.fn)
 
 
 def to_yaml(cfg) -> str:

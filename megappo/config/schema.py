@@ -296,6 +296,10 @@ class RewardConfig:
     overlong_buffer_len: int = 0
     overlong_penalty_factor: float = 1.0
     num_examine: int = 1  # decoded samples printed per step
+    # your own rules, by data_source: "my_pkg.rewards:score" or "/path/to/file.py:score", a fn(response,
+    # ground_truth, extra_info) -> float or {"score": float, <metric>: number}; or {fn: ..., batched: true,
+    # timeout_s: 30} for a fn of lists. A built-in data_source named here is replaced (warned). rewards/rules.py
+    rules: dict[str, Any] = field(default_factory=dict)
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 

@@ -148,6 +148,7 @@ def validate_config(cfg, check_paths: bool = False) -> None:
     _check_data_and_batches(cfg)
     _check_packing(cfg)
     _check_multi_turn(cfg)
+    _check_reward_rules(cfg)
     _check_trainer(cfg, check_paths)
     if check_paths:
         _check_paths(cfg)
@@ -297,6 +298,18 @@ def _check_multi_turn(cfg) -> None:
         if problem:
             raise ConfigError(f"the python tool runs code only in its sandbox, which this machine cannot make "
                               f"({problem}); drop it from rollout.multi_turn.tools or enable user namespaces")
+
+
+def _check_reward_rules(cfg) -> None:
+    """reward.rules: each module or file imports, has the function, and the function takes 3 positional
+    arguments (rewards/rules.py). A built-in data_source named here is replaced (the trainer warns)."""
+    from megappo.rewards.rules import load_rule
+
+    for source, spec in cfg.reward.rules.items():
+        try:
+            load_rule(str(source), spec)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _check_packing(cfg) -> None:

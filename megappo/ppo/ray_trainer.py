@@ -66,6 +66,7 @@ from megappo.ppo.metrics import eval_metrics, kl_metrics, step_metrics
 from megappo.ppo.reward_curve import plot_reward_curve
 from megappo.protocol import DataProto
 from megappo.rewards.manager import RewardManager
+from megappo.rewards.rules import load_rules
 from megappo.utils.checkpoint import PendingCheckpoint
 from megappo.workers.rollout.sampling import SamplingSpec
 
@@ -108,14 +109,15 @@ class RayPPOTrainer(CheckpointingMixin):
         self.config = cfg = config
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(cfg.model.tokenizer or cfg.model.path))
         r = cfg.reward
-        stops = list(cfg.rollout.stop_token_ids)
+        stops, rules = list(cfg.rollout.stop_token_ids), load_rules(r.rules)  # reward.rules: the config's own
         self.reward_fn = reward_fn or RewardManager(self.tokenizer, r.num_examine, r.non_stop_penalty,
-                                                    r.non_stop_penalty_value, stop_token_ids=stops,
+                                                    r.non_stop_penalty_value, scorers=rules, stop_token_ids=stops,
                                                     overlong_buffer_len=r.overlong_buffer_len,
                                                     overlong_penalty_factor=r.overlong_penalty_factor,
                                                     max_response_length=cfg.rollout.max_new_tokens)
         self.val_reward_fn = val_reward_fn or RewardManager(self.tokenizer, 0, r.non_stop_penalty,
-                                                            r.non_stop_penalty_value, stop_token_ids=stops)
+                                                            r.non_stop_penalty_value, scorers=rules,
+                                                            stop_token_ids=stops)
         # multi-turn: each row's environment (its tools, its trajectory reward) by data_source
         self.environments = None
         if cfg.rollout.multi_turn.enable:

@@ -8,7 +8,8 @@ DataProto keys read:
                             (else: True when an eos / stop id is among its valid tokens)
   batch["rm_scores"]        [B] or [B, T] (summed), optional: reward-model scores, added
   batch["prompts"]          [B, P] optional, only for printing samples
-  non_tensor_batch["data_source"], non_tensor_batch["reward_model"][i]["ground_truth"]
+  non_tensor_batch["data_source"], non_tensor_batch["reward_model"][i]["ground_truth"],
+  non_tensor_batch["extra_info"]  optional, each row's dict, the rule's third argument
   non_tensor_batch["agent_turns"]  multi-turn rows (agent/loop.py): with `environments` set, each row is
                             scored by its data_source's environment on the whole trajectory
                             (agent/environment.py) instead of the rule on the response text
@@ -18,15 +19,16 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
 
 from megappo.protocol import DataProto
-from megappo.rewards import arithmetic, gsm8k
+from megappo.rewards.rules import DEFAULT_SCORERS, Rule, RuleTimeout, Scored, as_rule, check_signature, score_group
 
-Scorer = Callable[[str, str], float]
+# a rule: fn(response, ground_truth, extra_info) -> float | {"score", extras} (rewards/rules.py), or a Rule
+Scorer = Callable[[str, Any, dict], Any]
 log = logging.getLogger(__name__)
 
 
@@ -41,8 +43,10 @@ class RowScore:
     stopped: bool
     length: int  # response tokens
     prompt: Any  # the prompt's uid (the n responses to one prompt share it)
-    scorer_error: bool = False  # the rule raised: scored 0, counted in reward/num_scorer_errors
+    scorer_error: bool = False  # the rule raised or timed out: scored 0, counted in reward/num_scorer_errors
     overlong_penalty: float = 0.0  # DAPO's soft length penalty, already in `final` (<= 0)
+    scorer_timeout: bool = False  # the rule timed out (also a scorer_error), counted in reward/num_scorer_timeouts
+    extras: dict = field(default_factory=dict)  # the rule's extra metrics, logged as reward/<source>/<key>
 
 
 def overlong_penalty(length: int, max_length: int, buffer_len: int, factor: float = 1.0) -> float:
@@ -55,20 +59,13 @@ def overlong_penalty(length: int, max_length: int, buffer_len: int, factor: floa
     return min(-exceed / buffer_len * factor, 0.0)
 
 
-def _math_score(response: str, ground_truth: str) -> float:
-    from megappo.rewards import math as math_scorer  # math-verify pulls in sympy: import on first use
-
-    return math_scorer.compute_score(response, ground_truth)
-
-
-DEFAULT_SCORERS: dict[str, Scorer] = {
-    "gsm8k": gsm8k.compute_score,
-    "openai/gsm8k": gsm8k.compute_score,
-    "math": _math_score,
-    "lighteval/MATH": _math_score,
-    "math_dapo": _math_score,
-    "arithmetic": arithmetic.compute_score,
-}
+def extra_metrics(rows: list[RowScore]) -> dict[tuple[str, str], list[float]]:
+    """(data_source, key) -> the values of a rule's extra metric over the rows that returned it."""
+    out: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for r in rows:
+        for key, value in r.extras.items():
+            out[(r.source, key)].append(value)
+    return out
 
 
 class RewardManager:
@@ -84,7 +81,7 @@ class RewardManager:
         num_examine: int = 1,
         non_stop_penalty: bool = True,
         non_stop_penalty_value: float = -10.0,
-        scorers: dict[str, Scorer] | None = None,
+        scorers: dict[str, Scorer | Rule] | None = None,
         stop_token_ids: Iterable[int] | None = None,
         overlong_buffer_len: int = 0,
         overlong_penalty_factor: float = 1.0,
@@ -96,6 +93,8 @@ class RewardManager:
         self.num_examine = num_examine
         self.non_stop_penalty = non_stop_penalty
         self.non_stop_penalty_value = float(non_stop_penalty_value)
+        for source, rule in (scorers or {}).items():
+            check_signature(f"scorers[{source!r}]", as_rule(rule).fn, as_rule(rule).batched)
         self.scorers = {**DEFAULT_SCORERS, **(scorers or {})}
         ids = set(stop_token_ids or [])
         if tokenizer.eos_token_id is not None:
@@ -106,13 +105,14 @@ class RewardManager:
                              f"{max_response_length}]; or 0 to turn the length penalty off")
         self.overlong = (int(overlong_buffer_len), float(overlong_penalty_factor), int(max_response_length))
 
-    def scorer_for(self, data_source: str) -> Scorer:
+    def scorer_for(self, data_source: str) -> Scorer | Rule:
         try:
             return self.scorers[data_source]
         except KeyError:
             raise ValueError(
                 f"no reward rule for data_source {data_source!r} (known: {', '.join(sorted(self.scorers))}); "
-                f"register one with RewardManager(..., scorers={{{data_source!r}: fn(response, ground_truth) -> float}})"
+                f"add one to the config: reward.rules.{data_source}=my_pkg.rewards:score, a fn(response, ground_truth, "
+                f"extra_info) -> float (or RewardManager(..., scorers={{{data_source!r}: fn}}))"
             ) from None
 
     def _response_mask(self, data: DataProto) -> torch.Tensor:
@@ -125,8 +125,9 @@ class RewardManager:
         return self.aggregate(self.score_rows(data), data)
 
     def score_rows(self, data: DataProto) -> list[RowScore]:
-        """Every response scored by the rule of its data_source. A rule that raises on a row scores it 0
-        (counted in reward/num_scorer_errors, warned once per source): one bad row does not end a run."""
+        """Every response scored by the rule of its data_source (a batched rule: one call per source). A rule
+        that raises or times out scores its rows 0 (counted in reward/num_scorer_errors, warned once per
+        source): one bad row does not end a run."""
         responses = data.batch["responses"]
         mask = self._response_mask(data).bool()
         lengths = mask.sum(dim=-1).tolist()
@@ -138,40 +139,62 @@ class RewardManager:
         rm_scores = data.batch.get("rm_scores")
         if rm_scores is not None and rm_scores.dim() == 2:
             rm_scores = rm_scores.sum(dim=-1)
-        sources = data.non_tensor_batch["data_source"]
-        reward_info = data.non_tensor_batch["reward_model"]
+        sources = [str(s) for s in data.non_tensor_batch["data_source"]]
+        truths = [info["ground_truth"] for info in data.non_tensor_batch["reward_model"]]
+        extra_infos = [e or {} for e in data.non_tensor_batch.get("extra_info", [None] * len(data))]
         uids = data.non_tensor_batch.get("uid", range(len(data)))
         turns = data.non_tensor_batch.get("agent_turns") if self.environments is not None else None
-        rows, shown, warned = [], defaultdict(int), set()
-        for i in range(len(data)):
-            source = str(sources[i])
-            if turns is None:
-                scorer = self.scorer_for(source)
-            else:  # multi-turn: the row's environment scores the whole trajectory
-                self.environments.get(source)  # raises for a source without one, as scorer_for does
-            text = self.tokenizer.decode(responses[i][mask[i]].tolist(), skip_special_tokens=True)
-            ground_truth = reward_info[i]["ground_truth"]
-            error = False
-            try:
-                rule_score = (float(scorer(text, ground_truth)) if turns is None
-                              else self.environments.score(source, turns[i], ground_truth, stopped[i]))
-            except Exception as e:  # noqa: BLE001 - a user's rule failing on one row scores it 0
-                rule_score, error = 0.0, True
-                if source not in warned:
-                    warned.add(source)
-                    log.warning("reward rule for data_source %r raised on a row (%s: %s); scoring it 0",
-                                source, type(e).__name__, e)
+        texts = [self.tokenizer.decode(responses[i][mask[i]].tolist(), skip_special_tokens=True)
+                 for i in range(len(data))]
+        if turns is None:
+            scored = self._rule_scores(sources, texts, truths, extra_infos)
+        else:  # multi-turn: the row's environment scores the whole trajectory
+            scored = self._environment_scores(sources, turns, truths, stopped, extra_infos)
+        rows, shown = [], defaultdict(int)
+        for i, source in enumerate(sources):
+            rule_score = scored[i].score
             buffer_len, factor, max_len = self.overlong
             length_penalty = overlong_penalty(int(lengths[i]), max_len, buffer_len, factor)
             final = rule_score + (float(rm_scores[i]) if rm_scores is not None else 0.0) + length_penalty
             if self.non_stop_penalty and not stopped[i]:
                 final = self.non_stop_penalty_value
             rows.append(RowScore(source, rule_score, final, rule_score >= 1.0, bool(stopped[i]), int(lengths[i]),
-                                 uids[i], error, length_penalty))
+                                 uids[i], bool(scored[i].failure), length_penalty, scored[i].failure == "timeout",
+                                 scored[i].extras))
             if shown[source] < self.num_examine:
                 shown[source] += 1
-                self._print_sample(data, i, source, text, ground_truth, rule_score, final, stopped[i])
+                self._print_sample(data, i, source, texts[i], truths[i], rule_score, final, stopped[i])
         return rows
+
+    def _rule_scores(self, sources, texts, truths, extra_infos) -> list[Scored]:
+        """Each data_source's rows scored by its rule (every source's rule looked up before any is called)."""
+        by_source: dict[str, list[int]] = defaultdict(list)
+        for i, source in enumerate(sources):
+            by_source[source].append(i)
+        rules = {source: self.scorer_for(source) for source in by_source}
+        scored: list = [None] * len(sources)
+        for source, idx in by_source.items():
+            results = score_group(rules[source], source, [texts[i] for i in idx], [truths[i] for i in idx],
+                                  [extra_infos[i] for i in idx])
+            for i, result in zip(idx, results):
+                scored[i] = result
+        return scored
+
+    def _environment_scores(self, sources, turns, truths, stopped, extra_infos) -> list[Scored]:
+        for source in set(sources):
+            self.environments.get(source)  # raises for a source without one, as scorer_for does
+        scored, warned = [], set()
+        for i, source in enumerate(sources):
+            try:
+                scored.append(Scored(self.environments.score(source, turns[i], truths[i], stopped[i],
+                                                             extra_infos[i])))
+            except Exception as e:  # noqa: BLE001 - a user's environment failing on one row scores it 0
+                scored.append(Scored(0.0, {}, "timeout" if isinstance(e, RuleTimeout) else "error"))
+                if source not in warned:
+                    warned.add(source)
+                    log.warning("reward rule for data_source %r raised on a row (%s: %s); scoring it 0",
+                                source, type(e).__name__, e)
+        return scored
 
     def aggregate(self, rows: list[RowScore], data: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         """Row scores -> token-level scores [B, T] (the final score on each response's last token) and
@@ -189,10 +212,13 @@ class RewardManager:
             "reward/num_non_stop_penalised": float(sum(self.non_stop_penalty and not r.stopped for r in rows)),
             "reward/stop_rate": sum(r.stopped for r in rows) / n,
             "reward/num_scorer_errors": float(sum(r.scorer_error for r in rows)),
+            "reward/num_scorer_timeouts": float(sum(r.scorer_timeout for r in rows)),
         }
         if self.overlong[0]:
             metrics["reward/overlong_penalty_mean"] = sum(r.overlong_penalty for r in rows) / n
             metrics["reward/overlong_frac"] = sum(r.overlong_penalty < 0 for r in rows) / n
+        for (source, key), values in extra_metrics(rows).items():
+            metrics[f"reward/{source}/{key}"] = sum(values) / len(values)
         for source, flags in per_source.items():
             metrics[f"reward/{source}/correct_rate"] = sum(flags) / len(flags)
         return token_level_scores, metrics
