@@ -106,6 +106,36 @@ def test_gpu_check_without_a_gpu_stack_fails_naming_the_venv():
     assert f"gpu-check: FAILED: {expected}" in res.stderr and sys.prefix in res.stderr, res.stderr
 
 
+def test_gpu_check_names_a_driver_too_old_for_torchs_cuda(monkeypatch):
+    """A CUDA 13 torch on a driver < 580 sees no GPU: the line names the driver, from torch's own warning or
+    from nvidia-smi's version, not CUDA_VISIBLE_DEVICES."""
+    import warnings
+
+    import torch
+    from tools import gpu_check
+
+    warned = ("CUDA initialization: The NVIDIA driver on your system is too old (found version 12040). Please "
+              "update your GPU driver by downloading and installing a new version from the URL: ...")
+    assert "found version 12040" in gpu_check.driver_too_old("13.0", None, [warned])
+    assert "550.54.15 is older than 580" in gpu_check.driver_too_old("13.0", "550.54.15", [])
+    assert gpu_check.driver_too_old("13.0", "580.65.06", []) is None
+    assert gpu_check.driver_too_old("12.8", "550.54.15", []) is None and gpu_check.driver_too_old("13.0", None, []) is None
+
+    def unavailable():
+        warnings.warn(warned)
+        return False
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", unavailable)
+    monkeypatch.setattr(gpu_check, "nvidia_driver_version", lambda: None)
+    assert gpu_check.gpu_stack_problem().startswith("GPU driver too old: ")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(gpu_check, "nvidia_driver_version", lambda: "535.104.05")
+    assert "535.104.05 is older than 580" in gpu_check.gpu_stack_problem()
+    monkeypatch.setattr(gpu_check, "nvidia_driver_version", lambda: None)
+    assert gpu_check.gpu_stack_problem().startswith("no visible GPU: ")
+
+
 @pytest.mark.slow
 def test_gpu_check_parity_row_measures_the_trainer(ray_session, tmp_path):
     """gpu_check's run on the CPU (fp32): the parity row compares vLLM with the actor's own forward,

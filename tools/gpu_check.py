@@ -130,15 +130,52 @@ def check_run(out: Path, steps: int, tp: int, gpus: int) -> list[tuple[str, bool
     return run_rows(name, rows, steps)
 
 
+# the oldest Linux driver each CUDA major runs on (NVIDIA's CUDA release notes): PyPI's torch 2.13.0 is CUDA 13.0
+MIN_DRIVER = {12: 525, 13: 580}
+
+
+def nvidia_driver_version() -> str | None:
+    """The driver version nvidia-smi reports for the first GPU; None without nvidia-smi or an answer."""
+    try:
+        res = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = res.stdout.split()
+    return first[0] if res.returncode == 0 and first else None
+
+
+def driver_too_old(torch_cuda: str, driver: str | None, warned: list[str]) -> str | None:
+    """Why a CUDA torch sees no GPU when the driver is the cause, else None: torch's own warning from
+    torch.cuda.is_available() ("The NVIDIA driver on your system is too old (found version N)"), or nvidia-smi's
+    driver version below the minimum for torch's CUDA major."""
+    for w in warned:
+        if "driver on your system is too old" in w:
+            return f"the NVIDIA driver is too old for CUDA {torch_cuda} (torch: {w.split('. ')[0].strip()})"
+    need = MIN_DRIVER.get(int(torch_cuda.split(".")[0]))
+    m = re.match(r"(\d+)\.", driver or "")
+    if need and m and int(m.group(1)) < need:
+        return f"the NVIDIA driver {driver} is older than {need}, the minimum for CUDA {torch_cuda}"
+    return None
+
+
 def gpu_stack_problem() -> str | None:
     """None when this interpreter has a CUDA torch that sees a GPU; else one line naming the venv."""
+    import warnings
+
     import torch
 
     where = f"{sys.executable} (venv {sys.prefix})"
     if torch.version.cuda is None:
         return (f"no GPU stack: {where} has torch {torch.__version__}, a CPU build; run `make gpu-check` after "
                 "`make install-gpu` (the GPU venv, .venv-gpu), or GPU_PY=<the GPU env's python>")
-    if not torch.cuda.is_available():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        available = torch.cuda.is_available()
+    if not available:
+        old = driver_too_old(torch.version.cuda, nvidia_driver_version(), [str(w.message) for w in caught])
+        if old is not None:
+            return f"GPU driver too old: {where} has CUDA torch {torch.__version__} but {old}: update the driver"
         return f"no visible GPU: {where} has CUDA torch {torch.__version__} but sees no device (CUDA_VISIBLE_DEVICES?)"
     return None
 
