@@ -57,6 +57,24 @@ def test_half_installed_te_is_reported_not_raised(broken_te):
         proc.stdout + proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("te_problem", [None, "import transformer_engine.pytorch failed: ImportError: x"])
+def test_packing_resolves_a_null_transformer_engine_to_the_local_spec(monkeypatch, te_problem):
+    """pack_sequences=true with model.transformer_engine null passes the config check; on a GPU where TE
+    imports, null used to resolve to TE and the engine raised at start (packed rows need the THD path).
+    Null + packing is the local spec whether TE imports or not; null without packing is still TE when usable."""
+    import warnings
+
+    from megappo.models import gpt
+
+    monkeypatch.setattr(gpt, "transformer_engine_problem", lambda: te_problem)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # packing: no "TE not usable" warning either, TE is not wanted
+        assert gpt.use_transformer_engine("cuda", None, packed=True) is False
+    assert gpt.use_transformer_engine("cuda", False, packed=True) is False
+    if te_problem is None:
+        assert gpt.use_transformer_engine("cuda", None, packed=False) is True
+
+
 def test_gpu_build_allocates_on_the_device_with_the_fusions_available():
     """CPU: host init, no fused kernel. GPU: no host copy of the weights (use_cpu_initialization off),
     megatron's jit fusions on, TE's fused RoPE only with TE, fused wgrad accumulation only with apex's

@@ -20,10 +20,13 @@ from megappo.parallel.weight_mapping import ModelDims, global_named_parameters, 
     transformer_config_kwargs
 
 
-def use_transformer_engine(device: str, want: Optional[bool] = None) -> bool:
+def use_transformer_engine(device: str, want: Optional[bool] = None, packed: bool = False) -> bool:
     """Whether the engine builds TE's layer spec (model.transformer_engine). None: on GPU when TE is usable
-    (the local spec otherwise, said once); True: TE, or a one-line error naming what is missing; False:
-    the local spec. Never on CPU (TE has no CPU kernels)."""
+    (the local spec otherwise, said once), and never for packed rows (`packed`: pack_sequences, whose
+    attention is the local spec's; TE's needs the THD path, not wired); True: TE, or a one-line error naming
+    what is missing; False: the local spec. Never on CPU (TE has no CPU kernels)."""
+    if want is None and packed:
+        return False
     if want is False or device != "cuda":
         if want:
             raise ValueError("model.transformer_engine=true needs resources.device=cuda (TE has no CPU kernels); "

@@ -194,7 +194,8 @@ class MegatronEngine:
         self.tp_rank = mpu.get_tensor_model_parallel_rank()
         self.pp_rank = mpu.get_pipeline_model_parallel_rank()
         self.dp_rank = mpu.get_data_parallel_rank()
-        self.uses_te = use_transformer_engine(self.config.device, self.config.transformer_engine)
+        self.uses_te = use_transformer_engine(self.config.device, self.config.transformer_engine,
+                                              packed=self.config.pack_sequences)
         self.tf_config = build_transformer_config(self.hf_config, layout, device=self.config.device,
                                                   params_dtype=self.config.params_dtype,
                                                   recompute=self.config.recompute,
