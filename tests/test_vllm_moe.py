@@ -103,3 +103,24 @@ def test_direct_load_refuses_moe_backends_that_convert_the_checkpoint_layout():
         assert f"{ok} ({backend})" in line if backend else ok in line
     line = moe_direct_load_problem([("Fp8MoEMethod", None)])  # quantized experts: packed weights too
     assert line and "Fp8MoEMethod" in line
+
+
+def test_expert_fingerprints_read_back_once_per_layer_with_the_same_values():
+    """The GPU fingerprint of a layer's experts stays on the device until the whole layer is done (one
+    device-to-host copy, not one per expert tensor); the values are tensor_fingerprint's, bit for bit."""
+    import types
+
+    from megappo.workers.rollout.cpu_moe import expert_fingerprints
+    from megappo.workers.rollout.fingerprint import tensor_fingerprint, tensor_fingerprint_on_device
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = types.SimpleNamespace(local_num_experts=5, global_num_experts=5, quant_method=None,
+                                      w13_weight=torch.randn(5, 6, 8, generator=g).to(dtype),
+                                      w2_weight=torch.randn(5, 8, 3, generator=g).to(dtype),
+                                      moe_config=types.SimpleNamespace(intermediate_size_per_partition_unpadded=3))
+        floats = expert_fingerprints(layer, "model.layers.0.mlp.experts.", 1, tensor_fingerprint)
+        batched = expert_fingerprints(layer, "model.layers.0.mlp.experts.", 1, tensor_fingerprint_on_device)
+        assert len(floats) == 15 and floats == batched, (floats[:2], batched[:2])
+        t = layer.w13_weight[2]
+        assert tuple(tensor_fingerprint_on_device(t, 3, 5).tolist()) == tensor_fingerprint(t, 3, 5)

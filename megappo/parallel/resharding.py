@@ -41,7 +41,9 @@ Fingerprints (`fingerprint_fn`, e.g. workers/rollout/fingerprint.tensor_fingerpr
 the tensor, so zero-padded slices add up to the full value) are taken on the owning stage from the
 weights BEFORE they are packed and shipped (shm: from the slot right after the owners wrote it), and
 summed over the world (only one rank of each DP replica group contributes), so a bucket corrupted
-after that point does not match what vLLM ends up holding.
+after that point does not match what vLLM ends up holding. A `fingerprint_fn` may leave its (value, scale)
+on the device as a tensor [2] (fingerprint.tensor_fingerprint_on_device): a bucket's are then read back
+with one device-to-host copy (a MoE model has thousands of expert tensors per sync).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -95,13 +97,13 @@ def _module_key(name: str) -> str:
 class Resharder:
     def __init__(self, chunks: list, dims: ModelDims, layout: ParallelLayout, rollout_tp: int,
                  bucket_bytes: int = 256 << 20, dtype: Optional[torch.dtype] = None,
-                 fingerprint_fn: Optional[Callable[[torch.Tensor], tuple]] = None, transport: str = "auto"):
+                 fingerprint_fn: Optional[Callable[[torch.Tensor], Any]] = None, transport: str = "auto"):
         from megatron.core import parallel_state as mpu
 
         self.chunks, self.dims, self.layout = chunks, dims, layout
         self.rollout_tp = int(rollout_tp)
         self.bucket_bytes = int(bucket_bytes)
-        self.fingerprint_fn = fingerprint_fn  # HF tensor -> (value, scale); linear in the tensor
+        self.fingerprint_fn = fingerprint_fn  # HF tensor -> (value, scale) or a tensor [2]; linear in the tensor
         self.fingerprint = fingerprint_fn is not None
         self.world = dist.get_world_size()
         if self.world % self.rollout_tp:
@@ -347,11 +349,26 @@ class Resharder:
         self._run = {"broadcast_received": 0, "tp_gathered": 0, "shm_read": 0, "ep_received": 0, "comm_s": 0.0}
         consumer_s, peak = 0.0, 0
 
+        pending: list = []  # (name index, (value, scale)) of the current bucket, read back at its end
+
         def add_fingerprints(p: _Param, hf: dict) -> None:
-            for n in p.hf:
-                v, sc = self.fingerprint_fn(hf[n])
-                fp[index[n]] += v
-                fp[len(names) + index[n]] += sc
+            pending.extend((index[n], self.fingerprint_fn(hf[n])) for n in p.hf)
+
+        def read_fingerprints() -> None:
+            """fp += the bucket's fingerprints, in the order taken; values left on a device come back in one
+            copy per device (not one synchronising read per tensor)."""
+            on_device: dict = {}
+            for j, (_, v) in enumerate(pending):
+                if isinstance(v, torch.Tensor):
+                    on_device.setdefault(v.device, []).append(j)
+            vals = [v for _, v in pending]
+            for js in on_device.values():
+                for j, pair in zip(js, torch.stack([pending[j][1] for j in js]).tolist()):
+                    vals[j] = pair
+            for (i, _), (v, sc) in zip(pending, vals):
+                fp[i] += v
+                fp[len(names) + i] += sc
+            pending.clear()
 
         add = add_fingerprints if self.fingerprint else None
         for bi, b in enumerate(self._plan):
@@ -359,6 +376,7 @@ class Resharder:
                 tensors, buffer_bytes = self._shm_tensors(bi, add)
             else:
                 tensors, buffer_bytes = self._collective_tensors(b, add)
+            read_fingerprints()
             nbytes = sum(t.numel() for _, t in tensors) * elem
             peak = max(peak, nbytes + buffer_bytes)
             if corrupt is not None:  # the hook edits copies: the trainer's weights / the slot stay intact

@@ -115,7 +115,9 @@ def expert_fingerprints(layer, base: str, tp_rank: int, fingerprint, model_type:
     """This vLLM TP rank's share of the fingerprints of every expert of a RoutedExperts layer, under
     the HF names of `model_type` (weight_mapping.hf_expert_names; base: "model.layers.L.mlp.experts.").
     w13 holds [gate; up] rows of this rank's intermediate slice, w2 its columns, so the slices sit at
-    row / column tp_rank * I_local of the HF tensors. `fingerprint(t, row_offset, col_offset)`."""
+    row / column tp_rank * I_local of the HF tensors. `fingerprint(t, row_offset, col_offset)`: (fp, scale),
+    as floats or as a tensor [2] left on the device (fingerprint.tensor_fingerprint_on_device), then read back
+    for the whole layer at once: one device-to-host copy per layer, not one per expert tensor."""
     if getattr(layer, "local_num_experts", None) != getattr(layer, "global_num_experts", None):
         raise NotImplementedError("fingerprint: vLLM expert parallelism (each rank a subset of the experts) is not "
                                   "supported; the hybrid engine syncs every expert into every rollout TP rank")
@@ -135,11 +137,12 @@ def expert_fingerprints(layer, base: str, tp_rank: int, fingerprint, model_type:
     inter = getattr(getattr(layer, "moe_config", None), "intermediate_size_per_partition_unpadded", None) \
         or w2.shape[-1]
     nan = (float("nan"), float("nan"))
-    out = []
+    names, vals = [], []
     for e in range(w13.shape[0]):
-        gate, up, down = hf_expert_names(base, e, model_type)
-        vals = [(gate, fingerprint(w13[e, :inter], row_offset=tp_rank * inter)),
-                (up, fingerprint(w13[e, inter:2 * inter], row_offset=tp_rank * inter)),
-                (down, fingerprint(w2[e], col_offset=tp_rank * inter))]
-        out.extend((n, v if ok else nan) for n, v in vals)
-    return out
+        names.extend(hf_expert_names(base, e, model_type))  # gate, up, down
+        vals += [fingerprint(w13[e, :inter], row_offset=tp_rank * inter),
+                 fingerprint(w13[e, inter:2 * inter], row_offset=tp_rank * inter),
+                 fingerprint(w2[e], col_offset=tp_rank * inter)]
+    if vals and isinstance(vals[0], torch.Tensor):
+        vals = [tuple(v) for v in torch.stack(vals).tolist()]
+    return [(n, v if ok else nan) for n, v in zip(names, vals)]

@@ -23,7 +23,9 @@ computes with shows up as a mismatch.
 Precision and cost: a weight matrix is reduced with one float32 matvec (W c: one read of the weights,
 no float64 copy of them; a packed kernel's matvec runs in the weight dtype anyway), then the row
 sums are taken in float64. Float32 rounding is ~1e-7 relative, so the comparison uses a relative
-tolerance scaled by `sum |W c| u` (1e-5 for fp32 weights, 2e-2 for 16-bit weights).
+tolerance scaled by `sum |W c| u` (1e-5 for fp32 weights, 2e-2 for 16-bit weights). On GPU the values stay
+on the device until a whole expert layer (vLLM side) or bucket (trainer side, resharding) is done: one
+device-to-host copy each, not one per tensor (a 128-expert, 48-layer model has ~18k expert tensors).
 """
 
 from __future__ import annotations
@@ -48,22 +50,37 @@ def col_weights(start: int, n: int) -> torch.Tensor:
     return 0.5 + torch.frac(j * _SQRT2)
 
 
+@functools.lru_cache(maxsize=128)
+def _weights_on(kind: str, start: int, n: int, device: str, dtype: torch.dtype) -> torch.Tensor:
+    """row_weights / col_weights on `device`, kept: a host-to-device copy per call synchronises the stream
+    (torch's blocking copy), which thousands of expert tensors per weight sync would pay each time."""
+    return (row_weights if kind == "row" else col_weights)(start, n).to(device=device, dtype=dtype)
+
+
+def tensor_fingerprint_on_device(t: torch.Tensor, row_offset: int = 0, col_offset: int = 0) -> torch.Tensor:
+    """tensor_fingerprint's (fp, scale) as a float64 tensor [2] on t's device, not read back: callers
+    fingerprinting many tensors (a layer's experts, a bucket) read them all with one device-to-host copy.
+    The same operations as tensor_fingerprint, so the same values."""
+    t = t.detach()
+    if t.numel() == 0:
+        return torch.zeros(2, dtype=torch.float64, device=t.device)
+    if t.dim() == 1:
+        u = _weights_on("row", row_offset, t.shape[0], str(t.device), torch.float64)
+        x = t.double()
+        return torch.stack(((x * u).sum(), (x.abs() * u).sum()))
+    if t.dim() != 2:
+        t = t.reshape(t.shape[0], -1)
+    c = _weights_on("col", col_offset, t.shape[1], str(t.device), torch.float32)
+    y = (t.float() @ c).double()
+    u = _weights_on("row", row_offset, t.shape[0], str(t.device), torch.float64)
+    return torch.stack(((y * u).sum(), (y.abs() * u).sum()))
+
+
 def tensor_fingerprint(t: torch.Tensor, row_offset: int = 0, col_offset: int = 0) -> tuple[float, float]:
     """(fp, scale) of a tensor (or a block of one at the given global row / column offsets).
     scale = sum |W c| u, the magnitude the tolerance is relative to."""
-    t = t.detach()
-    if t.numel() == 0:
-        return 0.0, 0.0
-    if t.dim() == 1:
-        u = row_weights(row_offset, t.shape[0]).to(t.device)
-        x = t.double()
-        return float((x * u).sum()), float((x.abs() * u).sum())
-    if t.dim() != 2:
-        t = t.reshape(t.shape[0], -1)
-    c = col_weights(col_offset, t.shape[1]).to(device=t.device, dtype=torch.float32)
-    y = (t.float() @ c).double()
-    u = row_weights(row_offset, t.shape[0]).to(t.device)
-    return float((y * u).sum()), float((y.abs() * u).sum())
+    fp, scale = tensor_fingerprint_on_device(t, row_offset, col_offset).tolist()
+    return fp, scale
 
 
 def fingerprints(named: Iterable[tuple[str, torch.Tensor]], tie_word_embeddings: bool = False
@@ -213,8 +230,8 @@ def _experts_fps(layer, mod_name: str, base: str, subs: list, tp_rank: int, mode
     from megappo.workers.rollout.cpu_moe import expert_fingerprints
 
     # vLLM 0.32 nests the experts one level down (mlp.experts.routed_experts); HF: mlp.experts.{e}.*
-    return expert_fingerprints(layer, mod_name.removesuffix(".routed_experts") + ".", tp_rank, tensor_fingerprint,
-                               model_type or "qwen3_moe")
+    return expert_fingerprints(layer, mod_name.removesuffix(".routed_experts") + ".", tp_rank,
+                               tensor_fingerprint_on_device, model_type or "qwen3_moe")
 
 
 def _layer_kinds(model_type: Optional[str] = None) -> list:

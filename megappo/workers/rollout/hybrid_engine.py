@@ -38,7 +38,8 @@ from megappo.parallel import device
 from megappo.parallel.resharding import Resharder
 from megappo.protocol import DataProto
 from megappo.utils.checkpoint import rng_state, set_rng_state
-from megappo.workers.rollout.fingerprint import compare, tensor_fingerprint, tolerance_for, with_tied_head
+from megappo.workers.rollout.fingerprint import compare, tensor_fingerprint_on_device, tolerance_for, \
+    with_tied_head
 
 
 class WeightSyncError(RuntimeError):
@@ -54,7 +55,7 @@ class HybridEngine:
         mb = bucket_mb if bucket_mb is not None else cfg.weight_sync_bucket_mb
         self.resharder = Resharder(engine.inner_chunks(), engine.dims, engine.layout, rollout_tp=rollout.tp,
                                    bucket_bytes=int(mb * (1 << 20)),
-                                   fingerprint_fn=tensor_fingerprint if check_fingerprint else None,
+                                   fingerprint_fn=tensor_fingerprint_on_device if check_fingerprint else None,
                                    transport=transport)
         self.check_fingerprint = check_fingerprint
         self.world = dist.get_world_size()

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from megappo.parallel import device
-from megappo.workers.rollout.fingerprint import compare, tensor_fingerprint, tolerance_for, with_tied_head
+from megappo.workers.rollout.fingerprint import compare, tensor_fingerprint_on_device, tolerance_for, \
+    with_tied_head
 from megappo.workers.rollout.hybrid_engine import WeightSyncError
 
 __all__ = ["StatelessGroup", "WeightSender", "WeightReceiver"]
@@ -88,7 +89,8 @@ class WeightSender:
 
         self.engine, self.group = engine, group
         self.resharder = Resharder(engine.inner_chunks(), engine.dims, engine.layout, rollout_tp=1,
-                                   bucket_bytes=int(bucket_mb * (1 << 20)), fingerprint_fn=tensor_fingerprint)
+                                   bucket_bytes=int(bucket_mb * (1 << 20)),
+                                   fingerprint_fn=tensor_fingerprint_on_device)
 
     def send(self) -> dict:
         t0 = time.perf_counter()
