@@ -101,6 +101,16 @@ def parse_call(text: str) -> Optional[Call]:
     return Call(obj["name"], args)
 
 
+def parse_calls(text: str) -> list[Call]:
+    """Every tool call in a model turn, in order (the OpenAI API returns them all)."""
+    return [parse_call(m.group(0)) for m in _CALL.finditer(text)]
+
+
+def strip_calls(text: str) -> str:
+    """A turn's text without its tool-call blocks (an OpenAI assistant message's `content`)."""
+    return _CALL.sub("", text).strip()
+
+
 class Observations:
     """Token ids of a tool result as the chat template renders it between two assistant turns."""
 
@@ -123,5 +133,5 @@ class Observations:
         return self.tokenizer.encode(before + result + self.after, add_special_tokens=False)
 
 
-__all__ = ["CALL_START", "CALL_END", "Call", "parse_call", "Observations", "with_tools", "tool_prompt_mode",
-           "template_has_tools"]
+__all__ = ["CALL_START", "CALL_END", "Call", "parse_call", "parse_calls", "strip_calls", "Observations", "with_tools",
+           "tool_prompt_mode", "template_has_tools"]

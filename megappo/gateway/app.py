@@ -1,0 +1,314 @@
+"""The rollout gateway: the OpenAI API over an AsyncTokenEngine, with exact token capture per session.
+
+    gw = Gateway(engine, tokenizer, model_name="policy", max_model_len=2048, max_tokens=512)
+    s = gw.open_session(row)                     # in process; or POST /megappo/v1/sessions (admin key)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=s.key)   # bound to that session
+    ...                                          # the agent calls the model as often as it likes
+    record = gw.close_session(s.id)              # segments: the ids as sampled, masks, log-probs, versions
+
+OpenAI endpoints (a session's key in `Authorization: Bearer`): `POST /v1/chat/completions` (messages,
+`tools` shown through the chat template, tool calls parsed from the model's Hermes `<tool_call>` blocks
+into `tool_calls`; finish_reason `tool_calls` / `stop` / `length`), `POST /v1/completions` (a string or
+token ids), `GET /v1/models`. Every answer carries vLLM's extra fields `prompt_token_ids` and
+`choices[i].token_ids`. megappo's endpoints for RL (the admin key): `POST /megappo/v1/sessions` (open
+one for a row: its id and key), `POST /megappo/v1/sessions/{id}/reward` (the session's own key, or
+admin), `GET /megappo/v1/sessions/{id}`, `POST /megappo/v1/sessions/{id}/close`, `GET /megappo/v1/stats`.
+
+A key reaches its own session only (401 for an unknown key, 403 for another session's); `open_key`
+(for `megappo serve`) is a key whose requests are served and not recorded. Every bad input is a 4xx
+whose body is OpenAI's error object with one line: malformed JSON, an unknown key, `n` > 1, `stream`,
+max_tokens past the server's budget, a prompt past max_model_len. Loopback by default (serve.py).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from fastapi import FastAPI, Header, Request
+from fastapi.responses import JSONResponse
+
+from megappo.agent.format import parse_calls, strip_calls
+from megappo.gateway.capture import ChatRenderer, Session
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class GatewayError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+@dataclass
+class SessionState:
+    id: str
+    key: str
+    session: Session
+    row: Optional[dict] = None
+    reward: Optional[float] = None
+    latencies: list = field(default_factory=list)
+
+    def record(self) -> dict:
+        s = self.session
+        return {"session_id": self.id, "row": self.row, "reward": self.reward, "requests": s.requests,
+                "fallbacks": s.fallbacks, "segments": [seg.to_dict() for seg in s.segments]}
+
+
+class Gateway:
+    def __init__(self, engine, tokenizer, *, model_name: str, max_model_len: int, max_tokens: int,
+                 tool_prompt: Optional[str] = None, admin_key: Optional[str] = None, open_key: Optional[str] = None):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.renderer = ChatRenderer(tokenizer, tool_prompt)
+        self.model_name, self.max_model_len, self.max_tokens = model_name, int(max_model_len), int(max_tokens)
+        self.admin_key = admin_key or "mp-admin-" + secrets.token_urlsafe(24)
+        self.open_key = open_key
+        self.sessions: dict[str, SessionState] = {}
+        self._by_key: dict[str, str] = {}
+        self.latencies: list[float] = []
+        self.errors = 0
+
+    # ---- sessions (in process, or over HTTP with the admin key) ----------------------------------------
+    def open_session(self, row: Optional[dict] = None) -> SessionState:
+        sid = secrets.token_hex(8)
+        state = SessionState(sid, f"mp-{sid}-{secrets.token_urlsafe(24)}", Session(self.renderer), row)
+        self.sessions[sid] = state
+        self._by_key[state.key] = sid
+        return state
+
+    def close_session(self, sid: str) -> dict:
+        state = self._state(sid)
+        del self.sessions[sid], self._by_key[state.key]
+        return state.record()
+
+    def stats(self) -> dict:
+        lat = sorted(self.latencies) or [0.0]
+        return {"sessions_open": len(self.sessions), "requests": self.engine.requests, "engine_steps": self.engine.steps,
+                "errors": self.errors, "latency_p50_s": statistics.median(lat),
+                "latency_p95_s": lat[int(0.95 * (len(lat) - 1))], "policy_version": self.engine.version}
+
+    def _state(self, sid: str) -> SessionState:
+        if sid not in self.sessions:
+            raise GatewayError(404, f"no open session {sid!r}", "not_found_error")
+        return self.sessions[sid]
+
+    def _caller(self, authorization: Optional[str]) -> Optional[SessionState]:
+        """The session a key belongs to; None for the admin or the open key."""
+        key = (authorization or "").removeprefix("Bearer ").strip()
+        if not key:
+            raise GatewayError(401, "missing API key: send Authorization: Bearer <your session's key>",
+                               "authentication_error")
+        if secrets.compare_digest(key, self.admin_key) or (self.open_key and secrets.compare_digest(key, self.open_key)):
+            return None
+        sid = self._by_key.get(key)
+        if sid is None:
+            raise GatewayError(401, "unknown API key: open a session (POST /megappo/v1/sessions) and use its key",
+                               "authentication_error")
+        return self.sessions[sid]
+
+    def _admin(self, authorization: Optional[str]) -> None:
+        if self._caller(authorization) is not None or not secrets.compare_digest(
+                (authorization or "").removeprefix("Bearer ").strip(), self.admin_key):
+            raise GatewayError(403, "this endpoint needs the gateway's admin key", "permission_error")
+
+    def _own(self, authorization: Optional[str], sid: str) -> SessionState:
+        caller = self._caller(authorization)
+        state = self._state(sid)
+        if caller is not None and caller.id != sid:
+            raise GatewayError(403, "this key belongs to another session", "permission_error")
+        if caller is None and not secrets.compare_digest((authorization or "").removeprefix("Bearer ").strip(),
+                                                          self.admin_key):
+            raise GatewayError(403, "this endpoint needs the session's own key or the admin key", "permission_error")
+        return state
+
+    # ---- the OpenAI API --------------------------------------------------------------------------------
+    async def chat(self, body: dict, authorization: Optional[str]) -> dict:
+        state = self._caller(authorization)
+        messages, tools = _messages(body.get("messages")), _tools(body.get("tools"))
+        session = state.session if state else Session(self.renderer)
+        saved = session.snapshot()
+        try:
+            prompt = session.chat_prompt(messages, tools)
+            out = await self._generate(prompt, body, state)
+        except BaseException:
+            session.restore(saved)  # a refused or failed request leaves the session as it was
+            raise
+        text = self.tokenizer.decode(out.ids, skip_special_tokens=True)
+        if out.stop_string and text.endswith(out.stop_string):  # as OpenAI: content without the stop string
+            text = text[:-len(out.stop_string)]
+        calls = [c for c in parse_calls(text) if c.error is None]
+        reply = {"role": "assistant", "content": strip_calls(text) if calls else text}
+        if calls:
+            reply["tool_calls"] = [{"id": f"call_{secrets.token_hex(6)}", "type": "function",
+                                    "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
+        session.record(out.ids, out.logprobs, out.version, reply)
+        finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
+        choice = {"index": 0, "message": reply, "finish_reason": finish, "token_ids": out.ids,
+                  "logprobs": self._logprobs(out) if body.get("logprobs") else None}
+        return self._envelope("chat.completion", choice, out)
+
+    async def completion(self, body: dict, authorization: Optional[str]) -> dict:
+        state = self._caller(authorization)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = prompt
+        else:
+            raise GatewayError(400, "prompt must be a non-empty string or a list of token ids")
+        session = state.session if state else Session(self.renderer)
+        saved = session.snapshot()
+        try:
+            full = session.completion_prompt(ids)
+            out = await self._generate(full, body, state)
+        except BaseException:
+            session.restore(saved)
+            raise
+        session.record(out.ids, out.logprobs, out.version)
+        choice = {"index": 0, "text": self.tokenizer.decode(out.ids, skip_special_tokens=True),
+                  "finish_reason": out.finish_reason, "token_ids": out.ids, "logprobs": None}
+        return self._envelope("text_completion", choice, out)
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "megappo"}]}
+
+    async def _generate(self, prompt: list[int], body: dict, state: Optional[SessionState]):
+        params = self._sampling(body, len(prompt))
+        t0 = time.perf_counter()
+        out = await self.engine.generate(prompt, params)
+        dt = time.perf_counter() - t0
+        self.latencies.append(dt)
+        if state is not None:
+            state.latencies.append(dt)
+        return out
+
+    def _sampling(self, body: dict, prompt_len: int):
+        from vllm import SamplingParams
+
+        if body.get("stream"):
+            raise GatewayError(400, "stream=true is not supported by this gateway yet; send stream=false")
+        if body.get("n", 1) != 1:
+            raise GatewayError(400, "n must be 1: open one session per sample")
+        if body.get("model") not in (None, self.model_name):
+            raise GatewayError(404, f"model {body.get('model')!r} is not served here; use {self.model_name!r}",
+                               "not_found_error")
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.max_tokens
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise GatewayError(400, f"max_tokens={max_tokens!r} must be a positive integer")
+        if max_tokens > self.max_tokens:
+            raise GatewayError(400, f"max_tokens={max_tokens} is past this server's budget of {self.max_tokens}; "
+                                    f"ask for at most {self.max_tokens}")
+        if prompt_len + max_tokens > self.max_model_len:
+            raise GatewayError(400, f"the prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceed "
+                                    f"max_model_len={self.max_model_len}: shorten the conversation or max_tokens")
+        stop = body.get("stop")
+        try:
+            return SamplingParams(temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
+                                  max_tokens=max_tokens, seed=body.get("seed"), logprobs=0,
+                                  stop=[stop] if isinstance(stop, str) else stop, include_stop_str_in_output=True)
+        except (TypeError, ValueError) as e:
+            raise GatewayError(400, f"bad sampling parameters: {e}") from None
+
+    def _logprobs(self, out) -> dict:
+        return {"content": [{"token": self.tokenizer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+                            for t, lp in zip(out.ids, out.logprobs)]}
+
+    def _envelope(self, kind: str, choice: dict, out) -> dict:
+        return {"id": f"mp-{secrets.token_hex(8)}", "object": kind, "created": int(time.time()), "model": self.model_name,
+                "choices": [choice], "prompt_token_ids": out.prompt_ids,
+                "usage": {"prompt_tokens": len(out.prompt_ids), "completion_tokens": len(out.ids),
+                          "total_tokens": len(out.prompt_ids) + len(out.ids)}}
+
+
+def _messages(messages) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise GatewayError(400, "messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise GatewayError(400, f"messages[{i}] must be an object with a role in {', '.join(ROLES)}")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: the text ones, joined
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if content is not None and not isinstance(content, str):
+            raise GatewayError(400, f"messages[{i}].content must be a string, a list of text parts or null")
+        out.append({**m, "content": content})
+    return out
+
+
+def _tools(tools) -> Optional[list]:
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+                                              and t["function"].get("name") for t in tools):
+        raise GatewayError(400, 'tools must be a list of {"type": "function", "function": {"name", ...}}')
+    return tools
+
+
+def make_app(gateway: Gateway):
+    """The FastAPI app: the routes above, every error as OpenAI's error object with one line."""
+    app = FastAPI(title="megappo rollout gateway", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(GatewayError)
+    async def _error(_, e: GatewayError):
+        gateway.errors += 1
+        return JSONResponse({"error": {"message": e.message, "type": e.kind, "code": e.status}}, status_code=e.status)
+
+    async def body_of(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise GatewayError(400, f"the request body is not valid JSON ({e})") from None
+        if not isinstance(body, dict):
+            raise GatewayError(400, "the request body must be a JSON object")
+        return body
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request, authorization: Optional[str] = Header(None)):
+        return await gateway.chat(await body_of(request), authorization)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, authorization: Optional[str] = Header(None)):
+        return await gateway.completion(await body_of(request), authorization)
+
+    @app.get("/v1/models")
+    async def models(authorization: Optional[str] = Header(None)):
+        gateway._caller(authorization)
+        return gateway.models()
+
+    @app.post("/megappo/v1/sessions")
+    async def open_session(request: Request, authorization: Optional[str] = Header(None)):
+        gateway._admin(authorization)
+        body = await body_of(request)
+        state = gateway.open_session(body.get("row"))
+        return {"session_id": state.id, "api_key": state.key}
+
+    @app.post("/megappo/v1/sessions/{sid}/reward")
+    async def reward(sid: str, request: Request, authorization: Optional[str] = Header(None)):
+        state = gateway._own(authorization, sid)
+        value = (await body_of(request)).get("reward")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise GatewayError(400, 'send {"reward": <a number>}')
+        state.reward = float(value)
+        return {"session_id": sid, "reward": state.reward}
+
+    @app.get("/megappo/v1/sessions/{sid}")
+    async def get_session(sid: str, authorization: Optional[str] = Header(None)):
+        return gateway._own(authorization, sid).record()
+
+    @app.post("/megappo/v1/sessions/{sid}/close")
+    async def close(sid: str, authorization: Optional[str] = Header(None)):
+        gateway._admin(authorization)
+        return gateway.close_session(sid)
+
+    @app.get("/megappo/v1/stats")
+    async def stats(authorization: Optional[str] = Header(None)):
+        gateway._admin(authorization)
+        return gateway.stats()
+
+    return app

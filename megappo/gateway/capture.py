@@ -1,0 +1,174 @@
+"""Token in, token out: what a session of the rollout gateway records, so the trainer trains on exactly
+the ids the engine sampled and never on a re-tokenisation of the agent's text.
+
+    renderer = ChatRenderer(tokenizer)
+    session = Session(renderer)
+    ids = session.chat_prompt(messages, tools)        # what the engine is asked to continue
+    session.record(sampled_ids, logprobs, "stop", version, reply)   # reply: the assistant message returned
+
+A request **extends** the session's conversation when its messages start with the previous request's
+messages followed by the assistant message the gateway returned (compared by role, content and the
+tool calls' names and parsed arguments: a client that re-serialises the JSON still extends) and its
+tools are the same. Then its prompt is the previous prompt + the sampled ids (as sampled) + the
+template's tokens for the new messages (`ChatRenderer.delta_ids`: end of the assistant turn unless the
+model's own last token closed it, the tool / user messages, the next assistant header): the model's
+tokens are never re-tokenised. Any other request (the agent rewrote history, a template that is not
+append-only such as Qwen3 dropping old thinking, other tools) starts a new **segment**, rendered whole
+and trained as its own sequence; `Session.fallbacks` counts them. Completions requests extend when their
+prompt ids start with the segment's ids so far (a token-level test).
+
+A Segment is one trained sequence: its first prompt, then model tokens (model_mask 1, their sampled
+log-probs, the policy version that sampled each) and observation tokens between them (mask 0).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megappo.agent.format import with_tools
+
+_MARK = "\u2063megappo-turn\u2063"  # a string no template alters
+
+
+@dataclass
+class Segment:
+    prompt_ids: list
+    tokens: list = field(default_factory=list)  # after the prompt: model turns and observations
+    model_mask: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    versions: list = field(default_factory=list)  # per token: the policy version that sampled it (-1: not sampled)
+    turns: int = 0
+
+    @property
+    def ids(self) -> list:
+        return self.prompt_ids + self.tokens
+
+    def add(self, ids, logprobs=None, version: int = -1, model: bool = False) -> None:
+        self.tokens += list(ids)
+        self.model_mask += [int(model)] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        self.versions += [version if model else -1] * len(ids)
+        self.turns += int(model)
+
+    def to_dict(self) -> dict:
+        return {"prompt_ids": self.prompt_ids, "tokens": self.tokens, "model_mask": self.model_mask,
+                "logprobs": self.logprobs, "versions": self.versions, "turns": self.turns}
+
+
+class ChatRenderer:
+    """Chat messages -> prompt ids with the model's own chat template (tools shown as agent/format.py does)."""
+
+    def __init__(self, tokenizer, tool_prompt: Optional[str] = None):
+        self.tokenizer = tokenizer
+        self.tool_prompt = tool_prompt
+        self.special_ids = set(tokenizer.all_special_ids)
+
+    def prompt_ids(self, messages: list[dict], tools: Optional[list] = None) -> list[int]:
+        msgs, kwargs = with_tools(messages, self.tokenizer, tools, self.tool_prompt) if tools else (messages, {})
+        text = self.tokenizer.apply_chat_template(_plain(msgs), add_generation_prompt=True, tokenize=False, **kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def delta_ids(self, new_messages: list[dict], last_sampled: Optional[int]) -> list[int]:
+        """The template's tokens between the model's turn and its next one, given the messages that came
+        after it; the model's own closing token (EOS / end-of-turn, last_sampled) is not repeated."""
+        msgs = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}] + _plain(new_messages)
+        full = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        tail = full[full.index(_MARK) + len(_MARK):]
+        if last_sampled in self.special_ids:
+            closing = self.tokenizer.decode([last_sampled])
+            if tail.startswith(closing):
+                tail = tail[len(closing):]
+        return self.tokenizer.encode(tail, add_special_tokens=False)
+
+
+def _plain(messages: list[dict]) -> list[dict]:
+    """Messages as a template that knows nothing of OpenAI's tool_calls renders them: an assistant turn's
+    calls become the Hermes text the model writes (used only when a history is rendered anew)."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("content") is None:
+            m["content"] = ""
+        calls = m.pop("tool_calls", None) or []
+        for c in calls:
+            f = c.get("function", {})
+            args = f.get("arguments", {})
+            try:
+                args = json.loads(args) if isinstance(args, str) else args
+            except json.JSONDecodeError:
+                pass
+            m["content"] += f'<tool_call>\n{json.dumps({"name": f.get("name"), "arguments": args})}\n</tool_call>'
+        out.append(m)
+    return out
+
+
+def _key(message: dict) -> tuple:
+    """What makes two messages the same turn: role, text, and the calls' names with parsed arguments."""
+    calls = []
+    for c in message.get("tool_calls") or []:
+        f = c.get("function", {})
+        args = f.get("arguments")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except json.JSONDecodeError:
+            pass
+        calls.append((f.get("name"), json.dumps(args, sort_keys=True)))
+    return message.get("role"), message.get("content") or "", tuple(calls)
+
+
+class Session:
+    """One agent episode's token record (see the module docstring)."""
+
+    def __init__(self, renderer: ChatRenderer):
+        self.renderer = renderer
+        self.segments: list[Segment] = []
+        self.fallbacks = 0  # requests that did not extend the conversation: a new segment each
+        self.requests = 0
+        self._history: Optional[list] = None  # the last request's messages + the reply returned
+        self._tools = None
+
+    def chat_prompt(self, messages: list[dict], tools: Optional[list] = None) -> list[int]:
+        """The ids the engine continues for this chat request (extending the live segment when it can)."""
+        self.requests += 1
+        h = self._history
+        if h is not None and tools == self._tools and len(messages) > len(h) \
+                and [_key(m) for m in messages[:len(h)]] == [_key(m) for m in h]:
+            seg = self.segments[-1]
+            seg.add(self.renderer.delta_ids(messages[len(h):], seg.ids[-1] if seg.tokens else None))
+        else:
+            self._new_segment(self.renderer.prompt_ids(messages, tools))
+        self._history, self._tools = list(messages), tools
+        return self.segments[-1].ids
+
+    def completion_prompt(self, prompt_ids: list[int]) -> list[int]:
+        """Completions API: the prompt extends the live segment when it starts with all of its ids."""
+        self.requests += 1
+        seg = self.segments[-1] if self.segments else None
+        if seg is not None and len(prompt_ids) >= len(seg.ids) and prompt_ids[:len(seg.ids)] == seg.ids:
+            seg.add(prompt_ids[len(seg.ids):])
+        else:
+            self._new_segment(list(prompt_ids))
+        self._history = None  # a chat request after a raw completion starts a new segment
+        return self.segments[-1].ids
+
+    def record(self, ids: list[int], logprobs: list[float], version: int, reply: Optional[dict] = None) -> None:
+        """The engine's answer to the last prompt: ids and log-probs as sampled; reply: the assistant
+        message returned to the client (what its next request must repeat to extend)."""
+        self.segments[-1].add(ids, logprobs, version, model=True)
+        if reply is not None and self._history is not None:
+            self._history.append(reply)
+
+    def snapshot(self) -> tuple:
+        """What restore() needs to undo a request that was refused or failed after its prompt was built."""
+        return (copy.deepcopy(self.segments), self.fallbacks, self.requests, copy.deepcopy(self._history), self._tools)
+
+    def restore(self, snap: tuple) -> None:
+        self.segments, self.fallbacks, self.requests, self._history, self._tools = snap
+
+    def _new_segment(self, prompt_ids: list[int]) -> None:
+        if self.segments:
+            self.fallbacks += 1
+        self.segments.append(Segment(list(prompt_ids)))

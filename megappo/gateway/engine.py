@@ -1,0 +1,137 @@
+"""An asynchronous front of an in-process vLLM engine: continuous batching across concurrent requests,
+still the hybrid engine (the same process, the same resharded weights).
+
+    engine = AsyncTokenEngine(rollout.llm)               # the LLM the rollout worker already holds
+    out = await engine.generate(prompt_ids, SamplingParams(max_tokens=64, logprobs=0, seed=1))
+    with engine.paused():                                # between two engine steps: load weights here
+        rollout.load_weights(...)
+    engine.bump_version()
+
+vLLM's AsyncLLM runs its engine core in another process; the hybrid engine keeps vLLM in the trainer's
+worker process, so this drives the in-process `LLMEngine` the way AsyncLLM's output loop does: requests
+are added from any asyncio loop between steps, one thread steps the engine while any request is
+unfinished (adding the requests queued since the last step first), and each finished request resolves
+its caller's future. Every step batches all requests in
+flight (`steps` vs `requests` shows it). `paused()` holds the step lock: requests in flight keep their
+KV cache and continue after it (vLLM's "keep" pause mode), new ones queue; the policy version is what
+`bump_version` last set when the request entered the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass
+class Completion:
+    prompt_ids: list
+    ids: list  # sampled, exactly
+    logprobs: list  # of the sampled ids (vLLM's processed log-probs: at the sampling temperature)
+    finish_reason: str  # "stop" | "length" | "abort"
+    version: int  # the policy version that sampled it
+    stop_string: str = ""  # the stop string that ended it (its tokens are in ids)
+
+
+class AsyncTokenEngine:
+    def __init__(self, llm):
+        self.llm = llm
+        self.engine = llm.llm_engine
+        self.version = 0
+        self.steps = 0  # engine steps taken
+        self.requests = 0  # requests served
+        self._lock = threading.Lock()  # held by a step, by add_request, and by paused()
+        self._pending: dict[str, tuple] = {}  # request id -> (loop, future, prompt ids, version, vLLM's id)
+        self._wake = threading.Event()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (prompt ids, params, loop, future)
+        self._closed = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name="megappo-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, prompt_ids: list[int], params) -> Completion:
+        """Never blocks the caller's loop (not even while paused): the stepping thread adds the request."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put((list(prompt_ids), params, loop, future))
+        self._wake.set()
+        return await future
+
+    def _admit(self) -> None:
+        """Add the queued requests to the engine (under the step lock; vLLM's engine is not thread-safe)."""
+        from vllm.inputs import TokensPrompt
+
+        while not self._inbox.empty():
+            prompt, params, loop, future = self._inbox.get()
+            rid = f"gw-{next(self._ids)}"  # outputs carry this id; vLLM's internal one adds a suffix
+            try:
+                internal = self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+            except Exception as e:  # noqa: BLE001 - a request vLLM refuses fails alone
+                loop.call_soon_threadsafe(_set, future, None, e)
+                continue
+            self._pending[rid] = (loop, future, prompt, self.version, internal)
+
+    def _loop(self) -> None:
+        from megappo.parallel import cpu_compat
+        from megappo.utils.checkpoint import preserved_rng
+
+        while not self._closed:
+            self._wake.wait(timeout=0.5)
+            with self._lock:
+                self._admit()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.clear()
+                    continue
+                try:
+                    with preserved_rng(), cpu_compat.suspended():
+                        outputs = self.engine.step()
+                except Exception as e:  # noqa: BLE001 - fail every waiting request, keep serving
+                    failed = list(self._pending)
+                    self.engine.abort_request([self._pending[rid][4] for rid in failed], internal=True)
+                    for rid in failed:
+                        loop, future, *_ = self._pending.pop(rid)
+                        loop.call_soon_threadsafe(_set, future, None, e)
+                    continue
+                self.steps += 1
+            for out in outputs:
+                if out.finished and out.request_id in self._pending:
+                    loop, future, prompt, version, _ = self._pending.pop(out.request_id)
+                    self.requests += 1
+                    loop.call_soon_threadsafe(_set, future, _completion(out, prompt, version), None)
+
+    @contextmanager
+    def paused(self):
+        """No engine step runs inside: in-flight requests wait with their KV cache, then continue."""
+        with self._lock:
+            yield
+
+    def bump_version(self) -> int:
+        self.version += 1
+        return self.version
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+
+def _set(future, result, error) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _completion(out, prompt: list, version: int) -> Completion:
+    c = out.outputs[0]
+    ids = list(c.token_ids)
+    lp = c.logprobs or []
+    logprobs = [float(lp[t][tok].logprob) for t, tok in enumerate(ids)] if lp else [0.0] * len(ids)
+    stop = c.stop_reason if isinstance(c.stop_reason, str) else ""
+    return Completion(prompt, ids, logprobs, c.finish_reason or "abort", version, stop)

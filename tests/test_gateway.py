@@ -1,0 +1,331 @@
+"""The rollout gateway (megappo/gateway/): the OpenAI API over the in-process vLLM engine, exact token capture.
+
+- the drift corpus (no engine: the capture logic on the tiny tokenizer, sampled ids scripted): tool-call
+  JSON re-serialised by the client, a sample that is not the tokenizer's own encoding of its text, a
+  turn cut at max_tokens ending in whitespace that the template trims, a stop string the reply drops,
+  a rewritten history: naive re-tokenisation of the conversation differs from what was sampled; the
+  capture keeps the sampled ids (a rewritten history starts a counted new segment);
+- against a real vLLM engine (tiny llama, one engine for the module) and the unmodified `openai` SDK:
+  token identity over a multi-turn session (trained ids == sampled ids + the template's observation
+  tokens), 32 concurrent sessions batched by the engine (far fewer engine steps than requests), a
+  weight load while requests are in flight (no step runs during it; requests continue; later ones
+  carry the next policy version), a raw HTTP client (what a non-Python agent sends), and every bad
+  input as a 4xx with one line that leaves the session as it was.
+"""
+
+import asyncio
+import http.client
+import json
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import pytest  # noqa: E402
+
+# a template that trims assistant text (as Qwen's do) and knows nothing of tool_calls
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
+            "{% if m.role == 'assistant' %}{{ m.content | trim }}{% else %}{{ m.content }}{% endif %}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_assets):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_assets["tiny-llama"]))
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def naive_ids(tokenizer, messages) -> list[int]:
+    """What a trainer that re-tokenises the agent's conversation would train on."""
+    from megappo.gateway.capture import _plain
+
+    text = tokenizer.apply_chat_template(_plain(messages), tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def run_turn(session, tokenizer, messages, sampled: list[int], reply: dict) -> list[int]:
+    """One request of an agent: the prompt the gateway builds, then the sampled ids recorded."""
+    prompt = session.chat_prompt(messages)
+    session.record(sampled, [-0.5] * len(sampled), version=0, reply=reply)
+    return prompt
+
+
+def test_capture_keeps_the_sampled_ids_where_naive_retokenisation_drifts(tokenizer):
+    from megappo.gateway.capture import ChatRenderer, Session
+
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    word = next(w for w in ("question", "answer", "compute", "number", "people") if len(enc(w)) < len(w))
+    cases = {
+        # the model wrote compact JSON; the client's echo is re-serialised by json.dumps in any re-render
+        "tool-call JSON": (enc('<tool_call>{"name":"calculator","arguments":{"expression":"2+2"}}</tool_call>')
+                           + [im_end], {"content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+                               "name": "calculator", "arguments": '{"expression": "2+2"}'}}]}),
+        # sampled letter by letter: not the tokenizer's own encoding of the same text
+        "non-canonical BPE": ([t for c in word for t in enc(c)] + [im_end], {"content": word}),
+        # cut at max_tokens after a space: the template trims it away on re-render
+        "max_tokens cut": (enc("the result is "), {"content": "the result is "}),
+        # ended by a stop string that OpenAI's reply leaves out of the content
+        "stop string": (enc("Action: add\nObservation:"), {"content": "Action: add"}),
+    }
+    for name, (sampled, reply) in cases.items():
+        session = Session(ChatRenderer(tokenizer))
+        msgs = [{"role": "user", "content": "what is 2+2?"}]
+        first = run_turn(session, tokenizer, msgs, sampled, {"role": "assistant", **reply})
+        msgs2 = msgs + [{"role": "assistant", **reply}, {"role": "tool" if "tool_calls" in reply else "user",
+                                                          "content": "4"}]
+        second_sampled = enc("four") + [im_end]
+        second = run_turn(session, tokenizer, msgs2, second_sampled, {"role": "assistant", "content": "four"})
+        seg, = session.segments
+        assert session.fallbacks == 0 and seg.prompt_ids == first, name
+        assert second[:len(first) + len(sampled)] == first + sampled, name  # the model's tokens, not re-tokenised
+        model = [t for t, m in zip(seg.tokens, seg.model_mask) if m]
+        assert model == sampled + second_sampled and seg.ids == second + second_sampled, name
+        naive = naive_ids(tokenizer, msgs2 + [{"role": "assistant", "content": "four"}])
+        assert naive[:len(first) + len(sampled)] != first + sampled, (name, "naive re-tokenisation should drift here")
+
+
+def test_a_rewritten_history_starts_a_new_segment(tokenizer):
+    from megappo.gateway.capture import ChatRenderer, Session
+
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    session = Session(ChatRenderer(tokenizer))
+    msgs = [{"role": "user", "content": "say one"}]
+    run_turn(session, tokenizer, msgs, enc("one"), {"role": "assistant", "content": "one"})
+    edited = [{"role": "user", "content": "say one"}, {"role": "assistant", "content": "ONE (edited)"},
+              {"role": "user", "content": "and two"}]
+    run_turn(session, tokenizer, edited, enc("two"), {"role": "assistant", "content": "two"})
+    assert session.fallbacks == 1 and len(session.segments) == 2
+    assert session.segments[1].prompt_ids == naive_ids(tokenizer, edited) + enc("<|im_start|>assistant\n")
+    for seg, want in zip(session.segments, ("one", "two")):
+        assert [t for t, m in zip(seg.tokens, seg.model_mask) if m] == enc(want)
+
+
+# ---- a real engine and the openai SDK ------------------------------------------------------------------
+
+MAX_TOKENS, MAX_LEN = 24, 512
+
+
+@pytest.fixture(scope="module")
+def served(tiny_assets, tokenizer):
+    from megappo.config.schema import RolloutConfig
+    from megappo.gateway.app import Gateway, make_app
+    from megappo.gateway.engine import AsyncTokenEngine
+    from megappo.gateway.serve import GatewayServer
+    from megappo.workers.rollout.vllm_rollout import VLLMRollout
+
+    rollout = VLLMRollout(tiny_assets["tiny-llama"], RolloutConfig(max_new_tokens=MAX_TOKENS, kv_cache_memory_mb=32),
+                          seed=0, dtype="float32", max_model_len=MAX_LEN)
+    rollout.tokenizer.chat_template = TEMPLATE
+    engine = AsyncTokenEngine(rollout.llm)
+    gateway = Gateway(engine, rollout.tokenizer, model_name="tiny", max_model_len=MAX_LEN, max_tokens=MAX_TOKENS,
+                      tool_prompt="You may call these tools:\n{tools}")
+    server = GatewayServer(make_app(gateway))
+    server.start()
+    yield rollout, engine, gateway, server.url
+    server.stop()
+    engine.close()
+
+
+CALC = {"type": "function", "function": {"name": "calculator", "description": "exact arithmetic",
+                                         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                                                        "required": ["expression"]}}}
+
+
+def test_an_openai_sdk_agent_is_trained_on_exactly_the_sampled_ids(served):
+    import openai
+
+    rollout, engine, gateway, url = served
+    s = gateway.open_session({"prompt": "2+3"})
+    client = openai.OpenAI(base_url=url + "/v1", api_key=s.key)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    messages = [{"role": "user", "content": "What is 2 + 3? Use the calculator."}]
+    sampled, prompts = [], []
+    for turn in range(3):  # an agent loop: the model's reply goes back as returned, then a tool result
+        r = client.chat.completions.create(model="tiny", messages=messages, tools=[CALC], max_tokens=16,
+                                           temperature=1.0, seed=turn)
+        extra = r.model_extra
+        ids = r.choices[0].model_extra["token_ids"]
+        assert r.usage.completion_tokens == len(ids) > 0 and r.usage.prompt_tokens == len(extra["prompt_token_ids"])
+        sampled.append(ids)
+        prompts.append(extra["prompt_token_ids"])
+        messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "content": "5"}]
+    record = gateway.close_session(s.id)
+    assert record["requests"] == 3 and record["fallbacks"] == 0 and len(record["segments"]) == 1
+    seg = record["segments"][0]
+    assert seg["prompt_ids"] == prompts[0]
+    model = [t for t, m in zip(seg["tokens"], seg["model_mask"]) if m]
+    assert model == sum(sampled, [])  # trained ids == sampled ids
+    full = seg["prompt_ids"] + seg["tokens"]
+    for p, ids in zip(prompts, sampled):  # each request continued the record so far, as sampled
+        assert full[:len(p) + len(ids)] == p + ids
+    assert all(v == 0 for v, m in zip(seg["versions"], seg["model_mask"]) if m)
+    assert all(lp < 0 for lp, m in zip(seg["logprobs"], seg["model_mask"]) if m)
+    r = openai.OpenAI(base_url=url + "/v1", api_key=gateway.open_session().key).completions.create(
+        model="tiny", prompt="What is", max_tokens=4, temperature=0)
+    assert r.choices[0].model_extra["token_ids"] and r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_concurrent_sessions_are_batched_by_the_engine(served):
+    import openai
+
+    _, engine, gateway, url = served
+    sessions = [gateway.open_session() for _ in range(32)]
+    steps0, requests0 = engine.steps, engine.requests
+
+    async def agent(s, k):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=s.key)
+        msgs = [{"role": "user", "content": f"count to {k}"}]
+        for _ in range(2):
+            r = await client.chat.completions.create(model="tiny", messages=msgs, max_tokens=MAX_TOKENS, seed=k)
+            msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
+        await client.close()
+
+    async def main():
+        await asyncio.gather(*(agent(s, k) for k, s in enumerate(sessions)))
+
+    asyncio.run(main())
+    requests, steps = engine.requests - requests0, engine.steps - steps0
+    records = [gateway.close_session(s.id) for s in sessions]
+    assert all(r["fallbacks"] == 0 and len(r["segments"]) == 1 and r["requests"] == 2 for r in records)
+    sampled = sum(sum(seg["model_mask"]) for r in records for seg in r["segments"])
+    # one request at a time would take a step per sampled token; batched, a step samples for many requests
+    assert requests == 64 and steps * 8 < sampled, (steps, sampled)
+    st = gateway.stats()
+    assert st["latency_p95_s"] >= st["latency_p50_s"] > 0
+
+
+def test_a_weight_load_while_requests_are_in_flight(served):
+    """Requests in flight wait while the weights load (no engine step runs: nothing is sampled from
+    half-loaded weights), keep their KV cache and finish after; requests sampled later carry version+1."""
+    import openai
+    from safetensors.torch import load_file
+
+    rollout, engine, gateway, url = served
+    weights = load_file(os.path.join(rollout.model_path, "model.safetensors"))
+    s = gateway.open_session()
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=s.key)
+    seen = {}
+
+    async def main():
+        tasks = [asyncio.create_task(client.completions.create(model="tiny", prompt=f"{k} plus", max_tokens=MAX_TOKENS,
+                                                               temperature=1.0, seed=k)) for k in range(8)]
+        while engine.steps == seen.setdefault("steps0", engine.steps):
+            await asyncio.sleep(0.005)
+        with engine.paused():
+            seen["in_flight"] = sum(not t.done() for t in tasks)
+            before = engine.steps
+            rollout.load_weights(iter(weights.items()))
+            await asyncio.sleep(0.2)
+            seen["steps_during_load"] = engine.steps - before
+            seen["version"] = engine.bump_version()
+        done = await asyncio.gather(*tasks)
+        after = await client.completions.create(model="tiny", prompt="again", max_tokens=4)
+        await client.close()
+        return done, after
+
+    done, after = asyncio.run(main())
+    assert seen["in_flight"] > 0 and seen["steps_during_load"] == 0 and all(d.choices[0].model_extra["token_ids"] for d in done)
+    record = gateway.close_session(s.id)
+    versions = [v for seg in record["segments"] for v, m in zip(seg["versions"], seg["model_mask"]) if m]
+    assert versions[-len(after.choices[0].model_extra["token_ids"]):] == [seen["version"]] * len(
+        after.choices[0].model_extra["token_ids"])
+
+
+def post(url: str, path: str, body, key: str | None = None) -> tuple[int, dict]:
+    """A raw HTTP request, as an agent in another language would send it."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    conn.request("POST", path, body if isinstance(body, (str, bytes)) else json.dumps(body), headers)
+    r = conn.getresponse()
+    return r.status, json.loads(r.read())
+
+
+def test_a_raw_http_agent_opens_a_session_rewards_it_and_closes_it(served):
+    _, _, gateway, url = served
+    status, opened = post(url, "/megappo/v1/sessions", {"row": {"id": 7}}, gateway.admin_key)
+    assert status == 200
+    status, r = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5},
+                     opened["api_key"])
+    assert status == 200 and r["choices"][0]["message"]["role"] == "assistant" and r["choices"][0]["token_ids"]
+    assert post(url, f"/megappo/v1/sessions/{opened['session_id']}/reward", {"reward": 1.5}, opened["api_key"])[0] == 200
+    status, record = post(url, f"/megappo/v1/sessions/{opened['session_id']}/close", {}, gateway.admin_key)
+    assert status == 200 and record["reward"] == 1.5 and record["row"] == {"id": 7}
+    assert [t for t, m in zip(record["segments"][0]["tokens"], record["segments"][0]["model_mask"]) if m] \
+        == r["choices"][0]["token_ids"]
+
+
+def test_bad_input_is_a_4xx_with_one_line_and_loses_nothing(served):
+    _, _, gateway, url = served
+    mine, other = gateway.open_session(), gateway.open_session()
+    ok = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    assert post(url, "/v1/chat/completions", ok, mine.key)[0] == 200
+    before = mine.record()
+    long_text = "one two three four " * 200
+    cases = {
+        "malformed JSON": ("/v1/chat/completions", "{not json", mine.key, 400, "not valid JSON"),
+        "no key": ("/v1/chat/completions", ok, None, 401, "missing API key"),
+        "unknown key": ("/v1/chat/completions", ok, "mp-nope", 401, "unknown API key"),
+        "another session's reward": (f"/megappo/v1/sessions/{other.id}/reward", {"reward": 1}, mine.key, 403,
+                                     "another session"),
+        "opening a session without the admin key": ("/megappo/v1/sessions", {}, mine.key, 403, "admin key"),
+        "max_tokens past the budget": ("/v1/chat/completions", {**ok, "max_tokens": MAX_TOKENS + 1}, mine.key, 400,
+                                       "past this server's budget"),
+        "context past max_model_len": ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}]},
+                                       mine.key, 400, "exceed max_model_len"),
+        "n > 1": ("/v1/chat/completions", {**ok, "n": 2}, mine.key, 400, "open one session per sample"),
+        "stream": ("/v1/chat/completions", {**ok, "stream": True}, mine.key, 400, "stream=true"),
+        "bad messages": ("/v1/chat/completions", {"messages": [{"content": "x"}]}, mine.key, 400, "role"),
+        "another model": ("/v1/chat/completions", {**ok, "model": "gpt-4"}, mine.key, 404, "not served here"),
+    }
+    for name, (path, body, key, status, says) in cases.items():
+        got, err = post(url, path, body, key)
+        msg = err["error"]["message"]
+        assert got == status and says in msg and "\n" not in msg, (name, got, err)
+    after = mine.record()
+    assert after == before  # a refused request leaves the session as it was
+
+
+def test_megappo_serve_answers_curl_with_its_key_only(tiny_assets, tmp_path):
+    """`megappo serve` in its own process (loopback, a key), driven with curl as a shell agent would."""
+    import shutil
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MEGAPPO_API_KEY": "k-test-123"}
+    proc = subprocess.Popen([sys.executable, "-m", "megappo.cli", "serve", "--model", str(tiny_assets["tiny-llama"]),
+                             "--port", str(port), "--max-model-len", "256", "--max-tokens", "8", "--kv-cache-mb", "32"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(0.5)
+        body = json.dumps({"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 8})
+        curl = shutil.which("curl")
+        assert curl, "curl is needed to play the non-Python agent"
+        out = subprocess.run([curl, "-s", f"http://127.0.0.1:{port}/v1/chat/completions", "-H",
+                              "Authorization: Bearer k-test-123", "-H", "Content-Type: application/json", "-d", body],
+                             capture_output=True, text=True, timeout=60).stdout
+        r = json.loads(out)
+        assert r["model"] == "tiny-llama" and r["choices"][0]["message"]["role"] == "assistant", r
+        assert 0 < len(r["choices"][0]["token_ids"]) <= 8
+        denied = json.loads(subprocess.run([curl, "-s", f"http://127.0.0.1:{port}/v1/models", "-H",
+                                            "Authorization: Bearer wrong"], capture_output=True, text=True).stdout)
+        assert "unknown API key" in denied["error"]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
