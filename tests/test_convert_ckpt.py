@@ -255,7 +255,7 @@ def test_clear_errors_and_no_half_written_output(tiny_assets, tmp_path):
 
     msg = expect("unsupported architecture GPT2LMHeadModel", broken(arch), out)
     assert "LlamaForCausalLM" in msg and "Qwen2ForSequenceClassification" in msg
-    expect("tp=3 does not divide num_attention_heads=4", src, out, tp=3)
+    expect("tp=3 does not divide the model's 4 attention heads", src, out, tp=3)
     expect("corrupt safetensors file", broken(lambda d: _truncate(d / "model.safetensors", 100)), out)
     expect("no *.safetensors in", broken(lambda d: (d / "model.safetensors").unlink()), out)
 

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from megappo.config.errors import ConfigError
 from megappo.config.schema import CHOICES, GROUP_ESTIMATORS, LOGGERS
-from megappo.parallel.layout import same_layout
+from megappo.parallel.layout import check_layout, same_layout
 from megappo.parallel.weight_mapping import ModelDims
 
 
@@ -73,41 +73,14 @@ def pool_size(cfg) -> int:
 
 
 def check_parallel(name: str, par, dims: ModelDims, world: int) -> None:
-    for k in ("tp", "pp", "dp", "ep"):
-        if getattr(par, k) < 1:
-            raise ConfigError(f"{name}.parallel.{k}={getattr(par, k)} must be >= 1")
-    if par.ep > 1 and not dims.num_experts:
-        raise ConfigError(f"{name}.parallel.ep={par.ep} needs a mixture-of-experts model ({dims.model_type} is dense); "
-                          f"set {name}.parallel.ep=1")
-    if dims.num_experts % par.ep:
-        raise ConfigError(f"{name}.parallel.ep={par.ep} does not divide the model's {dims.num_experts} experts; use a "
-                          f"divisor of {dims.num_experts}")
-    if par.dp % par.ep:
-        raise ConfigError(f"{name}.parallel.ep={par.ep} must divide {name}.parallel.dp={par.dp} (expert parallel ranks "
-                          f"are data parallel ranks); raise dp or lower ep")
-    if par.tp * par.pp * par.dp != world:
-        raise ConfigError(
-            f"{name}.parallel tp*pp*dp = {par.tp}*{par.pp}*{par.dp} = {par.tp * par.pp * par.dp} but the pool has "
-            f"{world} workers (resources.nodes*resources.workers_per_node); change dp to {world // (par.tp * par.pp)}"
-            if world % (par.tp * par.pp) == 0 else
-            f"{name}.parallel tp*pp = {par.tp * par.pp} does not divide the pool's {world} workers "
-            f"(resources.nodes*resources.workers_per_node); pick tp and pp whose product divides {world}")
-    if dims.num_heads % par.tp:
-        raise ConfigError(f"{name}.parallel.tp={par.tp} does not divide the model's {dims.num_heads} "
-                          f"attention heads; use a tp that divides it")
-    if dims.num_kv_heads % par.tp:
-        raise ConfigError(f"{name}.parallel.tp={par.tp} does not divide the model's {dims.num_kv_heads} "
-                          f"key/value heads (GQA); use a tp that divides it")
-    if par.vpp is not None:
-        if par.pp == 1:
-            raise ConfigError(f"{name}.parallel.vpp={par.vpp} needs pipeline parallelism; set {name}.parallel.pp>=2 "
-                              f"or {name}.parallel.vpp=null")
-        if par.vpp < 2:
-            raise ConfigError(f"{name}.parallel.vpp={par.vpp} must be >= 2 (or null for no interleaving)")
-    chunks = par.pp * (par.vpp or 1)
-    if dims.num_layers % chunks:
-        raise ConfigError(f"{name}.parallel pp*vpp = {chunks} does not divide the model's {dims.num_layers} layers; "
-                          f"choose pp (and vpp) whose product divides {dims.num_layers}")
+    """`<name>.parallel` against the model and the pool, by parallel/layout.py's check_layout (where the
+    layout rules are stated once), its error as the ConfigError line naming the role's keys."""
+    try:
+        check_layout(par, dims.num_heads, dims.num_kv_heads, dims.num_layers, dims.num_experts, world,
+                     where=f"{name}.parallel", model=dims.model_type,
+                     pool="resources.nodes*resources.workers_per_node")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_batches(name: str, sequences: int, mini: int, micro: int, dp: int) -> None:

@@ -26,6 +26,58 @@ def same_layout(a, b, but: tuple[str, ...] = ()) -> bool:
     return all(getattr(a, k) == getattr(b, k) for k in LAYOUT_KEYS if k not in but)
 
 
+def check_layout(par, num_heads: Optional[int] = None, num_kv_heads: Optional[int] = None,
+                 num_layers: Optional[int] = None, num_experts: int = 0, world_size: Optional[int] = None, *,
+                 where: str = "", model: str = "this one", pool: str = "the world size") -> None:
+    """The layout rules, stated once: raise a one-line ValueError naming the keys and the fix when `par` (a
+    ParallelLayout, or a config's `<role>.parallel`: anything with LAYOUT_KEYS) is not a layout, cannot
+    shard the model (when its shapes are given) or does not fill `world_size` ranks (when given).
+    `where` qualifies the keys in the message ("actor.parallel" -> "actor.parallel.tp=3 ..."), `model`
+    names the model, `pool` says where world_size comes from (config/validate.py's check_parallel)."""
+    def key(k: str) -> str:
+        return f"{where}.{k}" if where else k
+
+    whole = f"{where} " if where else ""
+    tp, pp, dp, vpp, ep = (getattr(par, k) for k in ("tp", "pp", "dp", "vpp", "ep"))
+    for k, v in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{key(k)}={v!r} must be a positive int (>= 1)")
+    if vpp is not None:
+        if not isinstance(vpp, int) or vpp < 1:
+            raise ValueError(f"{key('vpp')}={vpp!r} must be null (no interleaving) or a positive int")
+        if vpp > 1 and pp < 2:
+            raise ValueError(f"{key('vpp')}={vpp} needs pipeline parallelism (interleaving needs a pipeline, "
+                             f"{key('pp')}={pp}); set {key('pp')}>=2 or {key('vpp')}=null")
+    if num_heads is not None:
+        if ep > 1 and not num_experts:
+            raise ValueError(f"{key('ep')}={ep} needs a mixture-of-experts model ({model} is dense); "
+                             f"set {key('ep')}=1")
+        if num_experts and num_experts % ep:
+            raise ValueError(f"{key('ep')}={ep} does not divide the model's {num_experts} experts; use a divisor "
+                             f"of {num_experts}")
+    if dp % ep:
+        raise ValueError(f"{key('ep')}={ep} must divide {key('dp')}={dp} (expert parallel ranks are data parallel "
+                         f"ranks); raise dp or lower ep")
+    if world_size is not None and tp * pp * dp != world_size:
+        if world_size % (tp * pp) == 0:
+            raise ValueError(f"{whole}tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} but the pool has {world_size} "
+                             f"workers ({pool}); change dp to {world_size // (tp * pp)}")
+        raise ValueError(f"{whole}tp*pp = {tp * pp} does not divide the pool's {world_size} workers ({pool}); pick "
+                         f"tp and pp whose product divides {world_size}")
+    if num_heads is None:
+        return
+    if num_heads % tp:
+        raise ValueError(f"{key('tp')}={tp} does not divide the model's {num_heads} attention heads "
+                         f"(num_attention_heads); use a tp that divides it")
+    if num_kv_heads % tp:
+        raise ValueError(f"{key('tp')}={tp} does not divide the model's {num_kv_heads} key/value heads "
+                         f"(num_key_value_heads, GQA); use a tp that divides it")
+    stages = pp * (vpp or 1)
+    if num_layers % stages:
+        raise ValueError(f"{whole}pp*vpp = {stages} does not divide the model's {num_layers} layers (num_layers); "
+                         f"choose pp (and vpp) whose product divides {num_layers}")
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     tp: int = 1
@@ -35,18 +87,7 @@ class ParallelLayout:
     ep: int = 1  # expert parallel: routed experts split over ep of the dp ranks (MoE models only)
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "ep"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"ParallelLayout.{name} must be a positive int, got {v!r}")
-        if self.vpp is not None:
-            if not isinstance(self.vpp, int) or self.vpp < 1:
-                raise ValueError(f"ParallelLayout.vpp must be None or a positive int, got {self.vpp!r}")
-            if self.vpp > 1 and self.pp < 2:
-                raise ValueError(f"vpp={self.vpp} needs pp >= 2 (interleaving needs a pipeline), got pp={self.pp}")
-        if self.dp % self.ep:
-            raise ValueError(f"ep={self.ep} must divide dp={self.dp} (expert parallel ranks are data parallel ranks); "
-                             f"raise dp or lower ep")
+        check_layout(self, where="ParallelLayout")
 
     @property
     def world_size(self) -> int:
@@ -95,20 +136,8 @@ class ParallelLayout:
 
     def validate(self, num_heads: int, num_kv_heads: int, num_layers: int, world_size: Optional[int] = None,
                  num_experts: int = 0) -> None:
-        """Raise a one-line ValueError when this layout cannot shard the model (or the world)."""
-        if self.ep > 1 and not num_experts:
-            raise ValueError(f"ep={self.ep} needs a mixture-of-experts model (this one is dense); set ep=1")
-        if num_experts and num_experts % self.ep:
-            raise ValueError(f"ep={self.ep} does not divide the model's {num_experts} experts")
-        if world_size is not None and world_size != self.world_size:
-            raise ValueError(f"layout tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {self.world_size} != world size {world_size}")
-        if num_heads % self.tp:
-            raise ValueError(f"tp={self.tp} does not divide num_attention_heads={num_heads}")
-        if num_kv_heads % self.tp:
-            raise ValueError(f"tp={self.tp} does not divide num_key_value_heads={num_kv_heads}")
-        stages = self.pp * self.num_model_chunks
-        if num_layers % stages:
-            raise ValueError(f"pp*vpp = {self.pp}*{self.num_model_chunks} = {stages} does not divide num_layers={num_layers}")
+        """Raise a one-line ValueError when this layout cannot shard the model (or the world): check_layout."""
+        check_layout(self, num_heads, num_kv_heads, num_layers, num_experts, world_size)
 
     def __str__(self) -> str:
         v = f"xVPP{self.vpp}" if self.virtual_pp else ""
