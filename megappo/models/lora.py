@@ -1,0 +1,387 @@
+"""LoRA adapters on megatron-core's own tensor-parallel linears, applied from outside to a built model
+(torchtitan style: no layer spec change, the base parameters keep their names).
+
+    cfg = LoraConfig(rank=8, alpha=16, target_modules=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
+    names = apply_lora(chunks, cfg)        # after the HF base weights are loaded; freezes every base param
+    with lora_disabled(chunks): ...        # the base model (the PPO reference) on the same weights
+
+Each matching ColumnParallelLinear / RowParallelLinear (and TE's TEColumnParallelLinear /
+TERowParallelLinear, by the same rule) gets its class swapped for a subclass that adds
+`scaling * B(A(dropout(x)))` to the base output, peft's LoraLayer: A [r, in], B [out, r],
+scaling = alpha / r, B zero-initialised. Sharding follows the base:
+
+- column-parallel base (linear_qkv, linear_fc1; W split along the output): A replicated, B split along
+  the output exactly as W. The input is the full (sequence-gathered) x on every rank, so A(x) is the
+  same everywhere; its gradient is a partial sum over the output shards, all-reduced (r wide) by a
+  copy_to_tensor_model_parallel_region right after A.
+- row-parallel base (linear_proj, linear_fc2; W split along the input): A split along the input as W,
+  B replicated. x_shard @ A_shard^T is a partial sum: it is all-reduced over TP (reduce-scattered
+  along the sequence under sequence parallelism, as the base output is) BEFORE B. B then sees the
+  same input on every rank; under sequence parallelism it sees this rank's tokens only, so B is marked
+  `sequence_parallel` and its gradient is summed over TP with the norms' (finalize_model_grads).
+
+Fused projections: megatron's linear_qkv is peft's q_proj/k_proj/v_proj and linear_fc1 is
+gate_proj/up_proj. One adapter over the fused output (what this module trains) is peft's three (two)
+adapters with one shared lora_A and the Bs laid out as weight_mapping lays out the base weight
+(per query group interleaved q/k/v; per TP rank [gate; up]). `hf_lora_to_megatron` and
+`megatron_lora_to_hf` convert both ways; an HF adapter with different A's over a fused group is
+refused (it is a rank-3r adapter on the fused linear, not this one).
+
+Routed experts (mlp.experts.*) are not wrapped yet; shared experts and dense MLPs are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import zlib
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from megappo.parallel.weight_mapping import ModelDims, global_named_parameters, global_param_name, hf_names, hf_to_megatron_shard, \
+    layer_offset, megatron_shards_to_hf
+
+COLUMN_TARGETS = ("linear_qkv", "linear_fc1")
+ROW_TARGETS = ("linear_proj", "linear_fc2")
+TARGETS = COLUMN_TARGETS + ROW_TARGETS
+INITS = ("kaiming", "gaussian")
+_HF_HINT = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
+            "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
+
+
+@dataclass
+class LoraConfig:
+    """actor.lora. rank r, alpha (scaling = alpha / r), dropout on A's input (training only), target
+    modules in megatron's names, init of A ('kaiming': peft's default uniform(+-1/sqrt(in)); 'gaussian':
+    normal(0, 1/r)); B starts at zero either way. `seed`: A's init, the same full A at every TP size."""
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: Sequence[str] = field(default_factory=lambda: list(TARGETS))
+    init: str = "kaiming"
+    seed: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+            raise ValueError(f"lora.rank must be a positive integer, got {self.rank!r}")
+        if not (isinstance(self.alpha, (int, float)) and self.alpha > 0):
+            raise ValueError(f"lora.alpha must be > 0, got {self.alpha!r}")
+        if not (0.0 <= float(self.dropout) < 1.0):
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
+        if isinstance(self.target_modules, str):
+            self.target_modules = [self.target_modules]
+        if not self.target_modules:
+            raise ValueError(f"lora.target_modules is empty: name some of {list(TARGETS)}")
+        for t in self.target_modules:
+            if t not in TARGETS:
+                hint = f" (HF's {t} is megatron's {_HF_HINT[t]})" if t in _HF_HINT else ""
+                raise ValueError(f"lora.target_modules: {t!r} is not one of megatron's {list(TARGETS)}{hint}")
+        if self.init not in INITS:
+            raise ValueError(f"lora.init must be one of {list(INITS)}, got {self.init!r}")
+
+    @property
+    def scaling(self) -> float:
+        return float(self.alpha) / self.rank
+
+
+# ---- the adapted linears ----------------------------------------------------------------------------
+
+
+def _tp_group_of(mod):
+    g = getattr(mod, "tp_group", None)
+    if g is not None:
+        return g
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_tensor_model_parallel_group() if mpu.model_parallel_is_initialized() else None
+
+
+def _group_size(g) -> int:
+    return 1 if g is None else g.size()
+
+
+class _LoraMixin:
+    """Mixed in front of a column- or row-parallel linear class (see _lora_class). forward returns the
+    base's (output, bias) with the adapter's delta added to output."""
+
+    lora_column: bool = True
+
+    def _lora_setup(self, cfg: LoraConfig, global_name: str) -> None:
+        w = self.weight
+        group = _tp_group_of(self)
+        tp, rank = _group_size(group), (group.rank() if group is not None else 0)
+        r = cfg.rank
+        out_local, in_local = w.shape
+        in_full = in_local if self.lora_column else in_local * tp
+        gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + zlib.crc32(global_name.encode())) % 2**63)
+        if cfg.init == "kaiming":  # kaiming_uniform_(a=sqrt(5)) on [r, in]: bound 1/sqrt(in), as peft
+            a_full = (torch.rand(r, in_full, generator=gen, dtype=torch.float64) * 2 - 1) / math.sqrt(in_full)
+        else:
+            a_full = torch.randn(r, in_full, generator=gen, dtype=torch.float64) / r
+        a = a_full if self.lora_column else a_full.chunk(tp, dim=1)[rank]
+        out_b = out_local  # column: this rank's output rows; row: the full output (W is [out, in/tp])
+        self.lora_A = torch.nn.Parameter(a.to(device=w.device, dtype=w.dtype).contiguous())
+        self.lora_B = torch.nn.Parameter(torch.zeros(out_b, r, device=w.device, dtype=w.dtype))
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        if self.lora_column:
+            set_tensor_model_parallel_attributes(self.lora_B, is_parallel=True, dim=0, stride=1)
+        else:
+            set_tensor_model_parallel_attributes(self.lora_A, is_parallel=True, dim=1, stride=1)
+            if getattr(self, "sequence_parallel", False):
+                self.lora_B.sequence_parallel = True  # sees this rank's tokens: grads summed over TP
+        self.lora_scaling = cfg.scaling
+        self.lora_dropout_p = float(cfg.dropout)
+        self.lora_enabled = True
+        self.lora_name = global_name
+        self._lora_group, self._lora_tp = group, tp
+
+    def lora_delta(self, x: torch.Tensor, gather_output: bool = False) -> torch.Tensor:
+        from megatron.core.tensor_parallel import mappings as mp
+
+        g, tp = self._lora_group, self._lora_tp
+        seq_par = bool(getattr(self, "sequence_parallel", False)) and tp > 1
+        if self.lora_column:
+            if seq_par:  # x is this rank's tokens; A needs them all (backward: keep our slice of the full grad)
+                x = mp.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=g)
+            x = F.dropout(x, self.lora_dropout_p, self.training)
+            a = F.linear(x, self.lora_A)
+            if tp > 1:  # forward identity; backward all-reduce of the r-wide partial gradients
+                a = mp.copy_to_tensor_model_parallel_region(a, group=g)
+            d = F.linear(a, self.lora_B) * self.lora_scaling
+            if gather_output and tp > 1:
+                d = mp.gather_from_tensor_model_parallel_region(d, group=g)
+            return d
+        if not getattr(self, "input_is_parallel", True):
+            x = mp.scatter_to_tensor_model_parallel_region(x, group=g)
+        x = F.dropout(x, self.lora_dropout_p, self.training)
+        a = F.linear(x, self.lora_A)  # partial sum over the input shards
+        if tp > 1:
+            a = mp.reduce_scatter_to_sequence_parallel_region(a, group=g) if seq_par \
+                else mp.reduce_from_tensor_model_parallel_region(a, group=g)
+        return F.linear(a, self.lora_B) * self.lora_scaling
+
+    def forward(self, input_, *args, **kwargs):
+        out, bias = super().forward(input_, *args, **kwargs)
+        if not self.lora_enabled:
+            return out, bias
+        gather = False
+        if self.lora_column:
+            gather = kwargs.get("runtime_gather_output")
+            if gather is None and len(args) >= 2:
+                gather = args[1]
+            if gather is None:
+                gather = bool(getattr(self, "gather_output", False))
+        return out + self.lora_delta(input_, gather_output=gather).to(out.dtype), bias
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """This rank's shard of W + scaling * B @ A (no communication: the shards line up with W's)."""
+        delta = (self.lora_B.double() @ self.lora_A.double()) * self.lora_scaling
+        return (self.weight.double() + delta).to(self.weight.dtype)
+
+
+_CLASS_CACHE: dict = {}
+
+
+def _column_row_classes():
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    column, row, refused = [ColumnParallelLinear], [RowParallelLinear], []
+    try:  # TE's equivalents, where TE imports (never on CPU-only installs)
+        from megatron.core.extensions import transformer_engine as te
+
+        if getattr(te, "HAVE_TE", False):  # without TE megatron leaves MagicMock placeholders here
+            column += [c for c in (getattr(te, "TEColumnParallelLinear", None),) if isinstance(c, type)]
+            row += [c for c in (getattr(te, "TERowParallelLinear", None),) if isinstance(c, type)]
+            refused += [c for c in (getattr(te, "TELayerNormColumnParallelLinear", None),) if isinstance(c, type)]
+    except Exception:  # noqa: BLE001 - TE absent or broken: the local classes only
+        pass
+    return tuple(column), tuple(row), tuple(refused)
+
+
+def _lora_class(cls, column: bool):
+    key = (cls, column)
+    if key not in _CLASS_CACHE:
+        _CLASS_CACHE[key] = type(f"Lora{cls.__name__}", (_LoraMixin, cls), {"lora_column": column})
+    return _CLASS_CACHE[key]
+
+
+def _as_chunks(model) -> list:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _global_module_name(local: str, offset: int) -> str:
+    local = local.removeprefix("module.")
+    return global_param_name(local + ".weight", offset).removesuffix(".weight")
+
+
+def iter_lora_modules(model) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(global megatron module name, module) of every adapted linear in the chunk(s)."""
+    for chunk in _as_chunks(model):
+        off = layer_offset(getattr(chunk, "module", chunk))
+        for name, mod in chunk.named_modules():
+            if isinstance(mod, _LoraMixin):
+                yield _global_module_name(name, off), mod
+
+
+def is_lora_param(name: str) -> bool:
+    return name.endswith(".lora_A") or name.endswith(".lora_B")
+
+
+def apply_lora(model, cfg: LoraConfig) -> list[str]:
+    """Wrap every matching column/row-parallel linear of the model chunk(s) in place and freeze every
+    other parameter (requires_grad False). Returns the wrapped modules' global names. A target module
+    that matches nothing in these chunks is a ValueError (one line); TE's fused-norm linear is refused."""
+    chunks = _as_chunks(model)
+    column, row, refused = _column_row_classes()
+    wrapped, seen = [], set()
+    for chunk in chunks:
+        off = layer_offset(getattr(chunk, "module", chunk))
+        for name, mod in list(chunk.named_modules()):
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf not in cfg.target_modules or isinstance(mod, _LoraMixin):
+                continue
+            if ".experts." in f".{name}." and ".shared_experts." not in f".{name}.":
+                continue  # routed experts: not wrapped yet
+            if refused and isinstance(mod, refused):
+                raise NotImplementedError(f"LoRA on {name}: TE's fused-norm {type(mod).__name__} is not supported "
+                                          "yet; build the model with model.transformer_engine=false")
+            if isinstance(mod, column):
+                is_col = True
+            elif isinstance(mod, row):
+                is_col = False
+            else:
+                continue
+            if getattr(mod, "weight", None) is None:
+                raise ValueError(f"LoRA on {name}: {type(mod).__name__} has no weight of its own")
+            gname = _global_module_name(name, off)
+            mod.__class__ = _lora_class(type(mod), is_col)
+            mod._lora_setup(cfg, gname)
+            wrapped.append(gname)
+            seen.add(leaf)
+    missing = [t for t in cfg.target_modules if t not in seen]
+    if missing:
+        raise ValueError(f"lora.target_modules {missing} match no column/row-parallel linear of this model "
+                         f"(routed experts are not adapted yet)")
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            p.requires_grad_(is_lora_param(name))
+    return wrapped
+
+
+def lora_parameters(model) -> list[torch.nn.Parameter]:
+    return [p for chunk in _as_chunks(model) for n, p in chunk.named_parameters() if is_lora_param(n)]
+
+
+@contextlib.contextmanager
+def lora_disabled(model):
+    """The base model (adapters off), e.g. for the PPO reference log-probs; restored on exit."""
+    mods = [m for _, m in iter_lora_modules(model)]
+    before = [m.lora_enabled for m in mods]
+    for m in mods:
+        m.lora_enabled = False
+    try:
+        yield
+    finally:
+        for m, b in zip(mods, before):
+            m.lora_enabled = b
+
+
+def merged_named_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(global megatron name, tensor) of every base parameter of this rank, each adapted linear's weight
+    replaced by its merged shard W + scaling * B @ A: what a merged weight sync sends (the adapters'
+    own parameters are not listed). The shards keep the base's layout (weight_mapping applies)."""
+    for chunk in _as_chunks(model):
+        inner = getattr(chunk, "module", chunk)
+        merged = {}
+        for name, mod in inner.named_modules():
+            if isinstance(mod, _LoraMixin):
+                merged[name + ".weight"] = mod
+        local = [n for n, _ in inner.named_parameters()]
+        for (gname, p), lname in zip(global_named_parameters(inner), local):
+            if is_lora_param(lname):
+                continue
+            mod = merged.get(lname)
+            yield gname, (mod.merged_weight() if mod is not None else p.detach())
+
+
+# ---- HF / peft <-> megatron ----------------------------------------------------------------------
+
+_PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
+
+
+def peft_state_to_modules(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A peft adapter state dict (get_peft_model_state_dict or the model's own named_parameters) ->
+    {HF module name ('model.layers.0.self_attn.q_proj'): (A [r, in], B [out, r])}."""
+    parts: dict[str, dict] = {}
+    for k, v in state.items():
+        m = _PEFT_KEY.match(k)
+        if m:
+            parts.setdefault(m.group(1), {})[m.group(2)] = v
+    bad = [k for k, v in parts.items() if set(v) != {"A", "B"}]
+    if bad:
+        raise ValueError(f"peft adapter lacks lora_A or lora_B for {bad[:3]}")
+    return {k: (v["A"], v["B"]) for k, v in parts.items()}
+
+
+def _is_column(mcore_module: str) -> bool:
+    leaf = mcore_module.rsplit(".", 1)[-1]
+    if leaf not in TARGETS:
+        raise KeyError(f"{mcore_module!r} is not a LoRA target ({list(TARGETS)})")
+    return leaf in COLUMN_TARGETS
+
+
+def hf_modules_of(mcore_module: str, dims: ModelDims) -> list[str]:
+    """The HF modules whose adapters make up the one of a megatron module (global name), in merge order."""
+    return [n.removesuffix(".weight") for n in hf_names(mcore_module + ".weight", dims)]
+
+
+def hf_lora_to_megatron(mcore_module: str, hf: Mapping[str, tuple[torch.Tensor, torch.Tensor]], dims: ModelDims,
+                        tp_rank: int = 0, tp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """TP rank `tp_rank`'s (A, B) shards of a megatron module's adapter from the HF modules' (A, B)."""
+    srcs = hf_modules_of(mcore_module, dims)
+    missing = [s for s in srcs if s not in hf]
+    if missing:
+        raise KeyError(f"HF adapter lacks {missing} for {mcore_module}")
+    a0 = hf[srcs[0]][0]
+    if any(not torch.equal(hf[s][0], a0) for s in srcs[1:]):
+        raise ValueError(f"{mcore_module} fuses {srcs}: one LoRA adapter over it needs one lora_A shared by them "
+                         "(this adapter has different A's: a rank-{}x adapter of the fused linear)".format(len(srcs)))
+    w = mcore_module + ".weight"
+    if _is_column(mcore_module):
+        b = hf_to_megatron_shard(w, {s + ".weight": hf[s][1] for s in srcs}, dims, tp_rank, tp_size)
+        return a0.clone(), b
+    return a0.chunk(tp_size, dim=1)[tp_rank].clone(), hf[srcs[0]][1].clone()
+
+
+def megatron_lora_to_hf(mcore_module: str, a_shards: Sequence[torch.Tensor], b_shards: Sequence[torch.Tensor],
+                        dims: ModelDims) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """All TP ranks' (A, B) shards (rank order) of one megatron module -> {HF module: (A, B)} (peft's
+    layout; a fused module's A is repeated for each of its HF modules)."""
+    srcs = hf_modules_of(mcore_module, dims)
+    w = mcore_module + ".weight"
+    if _is_column(mcore_module):
+        bs = megatron_shards_to_hf(w, list(b_shards), dims)
+        return {s: (a_shards[0].clone(), bs[s + ".weight"]) for s in srcs}
+    return {srcs[0]: (torch.cat(list(a_shards), dim=1), b_shards[0].clone())}
+
+
+@torch.no_grad()
+def load_hf_lora(model, hf: Mapping[str, tuple[torch.Tensor, torch.Tensor]], dims: ModelDims, tp_rank: int,
+                 tp_size: int) -> list[str]:
+    """Copy HF (peft-layout) adapter weights into this rank's adapted modules; returns their names."""
+    done = []
+    for name, mod in iter_lora_modules(model):
+        a, b = hf_lora_to_megatron(name, hf, dims, tp_rank, tp_size)
+        if a.shape != mod.lora_A.shape or b.shape != mod.lora_B.shape:
+            raise ValueError(f"{name}: adapter shards A{tuple(a.shape)} B{tuple(b.shape)} != model's "
+                             f"A{tuple(mod.lora_A.shape)} B{tuple(mod.lora_B.shape)} (another rank or base?)")
+        mod.lora_A.copy_(a)
+        mod.lora_B.copy_(b)
+        done.append(name)
+    return done
