@@ -120,7 +120,7 @@ def served(tiny_assets, tokenizer):
     rollout = VLLMRollout(tiny_assets["tiny-llama"], RolloutConfig(max_new_tokens=MAX_TOKENS, kv_cache_memory_mb=32),
                           seed=0, dtype="float32", max_model_len=MAX_LEN)
     rollout.tokenizer.chat_template = TEMPLATE
-    engine = AsyncTokenEngine(rollout.llm)
+    engine = AsyncTokenEngine.for_llm(rollout.llm)
     gateway = Gateway(engine, rollout.tokenizer, model_name="tiny", max_model_len=MAX_LEN, max_tokens=MAX_TOKENS,
                       tool_prompt="You may call these tools:\n{tools}")
     server = GatewayServer(make_app(gateway))
@@ -329,3 +329,88 @@ def test_megappo_serve_answers_curl_with_its_key_only(tiny_assets, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+AGENTS = '''
+import asyncio, json
+
+async def good(client, row):
+    """Two model turns with a tool result between; the reward is the agent's own."""
+    messages = list(row["messages"])
+    seen = []
+    for _ in range(2):
+        r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=6, temperature=0.3)
+        seen.append(r.choices[0].model_extra["token_ids"])
+        messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "content": "5"}]
+    open(row["log"], "w").write(json.dumps(seen))
+    return 0.5 + len(seen)
+
+async def raises(client, row):
+    await client.chat.completions.create(model="policy", messages=row["messages"], max_tokens=3)
+    raise RuntimeError("my tool broke")
+
+async def hangs(client, row):
+    await asyncio.sleep(60)
+
+async def other_prompt(client, row):
+    await client.chat.completions.create(model="policy", messages=[{"role": "system", "content": "be brief"}]
+                                         + list(row["messages"]), max_tokens=3)
+
+async def by_mode(client, row):
+    return await globals()[row["mode"]](client, row)
+
+async def spends(client, row):
+    """Asks for more than the budget, again and again: capped, then refused once it is spent."""
+    messages = list(row["messages"])
+    for _ in range(20):
+        try:
+            r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=24)
+        except Exception as e:
+            return -1.0 if "budget" in str(e) else -2.0
+        messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+    return 0.0
+'''
+
+
+def test_bring_your_own_agent_trajectories(served, tmp_path):
+    """AgentRunner (rollout.agent): the user's async function per sample; its trajectories are exactly the
+    sampled ids, under the rollout's budget and seeds; a failing / hanging / off-prompt agent's sample is
+    kept empty and counted; the agent's reward reaches the environment's score."""
+    from megappo.agent.environment import Environments
+    from megappo.config.schema import MultiTurnConfig
+    from megappo.gateway.agents import AgentRunner, load_agent
+    from megappo.rewards.rules import DEFAULT_SCORERS
+    from megappo.workers.rollout.sampling import SamplingSpec
+
+    rollout, engine, gateway, url = served
+    (tmp_path / "agents.py").write_text(AGENTS)
+    modes = ["good", "good", "raises", "hangs", "other_prompt", "spends"]
+    rows = [{"messages": [{"role": "user", "content": f"What is {k} + 3?"}], "log": str(tmp_path / f"log{k}.json"),
+             "mode": mode} for k, mode in enumerate(modes)]
+    prompts = [gateway.renderer.prompt_ids(r["messages"]) for r in rows]
+    spec = SamplingSpec(n=1, temperature=1.0, max_new_tokens=64, seed=11)
+    runner = AgentRunner(rollout.llm, rollout.tokenizer, f"{tmp_path / 'agents.py'}:by_mode", max_model_len=MAX_LEN,
+                         max_tokens=MAX_TOKENS, concurrency=8, timeout_s=3)
+    try:
+        trajs = runner.run(prompts, spec, 11, rows)  # all six at once: the engine batches them
+        again = runner.run(prompts[:2], spec, 11, rows[:2])
+    finally:
+        runner.close()
+    good = trajs[:2]
+    for k, t in enumerate(good):
+        assert t.stats["agent_errors"] == 0 and t.stats["agent_timeouts"] == 0, (t.stats, t.turns)
+        seen = json.loads(open(rows[k]["log"]).read())
+        assert [tok for tok, m in zip(t.tokens, t.model_mask) if m] == sum(seen, [])  # trained == sampled
+        assert t.tokens == again[k].tokens and t.stats["agent_requests"] == 2 and t.turns[-1]["value"] == 2.5
+        assert [x["role"] for x in t.turns] == ["assistant", "assistant", "reward"]
+        assert all(lp < 0 for lp, m in zip(t.logprobs, t.model_mask) if m) and len(t.tokens) <= 64
+    for t, stat in zip(trajs[2:5], ("agent_errors", "agent_timeouts", "agent_prompt_mismatch")):
+        assert t.stats[stat] == 1.0 and t.tokens == [] and t.turns[-1] == {"role": "reward", "value": None}, stat
+    spent = trajs[5]
+    assert spent.turns[-1]["value"] == -1.0 and len(spent.tokens) <= 64  # refused once the budget was spent
+    envs = Environments(MultiTurnConfig(enable=True, tools=["calculator"]), DEFAULT_SCORERS)
+    assert envs.score("arithmetic", good[0].turns, "3", True) == 2.5  # the agent's reward wins
+    no_reward = [{"role": "assistant", "text": "The answer is 3"}, {"role": "reward", "value": None}]
+    assert envs.score("arithmetic", no_reward, "3", True) == envs.score("arithmetic", no_reward[:1], "3", True)
+    with pytest.raises(ValueError, match="not an async function"):
+        load_agent("json:dumps")

@@ -133,7 +133,14 @@ class Environments:
         return {"tools_for": self.tools_for, "tool_prompt": self.tool_prompt}
 
     def score(self, source: str, turns, ground_truth, stopped: bool, extra_info=None) -> float:
-        return float(self.get(source).score(Episode(tuple(turns), ground_truth, source, bool(stopped), extra_info)))
+        """The environment's score of the trajectory; a reward its own agent returned (rollout.agent: a last
+        turn {"role": "reward", "value": r}, gateway/agents.py) wins when it is set."""
+        turns = tuple(turns)
+        if turns and turns[-1].get("role") == "reward":
+            if turns[-1].get("value") is not None:
+                return float(turns[-1]["value"])
+            turns = turns[:-1]
+        return float(self.get(source).score(Episode(turns, ground_truth, source, bool(stopped), extra_info)))
 
 
 __all__ = ["Episode", "Environment", "RuleEnvironment", "Environments", "load_environment"]

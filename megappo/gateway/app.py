@@ -52,6 +52,10 @@ class SessionState:
     row: Optional[dict] = None
     reward: Optional[float] = None
     latencies: list = field(default_factory=list)
+    # a training session (gateway/agents.py): sampling the client cannot change (temperature, top_p, a seed
+    # per request: seed + t * seed_stride) and the response budget (tokens after the first prompt)
+    forced: dict = field(default_factory=dict)
+    budget: Optional[int] = None
 
     def record(self) -> dict:
         s = self.session
@@ -178,7 +182,7 @@ class Gateway:
                                             "owned_by": "megappo"}]}
 
     async def _generate(self, prompt: list[int], body: dict, state: Optional[SessionState]):
-        params = self._sampling(body, len(prompt))
+        params = self._sampling(self._within_session(body, state), len(prompt))
         t0 = time.perf_counter()
         out = await self.engine.generate(prompt, params)
         dt = time.perf_counter() - t0
@@ -186,6 +190,26 @@ class Gateway:
         if state is not None:
             state.latencies.append(dt)
         return out
+
+    @staticmethod
+    def _within_session(body: dict, state: Optional[SessionState]) -> dict:
+        """A training session's forced sampling, and max_tokens capped to what its budget has left."""
+        if state is None or (not state.forced and state.budget is None):
+            return body
+        body = dict(body)
+        forced = dict(state.forced)
+        stride = forced.pop("seed_stride", 0)
+        if forced.get("seed") is not None:
+            forced["seed"] += (state.session.requests - 1) * stride
+        body.update({k: v for k, v in forced.items() if v is not None})
+        if state.budget is not None:
+            left = state.budget - len(state.session.segments[-1].tokens)
+            if left <= 0:
+                raise GatewayError(400, f"this session's response budget ({state.budget} tokens, model and tool "
+                                        "tokens together) is spent: end the episode")
+            asked = body.get("max_completion_tokens") or body.get("max_tokens") or left
+            body["max_tokens"], body["max_completion_tokens"] = min(asked, left) if isinstance(asked, int) else asked, None
+        return body
 
     def _sampling(self, body: dict, prompt_len: int):
         from vllm import SamplingParams

@@ -1,7 +1,7 @@
 """An asynchronous front of an in-process vLLM engine: continuous batching across concurrent requests,
 still the hybrid engine (the same process, the same resharded weights).
 
-    engine = AsyncTokenEngine(rollout.llm)               # the LLM the rollout worker already holds
+    engine = AsyncTokenEngine.for_llm(rollout.llm)       # the LLM the rollout worker already holds
     out = await engine.generate(prompt_ids, SamplingParams(max_tokens=64, logprobs=0, seed=1))
     with engine.paused():                                # between two engine steps: load weights here
         rollout.load_weights(...)
@@ -52,6 +52,14 @@ class AsyncTokenEngine:
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="megappo-engine", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def for_llm(cls, llm) -> "AsyncTokenEngine":
+        """The one asynchronous front of `llm` (two stepping threads on one engine would race)."""
+        engine = getattr(llm, "_megappo_async_engine", None)
+        if engine is None or engine._closed:
+            engine = llm._megappo_async_engine = cls(llm)
+        return engine
 
     async def generate(self, prompt_ids: list[int], params) -> Completion:
         """Never blocks the caller's loop (not even while paused): the stepping thread adds the request."""

@@ -98,7 +98,7 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)
     rollout = VLLMRollout(hf, RolloutConfig(max_new_tokens=args.max_tokens, kv_cache_memory_mb=args.kv_cache_mb),
                           dtype=args.dtype, max_model_len=args.max_model_len)
-    gateway = Gateway(AsyncTokenEngine(rollout.llm), rollout.tokenizer, model_name=args.name or hf.name,
+    gateway = Gateway(AsyncTokenEngine.for_llm(rollout.llm), rollout.tokenizer, model_name=args.name or hf.name,
                       max_model_len=args.max_model_len, max_tokens=args.max_tokens, tool_prompt=args.tool_prompt,
                       open_key=key)
     print(f"serve: {hf} as {gateway.model_name!r} on http://{args.host}:{args.port}/v1 "

@@ -1,0 +1,155 @@
+"""Bring your own agent: the user's async function, run once per sample against the gateway, turned into
+the trajectories the trainer trains on (the same shape megappo/agent/loop.AgentLoop.run returns).
+
+    # my_pkg/my_agent.py
+    async def run(client, row):               # client: openai.AsyncOpenAI bound to this sample's session
+        messages = list(row["messages"])      # the row's prompt: send it first, as it is
+        while True:
+            r = await client.chat.completions.create(model="policy", messages=messages, tools=MY_TOOLS)
+            msg = r.choices[0].message
+            messages.append(msg.model_dump(exclude_none=True))
+            if not msg.tool_calls:
+                return my_score(msg.content, row["ground_truth"])   # or None: the row's rule scores it
+            for call in msg.tool_calls:
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": my_tool(call)})
+
+    runner = AgentRunner(llm, tokenizer, "my_pkg.my_agent:run", max_model_len=..., concurrency=32, timeout_s=60)
+    trajectories = runner.run(prompt_ids, spec, base_seed, rows)
+
+Each sample gets its own session (its own key; the gateway's sampling: the rollout's temperature / top_p
+are enforced, so the trainer's log-probs are taken at what sampled; a seed per request from the sample's
+seed; max_tokens capped to what is left of the response budget, spec.max_new_tokens, model and
+observation tokens together). Up to `concurrency` agents run at once; the engine batches their requests.
+A trajectory is the session's first segment, which must start from the row's prompt ids (the row's
+messages sent as they are): its tokens after the prompt, model tokens masked in with their sampled
+log-probs. Later segments (a rewritten history) are counted and not trained yet. A sample whose agent
+raises, runs past `timeout_s`, or does not start from the row's prompt is kept empty (nothing trained)
+and counted; the step goes on. The returned reward (or one set over HTTP) rides in the trajectory's
+turns as {"role": "reward", "value": r}, which the row's environment uses instead of its rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+SEED_STRIDE = 1_000_003  # request t of sample k is seeded base_seed + k + t * SEED_STRIDE (as agent/loop.py)
+STATS = ("agent_requests", "agent_segments", "agent_fallbacks", "agent_errors", "agent_timeouts",
+         "agent_prompt_mismatch", "agent_s")
+
+
+def load_agent(target: str) -> Callable:
+    """'pkg.module:fn' or '/path/to/file.py:fn' -> the async agent function (one line when it is not one)."""
+    from megappo.rewards.rules import _import_file, is_file
+
+    module, sep, name = target.rpartition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"rollout.agent={target!r} is not 'module:function'; write e.g. my_pkg.my_agent:run")
+    try:
+        mod = _import_file(Path(module).expanduser().resolve()) if is_file(module) else importlib.import_module(module)
+        fn = getattr(mod, name)
+    except (ImportError, AttributeError, OSError) as e:
+        raise ValueError(f"rollout.agent={target}: cannot load it ({type(e).__name__}: {e}); put the module on "
+                         "PYTHONPATH or fix the name") from None
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"rollout.agent={target} is not an async function; write `async def {name}(client, row)`")
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        raise ValueError(f"rollout.agent={target} must take (client, row): an OpenAI client and the row") from None
+    return fn
+
+
+class AgentRunner:
+    def __init__(self, llm, tokenizer, agent: str | Callable, *, max_model_len: int, max_tokens: int,
+                 concurrency: int = 32, timeout_s: float = 60.0, tool_prompt: Optional[str] = None):
+        from megappo.gateway.app import Gateway, make_app
+        from megappo.gateway.engine import AsyncTokenEngine
+        from megappo.gateway.serve import GatewayServer
+
+        self.fn = load_agent(agent) if isinstance(agent, str) else agent
+        self.engine = AsyncTokenEngine.for_llm(llm)
+        self.gateway = Gateway(self.engine, tokenizer, model_name="policy", max_model_len=max_model_len,
+                               max_tokens=max_tokens, tool_prompt=tool_prompt)
+        self.server = GatewayServer(make_app(self.gateway))
+        self.url = self.server.start()
+        self.concurrency, self.timeout_s = int(concurrency), float(timeout_s)
+
+    def run(self, prompts: list[list[int]], spec, base_seed: int, rows: list[dict]):
+        """One trajectory per prompt (sample k runs rows[k]'s agent)."""
+        return asyncio.run(self._run_all(prompts, spec, base_seed, rows))
+
+    async def _run_all(self, prompts, spec, base_seed, rows):
+        import openai
+
+        gate = asyncio.Semaphore(self.concurrency)
+        sampling = {"temperature": spec.temperature if spec.do_sample else 0.0,
+                    "top_p": spec.top_p if spec.do_sample else 1.0}
+
+        async def one(k: int):
+            async with gate:
+                state = self.gateway.open_session(rows[k])
+                state.budget = int(spec.max_new_tokens)
+                state.forced = {**sampling, "seed": None if base_seed is None else base_seed + k, "seed_stride": SEED_STRIDE}
+                client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=state.key, max_retries=0,
+                                            timeout=self.timeout_s)
+                t0, error, timed_out, reward = time.perf_counter(), None, False, None
+                try:
+                    reward = await asyncio.wait_for(self.fn(client, dict(rows[k])), self.timeout_s)
+                except asyncio.TimeoutError:
+                    timed_out = True
+                except Exception as e:  # noqa: BLE001 - a user's agent failing on one sample drops that sample
+                    error = f"{type(e).__name__}: {e}"
+                finally:
+                    await client.close()
+                record = self.gateway.close_session(state.id)
+                if reward is None:
+                    reward = record["reward"]
+                return _trajectory(record, prompts[k], reward, error, timed_out, time.perf_counter() - t0,
+                                   self.gateway.tokenizer)
+
+        return await asyncio.gather(*(one(k) for k in range(len(prompts))))
+
+    def close(self) -> None:
+        self.server.stop()  # the engine stays: it is the LLM's own (AsyncTokenEngine.for_llm)
+
+
+def _trajectory(record: dict, prompt: list[int], reward, error: Optional[str], timed_out: bool, seconds: float,
+                tokenizer):
+    from megappo.agent.loop import Trajectory
+
+    t = Trajectory()
+    segments = record["segments"]
+    first = segments[0] if segments else None
+    mismatch = first is not None and first["prompt_ids"] != list(prompt)
+    stats = {"agent_requests": record["requests"], "agent_segments": len(segments), "agent_fallbacks": record["fallbacks"],
+             "agent_errors": float(error is not None), "agent_timeouts": float(timed_out),
+             "agent_prompt_mismatch": float(mismatch), "agent_s": seconds}
+    t.stats.update(stats)
+    if first is not None and not mismatch and error is None and not timed_out:
+        t.tokens, t.model_mask, t.logprobs = list(first["tokens"]), list(first["model_mask"]), list(first["logprobs"])
+        t.stats["num_turns"] = float(first["turns"])
+        t.turns = [{"role": "assistant", "text": tokenizer.decode(run, skip_special_tokens=True)}
+                   for run in _model_runs(t.tokens, t.model_mask)]
+        t.stopped = bool(t.tokens) and t.tokens[-1] in set(tokenizer.all_special_ids)
+    if error:
+        t.turns.append({"role": "error", "text": error})
+    t.turns.append({"role": "reward", "value": None if reward is None else float(reward)})  # last: environment.py
+    t.done = True
+    return t
+
+
+def _model_runs(tokens: list, mask: list) -> list[list]:
+    """The model's turns: the runs of consecutive model tokens."""
+    runs, cur = [], []
+    for tok, m in zip(tokens, mask):
+        if m:
+            cur.append(tok)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    return runs + ([cur] if cur else [])
