@@ -48,7 +48,7 @@ from omegaconf import OmegaConf
 from megappo.config import ConfigError, load_config
 from megappo.config.schema import MegappoConfig
 from megappo.parallel.layout import same_layout
-from megappo.parallel.weight_mapping import padded_vocab_size
+from megappo.parallel.weight_mapping import MOE_FAMILIES, padded_vocab_size
 from megappo.config.validate import validate_config
 
 GB = 1024**3
@@ -69,16 +69,18 @@ def _attention_params(a) -> int:
 
 def moe_layers(a) -> int:
     """How many layers are mixture-of-experts (transformers' rule: (i + 1) % step == 0, not in mlp_only_layers)."""
-    if not a.num_experts:
+    if not a.num_experts or a.family not in MOE_FAMILIES:  # a dense family: ModelDims ignores experts too
         return 0
-    if a.family == "mixtral":  # every layer routed
+    if not MOE_FAMILIES[a.family].sparse_layers:  # every layer routed (mixtral)
         return a.num_layers
     dense = set(a.mlp_only_layers or [])
     return sum(1 for i in range(a.num_layers) if i not in dense and (i + 1) % max(1, a.decoder_sparse_step) == 0)
 
 
 def expert_params_per_layer(a) -> int:
-    ffn = a.intermediate_size if a.family == "mixtral" else a.moe_intermediate_size  # mixtral: experts of intermediate_size
+    if a.family not in MOE_FAMILIES:
+        return 0
+    ffn = getattr(a, MOE_FAMILIES[a.family].ffn_key)  # mixtral: experts of intermediate_size
     return a.num_experts * 3 * a.hidden_size * ffn
 
 

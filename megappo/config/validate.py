@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from megappo.config.errors import ConfigError
 from megappo.config.schema import CHOICES, GROUP_ESTIMATORS, LOGGERS
 from megappo.parallel.layout import check_layout, same_layout
-from megappo.parallel.weight_mapping import ModelDims
+from megappo.parallel.weight_mapping import MOE_FAMILIES, ModelDims
 
 
 def _hf_config_json(cfg) -> dict | None:
@@ -33,13 +33,11 @@ def _arch_as_hf(arch) -> dict:
 
 
 def _arch_moe_as_hf(arch) -> dict:
-    """model.arch's expert fields in the family's config.json names (mixtral: num_local_experts, every layer
-    routed, experts of intermediate_size)."""
-    if arch.family == "mixtral":
-        return {"num_local_experts": arch.num_experts, "num_experts_per_tok": arch.num_experts_per_tok}
-    return {"num_experts": arch.num_experts, "num_experts_per_tok": arch.num_experts_per_tok,
-            "moe_intermediate_size": arch.moe_intermediate_size, "decoder_sparse_step": arch.decoder_sparse_step,
-            "mlp_only_layers": list(arch.mlp_only_layers), "norm_topk_prob": arch.norm_topk_prob}
+    """model.arch's expert fields in the family's config.json names (weight_mapping's MOE_FAMILIES row; a
+    dense family has none)."""
+    fam = MOE_FAMILIES.get(arch.family)
+    return fam.hf_keys(arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size,
+                       arch.decoder_sparse_step, arch.mlp_only_layers, arch.norm_topk_prob) if fam else {}
 
 
 def model_dims(cfg) -> ModelDims:

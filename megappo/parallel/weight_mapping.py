@@ -23,7 +23,7 @@ Layouts (per TP rank r of T):
   `mlp.experts.{e}.gate_proj|up_proj|down_proj` (transformers' on-disk form); e is the GLOBAL expert index
   here, an expert-parallel rank holds a contiguous block (`global_param_name`). The router
   (`mlp.router`, HF `mlp.gate`) is replicated. Mixtral: the same megatron model, HF names
-  `block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1|w3|w2` (gate, up, down): `_MOE_HF`.
+  `block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1|w3|w2` (gate, up, down): `MOE_FAMILIES`.
 """
 
 from __future__ import annotations
@@ -38,6 +38,71 @@ if TYPE_CHECKING:  # torch is imported where a tensor is built: the config schem
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral")
 DEFAULT_VOCAB_DIVISOR = 128
+
+
+@dataclass(frozen=True)
+class MoeFamily:
+    """One mixture-of-experts family: its HF tensor names and its config.json keys. ModelDims reads a
+    config.json through it, config/validate.py writes model.arch as one, the weight mapping names tensors by
+    it: a new MoE family is one row of MOE_FAMILIES (and its name in SUPPORTED_MODEL_TYPES)."""
+
+    block: str  # the HF module holding the router (`{block}.gate`) and the experts (`{block}.experts.{e}.`)
+    proj: dict  # megatron expert linear -> its HF projections in merge order (fc1 = [gate; up], fc2 = down)
+    experts_keys: tuple  # config.json keys of the routed expert count, the first the family's own
+    ffn_key: str  # config.json key of one expert's FFN size
+    sparse_layers: bool  # routed layers by decoder_sparse_step / mlp_only_layers (else every layer)
+    norm_topk_prob: Optional[bool] = None  # the family's fixed top-k renormalisation; None: config.json's
+    refused: tuple = ()  # (config.json key, what a non-zero value means): refused when set
+
+    def dims(self, hf_config) -> dict:
+        """ModelDims' expert fields from a HF config of this family."""
+        mt = hf_config.model_type
+        experts = next((getattr(hf_config, k) for k in self.experts_keys if getattr(hf_config, k, None)), None)
+        if not experts or not getattr(hf_config, "num_experts_per_tok", None):
+            raise ValueError(f"a {mt} config needs {self.experts_keys[0]} and num_experts_per_tok (its config.json)")
+        for key, why in self.refused:
+            if getattr(hf_config, key, 0):
+                raise ValueError(f"{mt} {key} > 0 ({why}) is not supported; set 0")
+        layers = hf_config.num_hidden_layers
+        if self.sparse_layers:  # transformers' rule (Qwen3MoeDecoderLayer): (i+1) % step == 0, except mlp_only_layers
+            step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+            dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+            moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+        else:
+            moe_layers = (True,) * layers
+        norm = self.norm_topk_prob if self.norm_topk_prob is not None else bool(getattr(hf_config, "norm_topk_prob", False))
+        return dict(num_experts=int(experts), moe_topk=int(hf_config.num_experts_per_tok),
+                    moe_ffn_hidden_size=int(getattr(hf_config, self.ffn_key)), norm_topk_prob=norm,
+                    moe_layers=moe_layers)
+
+    def hf_keys(self, num_experts: int, topk: int, ffn: int, decoder_sparse_step: int = 1,
+                mlp_only_layers=(), norm_topk_prob: bool = False) -> dict:
+        """The config.json keys this family reads (`dims`), from the fields of a config's model.arch."""
+        d = {self.experts_keys[0]: num_experts, "num_experts_per_tok": topk, self.ffn_key: ffn}
+        if self.ffn_key == "intermediate_size":  # experts of the dense FFN size: model.arch's intermediate_size
+            del d[self.ffn_key]
+        if self.sparse_layers:
+            d.update(decoder_sparse_step=decoder_sparse_step, mlp_only_layers=list(mlp_only_layers))
+        if self.norm_topk_prob is None:
+            d["norm_topk_prob"] = norm_topk_prob
+        return d
+
+
+MOE_FAMILIES = {
+    "qwen3_moe": MoeFamily("mlp", {"linear_fc1": ["gate_proj", "up_proj"], "linear_fc2": ["down_proj"]},
+                           experts_keys=("num_experts", "num_local_experts"), ffn_key="moe_intermediate_size",
+                           sparse_layers=True),
+    # every layer routed; softmax over all experts, top-k renormalised; experts of intermediate_size
+    "mixtral": MoeFamily("block_sparse_moe", {"linear_fc1": ["w1", "w3"], "linear_fc2": ["w2"]},
+                         experts_keys=("num_local_experts",), ffn_key="intermediate_size", sparse_layers=False,
+                         norm_topk_prob=True, refused=(("router_jitter_noise", "random routing in training"),)),
+}
+
+
+def num_routed_experts(hf_config) -> int:
+    """The routed expert count of a HF config (0: dense), read by its family's keys."""
+    fam = MOE_FAMILIES.get(getattr(hf_config, "model_type", None))
+    return int(next((getattr(hf_config, k) for k in fam.experts_keys if getattr(hf_config, k, None)), 0) or 0) if fam else 0
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> int:
@@ -98,25 +163,7 @@ class ModelDims:
         qkv_bias = mt == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
         if mt != "qwen2" and getattr(hf_config, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported")
-        moe = {}
-        if mt == "mixtral":  # every layer routed; softmax over all experts, top-k renormalised; experts of intermediate_size
-            if not getattr(hf_config, "num_local_experts", None) or not getattr(hf_config, "num_experts_per_tok", None):
-                raise ValueError("a mixtral config needs num_local_experts and num_experts_per_tok (its config.json)")
-            if getattr(hf_config, "router_jitter_noise", 0.0):
-                raise ValueError("mixtral router_jitter_noise > 0 (random routing in training) is not supported; set 0")
-            moe = dict(num_experts=int(hf_config.num_local_experts), moe_topk=int(hf_config.num_experts_per_tok),
-                       moe_ffn_hidden_size=int(hf_config.intermediate_size), norm_topk_prob=True,
-                       moe_layers=(True,) * hf_config.num_hidden_layers)
-        if mt == "qwen3_moe":
-            experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
-            if not experts or not getattr(hf_config, "num_experts_per_tok", None):
-                raise ValueError("a qwen3_moe config needs num_experts and num_experts_per_tok (its config.json)")
-            step, dense = int(getattr(hf_config, "decoder_sparse_step", 1) or 1), set(getattr(hf_config, "mlp_only_layers", None) or [])
-            moe = dict(num_experts=int(experts), moe_topk=int(hf_config.num_experts_per_tok),
-                       moe_ffn_hidden_size=int(hf_config.moe_intermediate_size),
-                       norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
-                       # transformers' rule (Qwen3MoeDecoderLayer): experts where (i+1) % step == 0, except mlp_only_layers
-                       moe_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(hf_config.num_hidden_layers)))
+        moe = MOE_FAMILIES[mt].dims(hf_config) if mt in MOE_FAMILIES else {}
         return cls(
             model_type=mt,
             hidden_size=hf_config.hidden_size,
@@ -208,11 +255,8 @@ _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # routed experts (global expert index e): megatron SequentialMLP <-> transformers' per-expert names on disk
 _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
-_HF_EXPERT_RE = re.compile(r"^(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
-# per MoE family: the HF block holding the router (`{block}.gate`) and experts, and each megatron expert
-# linear's HF projections in merge order (fc1 = [gate; up], fc2 = down)
-_MOE_HF = {"qwen3_moe": ("mlp", {"linear_fc1": ["gate_proj", "up_proj"], "linear_fc2": ["down_proj"]}),
-           "mixtral": ("block_sparse_moe", {"linear_fc1": ["w1", "w3"], "linear_fc2": ["w2"]})}
+_HF_EXPERT_RE = re.compile(r"^(%s)\.experts\.(\d+)\.(\w+)\.weight$"
+                            % "|".join(sorted({re.escape(f.block) for f in MOE_FAMILIES.values()})))
 
 # megatron per-layer suffix -> HF per-layer suffixes (in merge order)
 _LAYER_MAP = {
@@ -273,10 +317,10 @@ def hf_names(mcore_name: str, dims: ModelDims) -> list[str]:
         layer, suffix = m.groups()
         e = _EXPERT_RE.match(suffix)
         if e:
-            return hf_expert_names(f"model.layers.{layer}.{_moe_hf(dims)[0]}.experts.", int(e.group(1)), dims.model_type,
+            return hf_expert_names(f"model.layers.{layer}.{_moe_hf(dims).block}.experts.", int(e.group(1)), dims.model_type,
                                    e.group(2))
         if suffix == "mlp.router.weight":  # the router [experts, hidden]
-            return [f"model.layers.{layer}.{_moe_hf(dims)[0]}.gate.weight"]
+            return [f"model.layers.{layer}.{_moe_hf(dims).block}.gate.weight"]
         if suffix not in _LAYER_MAP:
             raise KeyError(f"no HF mapping for megatron parameter {mcore_name!r}")
         return [f"model.layers.{layer}.{s}" for s in _LAYER_MAP[suffix]]
@@ -289,23 +333,23 @@ def hf_names(mcore_name: str, dims: ModelDims) -> list[str]:
     raise KeyError(f"no HF mapping for megatron parameter {mcore_name!r}")
 
 
-def _moe_hf(dims: ModelDims) -> tuple:
-    if dims.model_type not in _MOE_HF:
+def _moe_hf(dims: ModelDims) -> MoeFamily:
+    if dims.model_type not in MOE_FAMILIES:
         raise KeyError(f"{dims.model_type} has no routed experts")
-    return _MOE_HF[dims.model_type]
+    return MOE_FAMILIES[dims.model_type]
 
 
 def hf_expert_names(base: str, expert: int, model_type: str = "qwen3_moe", fc: Optional[str] = None) -> list[str]:
     """HF names of routed expert `expert` under `base` ("model.layers.L.mlp.experts."): gate, up, down
     (`fc`: only those of megatron's linear_fc1 or linear_fc2)."""
-    proj = _MOE_HF[model_type][1]
+    proj = MOE_FAMILIES[model_type].proj
     return [f"{base}{expert}.{h}.weight" for f in ((fc,) if fc else ("linear_fc1", "linear_fc2")) for h in proj[f]]
 
 
 def is_hf_moe_tensor(hf_name: str) -> bool:
     """A HF router or routed-expert tensor (of any MoE family)."""
-    return any(f".{block}.experts." in hf_name or hf_name.endswith(f".{block}.gate.weight")
-               for block, _ in _MOE_HF.values())
+    return any(f".{f.block}.experts." in hf_name or hf_name.endswith(f".{f.block}.gate.weight")
+               for f in MOE_FAMILIES.values())
 
 
 def routed_expert(mcore_name: str) -> Optional[int]:
@@ -321,11 +365,11 @@ def megatron_name(hf_name: str, dims: ModelDims, te_fused_norms: bool = False) -
     if m:
         layer, suffix = m.groups()
         e = _HF_EXPERT_RE.match(suffix)
-        if e and dims.model_type in _MOE_HF and e.group(1) == _moe_hf(dims)[0]:
-            fc = next((f for f, proj in _moe_hf(dims)[1].items() if e.group(3) in proj), None)
+        if e and dims.model_type in MOE_FAMILIES and e.group(1) == _moe_hf(dims).block:
+            fc = next((f for f, proj in _moe_hf(dims).proj.items() if e.group(3) in proj), None)
             if fc is not None:
                 return f"decoder.layers.{layer}.mlp.experts.local_experts.{e.group(2)}.{fc}.weight"
-        if dims.model_type in _MOE_HF and suffix == f"{_moe_hf(dims)[0]}.gate.weight":
+        if dims.model_type in MOE_FAMILIES and suffix == f"{_moe_hf(dims).block}.gate.weight":
             return f"decoder.layers.{layer}.mlp.router.weight"
         if dims.is_moe_layer(int(layer)) and suffix == "post_attention_layernorm.weight":
             return f"decoder.layers.{layer}.pre_mlp_layernorm.weight"
