@@ -1,5 +1,5 @@
 """LoRA on megatron-core's parallel linears (megappo/models/lora.py) against `peft` on the HF model, tiny
-llama, fp32, CPU/gloo, at TP1 and TP2: the same adapter weights (random, B nonzero; one A shared by
+llama, fp32, CPU/gloo, at TP1, TP2 and PP2: the same adapter weights (random, B nonzero; one A shared by
 q/k/v and by gate/up, as one adapter over megatron's fused linear_qkv / linear_fc1 is) give the same
 log-probs; adapters off give the base model; the merged weights (W + scaling B@A) give the adapted
 model; a backward reaches the adapters only, with peft's gradients; an optimizer step over the
@@ -15,7 +15,7 @@ from megappo.parallel.layout import ParallelLayout
 FAM = "tiny-llama"
 RANK, ALPHA = 4, 8.0
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-LAYOUTS = {"tp1": ParallelLayout(dp=2), "tp2": ParallelLayout(tp=2)}
+LAYOUTS = {"tp1": ParallelLayout(dp=2), "tp2": ParallelLayout(tp=2), "pp2": ParallelLayout(pp=2)}
 B, S = 2, 12
 SEED = 1234
 
@@ -57,6 +57,7 @@ def _logprobs(logits, ids):
 
 
 def _worker(rank, world, port, path, adapter):
+    import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
     from megappo.models.gpt import build_gpt_chunks, build_transformer_config, load_hf_config, load_hf_weights
@@ -80,24 +81,47 @@ def _worker(rank, world, port, path, adapter):
         load_hf_weights(chunks, path, dims, tp_rank, layout.tp)
         model = chunks[0]
 
-        def lp():
-            return vocab_parallel_logprobs(model(ids, pos, mask)[:, :-1], ids[:, 1:], vocab_size=dims.vocab_size,
-                                           compute_entropy=False)[0]
+        def lp(backward=False):
+            """This model's log-probs (None on a first pipeline stage); `backward`: of -sum(log-probs)."""
+            if layout.pp == 1:
+                out = vocab_parallel_logprobs(model(ids, pos, mask)[:, :-1], ids[:, 1:], vocab_size=dims.vocab_size,
+                                              compute_entropy=False)[0]
+                if backward:
+                    (-out.sum()).backward()
+                return out.detach()
+            other = mpu.get_pipeline_model_parallel_next_rank()  # pp=2: the other stage either way
+            if mpu.is_pipeline_first_stage():
+                h = model(ids, pos, mask)  # [s, b, hidden]
+                dist.send(h.detach().contiguous(), other)
+                if backward:
+                    g = torch.empty_like(h)
+                    dist.recv(g, other)
+                    h.backward(g)
+                return None
+            x = torch.empty(S, B, dims.hidden_size)
+            dist.recv(x, other)
+            x.requires_grad_(backward)
+            model.set_input_tensor(x)
+            out = vocab_parallel_logprobs(model(ids, pos, mask)[:, :-1], ids[:, 1:], vocab_size=dims.vocab_size,
+                                          compute_entropy=False)[0]
+            if backward:
+                (-out.sum()).backward()
+                dist.send(x.grad.contiguous(), other)
+            return out.detach()
 
         with torch.no_grad():
             lp_plain = lp()
         names = apply_lora(chunks, LoraConfig(rank=RANK, alpha=ALPHA, init="kaiming"))
         res = {"names": names}
         with torch.no_grad():  # fresh adapters: B = 0, the base model exactly
-            res["fresh_diff"] = (lp() - lp_plain).abs().max().item()
+            fresh = lp()
+            res["fresh_diff"] = None if fresh is None else (fresh - lp_plain).abs().max().item()
         load_hf_lora(chunks, adapter, dims, tp_rank, layout.tp)
         res["shards"] = {n: (m.lora_A.detach().clone(), m.lora_B.detach().clone()) for n, m in iter_lora_modules(chunks)}
 
-        logp = lp()
-        res["logprobs"] = logp.detach()
         with torch.no_grad(), lora_disabled(chunks):
             res["logprobs_base"] = lp()
-        (-logp.sum()).backward()
+        res["logprobs"] = lp(backward=True)
         base = [(n, p) for n, p in model.named_parameters() if not is_lora_param(n)]
         res["base_untouched"] = all(p.grad is None and not p.requires_grad for _, p in base)
         res["n_base"] = len(base)
@@ -121,6 +145,7 @@ def _worker(rank, world, port, path, adapter):
         res["base_bit_identical"] = all(torch.equal(p, before[n]) for n, p in base)
         res["adapters_moved"] = all(not torch.equal(p, q) for p, q in zip(lora_parameters(chunks), lora_before))
         res["tp_rank"] = tp_rank
+        res["first_layer"] = model.decoder.layers[0].layer_number - 1
         out[key] = res
     return out
 
@@ -170,13 +195,29 @@ def _dims(path, tp=1):
     return ModelDims.from_hf_config(load_hf_config(path), tp=tp)
 
 
+def _by_module(outs, layout, key):
+    """{global module name: [value of TP rank 0, 1, ...]} over every rank of a layout's run (a module
+    held by several ranks with the same TP rank, e.g. data-parallel replicas, counted once)."""
+    found = {}
+    for o in outs:
+        r = o[layout]
+        for name, v in r[key].items():
+            found.setdefault(name, {}).setdefault(r["tp_rank"], v)
+    return {n: [d[i] for i in sorted(d)] for n, d in found.items()}
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_logprobs_match_peft(assets, peft_reference, layout):
     _, _, outs = assets
     ref, ref_base, _ = peft_reference
     assert (ref - ref_base).abs().max() > 0.05  # the adapter changes the model: the check has teeth
+    names, checked = set(), 0
     for o in outs:
         r = o[layout]
+        names.update(r["names"])
+        if r["logprobs"] is None:  # a first pipeline stage
+            continue
+        checked += 1
         diff = (r["logprobs"] - ref).abs().max().item()
         base_diff = (r["logprobs_base"] - ref_base).abs().max().item()
         merged_diff = (r["logprobs_merged"] - r["logprobs"]).abs().max().item()
@@ -184,7 +225,10 @@ def test_logprobs_match_peft(assets, peft_reference, layout):
               f"merged vs lora {merged_diff:.2e}, fresh adapters vs base {r['fresh_diff']:.1e}")
         assert diff <= 1e-4 and base_diff <= 1e-4 and merged_diff <= 1e-5
         assert r["fresh_diff"] == 0.0  # B starts at zero
-        assert len(r["names"]) == 4 * 4  # 4 layers x qkv, proj, fc1, fc2
+    assert checked >= 1
+    assert len(names) == 4 * 4  # 4 layers x qkv, proj, fc1, fc2: global names over the pipeline stages
+    if LAYOUTS[layout].pp > 1:
+        assert sorted(o[layout]["first_layer"] for o in outs) == [0, 2]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -192,15 +236,13 @@ def test_backward_reaches_adapters_only_with_peft_gradients(assets, peft_referen
     path, _, outs = assets
     _, _, ref_grads = peft_reference
     dims = _dims(path)
-    runs = sorted((o[layout] for o in outs), key=lambda r: r["tp_rank"])
-    tp = LAYOUTS[layout].tp
-    runs = runs[:tp]  # TP1 at dp=2: both ranks hold the whole model; take one
-    for r in runs:
-        assert r["base_untouched"] and r["n_base"] > 0
+    for o in outs:
+        assert o[layout]["base_untouched"] and o[layout]["n_base"] > 0
+    grads = _by_module(outs, layout, "lora_grads")
+    assert len(grads) == 16
     worst = 0.0
-    for name in runs[0]["lora_grads"]:
-        got = megatron_lora_to_hf(name, [r["lora_grads"][name][0] for r in runs],
-                                  [r["lora_grads"][name][1] for r in runs], dims)
+    for name, per_rank in grads.items():
+        got = megatron_lora_to_hf(name, [g[0] for g in per_rank], [g[1] for g in per_rank], dims)
         # a fused module's one A is peft's A's shared: its gradient is the sum of theirs
         ref_a = sum(ref_grads[m][0] for m in got)
         for m, (ga, gb) in got.items():
@@ -220,18 +262,17 @@ def test_optimizer_step_over_adapters_leaves_base_bit_identical(assets, layout):
 def test_tp2_shards_round_trip_to_the_peft_layout(assets):
     path, adapter, outs = assets
     dims = _dims(path, tp=2)
-    runs = sorted((o["tp2"] for o in outs), key=lambda r: r["tp_rank"])
+    shards = _by_module(outs, "tp2", "shards")
     back = {}
-    for name in runs[0]["shards"]:
-        back.update(megatron_lora_to_hf(name, [r["shards"][name][0] for r in runs],
-                                        [r["shards"][name][1] for r in runs], dims))
+    for name, per_rank in shards.items():
+        back.update(megatron_lora_to_hf(name, [s[0] for s in per_rank], [s[1] for s in per_rank], dims))
     assert set(back) == set(adapter)
     for k, (a, b) in adapter.items():
         assert torch.equal(back[k][0], a) and torch.equal(back[k][1], b), k
     # column-parallel: A whole on each rank, B split; row-parallel: A split, B whole
-    a0, b0 = runs[0]["shards"]["decoder.layers.0.self_attention.linear_qkv"]
+    a0, b0 = shards["decoder.layers.0.self_attention.linear_qkv"][0]
     assert a0.shape == (RANK, 128) and b0.shape == ((4 + 2 + 2) * 32 // 2, RANK)
-    a1, b1 = runs[0]["shards"]["decoder.layers.0.mlp.linear_fc2"]
+    a1, b1 = shards["decoder.layers.0.mlp.linear_fc2"][0]
     assert a1.shape == (RANK, 256 // 2) and b1.shape == (128, RANK)
 
 
