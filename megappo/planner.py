@@ -30,7 +30,11 @@ The model (stated so it can be checked by hand):
 - Overhead per GPU: 3 GB (NCCL buffers, fragmentation) + a CUDA context of 0.6 GB per process on the
   GPU (one per worker group sharing the pool: actor/rollout/ref fused, critic, reward model).
 - Host memory (pinned, per node): an offloaded role's weights and optimizer states (main params +
-  Adam; its grad buffer is dropped, not copied), and vLLM's sleeping weights with sleep_level 1.
+  Adam; its grad buffer is dropped, not copied), vLLM's sleeping weights with sleep_level 1, and on GPU
+  a checkpoint save's snapshot: megatron's preload copies the actor's and critic's weights + optimizer
+  states device-to-host into pinned memory (parallel/dist_checkpoint._snapshot), which torch's host
+  allocator keeps cached for the next save. Pinned blocks are allocated at their size, not rounded up to
+  a power of two (up to 2x): GPU workers start with pinned_max_round_threshold_mb set (parallel/device.py).
 """
 
 from __future__ import annotations
@@ -195,6 +199,9 @@ def plan(cfg) -> dict:
     peak_phase = max(phases, key=phases.get)
     host_gb = sum(m.weights_gb + m.optimizer_gb for r, m in roles.items() if offload[r])
     vllm_host_gb = vllm_weights_gb if cfg.rollout.free_cache_engine and cfg.rollout.sleep_level == 1 else 0.0
+    # every run may save (save_every, the final checkpoint for export, a preemption's): count the snapshot on GPU
+    saves = cfg.resources.device != "cpu"
+    save_gb = sum(m.weights_gb + m.optimizer_gb for r, m in roles.items() if r in ("actor", "critic")) if saves else 0.0
     sync_bytes_per_gpu = vllm_weights_gb * GB
     replicas = cfg.resources.nodes * cfg.resources.workers_per_node // cfg.rollout.tp
     return {
@@ -220,7 +227,8 @@ def plan(cfg) -> dict:
         "host_offload_gb_per_gpu": round(host_gb, 2),
         "host_offload_gb_per_node": round(host_gb * cfg.resources.workers_per_node, 1),
         "host_vllm_sleep_gb_per_gpu": round(vllm_host_gb, 2),
-        "host_gb_per_node": round((host_gb + vllm_host_gb) * cfg.resources.workers_per_node, 1),
+        "host_save_snapshot_gb_per_gpu": round(save_gb, 2),
+        "host_gb_per_node": round((host_gb + vllm_host_gb + save_gb) * cfg.resources.workers_per_node, 1),
         "weight_sync": {"bytes_per_gpu": int(sync_bytes_per_gpu), "replicas": replicas,
                         "bytes_total": int(sync_bytes_per_gpu * cfg.rollout.tp * replicas),
                         # MoE: every expert reaches every rollout TP rank (TP-sliced), from the EP rank holding it
@@ -315,7 +323,8 @@ def main(args: argparse.Namespace) -> int:
         result["host_mem_gb"] = host
         result["host_fits"] = result["host_gb_per_node"] <= 0.9 * host
         if not result["host_fits"]:
-            host_msg = (f"offloaded roles and vLLM's sleeping weights need {result['host_gb_per_node']:.0f} GB of "
+            host_msg = (f"offloaded roles, vLLM's sleeping weights and a checkpoint's snapshot need "
+                        f"{result['host_gb_per_node']:.0f} GB of "
                         f"pinned host memory per node but the node has {host:.0f} GB (90% usable); offload fewer "
                         f"roles, set rollout.sleep_level=2, or add nodes (more dp shards the optimizer states)")
     if args.json:
@@ -372,6 +381,7 @@ def render(result: dict) -> str:
                  f"{ws['bytes_total'] / GB:.1f} GB in all ({ws['replicas']} vLLM replicas){experts}")
     if result["host_gb_per_node"]:
         lines.append(f"pinned host memory: offloaded roles {result['host_offload_gb_per_gpu']:.1f} GB + vLLM asleep "
-                     f"{result['host_vllm_sleep_gb_per_gpu']:.1f} GB per GPU, {result['host_gb_per_node']:.0f} GB per node")
+                     f"{result['host_vllm_sleep_gb_per_gpu']:.1f} GB + checkpoint snapshot "
+                     f"{result['host_save_snapshot_gb_per_gpu']:.1f} GB per GPU, {result['host_gb_per_node']:.0f} GB per node")
     lines.append(f"peak {result['peak_gpu_gb']:.1f} GB ({result['peak_phase']}): " + ("fits" if result["fits"] else "DOES NOT FIT"))
     return "\n".join(lines)

@@ -149,7 +149,7 @@ def test_a_cpu_process_on_a_gpu_machine_stays_on_the_cpu(monkeypatch):
         device.current()
 
 
-def test_driver_decides_and_hands_the_device_to_workers():
+def test_driver_decides_and_hands_the_device_to_workers(monkeypatch):
     from megappo.parallel import device
 
     assert device.resolve("auto", gpus_available=True) == "cuda"
@@ -158,7 +158,11 @@ def test_driver_decides_and_hands_the_device_to_workers():
     with pytest.raises(RuntimeError, match="no GPU is visible"):
         device.resolve("cuda", gpus_available=False)
     assert device.worker_env("cpu") == {"MEGAPPO_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
-    assert device.worker_env("cuda") == {"MEGAPPO_DEVICE": "cuda"}  # Ray sets the actor's own GPU
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # Ray sets the actor's own GPU; pinned host blocks at their size, the user's settings kept
+    assert device.worker_env("cuda") == {"MEGAPPO_DEVICE": "cuda",
+                                         "PYTORCH_ALLOC_CONF": "expandable_segments:True,pinned_max_round_threshold_mb:1"}
 
 
 def test_cuda_ordinal_inside_a_ray_actor_is_zero():

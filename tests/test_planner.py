@@ -110,7 +110,12 @@ def test_host_memory_for_offload_checked_against_the_node():
     assert small.returncode == 1
     out = json.loads(small.stdout)
     assert out["fits"] and not out["host_fits"]  # the GPUs are fine, the host is not
-    assert f"need {out['host_offload_gb_per_node']:.0f} GB of pinned host memory" in small.stderr
+    assert f"need {out['host_gb_per_node']:.0f} GB of pinned host memory" in small.stderr
+    # on GPU a checkpoint's snapshot (the actor's and critic's weights + optimizer states) is pinned too
+    roles = out["roles"]
+    snapshot = sum(roles[r]["weights_gb"] + roles[r]["optimizer_gb"] for r in ("actor", "critic"))
+    assert abs(out["host_save_snapshot_gb_per_gpu"] - snapshot) < 0.05
+    assert abs(out["host_gb_per_node"] - 8 * (out["host_offload_gb_per_gpu"] + snapshot)) < 0.5
     assert "256 GB" in small.stderr
     big = _plan_cli("--config", "configs/ppo_70b.yaml", "--host-mem-gb", "1024", "--json")
     assert big.returncode == 0 and json.loads(big.stdout)["host_fits"]

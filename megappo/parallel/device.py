@@ -40,7 +40,23 @@ def worker_env(device: str) -> dict[str, str]:
     env = {ENV: device}
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # torch, vLLM's torch calls and nccl see no GPU
+    else:
+        env[ALLOC_ENV] = pinned_alloc_conf(os.environ)
     return env
+
+
+ALLOC_ENV = "PYTORCH_ALLOC_CONF"  # torch reads it first, PYTORCH_CUDA_ALLOC_CONF only when it is unset
+PINNED_ROUND_MB = 1
+
+
+def pinned_alloc_conf(environ: Mapping[str, str]) -> str:
+    """The user's allocator settings plus pinned_max_round_threshold_mb: torch's caching host allocator
+    rounds every pinned block up to a power of two (up to 2x: an offloaded role's host copy, a checkpoint's
+    snapshot); above the threshold it allocates the exact size (torch >= 2.9, c10 AllocatorConfig)."""
+    mine = environ.get(ALLOC_ENV) or environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    if "pinned_max_round_threshold_mb" in mine:
+        return mine
+    return ",".join(p for p in (mine, f"pinned_max_round_threshold_mb:{PINNED_ROUND_MB}") if p)
 
 
 def current(environ: Optional[Mapping[str, str]] = None) -> str:
