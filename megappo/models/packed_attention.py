@@ -1,20 +1,46 @@
 """Causal attention over packed rows for megatron's local layer spec (CPU): the packed micro-batch is one
 sequence [T, 1] of several rows (workers/packing.py), and each row attends to its own earlier tokens
-only. Instead of a dense [T, T] block-causal mask (quadratic in the packed length, so packing would
-cost more attention than the padding it saves), every row's span runs through torch's
-scaled_dot_product_attention with is_causal: the work is sum(len^2) over rows, like unpacked rows.
+only. The whole micro-batch is ONE scaled_dot_product_attention call, laid out once per micro-batch
+(`PackedLayout`, cached on the segment-id tensor every layer gets) in one of two ways:
 
-The model gets the rows' ids per column (`segments` [T], -1 for the tail padding) where megatron passes
-the attention mask; megatron hands it to this module unchanged. Same scale, grouped-query expansion
-and (for bf16) fp32 softmax as megatron's DotProductAttention, which this replaces; dropout is off in
-every model megappo builds.
+- "grid" (the usual case): the rows scattered into a [rows, L] grid (L = the longest row, short rows
+  right-padded with zeros) and run with is_causal. A row's padding columns come after its real tokens, so
+  causality alone keeps every real query off them; their outputs are dropped by the gather back. torch's
+  flash kernel skips the blocks above the diagonal: the work is ~rows * L^2 / 2, which for the
+  token-budget micro-batches (rows grouped longest first, so of similar length) is close to the
+  sum(len^2) / 2 of unpacked rows. Extra memory: the grid copies of q, k, v and the output.
+- "mask": a dense [T, T] boolean block-diagonal causal mask (T^2 bytes: 4 MiB at T = 2048, built once per
+  micro-batch and shared by every layer), when the grid would cost more (one long row among many short
+  ones: rows * L^2 / 2 > T^2). The kernel then computes all T^2 scores (no block skipping).
+
+Numerics (issue #41). megatron's local DotProductAttention in bf16 computes the scores with a bf16 baddbmm,
+the softmax in fp32 (attention_softmax_in_fp32) and probs @ v in bf16. torch's CPU flash kernel (what
+SDPA picks here, with or without the mask) accumulates q @ k^T, the online softmax and the output in fp32
+for bf16 / fp16 inputs (the probabilities are rounded to the input dtype for the p @ v matmul): the
+model's dtype with an fp32 softmax. On a CPU without bf16 instructions (no AVX512-BF16 / AMX, e.g. AVX2
+only) that kernel emulates bf16 and is 3-5x slower than the same kernel in fp32, so there (only) q, k and v
+are upcast to fp32 for the one call and the context cast back: no bf16 rounding of the scores or
+probabilities, within bf16 rounding of megatron's result either way. `COMPUTE_DTYPE` overrides the choice.
+
+The model gets the rows' ids per column (`segments` [T], -1 for the tail padding, which runs as a row of
+its own) where megatron passes the attention mask; megatron hands it to this module unchanged. Same
+scale and grouped-query expansion (head i reads group i // (heads / groups), SDPA's enable_gqa) as
+megatron's DotProductAttention, which this replaces; dropout is off in every model megappo builds.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+# "model": always the model's dtype; "fp32": always upcast; None: fp32 only for bf16/fp16 on a CPU without
+# native bf16 (see the module docstring). IMPL: "auto" (grid or mask by cost), "grid", "mask", or "rows"
+# (the former per-row SDPA calls, kept for bench/packing.py's before/after and for tests).
+COMPUTE_DTYPE: Optional[str] = None
+IMPL = "auto"
 
 
 def segment_spans(segments: torch.Tensor) -> list[tuple[int, int]]:
@@ -25,6 +51,89 @@ def segment_spans(segments: torch.Tensor) -> list[tuple[int, int]]:
     cuts = (torch.nonzero(segments[1:] != segments[:-1]).flatten() + 1).tolist()
     starts = [0] + cuts
     return list(zip(starts, cuts + [t]))
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # pragma: no cover - older torch
+        return False
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the attention call runs in for inputs of `dtype` on `device`."""
+    if dtype == torch.float32 or COMPUTE_DTYPE == "model":
+        return dtype
+    if COMPUTE_DTYPE == "fp32":
+        return torch.float32
+    if device.type == "cpu" and not _cpu_has_native_bf16():
+        return torch.float32
+    return dtype
+
+
+class PackedLayout:
+    """How one packed micro-batch runs as one attention call: its spans, and the grid index [T] (the
+    grid position row * L + column of each token) or the [T, T] block-causal mask."""
+
+    def __init__(self, segments: torch.Tensor, impl: str = "auto"):
+        self.spans = segment_spans(segments)
+        self.tokens = t = int(segments.shape[0])
+        lengths = [b - a for a, b in self.spans]
+        self.rows, self.width = len(lengths), max(lengths, default=0)
+        if impl == "auto":
+            impl = "grid" if self.rows * self.width * self.width <= 2 * t * t else "mask"
+        self.impl = impl
+        device = segments.device
+        if impl == "grid":
+            lens = torch.tensor(lengths, dtype=torch.long, device=device)
+            row = torch.repeat_interleave(torch.arange(self.rows, device=device), lens)
+            start = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+            self.index = row * self.width + (torch.arange(t, device=device) - start)
+        elif impl == "mask":
+            ids = torch.repeat_interleave(torch.arange(self.rows, device=device),
+                                          torch.tensor(lengths, dtype=torch.long, device=device))
+            pos = torch.arange(t, device=device)
+            self.mask = (ids[:, None] == ids[None, :]) & (pos[:, None] >= pos[None, :])
+
+    def attend(self, q, k, v, scale):
+        """q [T, np, hn], k / v [T, ng, hn] -> context [T, np, hn]."""
+        gqa = q.shape[1] != k.shape[1]
+        if self.impl == "grid":
+            n, w = self.rows, self.width
+
+            def to_grid(x):  # [T, h, d] -> [rows, h, L, d]
+                g = x.new_zeros(n * w, x.shape[1], x.shape[2]).index_copy(0, self.index, x)
+                return g.view(n, w, x.shape[1], x.shape[2]).transpose(1, 2)
+
+            out = F.scaled_dot_product_attention(to_grid(q), to_grid(k), to_grid(v), is_causal=True, scale=scale,
+                                                 enable_gqa=gqa)
+            return out.transpose(1, 2).reshape(n * w, q.shape[1], q.shape[2]).index_select(0, self.index)
+        if self.impl == "mask":
+            q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scale, enable_gqa=gqa)
+            return out[0].transpose(0, 1)
+        if self.impl == "rows":
+            q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+            out = torch.cat([F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True,
+                                                            scale=scale, enable_gqa=gqa)
+                             for a, b in self.spans], dim=1)
+            return out.transpose(0, 1)
+        raise ValueError(f"unknown packed attention impl {self.impl!r}")
+
+
+_cache: dict = {}
+
+
+def layout_for(segments: torch.Tensor) -> PackedLayout:
+    """The micro-batch's layout, built on the first layer and reused by the others (and by activation
+    recomputation): keyed on the segment-id tensor itself, which megatron passes to every layer."""
+    hit = _cache.get("layout")
+    if hit is not None and hit[0] is segments and hit[1] == segments._version and hit[2].impl_asked == IMPL:
+        return hit[2]
+    layout = PackedLayout(segments, IMPL)
+    layout.impl_asked = IMPL
+    _cache["layout"] = (segments, segments._version, layout)
+    return layout
 
 
 class PackedCausalAttention(DotProductAttention):
@@ -38,14 +147,8 @@ class PackedCausalAttention(DotProductAttention):
         if attention_mask is None or attention_mask.dim() != 1 or query.shape[1] != 1:
             raise ValueError("PackedCausalAttention needs one packed sequence ([T, 1, ...]) and its segment ids "
                              "[T] as the attention mask (MegatronEngine with pack_sequences)")
-        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        if groups > 1:
-            key = key.repeat_interleave(groups, dim=2)
-            value = value.repeat_interleave(groups, dim=2)
         dtype = query.dtype
-        # [T, 1, np, hn] -> [np, T, hn]; the softmax in fp32 as megatron's attention_softmax_in_fp32
-        q, k, v = (x[:, 0].transpose(0, 1).float() for x in (query, key, value))
-        out = torch.cat([F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True,
-                                                        scale=self.softmax_scale)
-                         for a, b in segment_spans(attention_mask)], dim=1)
-        return out.transpose(0, 1).reshape(query.shape[0], 1, -1).to(dtype)
+        work = compute_dtype(dtype, query.device)
+        q, k, v = (x[:, 0].to(work) for x in (query, key, value))
+        out = layout_for(attention_mask).attend(q, k, v, self.softmax_scale)
+        return out.reshape(query.shape[0], 1, -1).to(dtype)
