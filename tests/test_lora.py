@@ -1,5 +1,5 @@
 """LoRA on megatron-core's parallel linears (megappo/models/lora.py) against `peft` on the HF model, tiny
-llama, fp32, CPU/gloo, at TP1, TP2 and PP2: the same adapter weights (random, B nonzero; one A shared by
+llama, fp32, CPU/gloo, at TP1, TP2 (also with sequence parallelism) and PP2: the same adapter weights (random, B nonzero; one A shared by
 q/k/v and by gate/up, as one adapter over megatron's fused linear_qkv / linear_fc1 is) give the same
 log-probs; adapters off give the base model; the merged weights (W + scaling B@A) give the adapted
 model; a backward reaches the adapters only, with peft's gradients; an optimizer step over the
@@ -15,7 +15,9 @@ from megappo.parallel.layout import ParallelLayout
 FAM = "tiny-llama"
 RANK, ALPHA = 4, 8.0
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-LAYOUTS = {"tp1": ParallelLayout(dp=2), "tp2": ParallelLayout(tp=2), "pp2": ParallelLayout(pp=2)}
+LAYOUTS = {"tp1": ParallelLayout(dp=2), "tp2": ParallelLayout(tp=2), "tp2sp": ParallelLayout(tp=2),
+           "pp2": ParallelLayout(pp=2)}
+SEQUENCE_PARALLEL = {"tp2sp"}
 B, S = 2, 12
 SEED = 1234
 
@@ -75,7 +77,8 @@ def _worker(rank, world, port, path, adapter):
     for key, layout in LAYOUTS.items():
         init_megatron(layout, seed=SEED)
         hf_config = load_hf_config(path)
-        chunks = build_gpt_chunks(hf_config, build_transformer_config(hf_config, layout), layout)
+        tf_config = build_transformer_config(hf_config, layout, sequence_parallel=key in SEQUENCE_PARALLEL)
+        chunks = build_gpt_chunks(hf_config, tf_config, layout)
         dims = ModelDims.from_hf_config(hf_config, tp=layout.tp)
         tp_rank = mpu.get_tensor_model_parallel_rank()
         load_hf_weights(chunks, path, dims, tp_rank, layout.tp)
@@ -122,6 +125,10 @@ def _worker(rank, world, port, path, adapter):
         with torch.no_grad(), lora_disabled(chunks):
             res["logprobs_base"] = lp()
         res["logprobs"] = lp(backward=True)
+        if tf_config.sequence_parallel:  # finalize_model_grads' sum over TP of sequence-parallel params' grads
+            for p in lora_parameters(chunks):
+                if getattr(p, "sequence_parallel", False):
+                    dist.all_reduce(p.grad, group=mpu.get_tensor_model_parallel_group())
         base = [(n, p) for n, p in model.named_parameters() if not is_lora_param(n)]
         res["base_untouched"] = all(p.grad is None and not p.requires_grad for _, p in base)
         res["n_base"] = len(base)
