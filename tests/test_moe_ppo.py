@@ -59,7 +59,7 @@ def test_moe_ppo_expert_parallel_resume_at_another_ep_and_export(ray_session, ti
         # averaged over the step's optimizer steps
         steps = cfg.data.train_batch_size * cfg.rollout.n // cfg.actor.ppo_mini_batch_size * cfg.actor.ppo_epochs
         per_step = h["actor/moe_tokens_routed"]
-        assert per_step * steps == h["timing/actor_tokens_real"] * layers * top_k, (per_step, h["timing/actor_tokens_real"])
+        assert per_step * steps == h["tokens/actor_real"] * layers * top_k, (per_step, h["tokens/actor_real"])
 
     # resume from step 2 at EP1: step 3 as the uninterrupted EP2 run
     resumed = tmp_path / "ep1"

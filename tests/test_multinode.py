@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer_utils import NONDETERMINISTIC, config as _config, run as _run
+from trainer_utils import config as _config, nondeterministic, run as _run
 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUT = ["resources.nodes=2", "resources.workers_per_node=1",
@@ -73,7 +73,7 @@ def test_two_nodes_match_one_node(ray_session, two_nodes, tiny_assets, data_dir,
     assert placement.count("node ") == 2, placement  # the train pool really spans both Ray nodes
     assert len(one) == len(two) == 2
     for a, b in zip(one, two):
-        keys = [k for k in a if not k.startswith(NONDETERMINISTIC) and k != "step"]
+        keys = [k for k in a if not nondeterministic(k) and k != "step"]
         assert set(keys) <= set(b)
         diff = {k: (a[k], b[k]) for k in keys if not math.isclose(a[k], b[k], rel_tol=1e-6, abs_tol=1e-7)}
         assert not diff, diff

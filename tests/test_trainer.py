@@ -44,6 +44,9 @@ def test_sync_run_metrics_checkpoints_and_resume(sync_baseline, tiny_assets, dat
         assert h["rollout/logprob_diff_max"] < 1e-4  # vLLM and Megatron agree on the same fp32 weights
         assert h["timing/weight_sync_s"] > 0 and h["timing/rollout_s"] > 0 and h["timing/update_actor_s"] > 0
         assert h["timing/save_s"] >= 0  # what the step waited for checkpoints (every step, 0 when none)
+        counts = [k for k in h if k.startswith("timing/") and not k.endswith(("_s", "_frac"))]
+        assert not counts, counts  # timing/* is seconds, skipped by the resume comparisons: counts go elsewhere
+        assert h["tokens/actor_real"] <= h["tokens/actor_computed"] <= h["tokens/actor_padded_batch"]
         assert h["objective/rlhf_reward"] == pytest.approx(h["objective/scores"] + h["objective/non_score_reward"])
     assert history[0]["objective/kl"] == pytest.approx(0.0, abs=1e-4)  # pi_old == ref before the first update
     assert history[-1]["objective/kl"] != pytest.approx(0.0, abs=1e-4)  # the policy moved
@@ -231,8 +234,8 @@ def test_packed_sequences_in_a_run(sync_baseline, tiny_assets, data_dir, tmp_pat
                 "critic/grad_norm", "rollout/logprob_diff_mean"):
         assert got[key] == pytest.approx(base[key], rel=1e-4, abs=1e-6), (key, got[key], base[key])
     for role in ("actor", "critic"):
-        real, computed = got[f"timing/{role}_tokens_real"], got[f"timing/{role}_tokens_computed"]
-        assert real == base[f"timing/{role}_tokens_real"] and real <= computed <= base[f"timing/{role}_tokens_computed"]
+        real, computed = got[f"tokens/{role}_real"], got[f"tokens/{role}_computed"]
+        assert real == base[f"tokens/{role}_real"] and real <= computed <= base[f"tokens/{role}_computed"]
 
 
 def test_grpo_config_as_shipped(ray_session, tiny_assets, data_dir, tmp_path):

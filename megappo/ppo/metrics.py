@@ -23,8 +23,11 @@ Names follow open-instruct's PPO (docs in the seed; definitions here where they 
   val/num_stop_token_ids     number of this step's responses that ended with a stop token
   time/from_scratch, time/training   seconds since fit() started / this step's seconds
 
-Plus: timing/* (one per phase; timing/save_s is what the step waited for checkpoints: a save's
-tensor copy, and the previous step's background save finishing its files; 0 when neither), eval/*
+Plus: timing/* (seconds only, one per phase; timing/save_s is what the step waited for checkpoints: a
+save's tensor copy, and the previous step's background save finishing its files; 0 when neither; and
+timing/rollout_overlap_frac, a ratio of two of them), tokens/{actor,critic}_real, _computed, _padded_batch
+(the update's tokens: real ones, what the micro-batches computed, the padded batch; what padding cost),
+dynamic_sampling/* (algorithm.filter_groups: rounds, groups_drawn, groups_varied, groups_topped_up), eval/*
 (validation), the workers' actor/*, critic/* update metrics as
 they come (critic/* only when there is a critic), advantages/{mean,max,min} over the response tokens,
 and rollout/*:

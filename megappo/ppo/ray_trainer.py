@@ -381,7 +381,7 @@ class RayPPOTrainer(CheckpointingMixin):
         """Steps 1-6 of the loop (module docstring) for `step`; returns (metrics, next in-flight rollout)."""
         cfg, total = self.config, self.config.trainer.total_steps
         self._step = step
-        t0, timing = time.perf_counter(), {}
+        t0, timing, counts = time.perf_counter(), {}, {}  # timing/*: seconds only; counts: dynamic_sampling/*
         # 1. rollout (async: the batch launched last step; launch the next one before training)
         baselines = None
         if inflight is None:
@@ -390,7 +390,7 @@ class RayPPOTrainer(CheckpointingMixin):
                 batch = self._generate(prompts, self._sampling_for(step))
             if cfg.algorithm.filter_groups.enable:  # DAPO dynamic sampling: only groups that can learn
                 with self._phase("filter_groups", timing):
-                    batch = self._filter_groups(batch, step, timing)
+                    batch = self._filter_groups(batch, step, counts)
             if cfg.algorithm.adv_estimator == "remax":
                 with self._phase("gen_baseline", timing):
                     baselines = self._greedy_baselines(prompts, batch)
@@ -422,6 +422,7 @@ class RayPPOTrainer(CheckpointingMixin):
                                dataset_size=len(self.train_dataset), step_s=timing["timing/step_s"],
                                since_start_s=time.perf_counter() - start)
         metrics.update(gen_metrics)
+        metrics.update(counts)
         metrics.update(timing)
         return metrics, inflight
 
@@ -447,7 +448,7 @@ class RayPPOTrainer(CheckpointingMixin):
         prompts.meta_info["sampling"] = sampling
         return (wg or self.rollout_wg).generate_sequences(prompts)[0]
 
-    def _filter_groups(self, batch: DataProto, step: int, timing: dict) -> DataProto:
+    def _filter_groups(self, batch: DataProto, step: int, counts: dict) -> DataProto:
         """DAPO's dynamic sampling: drop the prompts whose responses are all right or all wrong
         (algorithm.filter_groups.metric=acc, the rule's correctness; =score: all got the same shaped reward),
         generate more prompts until data.train_batch_size prompts whose responses differ are in hand (at
@@ -470,7 +471,7 @@ class RayPPOTrainer(CheckpointingMixin):
             if len(kept) >= want:
                 break
         chosen = (kept + flat)[:want]  # topped up with zero-variance groups when rounds ran out
-        timing.update({"dynamic_sampling/rounds": float(len(parts)),
+        counts.update({"dynamic_sampling/rounds": float(len(parts)),
                        "dynamic_sampling/groups_drawn": float(len(kept) + len(flat)),
                        "dynamic_sampling/groups_varied": float(len(kept)),
                        "dynamic_sampling/groups_topped_up": float(max(0, want - len(kept)))})

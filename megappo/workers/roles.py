@@ -138,8 +138,8 @@ def _train(engine, data: DataProto, loss, role_cfg, dp: int, temperature: float 
     metrics = {k: sum(v) / len(v) for k, v in history.items()}
     # the waste padding would cost, made visible; and the rows trained on (all DP ranks, one pass)
     real, computed, padded, rows = _dp_all_reduce_sum(tokens + [len(data)])
-    metrics.update({f"timing/{loss.name}_tokens_real": real, f"timing/{loss.name}_tokens_computed": computed,
-                    f"timing/{loss.name}_tokens_padded_batch": padded, f"{loss.name}/rows": rows})
+    metrics.update({f"tokens/{loss.name}_real": real, f"tokens/{loss.name}_computed": computed,
+                    f"tokens/{loss.name}_padded_batch": padded, f"{loss.name}/rows": rows})
     return metrics
 
 
