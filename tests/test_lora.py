@@ -115,7 +115,8 @@ def _worker(rank, world, port, path, adapter):
         with torch.no_grad():
             lp_plain = lp()
         names = apply_lora(chunks, LoraConfig(rank=RANK, alpha=ALPHA, init="kaiming"))
-        res = {"names": names}
+        res = {"names": names,
+               "init": {n: (m.lora_A.detach().clone(), m.lora_B.detach().clone()) for n, m in iter_lora_modules(chunks)}}
         with torch.no_grad():  # fresh adapters: B = 0, the base model exactly
             fresh = lp()
             res["fresh_diff"] = None if fresh is None else (fresh - lp_plain).abs().max().item()
@@ -281,6 +282,26 @@ def test_tp2_shards_round_trip_to_the_peft_layout(assets):
     assert a0.shape == (RANK, 128) and b0.shape == ((4 + 2 + 2) * 32 // 2, RANK)
     a1, b1 = shards["decoder.layers.0.mlp.linear_fc2"][0]
     assert a1.shape == (RANK, 256 // 2) and b1.shape == (128, RANK)
+
+
+def test_initial_adapters_are_the_same_at_every_layout(assets):
+    """A from a per-module seed (the full A, then this rank's slice): TP1, TP2 and PP2 start from the same
+    adapter; B starts at zero; A is peft's kaiming-uniform (|A| <= 1/sqrt(in))."""
+    path, _, outs = assets
+    dims = _dims(path, tp=2)
+    full = {}
+    for layout in LAYOUTS:
+        hf = {}
+        for name, per_rank in _by_module(outs, layout, "init").items():
+            hf.update(megatron_lora_to_hf(name, [s[0] for s in per_rank], [s[1] for s in per_rank], dims))
+        full[layout] = hf
+    ref = full["tp1"]
+    assert len(ref) == 7 * 4
+    for layout, hf in full.items():
+        for k, (a, b) in hf.items():
+            assert torch.equal(a, ref[k][0]) and not b.any(), (layout, k)
+    a = ref["model.layers.0.mlp.down_proj"][0]
+    assert a.abs().max() <= 256 ** -0.5 and a.abs().max() > 0.5 * 256 ** -0.5
 
 
 def test_bad_input_is_one_line():
