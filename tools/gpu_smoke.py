@@ -132,11 +132,15 @@ def _importable(mod: str) -> bool:
         return False
 
 
-def check_logprobs(args, assets) -> tuple[bool, str]:
-    path, batch = str(assets["tiny-llama"]), make_batch()
+def versus_hf(args, path: str) -> tuple[bool, str]:
+    batch = make_batch()
     eng = engine(path, args.device, args.torch_dtype)
     got = eng.forward_only(on_device(batch, args.device), response_length=R, micro_batch_size=2)["logprobs"]
     return close(got, hf_logprobs(path, batch, args.device, args.torch_dtype), valid_positions(batch), args.bf16)
+
+
+def check_logprobs(args, assets) -> tuple[bool, str]:
+    return versus_hf(args, str(assets["tiny-llama"]))
 
 
 def check_train_step(args, assets) -> tuple[bool, str]:
@@ -167,10 +171,7 @@ def check_packed(args, assets) -> tuple[bool, str]:
 
 
 def check_moe(args, assets) -> tuple[bool, str]:
-    path, batch = str(assets["tiny-qwen3_moe"]), make_batch()
-    eng = engine(path, args.device, args.torch_dtype)
-    got = eng.forward_only(on_device(batch, args.device), response_length=R, micro_batch_size=2)["logprobs"]
-    return close(got, hf_logprobs(path, batch, args.device, args.torch_dtype), valid_positions(batch), args.bf16)
+    return versus_hf(args, str(assets["tiny-qwen3_moe"]))
 
 
 def check_checkpoint(args, assets) -> tuple[bool, str]:

@@ -67,11 +67,9 @@ class RuleEnvironment(Environment):
 
 
 def split_target(source: str, target: str) -> tuple[str, str]:
-    module, _, attr = target.partition(":")
-    if not module or not attr:
-        raise ValueError(f"rollout.multi_turn.environments.{source}={target} is not 'module:attribute'; write e.g. "
-                         "my_pkg.envs:SearchEnv")
-    return module, attr
+    from megappo.rewards.rules import split_target as split
+
+    return split(f"rollout.multi_turn.environments.{source}", target, "my_pkg.envs:SearchEnv", what="attribute")
 
 
 def load_environment(source: str, target: str) -> Environment:

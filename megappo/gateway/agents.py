@@ -44,11 +44,9 @@ STATS = ("agent_requests", "agent_segments", "agent_fallbacks", "agent_errors", 
 
 def load_agent(target: str) -> Callable:
     """'pkg.module:fn' or '/path/to/file.py:fn' -> the async agent function (one line when it is not one)."""
-    from megappo.rewards.rules import _import_file, is_file
+    from megappo.rewards.rules import _import_file, is_file, split_target
 
-    module, sep, name = target.rpartition(":")
-    if not sep or not module or not name:
-        raise ValueError(f"rollout.agent={target!r} is not 'module:function'; write e.g. my_pkg.my_agent:run")
+    module, name = split_target("rollout.agent", target, "my_pkg.my_agent:run")
     try:
         mod = _import_file(Path(module).expanduser().resolve()) if is_file(module) else importlib.import_module(module)
         fn = getattr(mod, name)

@@ -113,12 +113,12 @@ def spec_fields(source: str, spec) -> tuple[str, bool, Optional[float]]:
     return spec["fn"], batched, None if timeout is None else float(timeout)
 
 
-def split_target(source: str, target: str) -> tuple[str, str]:
-    """'pkg.mod:fn' or '/path/file.py:fn' -> (module or path, function name); the last ':' splits them."""
-    module, _, name = target.rpartition(":")
+def split_target(where: str, target: str, example: str, what: str = "function") -> tuple[str, str]:
+    """'pkg.mod:fn' or '/path/file.py:fn' -> (module or path, name); the last ':' splits them. The one
+    parser of the config's code references (reward rules, environments, rollout.agent)."""
+    module, _, name = str(target).rpartition(":")
     if not module or not name:
-        raise ValueError(f"reward.rules.{source}={target} is not 'module:function'; write e.g. my_pkg.rewards:score "
-                         "or /path/to/file.py:score")
+        raise ValueError(f"{where}={target} is not 'module:{what}'; write e.g. {example}")
     return module, name
 
 
@@ -189,7 +189,7 @@ def check_signature(where: str, fn: Callable, batched: bool) -> None:
 def load_rule(source: str, spec) -> Rule:
     """One reward.rules entry -> its Rule (imported, signature checked); ValueError naming the fix."""
     target, batched, timeout = spec_fields(source, spec)
-    module, name = split_target(source, target)
+    module, name = split_target(f"reward.rules.{source}", target, "my_pkg.rewards:score or /path/to/file.py:score")
     obj = getattr(_import(source, module), name, None)
     if obj is None:
         raise ValueError(f"reward.rules.{source}: {module} has no {name!r}; fix the function name after the ':'")
