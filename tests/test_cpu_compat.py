@@ -123,3 +123,13 @@ def test_not_applied_in_this_process():
     assert not cpu_compat.is_applied()
     with pytest.raises(Exception):
         torch.zeros(1, device="cuda")
+
+
+def test_causal_mask_masks_the_future_keys():
+    """shim 6: the causal mask the engine hands megatron's local attention (True = masked)."""
+    from megappo.parallel import cpu_compat
+
+    m = cpu_compat.causal_mask(3, torch.device("cpu"))
+    assert m.shape == (1, 1, 3, 3) and m.dtype == torch.bool
+    assert m[0, 0].tolist() == [[False, True, True], [False, False, True], [False, False, False]]
+    assert cpu_compat.causal_mask(3, torch.device("cpu")) is m  # cached per (length, device)

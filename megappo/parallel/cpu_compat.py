@@ -28,11 +28,17 @@ Shims (each has a test in tests/test_cpu_compat.py):
    grads over TP.
 5. `patch_moe_alltoall()` - the alltoall MoE token dispatcher's split sizes as numpy for gloo (megatron
    converts only CUDA tensors; 0.19.2 moe_utils.py:1169-1191, token_dispatcher.py:927-943).
+6. `causal_mask()` - the causal mask as a tensor on the engine's device, which the Megatron engine hands
+   megatron's local (non-TE) attention: megatron's own default mask is built with device="cuda" (0.19.2
+   transformer/utils.py:39, via fused_softmax.py:327), also inside activation recompute, where shim 1's
+   thread-local mode is not active. The engine passes it on a GPU too (the local spec), where it equals
+   megatron's own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -312,3 +318,11 @@ def patch_moe_alltoall() -> None:
 
     mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim = gather_uneven, scatter_uneven
     mappings._megappo_uneven = True
+
+
+# ---- shim 6: the causal mask of megatron's local attention as a tensor --------------------------------
+
+@functools.lru_cache(maxsize=8)
+def causal_mask(seq: int, device: torch.device) -> torch.Tensor:
+    """bool [1, 1, s, s], True = masked: the future keys (see shim 6 in the module docstring)."""
+    return torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)[None, None]

@@ -23,6 +23,12 @@ attention backend supports (Transformer Engine's flash / fused kernels included:
 [b, 1, s, s] mask would make TE fall back to unfused attention), and no compute goes to the columns
 that are padding in every row.
 
+Split by responsibility: this file builds the engine (model chunks, DDP, optimizer, offload,
+checkpoints) and holds its public API; one pass over a batch (its micro-batches, megatron's
+forward-step and loss functions, the head on the output columns, packed RoPE) is megatron_step.py,
+which gets what a micro-batch needs as arguments and keeps nothing between calls. The engine's only
+per-call record is `last_computed_tokens`, a read-out for the tokens-computed metric.
+
 Loss normalisation: `loss_fn(outputs, micro_batch) -> (loss_sum, metrics)` returns a SUM over the
 micro-batch's tokens/sequences; the engine divides by the caller's `normalizer` (the global token or
 sequence count of the whole mini-batch, over all DP ranks) and sums gradients over micro-batches and
@@ -33,10 +39,8 @@ Metrics returned by loss_fn are summed the same way (over micro-batches and DP r
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -47,11 +51,12 @@ from megappo.config.schema import OptimConfig
 from megappo.models.gpt import build_gpt_chunks, build_transformer_config, load_hf_config, use_transformer_engine, \
     load_hf_weights
 from megappo.models.expert_load import ExpertLoad
-from megappo.models.logprobs import vocab_parallel_logprobs
+from megappo.parallel.cpu_compat import causal_mask
 from megappo.parallel.layout import ParallelLayout
 from megappo.parallel.megatron_init import resolve_device
 from megappo.parallel.weight_mapping import ModelDims, global_named_parameters
-from megappo.workers import packing
+from megappo.workers import megatron_step
+from megappo.workers.megatron_step import right_align
 from megappo.workers.offload import HostOffload
 
 HEADS = ("lm", "value")
@@ -122,59 +127,10 @@ def _plain_optim(optim) -> OptimConfig:
     return dataclasses.replace(optim)
 
 
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Left-padded rows: the first real token gets position 0."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-@functools.lru_cache(maxsize=8)
-def causal_mask(seq: int, device: torch.device) -> torch.Tensor:
-    """bool [1, 1, s, s], True = masked: the future keys."""
-    return torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)[None, None]
-
-
-def right_align(batch: dict, response_length: int, seq_multiple: int = 1) -> dict:
-    """Rows of [left padding, prompt, response, right padding] -> every row's tokens from column 0,
-    cut to the longest row (rounded up to `seq_multiple`, e.g. the TP size for sequence parallel).
-    Causal attention alone is then exact for every real token (pads only follow them). Adds
-    `_out_index` [B, R], the column whose output belongs to response token j (the logits that
-    predict it, the value of the state before it), and `_targets` [B, R], the response token ids."""
-    ids, mask = batch["input_ids"], batch["attention_mask"].long()
-    b, s = ids.shape
-    r = response_length
-    lengths = mask.sum(-1)
-    lead = (mask.cumsum(-1) == 0).sum(-1)  # padding columns before each row's first token
-    width = int(lengths.max()) if b else 1
-    width = min(-(-width // seq_multiple) * seq_multiple, -(-s // seq_multiple) * seq_multiple)
-    cols = torch.arange(width, device=ids.device)
-    src = (cols[None] + lead[:, None]).clamp(max=s - 1)
-    valid = cols[None] < lengths[:, None]
-    if bool(((mask.gather(1, src) * valid).sum(-1) != lengths).any()):
-        raise ValueError("attention_mask rows must hold one contiguous run of tokens (left-padded prompt + "
-                         "right-padded response); a row has a gap")
-    # the column predicting response token 0, after the shift; a row whose tokens do not fill the last
-    # R + 1 columns (a short row in a scoring batch) gets clamped columns there: outputs for padding
-    first = s - r - 1 - lead
-    pos = batch.get("position_ids")
-    pos = position_ids_from_mask(mask) if pos is None else pos
-    out = dict(batch)
-    out["input_ids"] = torch.where(valid, ids.gather(1, src), torch.zeros((), dtype=ids.dtype, device=ids.device))
-    out["position_ids"] = torch.where(valid, pos.gather(1, src), torch.zeros((), dtype=pos.dtype, device=pos.device))
-    out["attention_mask"] = valid.long()
-    out["_out_index"] = (first[:, None] + torch.arange(r, device=ids.device)[None]).clamp(0, width - 1)
-    out["_targets"] = ids[:, s - r:]
-    return out
-
-
 def is_dist_checkpoint(path) -> bool:
     """A megatron dist_checkpointing dir (metadata.json) without HF safetensors."""
     p = Path(path)
     return (p / "metadata.json").exists() and not any(p.glob("*.safetensors"))
-
-
-def _split(batch: dict, mbs: int) -> list[dict]:
-    n = next(iter(batch.values())).shape[0]
-    return [{k: v[i:i + mbs] for k, v in batch.items()} for i in range(0, n, mbs)]
 
 
 class MegatronEngine:
@@ -207,24 +163,15 @@ class MegatronEngine:
         chunks = [c.to(self.device) for c in build_gpt_chunks(self.hf_config, self.tf_config, layout,
                                                                value_head=self.value_head, seed=self.config.seed,
                                                                use_te=self.uses_te, packed=self.config.pack_sequences)]
-        # the LM / value head runs on the R output columns only (see _head_on_outputs); not under sequence
-        # parallel, where the head's input is a sequence shard that the head all-gathers itself
-        self._out_index = None
+        # the LM / value head runs on the R output columns only (megatron_step.head_on_outputs); not under
+        # sequence parallel, where the head's input is a sequence shard that the head all-gathers itself
         self.head_on_outputs = not self.tf_config.sequence_parallel
-        if self.head_on_outputs:
-            for c in chunks:
-                if getattr(c, "post_process", False):
-                    c.output_layer.register_forward_pre_hook(self._head_on_outputs)
-        self._rope_positions = None
         # MoE: tokens per expert in each update (forward hooks on the routers)
         self.expert_load = ExpertLoad(chunks, self.dims.num_layers, self.dims.num_experts) \
             if self.dims.num_experts else None
-        if self.config.pack_sequences:
-            if self.uses_te:
-                raise ValueError("pack_sequences with Transformer Engine needs megatron's THD path (cu_seqlens), "
-                                 "not wired yet: set model.transformer_engine=false or pack_sequences=false")
-            for c in chunks:
-                c.rotary_pos_emb.register_forward_hook(self._packed_rope)
+        if self.config.pack_sequences and self.uses_te:
+            raise ValueError("pack_sequences with Transformer Engine needs megatron's THD path (cu_seqlens), "
+                             "not wired yet: set model.transformer_engine=false or pack_sequences=false")
         from_dist_ckpt = is_dist_checkpoint(model_path)
         self.value_head_initialised = [] if from_dist_ckpt else \
             load_hf_weights(chunks, model_path, self.dims, self.tp_rank, layout.tp)
@@ -241,8 +188,9 @@ class MegatronEngine:
                 c.eval()
         self._host = HostOffload()
         self._resident_depth = 0
-        self.last_width = 0
-        self.last_computed_tokens = 0  # what the last forward computed: rows x width, or packed widths
+        # a read-out for metrics (roles._train's tokens_computed), written by _run only and never read by
+        # the engine: the tokens the last forward / train step computed (rows x width, or packed widths)
+        self.last_computed_tokens = 0
         if from_dist_ckpt:  # a megatron dist checkpoint (+ HF config.json) instead of HF weights
             self.load_checkpoint(model_path, load_optimizer=False)
         if self.config.offload:
@@ -364,138 +312,33 @@ class MegatronEngine:
 
     # ---- pipeline plumbing -----------------------------------------------------------------------
 
-    def _prepare(self, batch: dict, response_length: int) -> dict:
-        """The batch on the engine's device, right-aligned and cut to its longest row."""
-        b = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-        multiple = self.layout.tp if self.tf_config.sequence_parallel else 1
-        out = right_align(b, response_length, seq_multiple=multiple)
-        self.last_width = int(out["input_ids"].shape[1])  # the columns the model computes (tokens / row)
-        self.last_computed_tokens = int(out["input_ids"].numel())
-        return out
-
-    def _packed_micro_batches(self, batch: dict, micro_batch_size: int) -> tuple[list[dict], int]:
-        """The right-aligned batch as packed micro-batches (workers/packing.py); returns (micro-batches,
-        their common width). Each carries its rows' ids per column (`_segments`), which the model's
-        attention (models/packed_attention.py) gets where a mask would go."""
-        lengths = batch["attention_mask"].sum(-1).tolist()
-        groups = packing.plan_micro_batches(lengths, micro_batch_size, self.config.max_tokens_per_micro_batch)
-        if self.layout.virtual_pp and len(groups) % self.layout.pp:
-            raise ValueError(f"interleaved pipeline (vpp={self.layout.vpp}) needs a multiple of pp={self.layout.pp} "
-                             f"micro-batches; the token budget gave {len(groups)}: set max_tokens_per_micro_batch "
-                             "null (row-count micro-batches) or turn vpp off")
-        width = packing.packed_width(lengths, groups, self.layout.tp if self.tf_config.sequence_parallel else 1)
-        micro = [packing.pack(batch, g, width) for g in groups]
-        self.last_computed_tokens = width * len(groups)
-        return micro, width
-
-    def _packed_rope(self, module, args, output):
-        """Forward hook of each chunk's RotaryEmbedding: megatron's RoPE is indexed by column; a packed
-        micro-batch's rows restart at their own positions, so the frequencies are looked up per token."""
-        pos = self._rope_positions
-        if pos is None:
-            return None
-        full = type(module).forward(module, int(pos.max()) + 1)  # [max position + 1, 1, 1, d] (no hooks)
-        return full.index_select(0, pos.to(full.device))
-
-    def _head_on_outputs(self, head, args):
-        """Forward pre-hook of the last stage's output layer: its input, the hidden states [s, b, h],
-        cut to the columns whose outputs are used (`_out_index` [b, R]: the positions predicting the
-        response tokens) -> [R, b, h]. The head's matmul and every op over the vocabulary then scale
-        with the response length, not the sequence length (a prompt is often the longer part); the
-        gather's backward puts the gradients back in place."""
-        idx = self._out_index
-        if idx is None:
-            return None
-        hidden = args[0]
-        picked = hidden.gather(0, idx.t().unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-        return (picked, *args[1:])
-
-    def _model_outputs(self, output: torch.Tensor, mb: dict, temperature: float, compute_entropy: bool) -> dict:
-        idx = mb["_out_index"]
-        if self.head_on_outputs:  # [b, R, *]: already the output columns
-            logits = output
-        else:
-            logits = output.gather(1, idx.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
-        rows, r = mb["_targets"].shape
-        if logits.shape[0] != rows:  # packed: [1, rows * R, *] -> [rows, R, *]
-            logits = logits.reshape(rows, r, logits.shape[-1])
-        if self.value_head:
-            return {"values": logits[..., 0].float()}
-        logp, ent = vocab_parallel_logprobs(logits, mb["_targets"], vocab_size=self.dims.vocab_size,
-                                            temperature=temperature, compute_entropy=compute_entropy)
-        out = {"logprobs": logp}
-        if ent is not None:
-            out["entropy"] = ent
-        return out
-
     def _run(self, batch: dict, response_length: int, micro_batch_size: int, forward_only: bool,
              loss_fn: Optional[Callable], normalizer: Optional[float], temperature: float,
-             compute_entropy: bool):
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
+             compute_entropy: bool) -> list:
+        """One pass of megatron's pipeline schedule over the batch (megatron_step.py); returns its
+        per-micro-batch outputs (on the last pipeline stage)."""
         seq = batch["input_ids"].shape[1]
         if not 1 <= response_length < seq:
             raise ValueError(f"response_length must be in [1, {seq - 1}], got {response_length}")
-        batch = self._prepare(batch, response_length)
+        # the batch on the engine's device, right-aligned and cut to its longest row
+        multiple = self.layout.tp if self.tf_config.sequence_parallel else 1
+        batch = right_align({k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
+                             for k, v in batch.items()}, response_length, seq_multiple=multiple)
         packed = self.config.pack_sequences
-        if packed:  # each micro-batch one sequence of real tokens: the schedule sees [width, 1] micro-batches
-            micro, seq = self._packed_micro_batches(batch, micro_batch_size)
-            schedule_mbs = 1
-        else:
-            bsz, seq = batch["input_ids"].shape
-            micro, schedule_mbs = _split(batch, micro_batch_size), micro_batch_size
-            if self.layout.virtual_pp and len(micro) % self.layout.pp:
-                raise ValueError(f"interleaved pipeline (vpp={self.layout.vpp}) needs the number of micro-batches "
-                                 f"({len(micro)}) to be a multiple of pp={self.layout.pp}")
-            if len({m["input_ids"].shape[0] for m in micro}) != 1:
-                raise ValueError(f"batch size {bsz} is not a multiple of micro_batch_size {micro_batch_size}")
-
-        def loss_func(mb, output):
-            outs = self._model_outputs(output, mb, temperature, compute_entropy)
-            one = torch.ones((), dtype=torch.int, device=output.device)
-            if forward_only and loss_fn is None:
-                rows = {"_rows": mb["_rows"]} if packed else {}  # forward_only puts the rows back in order
-                return torch.zeros((), dtype=torch.float32, device=output.device), one, \
-                    {**{k: v.detach() for k, v in outs.items()}, **rows}
-            loss_sum, metrics = loss_fn(outs, mb)
-            loss = loss_sum / normalizer
-            reported = {"loss": loss.detach().clone()}
-            reported.update({k: torch.as_tensor(v, device=output.device).detach().float()
-                             for k, v in (metrics or {}).items()})
-            return loss, one, reported
-
-        # right-aligned rows: causal attention is exact for every real token (see right_align). TE's
-        # attention applies it itself; megatron's local attention gets the causal mask as a tensor
-        # (its own default mask is built with device="cuda", also inside activation recompute, where
-        # cpu_compat's redirect is not active)
-        mask = None if self.uses_te or packed else causal_mask(seq, self.device)
-
-        def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            self._out_index = mb["_out_index"] if self.head_on_outputs else None  # read by _head_on_outputs
-            self._rope_positions = mb["position_ids"][0] if packed else None  # read by _packed_rope
-            try:
-                with self._expert_tokens(mb, packed):
-                    output = model(mb["input_ids"], mb["position_ids"], mb["_segments"] if packed else mask)
-            finally:
-                self._out_index = self._rope_positions = None
-            return output, partial(loss_func, mb)
-
-        iters = [iter(micro) for _ in self.model] if len(self.model) > 1 else iter(micro)
-        fb = get_forward_backward_func()
-        return fb(forward_step_func=forward_step, data_iterator=iters, model=self.model if len(self.model) > 1
-                  else self.model[0], num_microbatches=len(micro), seq_length=seq,
-                  micro_batch_size=schedule_mbs, forward_only=forward_only)
-
-    def _expert_tokens(self, mb: dict, packed: bool):
-        """MoE: the micro-batch's real tokens [s, b] for the expert-load counts (models/expert_load.py)."""
-        if self.expert_load is None:
-            return contextlib.nullcontext()
-        if packed:
-            valid = (mb["_segments"] >= 0)[:, None]
-        else:
-            valid = mb["attention_mask"].bool().t() if "attention_mask" in mb else None
-        return self.expert_load.tokens(valid)
+        micro = megatron_step.micro_batches(batch, micro_batch_size, packed=packed, pp=self.layout.pp,
+                                            vpp=self.layout.vpp if self.layout.virtual_pp else None,
+                                            seq_multiple=multiple,
+                                            max_tokens=self.config.max_tokens_per_micro_batch)
+        self.last_computed_tokens = micro.computed_tokens
+        spec = megatron_step.StepSpec(
+            value_head=self.value_head, vocab_size=self.dims.vocab_size, head_on_outputs=self.head_on_outputs,
+            packed=packed,
+            # right-aligned rows: causal attention is exact for every real token (see right_align). TE's
+            # attention applies it itself; megatron's local attention gets it as a tensor (cpu_compat shim 6)
+            mask=None if self.uses_te or packed else causal_mask(micro.seq, self.device),
+            forward_only=forward_only, loss_fn=loss_fn, normalizer=normalizer, temperature=temperature,
+            compute_entropy=compute_entropy, expert_load=self.expert_load)
+        return megatron_step.run(spec, micro, self.model)
 
     # ---- public API ------------------------------------------------------------------------------
 
