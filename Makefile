@@ -115,13 +115,28 @@ smollm2-tools: install
 	$(VENV)/bin/megappo eval --model $(TOOLS_RUN)/hf_final --dtype bfloat16 --config $(TOOLS_CONFIG) \
 	  --out $(TOOLS_RUN)/trained_eval.json --baseline $(TOOLS_RUN)/base_eval.json
 
+# The docs site (docs/, mkdocs.yml): MkDocs + Material from requirements-docs.txt into .venv, stamped by that
+# file's hash (the CPU stack's STAMP above is not touched); `make test` installs it (tests/test_docs.py builds
+# the site). `make docs` regenerates the config reference from megappo/config/schema.py and builds the site
+# into site/ with --strict (a warning, a broken link or anchor included, fails).
+DOCS_STAMP := $(VENV)/.docs-installed-$(shell cat requirements-docs.txt | sha1sum | cut -c1-12)
+docs-install: install $(DOCS_STAMP)
+
+$(DOCS_STAMP): requirements-docs.txt
+	$(PIP) install -q -c constraints-cpu.txt -r requirements-docs.txt
+	rm -f $(VENV)/.docs-installed-* && touch $@
+
+docs: docs-install
+	$(PY) tools/gen_config_ref.py
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 # The README's test command.
 # The CI suite (~25 min on 2 cores): everything but the `long` end-to-end variants (pytest.ini)
-test: install system-deps
+test: install docs-install system-deps
 	$(PY) -m pytest -q --durations=25 tests -m "not long"
 
 # Everything, the `long` variants too (~+8 min: 7 tests, 459 s alone)
-test-all: install system-deps
+test-all: install docs-install system-deps
 	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: install
