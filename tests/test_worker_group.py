@@ -461,6 +461,11 @@ def test_actor_rollout_ref_roles_are_chosen_by_config():
              for w in [ActorRolloutRefWorker(cfg, r)]}
     assert flags == {"actor": (True, False, False), "rollout": (False, True, False), "ref": (False, False, True),
                      "actor_rollout": (True, True, False), "actor_rollout_ref": (True, True, True)}
+    from megappo.workers.roles import ACTOR_ROLES, Role, fused_role
+
+    for r in ACTOR_ROLES:  # one vocabulary: a worker given a Role holds its value, and its parts name it back
+        w = ActorRolloutRefWorker(cfg, Role(r))
+        assert w.role == r and fused_role(w.is_actor, w.is_rollout, w.is_ref) == Role(r)
     with pytest.raises(ValueError, match="role must be one of"):
         ActorRolloutRefWorker(cfg, "critic")
     with pytest.raises(RuntimeError, match="no actor engine"):

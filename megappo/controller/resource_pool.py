@@ -143,7 +143,7 @@ def _fmt(res: dict) -> str:
 @dataclass
 class ResourcePoolManager:
     """verl's ResourcePoolManager: `resource_pool_spec` (pool -> workers per node) + role -> pool
-    (the roles are the caller's keys, e.g. megappo.ppo's Role enum)."""
+    (the roles are the caller's keys, e.g. megappo.workers.roles' Role enum)."""
 
     resource_pool_spec: dict[str, list[int]]
     mapping: dict[Hashable, str]

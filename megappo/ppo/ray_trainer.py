@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from enum import Enum
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -68,21 +67,10 @@ from megappo.protocol import DataProto
 from megappo.rewards.manager import RewardManager
 from megappo.rewards.rules import load_rules
 from megappo.utils.checkpoint import PendingCheckpoint
+from megappo.workers.roles import Role, fused_role  # Role: what a worker group does (one group per role)
 from megappo.workers.rollout.sampling import SamplingSpec
 
 _MODEL_IN = ["input_ids", "attention_mask", "position_ids", "responses"]
-
-
-class Role(Enum):
-    """What a worker group does (one group per role; roles fused in one worker class share processes)."""
-
-    Actor = 0
-    Rollout = 1
-    ActorRollout = 2  # hybrid engine: actor + rollout in one process
-    Critic = 3
-    RefPolicy = 4
-    RewardModel = 5
-    ActorRolloutRef = 6  # actor + rollout + ref in one process
 
 
 @contextlib.contextmanager
@@ -191,7 +179,7 @@ class RayPPOTrainer(CheckpointingMixin):
         # resources.colocate: the critic joins the actor's processes when it has the actor's layout
         # (one megatron world, one process per device: no contention, no second set of imports)
         fuse_critic = cfg.critic.enable and res.colocate and same_layout(cfg.critic.parallel, cfg.actor.parallel)
-        actor_kind = ("actor" if self.async_mode else "actor_rollout") + ("_ref" if fuse_ref else "")
+        actor_kind = fused_role(actor=True, rollout=not self.async_mode, ref=fuse_ref)
         spec = {"train": [res.workers_per_node] * res.nodes}
         mapping = {Role.ActorRolloutRef if fuse_ref else Role.ActorRollout: "train"}
         if cfg.critic.enable and not fuse_critic:
@@ -224,10 +212,10 @@ class RayPPOTrainer(CheckpointingMixin):
         self.actor_wg = group(ActorCriticWorker if fuse_critic else ActorRolloutRefWorker, "actor", actor_kind)
         self.critic_wg = (self.actor_wg if fuse_critic else group(CriticWorker, "critic")) if cfg.critic.enable \
             else None
-        self.ref_wg = (self.actor_wg if fuse_ref else group(ActorRolloutRefWorker, "ref", "ref")) \
+        self.ref_wg = (self.actor_wg if fuse_ref else group(ActorRolloutRefWorker, "ref", Role.RefPolicy)) \
             if cfg.ref.enable else None
         self.rm_wg = group(RewardModelWorker, "rm") if cfg.reward.model.enable else None
-        self.rollout_wg = group(ActorRolloutRefWorker, "rollout", "rollout", wg_cls=RayWorkerGroup,
+        self.rollout_wg = group(ActorRolloutRefWorker, "rollout", Role.Rollout, wg_cls=RayWorkerGroup,
                                 pool=mgr.pools["rollout"]) if self.async_mode else self.actor_wg
         t1 = time.perf_counter()
         for call in [g.submit("init_model") for g in self.groups]:  # every megatron world comes up at once

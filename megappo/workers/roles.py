@@ -1,7 +1,7 @@
 """The PPO workers the driver talks to, on top of MegatronEngine (one engine per model per process).
 
-- ActorRolloutRefWorker(config, role): role is one of "actor", "rollout", "ref", "actor_rollout"
-  (hybrid engine), "actor_ref" or "actor_rollout_ref". Fused roles share one process, one
+- ActorRolloutRefWorker(config, role): role (a `Role`, or its value) is one of "actor", "rollout", "ref",
+  "actor_rollout" (hybrid engine), "actor_ref" or "actor_rollout_ref". Fused roles share one process, one
   torch.distributed world and one megatron parallel_state (so a fused ref uses the actor's layout); a
   separate ref group uses `ref.parallel`. A "rollout" worker (async mode's rollout pool) holds only a
   vLLM engine: no megatron; its group's torch.distributed world is brought up when it has > 1 worker.
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from enum import Enum
 from pathlib import Path
 from typing import Optional
 
@@ -50,9 +51,33 @@ from megappo.controller.worker import Worker
 from megappo.protocol import DataProto
 
 __all__ = ["ActorRolloutRefWorker", "CriticWorker", "ActorCriticWorker", "RewardModelWorker", "ACTOR_ROLES",
-           "check_reward_model_vocab"]
+           "Role", "fused_role", "check_reward_model_vocab"]
 
-ACTOR_ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_ref", "actor_rollout_ref")
+
+class Role(str, Enum):
+    """What a worker does, one vocabulary: ppo/ray_trainer.py keys its resource pools by the members, an
+    ActorRolloutRefWorker is given one (or its value), and the workers report the values."""
+
+    Actor = "actor"
+    Rollout = "rollout"
+    ActorRollout = "actor_rollout"  # hybrid engine: actor + rollout in one process
+    Critic = "critic"
+    RefPolicy = "ref"
+    RewardModel = "reward_model"
+    ActorRolloutRef = "actor_rollout_ref"  # actor + rollout + ref in one process
+    ActorRef = "actor_ref"  # async mode's actor with the ref fused (the rollout is a pool of its own)
+
+
+# an ActorRolloutRefWorker's role <-> what it holds: (actor, rollout, ref)
+_PARTS = {Role.Actor: (True, False, False), Role.Rollout: (False, True, False), Role.RefPolicy: (False, False, True),
+          Role.ActorRollout: (True, True, False), Role.ActorRef: (True, False, True),
+          Role.ActorRolloutRef: (True, True, True)}
+ACTOR_ROLES = tuple(r.value for r in _PARTS)
+
+
+def fused_role(actor: bool = False, rollout: bool = False, ref: bool = False) -> Role:
+    """The role of an ActorRolloutRefWorker holding these parts in one process."""
+    return next(r for r, parts in _PARTS.items() if parts == (actor, rollout, ref))
 _MODEL_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
@@ -194,14 +219,12 @@ class _MegatronRoleWorker(Worker):
 
 
 class ActorRolloutRefWorker(_MegatronRoleWorker):
-    def __init__(self, config, role: str = "actor_rollout_ref"):
+    def __init__(self, config, role: str = Role.ActorRolloutRef.value):
         super().__init__(config)
         if role not in ACTOR_ROLES:
             raise ValueError(f"ActorRolloutRefWorker role must be one of {ACTOR_ROLES}, got {role!r}")
-        self.role = role
-        self.is_actor = role in ("actor", "actor_rollout", "actor_ref", "actor_rollout_ref")
-        self.is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
-        self.is_ref = role in ("ref", "actor_ref", "actor_rollout_ref")
+        self.role = Role(role).value
+        self.is_actor, self.is_rollout, self.is_ref = _PARTS[Role(role)]
         self.actor = None
         self.ref = None
         self.rollout = None  # VLLMRollout, built by init_rollout()
@@ -213,11 +236,11 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
         cfg = self.config
-        if self.role == "rollout":  # a rollout-pool worker: vLLM only, no megatron
+        if self.role == Role.Rollout:  # a rollout-pool worker: vLLM only, no megatron
             if self.world_size > 1:
                 self.init_distributed()
             return {"role": self.role, "layout": f"rollout TP{cfg.rollout.tp} x {self.world_size // cfg.rollout.tp}"}
-        self._bring_up(cfg.ref.parallel if self.role == "ref" else cfg.actor.parallel)
+        self._bring_up(cfg.ref.parallel if self.role == Role.RefPolicy else cfg.actor.parallel)
         if self.is_actor:
             self.actor = self._make_engine(cfg.model.path, "actor")
         if self.is_ref:
@@ -368,7 +391,7 @@ class CriticWorker(_MegatronRoleWorker):
         cfg = self.config
         self._bring_up(cfg.critic.parallel)
         self.critic = self._make_engine(cfg.model.critic_path or cfg.model.path, "critic")
-        return {"role": "critic", "layout": str(self.layout),
+        return {"role": Role.Critic.value, "layout": str(self.layout),
                 "value_head_initialised": list(self.critic.value_head_initialised)}
 
     @register(Dispatch.MEGATRON_COMPUTE)
@@ -442,7 +465,7 @@ class RewardModelWorker(_MegatronRoleWorker):
         if self.rm.value_head_initialised and any(n.endswith("weight") for n in self.rm.value_head_initialised):
             raise ValueError(f"reward model {rm.path} has no `score` head: it must be a *ForSequenceClassification "
                              "checkpoint (num_labels=1)")
-        return {"role": "reward_model", "layout": str(self.layout)}
+        return {"role": Role.RewardModel.value, "layout": str(self.layout)}
 
     @register(Dispatch.MEGATRON_COMPUTE)
     def compute_rm_score(self, data: DataProto) -> Optional[DataProto]:
