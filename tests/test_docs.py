@@ -40,9 +40,9 @@ def _env() -> dict:
 
 
 def _scratch(tmp_path: Path) -> Path:
-    """A dir that looks like the checkout (links to its top-level entries) where commands may write."""
+    """A dir that looks like the checkout (links to its top-level entries; no assets or outputs, as in a fresh clone) where commands may write."""
     for entry in ROOT.iterdir():
-        if not entry.name.startswith(".") and entry.name not in ("outputs", "site"):
+        if not entry.name.startswith(".") and entry.name not in ("outputs", "site", "assets"):
             (tmp_path / entry.name).symlink_to(entry)
     (tmp_path / "outputs").mkdir()
     return tmp_path

@@ -112,7 +112,7 @@ def render() -> str:
         "line's overrides, on top of these defaults. `megappo config show --config FILE` prints the resolved",
         "config, `megappo config check --config FILE` validates it (one line per problem).",
         "",
-        module_doc.strip(),
+        module_doc.strip().replace("*.", "\\*."),
         "",
     ]
     for prefix, doc, rows in sections:
