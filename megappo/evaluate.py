@@ -188,6 +188,7 @@ def evaluate(model, data: list[str], settings: dict, n_samples: int = 1, tempera
     """Generate with vLLM, score with RewardManager; the report (see the module docstring)."""
     from megappo.agent.loop import STAT_KEYS, agent_metrics
     from megappo.agent.environment import Environments
+    from megappo.agent.factory import agent_loop_builder
     from megappo.config.schema import RolloutConfig
     from megappo.data.dataset import RLHFDataset
     from megappo.ppo.metrics import eval_metrics
@@ -223,7 +224,7 @@ def evaluate(model, data: list[str], settings: dict, n_samples: int = 1, tempera
                             max_new_tokens=new_tokens, stop_token_ids=settings["stop_token_ids"],
                             kv_cache_memory_mb=kv_cache_mb, **({"multi_turn": mt} if mt else {}))
         rollout = VLLMRollout(model_dir, cfg, seed=seed, dtype=None if dtype == "auto" else dtype,
-                              max_model_len=prompt_len + new_tokens)
+                              max_model_len=prompt_len + new_tokens, agent=agent_loop_builder(mt))
         spec = SamplingSpec.from_config(cfg)
         spec = spec.with_seed(seed) if sample else spec.greedy()
         manager = RewardManager(tok, 0, settings["non_stop_penalty"], settings["non_stop_penalty_value"], scorers=rules,

