@@ -1,6 +1,6 @@
 """Sequence packing for the Megatron engine: a micro-batch's rows concatenated into one sequence, so the
 model computes real tokens only (no padding columns), with per-row positions and attention that never
-crosses rows. Pure functions over the engine's right-aligned batch (megatron_engine.right_align):
+crosses rows. Pure functions over the engine's right-aligned batch (megatron_step.right_align):
 
     groups = plan_micro_batches(lengths, micro_batch_size=4, max_tokens=None)   # rows per micro-batch
     mb = pack(batch, groups[0], width=T)       # input_ids / position_ids [1, T], _segments [T], per-row keys
