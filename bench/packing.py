@@ -1,14 +1,19 @@
 """Padding vs packing on a long-tailed batch: the real model's own samples (vLLM, temperature 1.0, up to
 --max-new-tokens) scored and trained by MegatronEngine three ways: padded (today's default), packed
 (pack_sequences: micro_batch_size rows per packed micro-batch), packed + token budget
-(max_tokens_per_micro_batch). Prints one JSON object: the batch's length spread, and per variant the
-log-prob forward, the actor update and the critic update times and tokens computed / real.
+(max_tokens_per_micro_batch), and packed_budget_rows: the budget variant with the former packed
+attention (one SDPA call per row in fp32, models/packed_attention.IMPL = "rows") for a before / after in
+one run. Prints one JSON object: the batch's length spread, and per variant the log-prob forward, the
+actor update and the critic update times and tokens computed / real.
 
     .venv/bin/python bench/packing.py [--model assets/smollm2-135m-instruct] [--responses 64]
         [--max-new-tokens 512] [--micro-batch-size 4] [--max-tokens 2048] [--dtype bf16] [--batch FILE]
+        [--variants padded,packed,packed_budget,packed_budget_rows] [--heads lm,value]
 
-The batch is generated once and kept in --batch (safetensors; reused when present). One process (DP1),
-one thread per torch op pool as the trainer's workers have; ratios are from one run.
+The batch is generated once and kept in --batch (safetensors; reused when present); --synthetic makes a
+timing stand-in without vLLM instead (random token ids, prompts of 55-74 tokens, response lengths
+lognormal around 203 clipped to [7, 512]: the same shape of long tail; times do not depend on the ids).
+One process (DP1), one thread per torch op pool as the trainer's workers have; ratios are from one run.
 """
 
 from __future__ import annotations
@@ -60,12 +65,36 @@ def make_batch(model: str, responses: int, max_new_tokens: int, dtype: str, out:
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
-def _worker(rank, world, port, model, batch_path, dtype, mbs, max_tokens, reps):
+VARIANTS = ("padded", "packed", "packed_budget", "packed_budget_rows")
+
+
+def make_synthetic_batch(responses: int, max_new_tokens: int, out: Path) -> None:
+    """A long-tailed batch of random ids in the rollout's layout (left-padded prompts in 128 columns,
+    right-padded responses in max_new_tokens), seed 0."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    b, p, r = responses, 128, max_new_tokens
+    resp = (torch.exp(torch.randn(b, generator=g) * 0.8) * 203).round().clamp(7, r).long()
+    prompt = torch.randint(55, 75, (b,), generator=g)
+    ids = torch.randint(100, 49000, (b, p + r), generator=g)
+    mask = torch.zeros(b, p + r, dtype=torch.long)
+    for i in range(b):
+        mask[i, p - prompt[i]:p] = 1
+        mask[i, p:p + resp[i]] = 1
+    save_file({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+               "response_mask": mask[:, p:].clone()}, str(out), metadata={"response_length": str(r)})
+
+
+def _worker(rank, world, port, model, batch_path, dtype, mbs, max_tokens, reps, names=VARIANTS,
+            heads=("lm", "value")):
     import statistics
 
     import torch
     from safetensors.torch import load_file
 
+    from megappo.models import packed_attention
     from megappo.parallel.layout import ParallelLayout
     from megappo.parallel.megatron_init import destroy, init_distributed, init_megatron
     from megappo.workers.megatron_engine import EngineConfig, MegatronEngine, OptimConfig
@@ -88,10 +117,16 @@ def _worker(rank, world, port, model, batch_path, dtype, mbs, max_tokens, reps):
 
     variants = {"padded": {}, "packed": {"pack_sequences": True},
                 "packed_budget": {"pack_sequences": True, "max_tokens_per_micro_batch": max_tokens}}
+    variants["packed_budget_rows"] = variants["packed_budget"]
     report = {}
-    for name, kw in variants.items():
+    for name in names:
+        kw = variants[name]
+        packed_attention.IMPL = "rows" if name.endswith("_rows") else "auto"
+        packed_attention.COMPUTE_DTYPE = "fp32" if name.endswith("_rows") else None
         row = {}
         for head, loss in (("lm", pg), ("value", vf)):
+            if head not in heads:
+                continue
             eng = MegatronEngine(model, layout, EngineConfig(head=head, optim=OptimConfig(lr=1e-6),
                                                              params_dtype=params_dtype, **kw))
             fwd, upd = [], []
@@ -104,10 +139,10 @@ def _worker(rank, world, port, model, batch_path, dtype, mbs, max_tokens, reps):
                 eng.train_step(data, loss, norm, response_length=R, micro_batch_size=mbs, compute_entropy=False)
                 upd.append(time.perf_counter() - t)
             if head == "lm":
-                row.update(logprob_s=round(statistics.median(fwd), 3), actor_update_s=round(statistics.median(upd), 3),
-                           tokens_computed=computed)
+                row.update(logprob_s=round(statistics.median(fwd), 3), actor_update_s=round(statistics.median(upd), 3))
             else:
                 row.update(critic_update_s=round(statistics.median(upd), 3))
+            row.setdefault("tokens_computed", computed)
             del eng
         report[name] = row
     destroy()
@@ -126,28 +161,41 @@ def main() -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--batch", default=None, help="safetensors file holding the batch (generated when absent)")
+    p.add_argument("--synthetic", action="store_true", help="random-id stand-in batch (no vLLM), see above")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
+    p.add_argument("--heads", default="lm,value", help="lm (log-prob pass, actor update), value (critic update)")
     a = p.parse_args()
-    batch = Path(a.batch or REPO / f"outputs/bench/packing_{a.responses}x{a.max_new_tokens}_{a.dtype}.safetensors")
+    stem = f"synthetic_{a.responses}x{a.max_new_tokens}" if a.synthetic else \
+        f"packing_{a.responses}x{a.max_new_tokens}_{a.dtype}"
+    batch = Path(a.batch or REPO / f"outputs/bench/{stem}.safetensors")
     batch.parent.mkdir(parents=True, exist_ok=True)
     if not batch.is_file():
-        make_batch(a.model, a.responses, a.max_new_tokens, a.dtype, batch)
+        if a.synthetic:
+            make_synthetic_batch(a.responses, a.max_new_tokens, batch)
+        else:
+            make_batch(a.model, a.responses, a.max_new_tokens, a.dtype, batch)
     from safetensors.torch import load_file
 
     data = load_file(str(batch))
     lengths = data["response_mask"].sum(-1)
     real = int(data["attention_mask"].sum())
+    names, heads = a.variants.split(","), tuple(a.heads.split(","))
+    if "padded" not in names or not set(names) <= set(VARIANTS):
+        p.error(f"--variants: padded (the baseline) and any of {VARIANTS}")
     runs = spawn_local(_worker, 1, a.model, str(batch), a.dtype, a.micro_batch_size, a.max_tokens, a.reps,
-                       timeout=7200)[0]
+                       names, heads, timeout=7200)[0]
     for row in runs.values():
         row["computed_over_real"] = round(row["tokens_computed"] / real, 3)
     base = runs["padded"]
     for name, row in runs.items():
         for k in ("logprob_s", "actor_update_s", "critic_update_s"):
-            row[f"{k[:-2]}_speedup_vs_padded"] = round(base[k] / row[k], 2)
+            if k in row:
+                row[f"{k[:-2]}_speedup_vs_padded"] = round(base[k] / row[k], 2)
     print(json.dumps({"model": a.model, "dtype": a.dtype, "responses": int(lengths.numel()),
                       "response_tokens": {"min": int(lengths.min()), "median": int(lengths.median()),
                                           "max": int(lengths.max())},
                       "real_tokens": real, "padded_tokens": int(data["attention_mask"].numel()),
+                      "padded_over_real": round(base["tokens_computed"] / real, 3),  # the most packing can save
                       "micro_batch_size": a.micro_batch_size, "max_tokens_per_micro_batch": a.max_tokens,
                       "variants": runs}, indent=2))
 
