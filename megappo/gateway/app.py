@@ -102,11 +102,11 @@ class Gateway:
 
     def _caller(self, authorization: Optional[str]) -> Optional[SessionState]:
         """The session a key belongs to; None for the admin or the open key."""
-        key = (authorization or "").removeprefix("Bearer ").strip()
+        key = _bearer(authorization)
         if not key:
             raise GatewayError(401, "missing API key: send Authorization: Bearer <your session's key>",
                                "authentication_error")
-        if secrets.compare_digest(key, self.admin_key) or (self.open_key and secrets.compare_digest(key, self.open_key)):
+        if self._is_admin(key) or (self.open_key and secrets.compare_digest(key, self.open_key)):
             return None
         sid = self._by_key.get(key)
         if sid is None:
@@ -114,9 +114,11 @@ class Gateway:
                                "authentication_error")
         return self.sessions[sid]
 
+    def _is_admin(self, key: str) -> bool:
+        return secrets.compare_digest(key, self.admin_key)
+
     def _admin(self, authorization: Optional[str]) -> None:
-        if self._caller(authorization) is not None or not secrets.compare_digest(
-                (authorization or "").removeprefix("Bearer ").strip(), self.admin_key):
+        if self._caller(authorization) is not None or not self._is_admin(_bearer(authorization)):
             raise GatewayError(403, "this endpoint needs the gateway's admin key", "permission_error")
 
     def _own(self, authorization: Optional[str], sid: str) -> SessionState:
@@ -124,8 +126,7 @@ class Gateway:
         state = self._state(sid)
         if caller is not None and caller.id != sid:
             raise GatewayError(403, "this key belongs to another session", "permission_error")
-        if caller is None and not secrets.compare_digest((authorization or "").removeprefix("Bearer ").strip(),
-                                                          self.admin_key):
+        if caller is None and not self._is_admin(_bearer(authorization)):
             raise GatewayError(403, "this endpoint needs the session's own key or the admin key", "permission_error")
         return state
 
@@ -247,6 +248,11 @@ class Gateway:
                 "choices": [choice], "prompt_token_ids": out.prompt_ids,
                 "usage": {"prompt_tokens": len(out.prompt_ids), "completion_tokens": len(out.ids),
                           "total_tokens": len(out.prompt_ids) + len(out.ids)}}
+
+
+def _bearer(authorization: Optional[str]) -> str:
+    """The key of an `Authorization: Bearer <key>` header ('' when there is none)."""
+    return (authorization or "").removeprefix("Bearer ").strip()
 
 
 def _messages(messages) -> list[dict]:

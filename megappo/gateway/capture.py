@@ -95,14 +95,19 @@ def _plain(messages: list[dict]) -> list[dict]:
         calls = m.pop("tool_calls", None) or []
         for c in calls:
             f = c.get("function", {})
-            args = f.get("arguments", {})
-            try:
-                args = json.loads(args) if isinstance(args, str) else args
-            except json.JSONDecodeError:
-                pass
+            args = _arguments(f, missing={})
             m["content"] += f'<tool_call>\n{json.dumps({"name": f.get("name"), "arguments": args})}\n</tool_call>'
         out.append(m)
     return out
+
+
+def _arguments(function: dict, missing=None):
+    """A tool call's arguments, parsed when the client sent them as a JSON string (as OpenAI does)."""
+    args = function.get("arguments", missing)
+    try:
+        return json.loads(args) if isinstance(args, str) else args
+    except json.JSONDecodeError:
+        return args
 
 
 def _key(message: dict) -> tuple:
@@ -110,12 +115,7 @@ def _key(message: dict) -> tuple:
     calls = []
     for c in message.get("tool_calls") or []:
         f = c.get("function", {})
-        args = f.get("arguments")
-        try:
-            args = json.loads(args) if isinstance(args, str) else args
-        except json.JSONDecodeError:
-            pass
-        calls.append((f.get("name"), json.dumps(args, sort_keys=True)))
+        calls.append((f.get("name"), json.dumps(_arguments(f), sort_keys=True)))
     return message.get("role"), message.get("content") or "", tuple(calls)
 
 
