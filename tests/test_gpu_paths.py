@@ -258,3 +258,23 @@ def test_gpu_smoke_runs_every_row_with_torch_and_megatron_only(tmp_path):
     assert set(out["rows"]) == {"stack", "logprobs vs HF", "train step", "packed == padded", "MoE layer", "checkpoint"}
     assert all(row["ok"] for row in out["rows"].values()) and r.returncode == 0, out
     assert "vllm absent, ray absent" in out["rows"]["stack"]["detail"]
+
+
+@pytest.mark.parametrize("scenario", ["tp1", "tp2", "pp2", "moe_ep2", "packing", "multi_turn", "resume"])
+def test_every_gpu_check_scenario_is_a_valid_config(scenario, tmp_path):
+    """Each `make gpu-check` row's run passes the config checks (on the CPU, fp32, 2 workers): a row
+    that fails there on a GPU fails for the GPU path, not for its own overrides."""
+    from megappo.config.loader import load_config
+    from tools.gpu_check import SCENARIOS, scenario_overrides
+
+    config, overrides = scenario_overrides(scenario, tmp_path, steps=3, gpus=2, device="cpu", dtype="fp32")
+    cfg = load_config(REPO / config, overrides)
+    assert cfg.trainer.output_dir == str(tmp_path / scenario)
+    need, _, _, tp = SCENARIOS[scenario]
+    assert cfg.actor.parallel.tp == tp and need <= 2
+
+
+def test_gpu_check_refuses_an_unknown_scenario():
+    res = subprocess.run([sys.executable, "tools/gpu_check.py", "--only", "tp1,moe"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2 and "--only moe: no such scenario; choose from tp1, tp2" in res.stderr, res.stderr

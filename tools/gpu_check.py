@@ -5,10 +5,15 @@
 2. The tiny config for a few PPO steps through every GPU-only path: resources.device=cuda, bf16
    (megatron mixed precision + vLLM bf16), Transformer Engine's layer spec when TE is installed,
    nccl process groups, vLLM on CUDA with sleep (level 2) / wake around each rollout, the direct
-   weight load, actor/critic/ref host offload (pinned memory, empty_cache). On 2+ GPUs the actor runs
-   at TP2 (rollout TP2) as well.
+   weight load, actor/critic/ref host offload (pinned memory, empty_cache). Then one run per
+   SCENARIOS row, each its own rows in the table: packing with a token budget, a multi-turn
+   (calculator) step, a checkpoint saved and resumed (TE's / megatron's distributed optimizer state
+   over NCCL), and on 2+ GPUs the actor at TP2 (rollout TP2), at PP2, and the tiny Qwen3-MoE at EP2
+   (TE experts, alltoall over NCCL, the fused-MoE refit into vLLM).
 3. A pass/fail table with the parity metrics: weights fingerprinted after every sync, vLLM vs
    Megatron log-probs of the sampled tokens (bf16: |diff| mean < 0.05), rewards finite.
+
+    python tools/gpu_check.py --only packing,resume     # some scenarios (names: SCENARIOS)
 
 Exit 1 when any row fails, and when this interpreter has no GPU stack (a CPU torch, or no visible
 GPU): the message names the venv it looked in. The tiny model and data are built locally (megappo assets); nothing is downloaded.
@@ -96,14 +101,68 @@ def run_overrides(out: Path, steps: int, tp: int, gpus: int, device: str = "cuda
     ]
 
 
-def _tiny_run(out: Path, steps: int, tp: int, gpus: int) -> list[dict]:
-    overrides = run_overrides(out, steps, tp, gpus)
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", "--config", "configs/ppo_tiny.yaml",
-                           "--no-progress", *overrides], cwd=REPO, capture_output=True, text=True)
+def _all_roles(key: str, value) -> list[str]:
+    return [f"{role}.{key}={value}" for role in ("actor", "critic", "ref")]
+
+
+def _moe(out: Path, gpus: int) -> list[str]:
+    from megappo.assets import ensure_assets
+
+    model = ensure_assets(REPO / "assets")["tiny-qwen3_moe"]
+    return [f"model.path={model}", *_all_roles("parallel.ep", 2), *_all_roles("parallel.dp", gpus)]
+
+
+# name -> (GPUs it needs, config, the overrides on top of run_overrides' (out, gpus) -> list, actor TP).
+# `resume` runs twice: steps-1 steps with a checkpoint each step, then the last step resumed from it.
+SCENARIOS = {
+    "tp1": (1, "configs/ppo_tiny.yaml", lambda out, gpus: [], 1),
+    "tp2": (2, "configs/ppo_tiny.yaml", lambda out, gpus: [], 2),
+    "pp2": (2, "configs/ppo_tiny.yaml",
+            lambda out, gpus: ["actor.parallel.pp=2", f"actor.parallel.dp={gpus // 2}"], 1),
+    "moe_ep2": (2, "configs/ppo_tiny_moe.yaml", _moe, 1),
+    "packing": (1, "configs/ppo_tiny.yaml", lambda out, gpus: [
+        *_all_roles("pack_sequences", "true"), *_all_roles("max_tokens_per_micro_batch", 256)], 1),
+    "multi_turn": (1, "configs/ppo_tiny.yaml", lambda out, gpus: [
+        "rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=2", "rollout.max_new_tokens=16"], 1),
+    "resume": (1, "configs/ppo_tiny.yaml", lambda out, gpus: ["trainer.save_every=1", "trainer.async_save=true"], 1),
+}
+
+
+def scenario_overrides(name: str, out: Path, steps: int, gpus: int, device: str = "cuda",
+                       dtype: str = "bf16") -> tuple[str, list[str]]:
+    """(config, overrides) of one SCENARIOS row; its output dir is out/<name>."""
+    _, config, extra, tp = SCENARIOS[name]
+    base = run_overrides(out, steps, tp, gpus, device=device, dtype=dtype)
+    base = [o for o in base if not o.startswith("trainer.output_dir=")] + [f"trainer.output_dir={out / name}"]
+    return config, base + extra(out, gpus)
+
+
+def _train(config: str, overrides: list[str]) -> str:
+    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", "--config", config, "--no-progress",
+                           *overrides], cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError((proc.stdout + proc.stderr)[-2000:])
-    path = out / f"tp{tp}" / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return proc.stdout
+
+
+def _metrics(out_dir: Path) -> list[dict]:
+    """One row per step (a resumed run drops the rows after its checkpoint before it appends: utils/tracking.py)."""
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _tiny_run(out: Path, steps: int, name: str, gpus: int) -> tuple[list[dict], list[tuple[str, bool, str]]]:
+    """Run one scenario; (metrics per step, the scenario's own extra rows)."""
+    config, overrides = scenario_overrides(name, out, steps, gpus)
+    if name != "resume":
+        _train(config, overrides)
+        return _metrics(out / name), []
+    first = [o for o in overrides if not o.startswith("trainer.total_steps=")] + [f"trainer.total_steps={steps - 1}"]
+    _train(config, first)
+    resumed = [o for o in overrides if not o.startswith("trainer.resume=")] + ["trainer.resume=auto"]
+    log = _train(config, resumed)
+    ok = f"at step {steps - 1}" in log
+    return _metrics(out / name), [(f"{name}: resumed from the step-{steps - 1} checkpoint", ok,
+                                   next((ln for ln in log.splitlines() if ln.startswith("resumed from")), "no resume"))]
 
 
 def run_rows(name: str, rows: list[dict], steps: int, dtype: str = "bf16") -> list[tuple[str, bool, str]]:
@@ -121,13 +180,13 @@ def run_rows(name: str, rows: list[dict], steps: int, dtype: str = "bf16") -> li
     ]
 
 
-def check_run(out: Path, steps: int, tp: int, gpus: int) -> list[tuple[str, bool, str]]:
-    name = f"tiny PPO on {gpus} GPU(s), actor TP{tp}"
+def check_run(out: Path, steps: int, scenario: str, gpus: int) -> list[tuple[str, bool, str]]:
+    name = f"{scenario} on {gpus} GPU(s)"
     try:
-        rows = _tiny_run(out, steps, tp, gpus)
+        rows, extra = _tiny_run(out, steps, scenario, gpus)
     except Exception as e:  # noqa: BLE001 - reported as a failed row
         return [(name, False, f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}")]
-    return run_rows(name, rows, steps)
+    return run_rows(name, rows, steps) + extra
 
 
 # the oldest Linux driver each CUDA major runs on (NVIDIA's CUDA release notes): PyPI's torch 2.13.0 is CUDA 13.0
@@ -186,7 +245,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", default=str(REPO / "outputs/gpu_check"))
     p.add_argument("--json", action="store_true")
+    p.add_argument("--only", default="", help="comma-separated SCENARIOS names (default: all that fit the GPUs)")
     args = p.parse_args(argv)
+    only = [n for n in args.only.split(",") if n]
+    unknown = sorted(set(only) - set(SCENARIOS))
+    if unknown:
+        p.error(f"--only {','.join(unknown)}: no such scenario; choose from {', '.join(SCENARIOS)}")
     import torch
 
     problem = gpu_stack_problem()
@@ -196,8 +260,11 @@ def main(argv=None) -> int:
     gpus = args.gpus or min(2, torch.cuda.device_count())
     rows = check_versions()
     out = Path(args.out)
-    for tp in sorted({1, min(2, gpus)}):
-        rows += check_run(out, args.steps, tp, gpus)
+    for name, (need, *_rest) in SCENARIOS.items():
+        if (not only or name in only) and need <= gpus:
+            rows += check_run(out, args.steps, name, gpus)
+        elif name in only:
+            rows.append((name, False, f"needs {need} GPUs, {gpus} visible"))
     if args.json:
         print(json.dumps([{"check": n, "ok": ok, "detail": d} for n, ok, d in rows]))
     else:
