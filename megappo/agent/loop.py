@@ -22,10 +22,8 @@ environment scores (agent/environment.Episode).
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 

@@ -33,7 +33,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from megappo.rewards import arithmetic, gsm8k
 
