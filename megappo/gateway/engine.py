@@ -91,8 +91,8 @@ class AsyncTokenEngine:
             self._wake.wait(timeout=0.5)
             with self._lock:
                 self._admit()
-                if not self.engine.has_unfinished_requests():
-                    self._wake.clear()
+                if not self._pending:  # only its own requests: a synchronous LLM.generate on the same
+                    self._wake.clear()  # engine (validation, the built-in loop) is never stepped from here
                     continue
                 try:
                     with preserved_rng(), cpu_compat.suspended():
@@ -113,7 +113,9 @@ class AsyncTokenEngine:
 
     @contextmanager
     def paused(self):
-        """No engine step runs inside: in-flight requests wait with their KV cache, then continue."""
+        """No engine step runs inside: in-flight requests wait with their KV cache, then continue. A
+        synchronous `LLM.generate` on the same engine while requests are in flight belongs inside too (two
+        threads must never step one engine)."""
         with self._lock:
             yield
 
