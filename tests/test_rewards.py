@@ -168,3 +168,29 @@ def test_manager_math_source_in_thread(tokenizer):
     t.start()
     t.join(timeout=60)
     assert out and out[0][1]["objective/verifiable_correct_rate"] == 1.0
+
+
+def test_rule_results_kept_by_a_first_scoring_are_reused_not_recomputed(tokenizer):
+    """DAPO's filter scores the rows, keeps a selection, and the reward phase scores that selection: the rule
+    (which may be a costly judge) runs once per response, and the kept rows score as a fresh scoring would."""
+    calls = []
+
+    def judge(response, truth, extra_info):
+        calls.append(response)
+        return float(response.strip() == str(truth))
+
+    texts, truths = ["4", "5", "7", "9"], ["4", "4", "7", "8"]
+    data = make_batch(tokenizer, texts, ["my_task"] * 4, truths)
+    mgr = RewardManager(tokenizer, num_examine=0, scorers={"my_task": judge})
+    first = mgr.score_rows(data, keep=True)
+    assert len(calls) == 4
+    chosen = data[[2, 0]]
+    scores, _ = mgr(chosen)
+    assert len(calls) == 4  # not called again
+    fresh, _ = RewardManager(tokenizer, num_examine=0, scorers={"my_task": judge})(make_batch(
+        tokenizer, ["7", "4"], ["my_task"] * 2, ["7", "4"]))
+    assert torch.equal(scores, fresh) and [first[2].final, first[0].final] == [1.0, 1.0]
+    assert "rule_scores" not in chosen.non_tensor_batch  # used once: a later scoring computes afresh
+    before = len(calls)
+    mgr(chosen)
+    assert len(calls) == before + 2

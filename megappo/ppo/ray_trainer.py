@@ -441,7 +441,8 @@ class RayPPOTrainer(CheckpointingMixin):
         (algorithm.filter_groups.metric=acc, the rule's correctness; =score: all got the same shaped reward),
         generate more prompts until data.train_batch_size prompts whose responses differ are in hand (at
         most algorithm.filter_groups.max_rounds generations; then the batch is topped up with dropped
-        prompts), keep exactly that many. The reward phase scores the kept rows again."""
+        prompts), keep exactly that many. The kept rows carry their rule results to the reward phase
+        (RewardManager.score_rows keep=True): a rule runs once per response."""
         want, fg = self.config.data.train_batch_size, self.config.algorithm.filter_groups
         parts, kept, flat = [batch], [], []
         for rnd in range(fg.max_rounds):
@@ -451,7 +452,7 @@ class RayPPOTrainer(CheckpointingMixin):
                 part = self._generate(more, self._sampling_for(step).with_seed(seed))
                 part.meta_info.pop("metrics", None)
                 parts.append(part)
-            rows = self.reward_fn.score_rows(parts[-1])
+            rows = self.reward_fn.score_rows(parts[-1], keep=True)  # the reward phase reuses the rule's results
             varied, same = algos.groups_to_keep(parts[-1].non_tensor_batch["uid"], [r.correct for r in rows],
                                                 [r.final for r in rows], fg.metric)
             kept += varied

@@ -13,6 +13,9 @@ DataProto keys read:
   non_tensor_batch["agent_turns"]  multi-turn rows (agent/loop.py): with `environments` set, each row is
                             scored by its data_source's environment on the whole trajectory
                             (agent/environment.py) instead of the rule on the response text
+  non_tensor_batch["rule_scores"]  optional, each row's rules.Scored as an earlier score_rows(..., keep=True)
+                            left it (DAPO's filter scores before the reward phase): used, not recomputed,
+                            so a costly rule (a judge) runs once per response
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+import numpy as np
 import torch
 
 from megappo.protocol import DataProto
@@ -29,6 +33,7 @@ from megappo.rewards.rules import DEFAULT_SCORERS, Rule, RuleTimeout, Scored, as
 
 # a rule: fn(response, ground_truth, extra_info) -> float | {"score", extras} (rewards/rules.py), or a Rule
 Scorer = Callable[[str, Any, dict], Any]
+RULE_SCORES = "rule_scores"  # non_tensor key: score_rows(keep=True)'s per-row rules.Scored
 log = logging.getLogger(__name__)
 
 
@@ -124,10 +129,12 @@ class RewardManager:
     def __call__(self, data: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         return self.aggregate(self.score_rows(data), data)
 
-    def score_rows(self, data: DataProto) -> list[RowScore]:
+    def score_rows(self, data: DataProto, keep: bool = False) -> list[RowScore]:
         """Every response scored by the rule of its data_source (a batched rule: one call per source). A rule
         that raises or times out scores its rows 0 (counted in reward/num_scorer_errors, warned once per
-        source): one bad row does not end a run."""
+        source): one bad row does not end a run. `keep`: leave each row's rule result in
+        non_tensor_batch[RULE_SCORES] for a later call on (a selection of) these rows; a call that finds
+        them uses them and removes them. Penalties and RM scores are applied afresh either way."""
         responses = data.batch["responses"]
         mask = self._response_mask(data).bool()
         lengths = mask.sum(dim=-1).tolist()
@@ -146,10 +153,17 @@ class RewardManager:
         turns = data.non_tensor_batch.get("agent_turns") if self.environments is not None else None
         texts = [self.tokenizer.decode(responses[i][mask[i]].tolist(), skip_special_tokens=True)
                  for i in range(len(data))]
-        if turns is None:
+        cached = data.non_tensor_batch.pop(RULE_SCORES, None)
+        if cached is not None:
+            scored = list(cached)
+        elif turns is None:
             scored = self._rule_scores(sources, texts, truths, extra_infos)
         else:  # multi-turn: the row's environment scores the whole trajectory
             scored = self._environment_scores(sources, turns, truths, stopped, extra_infos)
+        if keep:
+            kept = np.empty(len(scored), dtype=object)  # one object per row (np.array would unpack nothing, but say so)
+            kept[:] = scored
+            data.non_tensor_batch[RULE_SCORES] = kept
         rows, shown = [], defaultdict(int)
         for i, source in enumerate(sources):
             rule_score = scored[i].score
