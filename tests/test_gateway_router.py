@@ -1,0 +1,83 @@
+"""megappo/gateway/router.py: one endpoint over several workers' gateways. Two real gateways (two workers'
+session tables; here over one tiny vLLM engine, the module's one) behind the router: sessions spread over
+them, a session's requests all reach its own worker, a raw HTTP client and the openai SDK both work through
+it, and keys are checked (the router's 401 for a key it never issued; the worker's 403 for another session)."""
+
+import http.client
+import json
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import pytest  # noqa: E402
+
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def routed(tiny_assets):
+    from megappo.config.schema import RolloutConfig
+    from megappo.gateway.app import Gateway, make_app
+    from megappo.gateway.engine import AsyncTokenEngine
+    from megappo.gateway.router import Router, make_router_app
+    from megappo.gateway.serve import GatewayServer
+    from megappo.workers.rollout.vllm_rollout import VLLMRollout
+
+    rollout = VLLMRollout(tiny_assets["tiny-llama"], RolloutConfig(max_new_tokens=8, kv_cache_memory_mb=32),
+                          seed=0, dtype="float32", max_model_len=256)
+    rollout.tokenizer.chat_template = TEMPLATE
+    engine = AsyncTokenEngine.for_llm(rollout.llm)
+    admin = "mp-admin-router-test"
+    gateways = [Gateway(engine, rollout.tokenizer, model_name="tiny", max_model_len=256, max_tokens=8, admin_key=admin)
+                for _ in range(2)]
+    servers = [GatewayServer(make_app(g)) for g in gateways]
+    urls = [s.start() for s in servers]
+    router_server = GatewayServer(make_router_app(Router(urls, admin)))
+    url = router_server.start()
+    yield gateways, url, admin
+    router_server.stop()
+    for s in servers:
+        s.stop()
+    engine.close()
+
+
+def _post(url: str, path: str, body: dict, key: str) -> tuple[int, dict]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", path, json.dumps(body), {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    r = conn.getresponse()
+    return r.status, json.loads(r.read())
+
+
+def test_sessions_spread_over_workers_and_stay_on_theirs(routed):
+    import openai
+
+    gateways, url, admin = routed
+    opened = [_post(url, "/megappo/v1/sessions", {"row": {"k": k}}, admin) for k in range(6)]
+    assert all(status == 200 for status, _ in opened), opened
+    assert sorted(o["worker"] for _, o in opened) == [0, 0, 0, 1, 1, 1]
+    for _, o in opened[:4]:  # two requests per session, through the SDK and through a raw client
+        client = openai.OpenAI(base_url=url + "/v1", api_key=o["api_key"], max_retries=0)
+        msgs = [{"role": "user", "content": "count"}]
+        r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, seed=1)
+        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+        status, raw = _post(url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 4}, o["api_key"])
+        assert status == 200 and raw["choices"][0]["token_ids"]
+    for _, o in opened[:4]:
+        status, record = _post(url, f"/megappo/v1/sessions/{o['session_id']}/close", {}, admin)
+        assert status == 200 and record["requests"] == 2 and record["fallbacks"] == 0
+        other = gateways[1 - o["worker"]]
+        assert o["session_id"] not in other.sessions  # never reached the other worker
+
+
+def test_keys_are_checked_by_the_router_and_by_the_worker(routed):
+    _, url, admin = routed
+    status, body = _post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "sk-nope")
+    assert status == 401 and "unknown API key" in body["error"]["message"]
+    status, body = _post(url, "/megappo/v1/sessions", {}, "sk-nope")
+    assert status == 401 and "admin key" in body["error"]["message"]
+    (_, a), (_, b) = (_post(url, "/megappo/v1/sessions", {}, admin) for _ in range(2))
+    status, body = _post(url, f"/megappo/v1/sessions/{b['session_id']}/reward", {"reward": 1.0}, a["api_key"])
+    assert status in (403, 404) and "\n" not in body["error"]["message"]  # the worker's own refusal, one line
