@@ -20,7 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
              "as megappo's train/test parquet"),
     "eval": ("megappo.evaluate", "accuracy of a HF model or a checkpoint on a parquet (greedy or pass@k, vLLM)"),
     "export": ("megappo.export", "a checkpoint's policy (or critic) as a plain HF model dir"),
-    "serve": ("megappo.gateway.serve", "an OpenAI-compatible API (chat, completions, tool calls) over a HF dir "
+    "serve": ("megappo.serve", "an OpenAI-compatible API (chat, completions, tool calls) over a HF dir "
               "or a checkpoint"),
 }
 

@@ -374,8 +374,9 @@ async def spends(client, row):
 
 def test_bring_your_own_agent_trajectories(served, tmp_path):
     """AgentRunner (rollout.agent): the user's async function per sample; its trajectories are exactly the
-    sampled ids, under the rollout's budget and seeds; a failing / hanging / off-prompt agent's sample is
-    kept empty and counted; the agent's reward reaches the environment's score."""
+    sampled ids, under the rollout's budget and seeds; a failing / hanging agent's sample is kept empty and
+    counted; one that sends other messages than the row's is trained on the prompt it sent (counted); the
+    agent's reward reaches the environment's score."""
     from megappo.agent.environment import Environments
     from megappo.config.schema import MultiTurnConfig
     from megappo.gateway.agents import AgentRunner, load_agent
@@ -404,8 +405,12 @@ def test_bring_your_own_agent_trajectories(served, tmp_path):
         assert t.tokens == again[k].tokens and t.stats["agent_requests"] == 2 and t.turns[-1]["value"] == 2.5
         assert [x["role"] for x in t.turns] == ["assistant", "assistant", "reward"]
         assert all(lp < 0 for lp, m in zip(t.logprobs, t.model_mask) if m) and len(t.tokens) <= 64
-    for t, stat in zip(trajs[2:5], ("agent_errors", "agent_timeouts", "agent_prompt_mismatch")):
+    for t, stat in zip(trajs[2:4], ("agent_errors", "agent_timeouts")):
         assert t.stats[stat] == 1.0 and t.tokens == [] and t.turns[-1] == {"role": "reward", "value": None}, stat
+    own = trajs[4]  # a system prompt added to the row's messages: trained on the prompt it sent, as sampled
+    assert own.stats["agent_own_prompt"] == 1.0 and own.prompt == gateway.renderer.prompt_ids(
+        [{"role": "system", "content": "be brief"}] + rows[4]["messages"]) and 0 < sum(own.model_mask) <= 3
+    assert all(t.prompt is None for t in good)  # the row's own prompt: the dataset's ids
     spent = trajs[5]
     assert spent.turns[-1]["value"] == -1.0 and len(spent.tokens) <= 64  # refused once the budget was spent
     envs = Environments(MultiTurnConfig(enable=True, tools=["calculator"]), DEFAULT_SCORERS)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -45,6 +46,7 @@ class Trajectory:
     done: bool = False
     turns: list = field(default_factory=list)  # {"role": "assistant", "text"} / {"role": "tool", "name", ...}
     stats: dict = field(default_factory=lambda: dict.fromkeys(STAT_KEYS, 0.0))
+    prompt: Optional[list] = None  # the prompt ids it continues when not its row's (rollout.agent: the agent's own)
 
     def add(self, tokens, logprobs=None, model: bool = True) -> None:
         self.tokens += list(tokens)
@@ -161,8 +163,9 @@ def trajectory_tensors(trajs: list[Trajectory], width: int, pad_id: int) -> dict
             out["response_mask"][i, :n] = torch.tensor(t.model_mask[:n], dtype=torch.long)
             out["token_mask"][i, :n] = 1
             out["rollout_log_probs"][i, :n] = torch.tensor(t.logprobs[:n], dtype=torch.float32)
-    for key in STAT_KEYS:
-        out[key] = torch.tensor([t.stats[key] for t in trajs], dtype=torch.float32, device="cpu")
+    extra = [k for k in (trajs[0].stats if trajs else {}) if k not in STAT_KEYS]  # e.g. gateway/agents.STATS
+    for key in (*STAT_KEYS, *extra):
+        out[key] = torch.tensor([t.stats.get(key, 0.0) for t in trajs], dtype=torch.float32, device="cpu")
     return out
 
 
@@ -182,7 +185,22 @@ def agent_metrics(batch: dict) -> dict:
         "rollout/tokens_model": model_tokens,
         "rollout/tokens_tool": batch["tool_tokens"].sum().item(),
         "timing/tool_s": batch["tool_s"].sum().item(),
+        **_own_agent_metrics(batch),
     }
+
+
+def _own_agent_metrics(batch: dict) -> dict:
+    """rollout.agent's rollout/agent_* (gateway/agents.STATS per sample): per-sample means and counted events."""
+    if "agent_requests" not in batch:
+        return {}
+    return {"rollout/agent_requests_mean": batch["agent_requests"].mean().item(),
+            "rollout/agent_segments_mean": batch["agent_segments"].mean().item(),
+            "rollout/agent_fallbacks": batch["agent_fallbacks"].sum().item(),
+            "rollout/agent_errors": batch["agent_errors"].sum().item(),
+            "rollout/agent_timeouts": batch["agent_timeouts"].sum().item(),
+            "rollout/agent_own_prompt": batch["agent_own_prompt"].sum().item(),
+            "timing/agent_s_mean": batch["agent_s"].mean().item(),
+            "timing/agent_s_max": batch["agent_s"].max().item()}
 
 
 __all__ = ["AgentLoop", "Trajectory", "trajectory_tensors", "agent_metrics", "STAT_KEYS", "TURN_SEED_STRIDE"]

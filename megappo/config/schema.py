@@ -227,6 +227,13 @@ class RolloutConfig:
     # before each rollout anyway), 1 = keep a pinned host copy (host RAM: the model's weights per GPU)
     sleep_level: int = 2
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    # your own agent (docs/agents.md): "my_pkg.my_agent:run" or "/path/agent.py:run", an
+    # `async def run(client, row)` given an openai.AsyncOpenAI bound to one sample's session on the rollout
+    # worker's gateway and the row (messages, ground_truth, data_source, extra_info); it returns a reward or
+    # None (the row's reward rule / environment scores it). Trained on exactly the ids the engine sampled.
+    agent: Optional[str] = None
+    agent_concurrency: int = 32  # agents running at once per rollout worker (the engine batches their requests)
+    agent_timeout_s: float = 60.0  # one sample's agent longer than this: its sample is dropped (counted)
 
 
 @dataclass

@@ -232,8 +232,31 @@ def _check_algorithm(cfg) -> None:
                           f"{cfg.rollout.max_new_tokens}]; 0 turns the length penalty off")
 
 
+def _check_agent(cfg) -> None:
+    """rollout.agent: the function loads and takes (client, row); what it cannot run with."""
+    r = cfg.rollout
+    if r.agent is None:
+        return
+    if r.multi_turn.enable:
+        raise ConfigError("rollout.agent and rollout.multi_turn.enable=true both make the samples; set "
+                          "rollout.multi_turn.enable=false (your agent runs its own tools) or drop rollout.agent")
+    if r.agent_concurrency < 1 or r.agent_timeout_s <= 0:
+        raise ConfigError(f"rollout.agent_concurrency={r.agent_concurrency} must be >= 1 and rollout.agent_timeout_s="
+                          f"{r.agent_timeout_s} > 0")
+    if not cfg.data.apply_chat_template:
+        raise ConfigError("rollout.agent sends chat messages, rendered with the chat template; set "
+                          "data.apply_chat_template=true")
+    from megappo.gateway.agents import load_agent
+
+    try:
+        load_agent(str(r.agent))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _check_multi_turn(cfg) -> None:
     """The tool-format check needs the tokenizer: agent/format.tool_prompt_mode, when the prompts are built."""
+    _check_agent(cfg)
     m = cfg.rollout.multi_turn
     if not m.enable:
         return

