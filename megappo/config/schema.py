@@ -113,6 +113,27 @@ class OptimConfig:
     distributed_optimizer: bool = True
 
 
+# LoRA (models/lora.py): megatron's fused / parallel linears an adapter may wrap, by how their weight is
+# split over TP (column: along the output; row: along the input), and the initialisations of A
+LORA_COLUMN_TARGETS = ("linear_qkv", "linear_fc1")
+LORA_ROW_TARGETS = ("linear_proj", "linear_fc2")
+LORA_TARGETS = LORA_COLUMN_TARGETS + LORA_ROW_TARGETS
+LORA_INITS = ("kaiming", "gaussian")
+
+
+@dataclass
+class LoraSection:
+    """actor.lora: train low-rank adapters on the frozen base instead of every weight (rank 0 = off). The
+    reference policy is then the base itself (adapters off, no ref model is built), vLLM gets the merged
+    weights, checkpoints hold the adapters and their optimizer state only."""
+
+    rank: int = 0  # r; 0 = full fine-tuning
+    alpha: float = 16.0  # scaling = alpha / rank
+    dropout: float = 0.0  # on the adapter's input, training only; in [0, 1)
+    target_modules: list = field(default_factory=lambda: list(LORA_TARGETS))  # megatron's names (LORA_TARGETS)
+    init: str = "kaiming"  # A's init (LORA_INITS): kaiming = peft's default, gaussian = normal(0, 1/r); B = 0
+
+
 @dataclass
 class ActorConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -149,6 +170,7 @@ class ActorConfig:
     # live in host memory and its grad buffers are freed (frees the GPU for vLLM and the other roles;
     # workers/offload.py). Modelled by `megappo plan`. On CPU it runs too (same code) but frees nothing.
     offload: bool = False
+    lora: LoraSection = field(default_factory=LoraSection)
 
 
 @dataclass
@@ -367,6 +389,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "critic.optim.lr_schedule": LR_SCHEDULES,
     "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "actor.kl_loss_type": KL_ESTIMATORS,
+    "actor.lora.init": LORA_INITS,
     "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
                                 "remax", "gpg", "opo", "grpo_passk"),
     "algorithm.kl_penalty": KL_ESTIMATORS,

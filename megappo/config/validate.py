@@ -10,7 +10,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from megappo.config.errors import ConfigError
-from megappo.config.schema import CHOICES, GROUP_ESTIMATORS, LOGGERS
+from megappo.config.schema import CHOICES, GROUP_ESTIMATORS, LOGGERS, LORA_TARGETS
 from megappo.parallel.layout import check_layout, same_layout
 from megappo.parallel.weight_mapping import MOE_FAMILIES, ModelDims
 
@@ -118,6 +118,7 @@ def validate_config(cfg, check_paths: bool = False) -> None:
     _check_algorithm(cfg)
     _check_data_and_batches(cfg)
     _check_packing(cfg)
+    _check_lora(cfg, dims)
     _check_multi_turn(cfg)
     _check_reward_rules(cfg)
     _check_trainer(cfg, check_paths)
@@ -322,6 +323,26 @@ def _check_packing(cfg) -> None:
         if section.pack_sequences and cfg.model.transformer_engine:
             raise ConfigError(f"{role}.pack_sequences with model.transformer_engine=true needs megatron's THD path, "
                               "not wired yet; leave model.transformer_engine null or false")
+
+
+def _check_lora(cfg, dims: ModelDims) -> None:
+    """actor.lora (models/lora.py; rank 0 = off)."""
+    lo = cfg.actor.lora
+    if lo.rank < 0:
+        raise ConfigError(f"actor.lora.rank={lo.rank} must be >= 0 (0 = full fine-tuning)")
+    if not lo.rank:
+        return
+    if lo.alpha <= 0:
+        raise ConfigError(f"actor.lora.alpha={lo.alpha} must be > 0 (scaling = alpha / rank)")
+    if not 0 <= lo.dropout < 1:
+        raise ConfigError(f"actor.lora.dropout={lo.dropout} must be in [0, 1)")
+    bad = [t for t in lo.target_modules if t not in LORA_TARGETS]
+    if bad or not lo.target_modules:
+        raise ConfigError(f"actor.lora.target_modules {list(bad) or '[]'}: name some of megatron's "
+                          f"{', '.join(LORA_TARGETS)} (linear_qkv = q/k/v_proj, linear_fc1 = gate/up_proj)")
+    if dims.num_experts:
+        raise ConfigError(f"actor.lora on a mixture-of-experts model ({dims.model_type}): routed experts are not "
+                          "adapted yet; set actor.lora.rank=0 (full fine-tuning) or use a dense model")
 
 
 def _check_data_and_batches(cfg) -> None:

@@ -45,10 +45,9 @@ import torch.nn.functional as F
 from megappo.parallel.weight_mapping import ModelDims, global_named_parameters, global_param_name, hf_names, hf_to_megatron_shard, \
     layer_offset, megatron_shards_to_hf
 
-COLUMN_TARGETS = ("linear_qkv", "linear_fc1")
-ROW_TARGETS = ("linear_proj", "linear_fc2")
-TARGETS = COLUMN_TARGETS + ROW_TARGETS
-INITS = ("kaiming", "gaussian")
+from megappo.config.schema import LORA_COLUMN_TARGETS as COLUMN_TARGETS, LORA_INITS as INITS, \
+    LORA_ROW_TARGETS as ROW_TARGETS, LORA_TARGETS as TARGETS  # the one list (config.schema: actor.lora)
+
 _HF_HINT = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
             "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
 
