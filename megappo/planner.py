@@ -27,6 +27,12 @@ The model (stated so it can be checked by hand):
 - Weight sync (the hybrid engine's enter): vLLM's weights are awake, its KV cache not yet; the
   actor's weights only are resident (an offloaded actor brings back neither grads nor optimizer
   states for it), plus the resharder's buffers (about 2 x rollout.weight_sync_bucket_mb).
+- LoRA (`actor.lora.rank > 0`, models/lora.py): the actor's base weights are frozen (bf16 2 B/param, no grad
+  buffer, no optimizer state); its adapters (A [r, in], B [out, r] on every targeted linear_qkv /
+  linear_proj / linear_fc1 / linear_fc2 of the stage; routed experts are not wrapped) take weights + grads
+  + Adam as a trained role's params (column-parallel base: A replicated, B split over tp; row-parallel:
+  A split, B replicated). No reference copy: the reference is the base with the adapters off.
+  Activations as full fine-tuning (the adapters' r-wide ones are negligible).
 - Overhead per GPU: 3 GB (NCCL buffers, fragmentation) + a CUDA context of 0.6 GB per process on the
   GPU (one per worker group sharing the pool: actor/rollout/ref fused, critic, reward model).
 - Host memory (pinned, per node): an offloaded role's weights and optimizer states (main params +
@@ -152,6 +158,31 @@ class RoleMemory:
         return self.weights_gb + self.grads_gb + self.optimizer_gb
 
 
+def lora_rank(cfg) -> int:
+    """actor.lora.rank (0: full fine-tuning)."""
+    return int(getattr(getattr(cfg.actor, "lora", None), "rank", 0) or 0)
+
+
+def lora_params(a, lora, tp: int = 1, pp: int = 1) -> int:
+    """Adapter parameters on one GPU of a pipeline stage (layers / pp of them): A [r, in] and B [out, r]
+    per targeted linear, the split one of the two divided by tp. Routed experts carry no adapters
+    (models/lora.py), so a MoE layer's fc1 / fc2 count nothing."""
+    r = int(lora.rank)
+    head_dim = a.head_dim or a.hidden_size // a.num_attention_heads
+    h, q = a.hidden_size, a.num_attention_heads * head_dim
+    ffn = a.intermediate_size
+    shapes = {"linear_qkv": (h, (a.num_attention_heads + 2 * a.num_kv_heads) * head_dim, "column"),
+              "linear_proj": (q, h, "row"), "linear_fc1": (h, 2 * ffn, "column"), "linear_fc2": (ffn, h, "row")}
+    n_moe = moe_layers(a)
+    total = 0.0
+    for name in lora.target_modules:
+        fan_in, fan_out, split = shapes[name]
+        per = r * (fan_in + fan_out / tp) if split == "column" else r * (fan_in / tp + fan_out)
+        layers = a.num_layers - n_moe if name in ("linear_fc1", "linear_fc2") else a.num_layers
+        total += per * layers / pp
+    return int(total)
+
+
 def role_memory(cfg, role: str) -> RoleMemory:
     rcfg = cfg[role]
     par = rcfg.parallel
@@ -159,6 +190,10 @@ def role_memory(cfg, role: str) -> RoleMemory:
     n = dense + experts
     if role == "ref":
         return RoleMemory(n, experts, 2 * n / GB, 0.0, 0.0, 0.0)
+    if role == "actor" and lora_rank(cfg):  # frozen base + adapters (trained, dense: sharded over dp)
+        k = lora_params(cfg.model.arch, cfg.actor.lora, par.tp, par.pp)
+        return RoleMemory(n + k, experts, 2 * (n + k) / GB, 4 * k / GB, 12 * k / par.dp / GB,
+                          activation_bytes(cfg, rcfg, par, lm_head=True) / GB)
     # the distributed optimizer shards dense params over dp, expert params over dp / ep (expert data parallel)
     optimizer = 12 * (dense / par.dp + experts / (par.dp // par.ep))
     return RoleMemory(n, experts, 2 * n / GB, 4 * n / GB, optimizer / GB,
@@ -168,7 +203,9 @@ def role_memory(cfg, role: str) -> RoleMemory:
 def plan(cfg) -> dict:
     """The per-GPU memory of each phase, the peak, and the weight-sync volume."""
     gpu_gb = cfg.resources.gpu_memory_gb
-    roles = {r: role_memory(cfg, r) for r in ROLES if r == "actor" or cfg[r].enable}
+    # with LoRA the reference is the actor's base with the adapters off: no ref model is built
+    roles = {r: role_memory(cfg, r) for r in ROLES
+             if r == "actor" or cfg[r].enable and not (r == "ref" and lora_rank(cfg))}
     offload = {r: bool(cfg[r].offload) for r in roles}
     vllm_gb = cfg.rollout.gpu_memory_utilization * gpu_gb
     vllm_weights_gb = 2 * total_params(cfg) / cfg.rollout.tp / GB
@@ -294,6 +331,28 @@ def suggest(cfg) -> dict | None:
     return None
 
 
+def smallest(cfg, max_nodes: int = 64) -> dict | None:
+    """The fewest nodes (of resources.workers_per_node GPUs) on which the config's layout, refilled with dp,
+    or else suggest()'s nearest layout fits: {"nodes", "gpus", "tp", "pp", "dp", "ep", "offload", "peak_gpu_gb"}."""
+    for nodes in range(1, max_nodes + 1):
+        try:
+            c = with_pool(cfg, nodes, None, None)
+            validate_config(c)
+            result = plan(c)
+        except ConfigError:
+            c, result = copy.deepcopy(cfg), None
+            c.resources.nodes = nodes
+        if result and result["fits"]:
+            p = c.actor.parallel
+            found = {"tp": p.tp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "offload": bool(c.actor.offload) or None,
+                     "peak_gpu_gb": result["peak_gpu_gb"]}
+        else:
+            found = suggest(c)
+        if found:
+            return {"nodes": nodes, "gpus": nodes * cfg.resources.workers_per_node, **found}
+    return None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--nodes", type=int, help="override resources.nodes (dp refills the pool)")
@@ -302,6 +361,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-mem-gb", type=float, help="host RAM per node: refuse when the pinned host copies "
                         "(offloaded roles, vLLM's sleeping weights with sleep_level 1) would not fit in 90%% of it "
                         "(the sbatch passes the job's memory limit per node)")
+    parser.add_argument("--smallest", action="store_true", help="print the fewest nodes (and the layout) on which "
+                        "the config fits, instead of planning its own pool")
     parser.add_argument("--json", action="store_true", help="print one JSON object (peak_gpu_gb, per-role breakdown)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.parallel.tp=4")
 
@@ -314,6 +375,13 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 1
+    if getattr(args, "smallest", False):
+        found = smallest(cfg)
+        print(json.dumps(found) if args.json or not found else
+              f"smallest pool: {found['nodes']} node(s) x {cfg.resources.workers_per_node} GPUs, actor "
+              f"TP{found['tp']}xPP{found['pp']}xDP{found['dp']}" + (f"xEP{found['ep']}" if found["ep"] > 1 else "") +
+              (" offloaded" if found["offload"] else "") + f", peak {found['peak_gpu_gb']:.1f} GB")
+        return 0 if found else 1
     result = plan(cfg)
     if not result["fits"]:
         result["suggestion"] = suggest(cfg)

@@ -151,3 +151,51 @@ def test_mixture_of_experts_per_ep_rank_against_hand_calculation():
         "model.arch.intermediate_size=14336", "model.arch.num_kv_heads=8", "actor.parallel.ep=2",
         "critic.parallel.ep=2", "ref.parallel.ep=2"])
     assert round(plan(mixtral)["total_params_b"], 1) == 46.7  # Mixtral-8x7B
+
+
+def test_lora_frozen_base_no_reference_copy_against_hand_calculation():
+    """actor.lora (issue #40): the actor's base frozen (weights only), adapters trained, no ref model."""
+    full = plan(load_config(REPO / "configs/ppo_7b.yaml"))
+    lora = plan(load_config(REPO / "configs/ppo_7b.yaml", ["actor.lora.rank=16"]))
+    # Llama-2-7B at TP4, rank 16, every target: A [r, in] and B [out, r], the split one over tp
+    # qkv (column) 16*(4096 + 12288/4); proj (row) 16*(4096/4 + 4096); fc1 (column) 16*(4096 + 22016/4);
+    # fc2 (row) 16*(11008/4 + 4096); 32 layers
+    k = 32 * 16 * ((4096 + 12288 // 4) + (4096 // 4 + 4096) + (4096 + 22016 // 4) + (11008 // 4 + 4096))
+    base = full["roles"]["actor"]["params_per_gpu_m"] * 1e6
+    a = lora["roles"]["actor"]
+    assert abs(a["params_per_gpu_m"] * 1e6 - (base + k)) < 1e5
+    assert a["grads_gb"] == round(4 * k / GB, 2) and a["optimizer_gb"] == round(12 * k / 2 / GB, 2)  # dp 2
+    assert "ref" not in lora["roles"] and "ref_log_prob" not in lora["phases_gb"]
+    assert a["weights_gb"] + a["grads_gb"] + a["optimizer_gb"] < 0.2 * (
+        full["roles"]["actor"]["weights_gb"] + full["roles"]["actor"]["grads_gb"] + full["roles"]["actor"]["optimizer_gb"])
+    for phase, gb in lora["phases_gb"].items():  # the same layout: every phase needs less
+        assert gb < full["phases_gb"][phase], phase
+
+
+def _count_adapters(rank, world, port, path, lora_rank):
+    from megappo.models.gpt import build_gpt_chunks, build_transformer_config, load_hf_config
+    from megappo.models.lora import LoraConfig, apply_lora, lora_parameters
+    from megappo.parallel.layout import ParallelLayout
+    from megappo.parallel.megatron_init import destroy, init_distributed, init_megatron
+
+    init_distributed(rank, world, "127.0.0.1", port)
+    layout = ParallelLayout(tp=world)
+    init_megatron(layout)
+    hf_config = load_hf_config(path)
+    chunks = build_gpt_chunks(hf_config, build_transformer_config(hf_config, layout), layout)
+    apply_lora(chunks, LoraConfig(rank=lora_rank))
+    n = sum(p.numel() for p in lora_parameters(chunks))
+    destroy()
+    return n
+
+
+def test_lora_adapter_count_equals_apply_lora_on_the_tiny_model(tiny_assets):
+    """The planner's adapter parameters per GPU are the real apply_lora's, at TP1 and TP2 (A / B split)."""
+    from megappo.parallel.launch import spawn_local
+    from megappo.planner import lora_params
+
+    path = str(tiny_assets["tiny-llama"])
+    cfg = load_config(REPO / "configs/ppo_tiny.yaml", [f"model.path={path}", "actor.lora.rank=4"], validate=False)
+    for tp in (1, 2):
+        counts = spawn_local(_count_adapters, tp, path, 4, timeout=300)
+        assert counts == [lora_params(cfg.model.arch, cfg.actor.lora, tp=tp)] * tp, (tp, counts)
