@@ -12,6 +12,7 @@
   equal vLLM's on the model's tokens, the weights' fingerprints hold, the agent metrics are logged.
 """
 
+import json
 import os
 import re
 
@@ -340,4 +341,86 @@ def test_async_grpo_on_multi_turn_samples(ray_session, tiny_assets, data_dir, tm
     for h in history:
         assert h["rollout/tool_calls_mean"] == 1.0 and h["rollout/tokens_tool"] > 0
         assert h["rollout/weights_fingerprint_ok"] == 1.0
+    assert history[0]["rollout/logprob_diff_max"] < 1e-4
+
+
+# ---- your own agent (rollout.agent) in a PPO run ----------------------------------------------------
+
+SDK_AGENT = '''
+import json, os
+CALC = {"type": "function", "function": {"name": "calculator", "description": "exact arithmetic",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+CALLS = [0]
+
+async def run(client, row):
+    """An agent as a team writes it against the OpenAI SDK: tools=, two model calls with a tool result between."""
+    CALLS[0] += 1
+    if CALLS[0] % 3 == 0:  # every third sample in each rollout worker
+        raise RuntimeError("this agent fails on some rows")
+    messages = list(row["messages"])
+    log = []
+    for turn in range(2):
+        r = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC], max_tokens=6,
+                                                 temperature=1.0)
+        log.append({"prompt": r.model_extra["prompt_token_ids"], "sampled": r.choices[0].model_extra["token_ids"]})
+        messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "content": "5"}]
+    with open(LOG, "a") as f:
+        f.write(json.dumps(log) + "\\n")
+    return 0.5
+'''
+
+
+def test_ppo_run_with_your_own_openai_sdk_agent(ray_session, tiny_assets, data_dir, tmp_path):
+    """rollout.agent: an agent written against the unmodified openai SDK (tools=, a tool result between two
+    calls) trained by sync PPO for 2 steps. Every trained row is exactly a session the agent ran: its prompt the
+    ids the gateway rendered for the agent's first request (tools included), its model tokens the ids the engine
+    sampled, the tool result's tokens attended but masked out; vLLM and Megatron agree on those tokens (fp32);
+    the agent's reward is the score, and an agent that raises on a row costs that row only (counted)."""
+    from trainer_utils import config, run
+
+    log = tmp_path / "agent_log.jsonl"
+    (tmp_path / "sdk_agent.py").write_text(f"LOG = {str(log)!r}\n" + SDK_AGENT)
+    cfg = config(tiny_assets, data_dir, tmp_path / "run", f"rollout.agent={tmp_path / 'sdk_agent.py'}:run",
+                 "rollout.max_new_tokens=40", "data.max_prompt_length=200",
+                 "rollout.multi_turn.tool_prompt='You can use tools: {tools}'", "reward.non_stop_penalty=false",
+                 "trainer.total_steps=2", "trainer.save_every=0", "trainer.val_every=0", "trainer.export_hf=false")
+    batches = []
+
+    def spy_rewards(trainer):
+        score = trainer.reward_fn
+
+        class Spy:
+            def __getattr__(self, name):
+                return getattr(score, name)
+
+            def __call__(self, batch):
+                batches.append(batch)
+                return score(batch)
+
+        trainer.reward_fn = Spy()
+
+    history, _ = run(cfg, setup=spy_rewards)
+    sessions = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(history) == 2 and len(batches) == 2
+    trained, expected = [], []
+    for h, batch in zip(history, batches):
+        b = batch.batch
+        rows = b["responses"].shape[0]
+        errors = h["rollout/agent_errors"]
+        assert 0 < errors < rows and h["rollout/agent_requests_mean"] == pytest.approx(2 * (1 - errors / rows))
+        assert h["objective/scores"] == pytest.approx(0.5 * (1 - errors / rows))  # the agent's reward; 0 if it failed
+        assert h["rollout/agent_own_prompt"] == rows - errors  # tools= changed the prompt: trained as sent
+        assert h["rollout/weights_fingerprint_ok"] == 1.0
+        for i in range(rows):
+            if b["response_mask"][i].sum() == 0:
+                continue
+            prompt = b["prompts"][i][b["attention_mask"][i, :b["prompts"].shape[1]].bool()].tolist()
+            resp_attn = b["attention_mask"][i, b["prompts"].shape[1]:].bool()
+            model = b["responses"][i][b["response_mask"][i].bool()].tolist()
+            assert int(resp_attn.sum()) > int(b["response_mask"][i].sum())  # the tool result: attended, not trained
+            trained.append((tuple(prompt), tuple(model)))
+    for s in sessions:
+        expected.append((tuple(s[0]["prompt"]), tuple(s[0]["sampled"] + s[1]["sampled"])))
+    assert sorted(trained) == sorted(expected)  # token in, token out: nothing re-tokenised
     assert history[0]["rollout/logprob_diff_max"] < 1e-4

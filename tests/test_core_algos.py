@@ -495,7 +495,7 @@ def test_reward_manager_applies_the_overlong_penalty(tmp_path):
 
 
 def test_dynamic_sampling_keeps_groups_whose_scores_differ():
-    from megappo.ppo.ray_trainer import left_pad_prompts
+    from megappo.workers.rollout.vllm_rollout import left_pad_prompts
     from megappo.protocol import DataProto
 
     uids = np.array(["a", "a", "b", "b", "c", "c"], dtype=object)

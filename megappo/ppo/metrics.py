@@ -106,10 +106,12 @@ def data_metrics(batch) -> dict:
     for key, prefix in prefixes.items():
         if key in b and (key == "advantages" or "values" in b):  # returns/values: only with a critic
             v = b[key][mask.bool()]
+            if not v.numel():  # no trained token in the step (e.g. every sample's agent failed)
+                continue
             out[f"{prefix}/mean"] = v.mean().item()
             out[f"{prefix}/max"] = v.max().item()
             out[f"{prefix}/min"] = v.min().item()
-    if "values" in b and "returns" in b:
+    if "values" in b and "returns" in b and mask.any():
         ret, val = b["returns"][mask.bool()], b["values"][mask.bool()]
         out["critic/vf_explained_var"] = (1 - (ret - val).var() / (ret.var() + 1e-8)).item()
     return out

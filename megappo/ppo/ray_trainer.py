@@ -177,7 +177,9 @@ class RayPPOTrainer(CheckpointingMixin):
         from megappo.workers.roles import ActorCriticWorker, ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
         cfg, res = self.config, self.config.resources
-        fuse_ref = cfg.ref.enable and same_layout(cfg.ref.parallel, cfg.actor.parallel)
+        # actor.lora: the reference is the actor's own base (adapters off) in the actor's processes, never a model
+        # of its own (ref.parallel unused)
+        fuse_ref = cfg.ref.enable and (cfg.actor.lora.rank > 0 or same_layout(cfg.ref.parallel, cfg.actor.parallel))
         # resources.colocate: the critic joins the actor's processes when it has the actor's layout
         # (one megatron world, one process per device: no contention, no second set of imports)
         fuse_critic = cfg.critic.enable and res.colocate and same_layout(cfg.critic.parallel, cfg.actor.parallel)
@@ -466,6 +468,8 @@ class RayPPOTrainer(CheckpointingMixin):
                        "dynamic_sampling/groups_drawn": float(len(kept) + len(flat)),
                        "dynamic_sampling/groups_varied": float(len(kept)),
                        "dynamic_sampling/groups_topped_up": float(max(0, want - len(kept)))})
+        from megappo.workers.rollout.vllm_rollout import left_pad_prompts
+
         pool = DataProto.concat(left_pad_prompts(parts, self.tokenizer.pad_token_id or 0))
         pool.meta_info = dict(batch.meta_info)
         rank = {u: i for i, u in enumerate(chosen)}
@@ -580,24 +584,6 @@ class RayPPOTrainer(CheckpointingMixin):
         return {**eval_metrics(out, reward_metrics), **tools, "timing/validate_s": time.perf_counter() - t0}
 
 # the prompt-side columns of a generated batch: [B, P] or [B, P + R], left-padded; fill value per key
-_PROMPT_COLUMNS = {"prompts": None, "input_ids": None, "attention_mask": 0, "position_ids": 0}
-
-
-def left_pad_prompts(parts: list, pad_id: int) -> list:
-    """Generated batches whose prompts were padded to different widths, left-padded to the widest (the
-    engine right-aligns every row, so extra left padding costs no compute)."""
-    width = max(p.batch["prompts"].shape[1] for p in parts)
-    out = []
-    for p in parts:
-        extra = width - p.batch["prompts"].shape[1]
-        if extra:
-            p = DataProto(dict(p.batch), dict(p.non_tensor_batch), dict(p.meta_info))
-            for key, fill in _PROMPT_COLUMNS.items():
-                t = p.batch[key]
-                pad = torch.full((t.shape[0], extra), pad_id if fill is None else fill, dtype=t.dtype, device="cpu")
-                p.batch[key] = torch.cat([pad, t], dim=1)
-        out.append(p)
-    return out
 
 
 class _PreemptionSignals:

@@ -40,6 +40,7 @@ Async weight sync (see rollout/weight_sync.py): `weight_sync_address()` on the a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import defaultdict
 from enum import Enum
@@ -145,11 +146,15 @@ def _train(engine, data: DataProto, loss, role_cfg, dp: int, temperature: float 
     r = _response_length(data)
     history = defaultdict(list)
     tokens = [0.0, 0.0, 0.0]  # real, computed (after right_align), in the padded batch
+    empty = 0  # mini-batches with no trained token on any DP rank (every row's agent failed): no step
     minis = _mini_batches(data.select(batch_keys=keys), role_cfg.ppo_mini_batch_size, dp, loss.name)
     with engine.resident():  # offload=true: one reload / offload for the whole update
         for mini in minis * role_cfg.ppo_epochs:
             mask = mini.batch["response_mask"]
             norm, n_tokens = _dp_all_reduce_sum([loss.normalizer(mask), float(mask.sum())])
+            if n_tokens == 0:  # all ranks agree (all-reduced): nothing to learn from, and Adam would still move
+                empty += 1
+                continue
             step = engine.train_step(dict(mini.batch), functools.partial(loss, norm=norm, n_tokens=n_tokens),
                                      normalizer=norm, response_length=r,
                                      micro_batch_size=min(role_cfg.micro_batch_size, len(mini)),
@@ -161,6 +166,7 @@ def _train(engine, data: DataProto, loss, role_cfg, dp: int, temperature: float 
             tokens[1] += float(engine.last_computed_tokens)
             tokens[2] += float(ids.numel())
     metrics = {k: sum(v) / len(v) for k, v in history.items()}
+    metrics[f"{loss.name}/empty_minibatches"] = float(empty)
     # the waste padding would cost, made visible; and the rows trained on (all DP ranks, one pass)
     real, computed, padded, rows = _dp_all_reduce_sum(tokens + [len(data)])
     metrics.update({f"tokens/{loss.name}_real": real, f"tokens/{loss.name}_computed": computed,
@@ -243,9 +249,13 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
         self._bring_up(cfg.ref.parallel if self.role == Role.RefPolicy else cfg.actor.parallel)
         if self.is_actor:
             self.actor = self._make_engine(cfg.model.path, "actor")
-        if self.is_ref:
+        if self.is_ref and not self._ref_is_actor_base:  # a LoRA actor's base is the reference: no model of its own
             self.ref = self._make_engine(cfg.model.path, "ref")
         return {"role": self.role, "layout": str(self.layout)}
+
+    @property
+    def _ref_is_actor_base(self) -> bool:
+        return self.is_actor and self.config.actor.lora.rank > 0
 
     def _need(self, engine, what: str):
         if engine is None:
@@ -264,9 +274,14 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
 
     @register(Dispatch.MEGATRON_COMPUTE)
     def compute_ref_log_prob(self, data: DataProto) -> Optional[DataProto]:
-        engine = self._need(self.ref, "ref")
-        out = _forward(engine, data, _response_length(data), self.config.ref.log_prob_micro_batch_size,
-                       temperature=_logprob_temperature(data), compute_entropy=False)
+        if self._ref_is_actor_base:  # actor.lora: the reference is the actor's base, its adapters off
+            engine = self._need(self.actor, "actor")
+            ref = engine.base_model()
+        else:
+            engine, ref = self._need(self.ref, "ref"), contextlib.nullcontext()
+        with ref:
+            out = _forward(engine, data, _response_length(data), self.config.ref.log_prob_micro_batch_size,
+                           temperature=_logprob_temperature(data), compute_entropy=False)
         if out is None:
             return None
         return DataProto.from_dict({"ref_log_prob": out["logprobs"]})

@@ -194,7 +194,10 @@ def replicated_generate(rollout, prompts: DataProto, gather: bool = True) -> Dat
     if gather and num_replicas > 1:
         parts = [None] * world
         dist.all_gather_object(parts, out if rank % rollout.tp == 0 else None)
-        out = DataProto.concat([p for p in parts if p is not None])  # meta_info (spec, seed) of replica 0
+        from megappo.workers.rollout.vllm_rollout import left_pad_prompts
+
+        # replicas' prompt widths differ where an agent sent its own prompt (rollout.agent): to the widest
+        out = DataProto.concat(left_pad_prompts([p for p in parts if p is not None], rollout.pad_token_id))
         if pad:
             out = out.unpad(pad * spec.num_samples)
     return out

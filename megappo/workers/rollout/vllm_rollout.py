@@ -354,4 +354,24 @@ def left_pad(token_lists: list[list[int]], pad_id: int) -> dict[str, torch.Tenso
     return {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
 
 
-__all__ = ["VLLMRollout", "setup_env", "left_pad", "on_gpu", "repack_cpu_linears"]
+_PROMPT_COLUMNS = {"prompts": None, "input_ids": None, "attention_mask": 0, "position_ids": 0}
+
+
+def left_pad_prompts(parts: list, pad_id: int) -> list:
+    """Generated batches (DataProto) whose prompts were padded to different widths, left-padded to the widest (the
+    engine right-aligns every row, so extra left padding costs no compute)."""
+    width = max(p.batch["prompts"].shape[1] for p in parts)
+    out = []
+    for p in parts:
+        extra = width - p.batch["prompts"].shape[1]
+        if extra:
+            p = DataProto(dict(p.batch), dict(p.non_tensor_batch), dict(p.meta_info))
+            for key, fill in _PROMPT_COLUMNS.items():
+                t = p.batch[key]
+                pad = torch.full((t.shape[0], extra), pad_id if fill is None else fill, dtype=t.dtype, device="cpu")
+                p.batch[key] = torch.cat([pad, t], dim=1)
+        out.append(p)
+    return out
+
+
+__all__ = ["VLLMRollout", "setup_env", "left_pad", "left_pad_prompts", "on_gpu", "repack_cpu_linears"]
