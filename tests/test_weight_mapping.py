@@ -189,3 +189,44 @@ def test_qwen3_moe_dims_names_and_router_config():
     assert wm.global_param_name("decoder.layers.1.mlp.router.weight", 4, 4) == "decoder.layers.5.mlp.router.weight"
     with pytest.raises(ValueError, match="num_experts and num_experts_per_tok"):
         wm.ModelDims.from_hf_dict({**cfg.to_dict(), "num_local_experts": None})
+
+
+def test_te_grouped_experts_names_map_like_sequential_mlp():
+    """TEGroupedMLP (moe_grouped_gemm=True) names its experts `mlp.experts.linear_fc1.weight{i}` (TE's
+    GroupedLinear, megatron-core 0.19.2 moe/experts.py): the same HF tensors, global index and TP shards
+    as SequentialMLP's `local_experts.{i}.linear_fc1.weight`, both ways."""
+    import dataclasses
+
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(**{**TINY_SHAPES, "num_hidden_layers": 2}, vocab_size=1000, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=64)
+    seq = wm.ModelDims.from_hf_config(cfg, tp=2)
+    grouped = dataclasses.replace(seq, grouped_experts=True)
+    names = wm.megatron_param_names(grouped)
+    experts = [n for n in names if ".mlp.experts." in n]
+    assert len(experts) == 2 * 4 * 2 and "decoder.layers.1.mlp.experts.linear_fc2.weight3" in experts
+    assert not any("local_experts" in n for n in names)
+    assert [n for n in names if ".mlp.experts." not in n] == [n for n in wm.megatron_param_names(seq)
+                                                              if ".mlp.experts." not in n]
+    assert wm.hf_names("decoder.layers.1.mlp.experts.linear_fc1.weight3", grouped) == [
+        "model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight"]
+    for name in names:
+        for hf_name in wm.hf_names(name, grouped):
+            assert wm.megatron_name(hf_name, grouped) == name, hf_name
+    assert wm.routed_expert("decoder.layers.1.mlp.experts.linear_fc2.weight3") == 3
+    assert wm.parse_expert("mlp.experts.linear_fc1.weight12") == (12, "linear_fc1", True)
+    assert wm.parse_expert("mlp.experts.local_experts.12.linear_fc1.weight") == (12, "linear_fc1", False)
+    assert wm.parse_expert("mlp.linear_fc1.weight") is None
+    # expert-parallel rank 1 of 2: local weight1 is global expert 3; the stage offset moves the layer
+    assert wm.global_param_name("decoder.layers.0.mlp.experts.linear_fc1.weight1", 1, 2) == \
+        "decoder.layers.1.mlp.experts.linear_fc1.weight3"
+    # the same shards: fc1 [gate; up] of this rank (column-parallel), fc2 split along its input (row-parallel)
+    hf = {n: torch.randn(64, 128) if "down_proj" not in n else torch.randn(128, 64)  # ffn 64, hidden 128
+          for n in wm.hf_expert_names("model.layers.1.mlp.experts.", 3)}
+    for fc in ("linear_fc1", "linear_fc2"):
+        a, b = (f"decoder.layers.1.{wm.expert_param_name(3, fc, g)}" for g in (False, True))
+        assert wm.tp_split_dim(a, seq) == wm.tp_split_dim(b, grouped) == (0 if fc == "linear_fc1" else 1)
+        for rank in (0, 1):
+            torch.testing.assert_close(wm.hf_to_megatron_shard(b, hf, grouped, rank, 2),
+                                       wm.hf_to_megatron_shard(a, hf, seq, rank, 2), rtol=0, atol=0)

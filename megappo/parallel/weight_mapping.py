@@ -21,7 +21,10 @@ Layouts (per TP rank r of T):
 - Qwen3-MoE routed experts (megatron's SequentialMLP): `mlp.experts.local_experts.{e}.linear_fc1` /
   `linear_fc2` per expert, laid out like a dense MLP's fc1 / fc2 (split over TP = expert TP), HF
   `mlp.experts.{e}.gate_proj|up_proj|down_proj` (transformers' on-disk form); e is the GLOBAL expert index
-  here, an expert-parallel rank holds a contiguous block (`global_param_name`). The router
+  here, an expert-parallel rank holds a contiguous block (`global_param_name`). TE's grouped GEMM
+  (TEGroupedMLP, `moe_grouped_gemm=True`; `ModelDims.grouped_experts`) holds the same per-expert
+  tensors, same layout, as `mlp.experts.linear_fc1.weight{e}` / `linear_fc2.weight{e}`
+  (`expert_param_name`; both spellings are read everywhere). The router
   (`mlp.router`, HF `mlp.gate`) is replicated. Mixtral: the same megatron model, HF names
   `block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1|w3|w2` (gate, up, down): `MOE_FAMILIES`.
 """
@@ -148,6 +151,7 @@ class ModelDims:
     moe_ffn_hidden_size: int = 0
     moe_layers: tuple = ()  # per layer: True where the MLP is the routed experts
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities (softmax over the k)
+    grouped_experts: bool = False  # experts named as TE's TEGroupedMLP names them (expert_param_name)
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
@@ -253,10 +257,29 @@ def transformer_config_kwargs(hf_config) -> dict:
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# routed experts (global expert index e): megatron SequentialMLP <-> transformers' per-expert names on disk
-_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+# routed experts (global expert index e): megatron SequentialMLP's or TEGroupedMLP's names <-> transformers'
+# per-expert names on disk
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(?:local_experts\.(?P<e>\d+)\.(?P<fc>linear_fc1|linear_fc2)\.weight|"
+                        r"(?P<gfc>linear_fc1|linear_fc2)\.weight(?P<ge>\d+))$")
 _HF_EXPERT_RE = re.compile(r"^(%s)\.experts\.(\d+)\.(\w+)\.weight$"
                             % "|".join(sorted({re.escape(f.block) for f in MOE_FAMILIES.values()})))
+
+def expert_param_name(expert: int, fc: str, grouped: bool = False) -> str:
+    """A routed expert's per-layer megatron suffix: SequentialMLP's `mlp.experts.local_experts.{e}.{fc}.weight`
+    or (`grouped`) TEGroupedMLP's `mlp.experts.{fc}.weight{e}` (TE's GroupedLinear: one weight{i} per local
+    expert, each the tensor SequentialMLP's expert i holds)."""
+    return f"mlp.experts.{fc}.weight{expert}" if grouped else f"mlp.experts.local_experts.{expert}.{fc}.weight"
+
+
+def parse_expert(suffix: str) -> Optional[tuple[int, str, bool]]:
+    """(expert index, "linear_fc1" | "linear_fc2", grouped) of a routed expert's per-layer suffix (either
+    spelling of expert_param_name); None for any other parameter."""
+    e = _EXPERT_RE.match(suffix)
+    if not e:
+        return None
+    grouped = e.group("gfc") is not None
+    return int(e.group("ge") if grouped else e.group("e")), e.group("gfc") if grouped else e.group("fc"), grouped
+
 
 # megatron per-layer suffix -> HF per-layer suffixes (in merge order)
 _LAYER_MAP = {
@@ -296,8 +319,7 @@ def megatron_param_names(dims: ModelDims, te_fused_norms: bool = False) -> list[
             names.append(p + "pre_mlp_layernorm.weight")
             names.append(p + "mlp.router.weight")
             for e in range(dims.num_experts):
-                names += [p + f"mlp.experts.local_experts.{e}.linear_fc1.weight",
-                          p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"]
+                names += [p + expert_param_name(e, fc, dims.grouped_experts) for fc in ("linear_fc1", "linear_fc2")]
             continue
         names.append(p + ("mlp.linear_fc1.layer_norm_weight" if te_fused_norms else "pre_mlp_layernorm.weight"))
         names.append(p + "mlp.linear_fc1.weight")
@@ -315,10 +337,9 @@ def hf_names(mcore_name: str, dims: ModelDims) -> list[str]:
     m = _LAYER_RE.match(mcore_name)
     if m:
         layer, suffix = m.groups()
-        e = _EXPERT_RE.match(suffix)
+        e = parse_expert(suffix)
         if e:
-            return hf_expert_names(f"model.layers.{layer}.{_moe_hf(dims).block}.experts.", int(e.group(1)), dims.model_type,
-                                   e.group(2))
+            return hf_expert_names(f"model.layers.{layer}.{_moe_hf(dims).block}.experts.", e[0], dims.model_type, e[1])
         if suffix == "mlp.router.weight":  # the router [experts, hidden]
             return [f"model.layers.{layer}.{_moe_hf(dims).block}.gate.weight"]
         if suffix not in _LAYER_MAP:
@@ -355,8 +376,8 @@ def is_hf_moe_tensor(hf_name: str) -> bool:
 def routed_expert(mcore_name: str) -> Optional[int]:
     """The global expert index of a routed expert's megatron parameter; None for any other parameter."""
     m = _LAYER_RE.match(mcore_name)
-    e = _EXPERT_RE.match(m.group(2)) if m else None
-    return int(e.group(1)) if e else None
+    e = parse_expert(m.group(2)) if m else None
+    return e[0] if e else None
 
 
 def megatron_name(hf_name: str, dims: ModelDims, te_fused_norms: bool = False) -> str:
@@ -368,7 +389,7 @@ def megatron_name(hf_name: str, dims: ModelDims, te_fused_norms: bool = False) -
         if e and dims.model_type in MOE_FAMILIES and e.group(1) == _moe_hf(dims).block:
             fc = next((f for f, proj in _moe_hf(dims).proj.items() if e.group(3) in proj), None)
             if fc is not None:
-                return f"decoder.layers.{layer}.mlp.experts.local_experts.{e.group(2)}.{fc}.weight"
+                return f"decoder.layers.{layer}.{expert_param_name(int(e.group(2)), fc, dims.grouped_experts)}"
         if dims.model_type in MOE_FAMILIES and suffix == f"{_moe_hf(dims).block}.gate.weight":
             return f"decoder.layers.{layer}.mlp.router.weight"
         if dims.is_moe_layer(int(layer)) and suffix == "post_attention_layernorm.weight":
@@ -396,9 +417,9 @@ def global_param_name(local_name: str, layer_offset: int, expert_offset: int = 0
     if not m:
         return local_name
     suffix = m.group(2)
-    e = _EXPERT_RE.match(suffix)
+    e = parse_expert(suffix)
     if e:
-        suffix = f"mlp.experts.local_experts.{int(e.group(1)) + expert_offset}.{e.group(2)}.weight"
+        suffix = expert_param_name(e[0] + expert_offset, e[1], e[2])
     return f"decoder.layers.{int(m.group(1)) + layer_offset}.{suffix}"
 
 
@@ -432,6 +453,10 @@ def global_named_parameters(chunk):
 
 
 def _kind(mcore_name: str, dims: ModelDims) -> str:
+    m = _LAYER_RE.match(mcore_name)
+    e = parse_expert(m.group(2)) if m else None
+    if e:  # an expert's fc1 is column-parallel ([gate; up] per rank), its fc2 row-parallel
+        return "fc1" if e[1] == "linear_fc1" else "row"
     if mcore_name.endswith("linear_qkv.weight") or mcore_name.endswith("linear_qkv.bias"):
         return "qkv"
     if mcore_name.endswith("linear_fc1.weight"):
