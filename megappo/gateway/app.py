@@ -142,11 +142,10 @@ class Gateway:
         except BaseException:
             session.restore(saved)  # a refused or failed request leaves the session as it was
             raise
-        text = self.tokenizer.decode(out.ids, skip_special_tokens=True)
-        if out.stop_string and text.endswith(out.stop_string):  # as OpenAI: content without the stop string
-            text = text[:-len(out.stop_string)]
-        calls = [c for c in parse_calls(text) if c.error is None]
-        reply = {"role": "assistant", "content": strip_calls(text) if calls else text}
+        full = self.tokenizer.decode(out.ids, skip_special_tokens=True)
+        calls = [c for c in parse_calls(full) if c.error is None]  # stop="</tool_call>" ends a call: parse it whole
+        text = full[:-len(out.stop_string)] if out.stop_string and full.endswith(out.stop_string) else full
+        reply = {"role": "assistant", "content": strip_calls(full) if calls else text}  # as OpenAI: no stop string
         if calls:
             reply["tool_calls"] = [{"id": f"call_{secrets.token_hex(6)}", "type": "function",
                                     "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
