@@ -14,9 +14,15 @@ The model (stated so it can be checked by hand):
   weights bf16 2 B/param + fp32 grad buffer 4 B/param (full: DDP reduce-scatters into it)
   + fp32 main params and Adam m, v 12 B/param sharded over dp.  Frozen roles (ref, RM): 2 B/param.
 - Activations (Korthikanti et al. 2022, flash attention, sequence parallel), bf16, per micro-batch:
-  34*s*b*h/tp bytes per layer; with full recompute only the layer input 2*s*b*h/tp is kept (plus one
-  layer's full activations). 1F1B keeps min(pp, micro-batches) micro-batches in flight on stage 0.
-  The last stage also holds fp32 logits (and their grad) s*b*V/tp*4*2 for the actor.
+  34*s*b*h/tp bytes per layer; a MoE layer's MLP (19 of the 34) is replaced by its top-k routed copies of
+  each token: k*(4h + 6f) bytes per token (permuted input and fc2 output bf16, fc1's gated 2f output and the
+  activation's f), f the expert FFN size. With full recompute only the layer input 2*s*b*h/tp is kept (plus
+  one layer's full activations). 1F1B keeps min(pp, micro-batches) micro-batches in flight on stage 0.
+  The last stage also holds the actor's logits and their fp32 log-prob temporaries: the LM head runs on the
+  R response columns only (workers/megatron_step.head_on_outputs), R*b*V/tp logits at 16 B each at the
+  backward's peak, 24 B with the entropy (an entropy bonus): measured with torch.profiler's memory
+  events around models/logprobs.vocab_parallel_logprobs' forward and backward (bf16 logits, fp32 copy,
+  exp, their grads).
 - vLLM (rollout phase): gpu_memory_utilization * GPU memory (weights/rollout_tp + KV cache + workspace).
 - Phases never overlap on a GPU: weight sync, rollout, ref/old-log-prob forward, critic update,
   actor update. A role with `offload: true` is resident only in its own phase (its memory goes back
@@ -130,17 +136,26 @@ def total_params(cfg) -> int:
     return emb * (1 if a.tie_word_embeddings else 2) + layers + a.hidden_size
 
 
+LOGIT_BYTES = 16  # per logit at the actor update's peak (module docstring); +8 with the entropy
+
+
 def activation_bytes(cfg, role_cfg, par, lm_head: bool) -> int:
     a = cfg.model.arch
     s = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     b = role_cfg.micro_batch_size
     h = a.hidden_size
     layers = a.num_layers // par.pp
-    full_layer = 34 * s * b * h // par.tp
+    per_token = 34 * h
+    if moe_layers(a):  # the routed MLP's activations instead of a dense one's (the larger of the two layers)
+        k, f = a.num_experts_per_tok, getattr(a, MOE_FAMILIES[a.family].ffn_key)
+        per_token = max(per_token, 15 * h + k * (4 * h + 6 * f))
+    full_layer = per_token * s * b // par.tp
     per_mb = (layers * 2 * s * b * h // par.tp + full_layer) if role_cfg.recompute_activations else layers * full_layer
     micro_batches = max(1, role_cfg.ppo_mini_batch_size // (par.dp * b))
     in_flight = min(par.pp, micro_batches)
-    logits = s * b * padded_vocab_size(a.vocab_size, par.tp) // par.tp * 4 * 2 if lm_head else 0
+    per_logit = LOGIT_BYTES + (8 if getattr(role_cfg, "entropy_coeff", 0) else 0)
+    logits = cfg.rollout.max_new_tokens * b * padded_vocab_size(a.vocab_size, par.tp) // par.tp * per_logit \
+        if lm_head else 0
     return per_mb * in_flight + logits
 
 

@@ -142,7 +142,7 @@ def test_mixture_of_experts_per_ep_rank_against_hand_calculation():
     assert result["fits"] and result["weight_sync"]["experts_per_rollout_gpu"] == 48 * 128
 
     proc = subprocess.run([sys.executable, "-m", "megappo.cli", "plan", "--config", "configs/ppo_qwen3_30b_a3b.yaml",
-                           "actor.parallel.pp=1", "critic.parallel.pp=1", "ref.parallel.pp=1", "actor.parallel.ep=8",
+                           "actor.micro_batch_size=2", "actor.parallel.pp=1", "critic.parallel.pp=1", "ref.parallel.pp=1", "actor.parallel.ep=8",
                            "critic.parallel.ep=8", "ref.parallel.ep=8"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 1 and "nearest layout that fits: tp=1 pp=2 dp=4 ep=4" in proc.stderr, proc.stderr
 
@@ -199,3 +199,20 @@ def test_lora_adapter_count_equals_apply_lora_on_the_tiny_model(tiny_assets):
     for tp in (1, 2):
         counts = spawn_local(_count_adapters, tp, path, 4, timeout=300)
         assert counts == [lora_params(cfg.model.arch, cfg.actor.lora, tp=tp)] * tp, (tp, counts)
+
+
+def test_moe_activations_and_actor_logits_against_hand_calculation():
+    """Qwen3-30B-A3B (#43): one MoE layer's full activations carry its top-8 routed copies of each token, and
+    the actor's last stage its logits over the R response columns at the measured 16 B (24 with entropy)."""
+    cfg = load_config(REPO / "configs/ppo_qwen3_30b_a3b.yaml", ["actor.micro_batch_size=2"])
+    r = plan(cfg)["roles"]
+    s, b, h = 2048, 2, 2048
+    per_token = 15 * h + 8 * (4 * h + 6 * 768)  # attention + norms, 8 routed copies (expert FFN 768)
+    critic = 2 * (24 * 2 * s * b * h + per_token * s * b)  # recompute: 24 layer inputs + one full layer, 2 in flight
+    assert r["critic"]["activations_gb"] == round(critic / GB, 2)
+    logits = 1024 * b * 151936 * 16  # R x b x V (a multiple of 128 already)
+    assert r["actor"]["activations_gb"] == round((critic + logits) / GB, 2)
+    cfg.actor.entropy_coeff = 0.001
+    assert plan(cfg)["roles"]["actor"]["activations_gb"] == round((critic + logits * 24 // 16) / GB, 2)
+    shipped = plan(load_config(REPO / "configs/ppo_qwen3_30b_a3b.yaml"))
+    assert shipped["fits"] and shipped["peak_gpu_gb"] <= 80 - 5  # the config's stated margin
