@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from megappo.config import ConfigError, load_config
+from megappo.parallel.layout import ParallelLayout
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "ppo_tiny.yaml"
@@ -33,3 +34,148 @@ def test_lora_on_a_moe_model_is_refused_in_one_line(tiny_assets):
     with pytest.raises(ConfigError) as info:
         load_config(REPO / "configs/ppo_tiny_moe.yaml", moe + ["actor.lora.rank=4"])
     assert "routed experts are not adapted yet" in str(info.value) and "\n" not in str(info.value)
+
+
+# ---- the engine: two processes at TP2 (adapter shards split like the base) ------------------------------
+
+LORA = dict(rank=4, alpha=8.0)
+OPTIM = dict(lr=1e-2, adam_eps=1e-6, clip_grad=1.0)
+
+
+def _engine_worker(rank, world, port, path, ckpt, peft_dir):
+    import torch
+    from megatron.core import parallel_state as mpu
+
+    from megappo.models.lora import LoraConfig
+    from megappo.parallel.megatron_init import init_distributed, init_megatron
+    from megappo.workers.megatron_engine import EngineConfig, MegatronEngine, OptimConfig
+    from test_megatron_engine import R, make_batch, pg_loss
+
+    init_distributed(rank, world, "127.0.0.1", port)
+    layout = ParallelLayout(tp=2)
+    b1 = make_batch()
+    b2 = dict(b1, advantages=-b1["advantages"].flip(0))
+    norm = b1["response_mask"].sum().item()
+    out = {}
+
+    def lp(eng, batch=b1):
+        return eng.forward_only(batch, R, 4)["logprobs"]
+
+    def adapters(eng):
+        return {k: v.detach().clone() for c in eng.inner_chunks() for k, v in c.named_parameters() if "lora_" in k}
+
+    init_megatron(layout)
+    out["tp"] = mpu.get_tensor_model_parallel_rank()
+    full = MegatronEngine(path, layout, EngineConfig(optim=OptimConfig(**OPTIM)))
+    out["full_counts"] = full.trained_param_counts()
+    out["plain_lp"] = lp(full)
+    del full
+
+    cfg = EngineConfig(optim=OptimConfig(**OPTIM), lora=LoraConfig(**LORA))
+    init_megatron(layout)
+    eng = MegatronEngine(path, layout, cfg)
+    out["lora_counts"] = eng.trained_param_counts()
+    with eng.base_model():
+        out["ref_lp"] = lp(eng)
+    out["lora_lp0"] = lp(eng)  # B = 0: the adapted model is the base at step 0 (KL 0)
+    base0 = {k: v.detach().clone() for c in eng.inner_chunks() for k, v in c.named_parameters() if "lora_" not in k}
+    eng.train_step(b1, pg_loss, norm, R, 2)
+    eng.save_checkpoint(ckpt)
+    eng.train_step(b2, pg_loss, norm, R, 2)
+    out["straight"] = adapters(eng)
+    out["straight_lp"] = lp(eng)
+    with eng.base_model():
+        out["ref_lp_after"] = lp(eng)
+    out["base_unchanged"] = all(torch.equal(v, dict(c.named_parameters())[k])
+                                for c in eng.inner_chunks() for k, v in base0.items() if k in dict(c.named_parameters()))
+    eng.export_lora_adapter(peft_dir)
+    del eng
+
+    init_megatron(layout)
+    eng = MegatronEngine(path, layout, cfg)
+    eng.load_checkpoint(ckpt)
+    out["resumed_steps"] = eng.steps
+    eng.train_step(b2, pg_loss, norm, R, 2)
+    out["resumed"] = adapters(eng)
+    del eng
+
+    init_megatron(layout)
+    other = MegatronEngine(path, layout, EngineConfig(optim=OptimConfig(**OPTIM), lora=LoraConfig(rank=8, alpha=8.0)))
+    try:
+        other.load_checkpoint(ckpt)
+        out["refusal"] = None
+    except ValueError as e:
+        out["refusal"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tiny_assets, tmp_path_factory):
+    from megappo.parallel.launch import spawn_local
+
+    path = str(tiny_assets["tiny-llama"])
+    tmp = tmp_path_factory.mktemp("lora")
+    res = spawn_local(_engine_worker, 2, path, str(tmp / "step1"), str(tmp / "peft"), timeout=600)
+    return path, tmp, res
+
+
+def test_lora_engine_trains_adapters_only(engine_runs):
+    _, _, res = engine_runs
+    for r in res:
+        full, lora = r["full_counts"], r["lora_counts"]
+        print(f"TP rank {r['tp']}: full {full} | LoRA {lora}")
+        assert lora["params"] > full["params"] and lora["trainable"] == lora["optimizer_params"] < full["params"] / 10
+        assert lora["grad_buffer_bytes"] == 4 * lora["trainable"] < full["grad_buffer_bytes"] / 10
+        assert r["base_unchanged"]
+
+
+def test_reference_is_the_base_with_adapters_off(engine_runs):
+    _, _, res = engine_runs
+    r = res[0]
+    gap = (r["ref_lp"] - r["plain_lp"]).abs().max().item()
+    kl0 = (r["lora_lp0"] - r["ref_lp"]).abs().max().item()
+    moved = (r["straight_lp"] - r["ref_lp"]).abs().max().item()
+    print(f"ref (adapters off) vs plain actor: {gap:.2e}; LoRA vs ref at step 0: {kl0:.2e}; after 2 steps: {moved:.2e}")
+    assert gap <= 1e-6 and kl0 == 0.0 and moved > 1e-3
+    assert (r["ref_lp_after"] - r["ref_lp"]).abs().max().item() <= 1e-6  # training leaves the reference alone
+
+
+def test_adapter_checkpoint_resumes_exactly_and_refuses_another_rank(engine_runs):
+    _, tmp, res = engine_runs
+    ckpt = tmp / "step1"
+    assert (ckpt / "lora.json").exists()
+    size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+    print(f"adapter checkpoint: {size} bytes")
+    for r in res:
+        assert r["resumed_steps"] == 1
+        assert r["straight"].keys() == r["resumed"].keys() and r["straight"]
+        worst = max((r["straight"][k] - r["resumed"][k]).abs().max().item() for k in r["straight"])
+        print(f"TP rank {r['tp']}: adapters resumed vs uninterrupted, max abs diff {worst:.2e}")
+        assert worst <= 1e-6
+        assert r["refusal"] and "rank=4" in r["refusal"] and "rank=8" in r["refusal"] and "\n" not in r["refusal"]
+
+
+def test_exported_peft_adapter_loads_onto_the_hf_base(engine_runs):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from test_megatron_engine import make_batch
+
+    path, tmp, res = engine_runs
+    base = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(tmp / "peft")).eval()
+    b = make_batch()
+    ids, mask = b["input_ids"], b["attention_mask"]
+    r = res[0]["straight_lp"].shape[1]
+    worst, rows = 0.0, 0
+    with torch.no_grad():
+        for i in range(ids.shape[0]):  # each row alone, its real tokens only; rows whose response is all real
+            if not mask[i, -r:].all():
+                continue
+            row = ids[i][mask[i].bool()][None]
+            lp = torch.log_softmax(model(input_ids=row).logits.float(), -1)[0, :-1].gather(-1, row[0, 1:, None])[:, 0]
+            worst, rows = max(worst, (res[0]["straight_lp"][i] - lp[-r:]).abs().max().item()), rows + 1
+    assert rows >= 4
+    print(f"peft on HF vs megatron LoRA log-probs: {worst:.2e}")
+    assert worst <= 1e-4

@@ -37,7 +37,7 @@ import math
 import re
 import zlib
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -176,6 +176,16 @@ class _LoraMixin:
             if gather is None:
                 gather = bool(getattr(self, "gather_output", False))
         return out + self.lora_delta(input_, gather_output=gather).to(out.dtype), bias
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """megatron's checkpoint entries of the base (weight, bias) and of the adapter, each sharded along
+        its own TP dim (column: B along the output like W; row: A along the input like W)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        axes = {"weight": 0, "bias": 0, "lora_B": 0} if self.lora_column else {"weight": 1, "lora_A": 1}
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axes,
+                                                   sharded_offsets, tp_group=self._lora_group,
+                                                   dp_cp_group=(metadata or {}).get("dp_cp_group"))
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
@@ -384,3 +394,51 @@ def load_hf_lora(model, hf: Mapping[str, tuple[torch.Tensor, torch.Tensor]], dim
         mod.lora_B.copy_(b)
         done.append(name)
     return done
+
+
+def gather_hf_lora(model, dims: ModelDims) -> Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """The whole adapter in peft's layout {HF module: (A, B)} on global rank 0 (None elsewhere), from every
+    TP and PP rank's shards (collective over the world; one DP replica's shards are used). Adapters are
+    small (r x (in + out) per linear), so they travel as objects."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    mine = {}
+    if mpu.get_data_parallel_rank() == 0:
+        mine = {name: (mpu.get_tensor_model_parallel_rank(), m.lora_A.detach().cpu(), m.lora_B.detach().cpu())
+                for name, m in iter_lora_modules(model)}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() != 0:
+        return None
+    shards: dict = {}
+    for part in everyone:
+        for name, (tp_rank, a, b) in part.items():
+            shards.setdefault(name, {})[tp_rank] = (a, b)
+    out = {}
+    for name, by_tp in shards.items():
+        ranks = sorted(by_tp)
+        out.update(megatron_lora_to_hf(name, [by_tp[r][0] for r in ranks], [by_tp[r][1] for r in ranks], dims))
+    return out
+
+
+def save_peft_adapter(hf: Mapping[str, tuple[torch.Tensor, torch.Tensor]], cfg: LoraConfig, base_path, out) -> None:
+    """Write a peft adapter dir (adapter_config.json + adapter_model.safetensors) that
+    `peft.PeftModel.from_pretrained(<HF base>, out)` loads: the HF modules' (A, B) in peft's key names."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for mod, (a, b) in hf.items():
+        tensors[f"base_model.model.{mod}.lora_A.weight"] = a.contiguous()
+        tensors[f"base_model.model.{mod}.lora_B.weight"] = b.contiguous()
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    targets = sorted({m.rsplit(".", 1)[-1] for m in hf})
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_path), "r": cfg.rank,
+        "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "target_modules": targets, "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True}, indent=1))

@@ -212,7 +212,9 @@ def _snapshot(buckets: list, preload_fn, live: set) -> list:
             for file, key, (bytes_data, tensors) in buckets]
 
 
-def load(path, engine, load_optimizer: bool = True) -> None:
+def load(path, engine, load_optimizer: bool = True, strict: bool = True) -> None:
+    """strict=False: the checkpoint holds part of the model only (a LoRA engine's adapters; the rest is
+    already loaded from the HF base)."""
     import megatron.core
     from megatron.core import dist_checkpointing
 
@@ -234,10 +236,10 @@ def load(path, engine, load_optimizer: bool = True) -> None:
     loaded = dist_checkpointing.load(sd, str(path))
     chunks = engine.inner_chunks()
     if len(chunks) == 1:
-        chunks[0].load_state_dict(loaded.get("model", loaded.get("model0")), strict=True)
+        chunks[0].load_state_dict(loaded.get("model", loaded.get("model0")), strict=strict)
     else:
         for i, c in enumerate(chunks):
-            c.load_state_dict(loaded[f"model{i}"], strict=True)
+            c.load_state_dict(loaded[f"model{i}"], strict=strict)
     if opt is not None:
         opt.load_state_dict(loaded["optimizer"])
         for o in dopts:

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from megappo.parallel.layout import ParallelLayout
-from megappo.parallel.weight_mapping import ModelDims, global_named_parameters, hf_names, megatron_shard_hf_slices, \
+from megappo.parallel.weight_mapping import ModelDims, hf_names, megatron_shard_hf_slices, \
     megatron_shards_to_hf, routed_expert, tp_split_dim
 
 
@@ -124,12 +124,7 @@ class Resharder:
         self._borrowed: dict = {}  # collective transport: other EP ranks' experts of the current bucket
 
         # this rank's params by global name (tied output layer: the embedding is the one sent)
-        self._local = {}
-        for c in chunks:
-            for name, p in global_named_parameters(c):
-                if name == "output_layer.weight" and dims.tied_embeddings:
-                    continue
-                self._local[name] = p
+        self._local = self._collect()
         # one transfer dtype: the one most elements have (bf16 mixed precision keeps a few params, e.g.
         # norms of the local spec, in fp32; they travel cast, as vLLM holds them in its dtype anyway)
         by_dtype: dict = {}
@@ -160,6 +155,15 @@ class Resharder:
                 self._plan = shm_plan
                 self._slot_layouts = layouts  # per bucket, fixed for the resharder's life
         self.transport = "shm" if self._shm is not None else "collective"
+
+    def _collect(self) -> dict:
+        """This rank's (global name -> shard) to send, read again at every sync: the chunks' parameters,
+        each LoRA-adapted linear's weight merged (W + scaling * B @ A, computed now; models/lora.py), the
+        adapters' own parameters left out. The tied output layer: the embedding is the one sent."""
+        from megappo.models.lora import merged_named_parameters
+
+        return {name: p for name, p in merged_named_parameters(self.chunks)
+                if not (name == "output_layer.weight" and self.dims.tied_embeddings)}
 
     # ---- plan ------------------------------------------------------------------------------------
 
@@ -340,6 +344,7 @@ class Resharder:
         """Yield every bucket on every rank (collective). `corrupt(bucket)` is a test hook that may
         modify a bucket's tensors after the fingerprints were taken (simulating corruption in flight)."""
         t0 = time.perf_counter()
+        self._local = self._collect()  # the same names and shapes; a LoRA engine's freshly merged values
         names = self.hf_name_list()
         index = {n: i for i, n in enumerate(names)}
         fp = torch.zeros(2 * len(names), dtype=torch.float64, device="cpu")

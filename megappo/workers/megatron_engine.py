@@ -39,6 +39,8 @@ Metrics returned by loss_fn are summed the same way (over micro-batches and DP r
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +53,7 @@ from megappo.config.schema import OptimConfig
 from megappo.models.gpt import build_gpt_chunks, build_transformer_config, load_hf_config, use_transformer_engine, \
     load_hf_weights
 from megappo.models.expert_load import ExpertLoad
+from megappo.models.lora import LoraConfig, apply_lora, is_lora_param, lora_disabled, merged_named_parameters
 from megappo.parallel.cpu_compat import causal_mask
 from megappo.parallel.layout import ParallelLayout
 from megappo.parallel.megatron_init import resolve_device
@@ -60,6 +63,17 @@ from megappo.workers.megatron_step import right_align
 from megappo.workers.offload import HostOffload
 
 HEADS = ("lm", "value")
+LORA_META = "lora.json"  # in an adapter checkpoint: rank, alpha, targets and the base it belongs to
+
+
+def base_identity(model_path) -> str:
+    """A short hash of a HF model dir's config.json and its weight files' names and sizes: an adapter
+    checkpoint belongs to this base (cheap: no weight is read)."""
+    p = Path(model_path)
+    h = hashlib.sha256((p / "config.json").read_bytes() if (p / "config.json").exists() else b"")
+    for f in sorted(p.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
 
 
 @dataclass
@@ -83,6 +97,18 @@ class EngineConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float = 0.0
     moe_token_dispatcher: str = "alltoall"
+    # LoRA (models/lora.py; actor only): adapters on the frozen base, applied after the HF weights load and
+    # before DDP and the optimizer (the base gets no grad buffer and no optimizer state). None = off
+    lora: Optional[LoraConfig] = None
+
+
+def lora_config_from(cfg) -> Optional[LoraConfig]:
+    """actor.lora as a models/lora.LoraConfig (A's init seeded by trainer.seed); None when rank is 0."""
+    lo = cfg.actor.lora
+    if not lo.rank:
+        return None
+    return LoraConfig(rank=int(lo.rank), alpha=float(lo.alpha), dropout=float(lo.dropout),
+                      target_modules=list(lo.target_modules), init=str(lo.init), seed=int(cfg.trainer.seed))
 
 
 def engine_config_from(cfg, role: str) -> EngineConfig:
@@ -107,6 +133,7 @@ def engine_config_from(cfg, role: str) -> EngineConfig:
         moe_aux_loss_coeff=float(cfg.model.moe.aux_loss_coeff),
         moe_z_loss_coeff=float(cfg.model.moe.z_loss_coeff),
         moe_token_dispatcher=cfg.model.moe.token_dispatcher,
+        lora=lora_config_from(cfg) if role == "actor" else None,
     )
 
 
@@ -175,6 +202,12 @@ class MegatronEngine:
         from_dist_ckpt = is_dist_checkpoint(model_path)
         self.value_head_initialised = [] if from_dist_ckpt else \
             load_hf_weights(chunks, model_path, self.dims, self.tp_rank, layout.tp)
+        self.lora = self.config.lora
+        if self.lora is not None:  # before DDP / the optimizer: they skip the frozen base (requires_grad False)
+            if self.config.optim is None:
+                raise ValueError("EngineConfig.lora needs a training engine (optim set): a forward-only LoRA engine "
+                                 "would run untrained adapters")
+            apply_lora(chunks, self.lora)
         self.optimizer = None
         self.scheduler = None
         self.steps = 0
@@ -445,9 +478,46 @@ class MegatronEngine:
 
     @torch.no_grad()
     def named_parameters_global(self):
-        """(global megatron name, this rank's shard) over all chunks (for resharding / tests)."""
+        """(global megatron name, this rank's shard) over all chunks (for resharding, weight sync, export):
+        the model's own weights in HF-mappable names. With LoRA: the base with each adapted linear's weight
+        merged (W + scaling * B @ A), the adapters' own parameters not listed (models/lora.py)."""
+        if self.lora is not None:
+            yield from merged_named_parameters(self.inner_chunks())
+            return
         for c in self.inner_chunks():
             yield from global_named_parameters(c)
+
+    def base_model(self):
+        """A context in which the engine's forwards run the base model (LoRA adapters off): the PPO
+        reference of a LoRA actor. A no-op context without LoRA."""
+        return lora_disabled(self.inner_chunks()) if self.lora is not None else contextlib.nullcontext()
+
+    def export_lora_adapter(self, out) -> None:
+        """Write the trained adapter as a peft adapter dir (collective; global rank 0 writes): loads onto the
+        HF base with peft.PeftModel.from_pretrained(base, out)."""
+        from megappo.models.lora import gather_hf_lora, save_peft_adapter
+
+        if self.lora is None:
+            raise ValueError("export_lora_adapter: this engine has no LoRA adapters (actor.lora.rank=0)")
+        with self.resident(parts=["params"]):
+            hf = gather_hf_lora(self.inner_chunks(), ModelDims.from_hf_config(self.hf_config, tp=self.layout.tp))
+        if hf is not None:
+            save_peft_adapter(hf, self.lora, self.model_path, out)
+
+    def trained_param_counts(self) -> dict:
+        """Parameters (this rank) in the model, in the optimizer, and the grad buffers' bytes: what LoRA saves."""
+        params = sum(p.numel() for c in self.inner_chunks() for p in c.parameters())
+        trained = sum(p.numel() for c in self.inner_chunks() for p in c.parameters() if p.requires_grad)
+        grad_bytes = 0
+        for m in self.model:
+            for buf in getattr(m, "buffers", None) if isinstance(getattr(m, "buffers", None), list) else []:
+                grad_bytes += buf.grad_data.numel() * buf.grad_data.element_size()
+        in_optim = 0
+        if self.optimizer is not None:
+            for o in getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]:
+                for g in getattr(o, "optimizer", o).param_groups:
+                    in_optim += sum(p.numel() for p in g["params"])
+        return {"params": params, "trainable": trained, "optimizer_params": in_optim, "grad_buffer_bytes": grad_bytes}
 
     # ---- checkpoints -----------------------------------------------------------------------------
 
@@ -459,6 +529,8 @@ class MegatronEngine:
         else:
             for i, c in enumerate(chunks):
                 model_sd[f"model{i}"] = c.sharded_state_dict()
+        if self.lora is not None:  # the adapters only: the frozen base comes from model.path
+            model_sd = {k: {n: t for n, t in v.items() if is_lora_param(n)} for k, v in model_sd.items()}
         sd = dict(model_sd)
         if self.optimizer is not None:
             from megappo.parallel import dist_checkpoint
@@ -481,6 +553,32 @@ class MegatronEngine:
         self.finish_save()
         with self.resident():
             self._pending_save = dist_checkpoint.save(path, self._sharded_state_dict(is_loading=False), background)
+        if self.lora is not None and dist.get_rank() == 0:  # after the save (which starts from an empty dir)
+            (Path(path) / LORA_META).write_text(json.dumps(self._lora_meta(), indent=1))
+
+    def _lora_meta(self) -> dict:
+        """What an adapter checkpoint is only valid with: the adapter's shape and the base it was trained on."""
+        lo = self.lora
+        return {"rank": lo.rank, "alpha": float(lo.alpha), "target_modules": list(lo.target_modules),
+                "base": base_identity(self.model_path)}
+
+    def _check_lora_checkpoint(self, path) -> None:
+        """An adapter checkpoint for another base or adapter shape, or a full one for a LoRA engine (or the
+        reverse), refused in one line before megatron's loader reports a shape mismatch."""
+        meta_file = Path(path) / LORA_META
+        if self.lora is None:
+            if meta_file.exists():
+                raise ValueError(f"{path} holds LoRA adapters only ({LORA_META}); load it with the same actor.lora")
+            return
+        if not meta_file.exists():
+            raise ValueError(f"{path} is not a LoRA adapter checkpoint (no {LORA_META}): it was saved with "
+                             "actor.lora.rank=0; resume with that, or start the LoRA run afresh")
+        saved, want = json.loads(meta_file.read_text()), self._lora_meta()
+        diff = [k for k in want if saved.get(k) != want[k]]
+        if diff:
+            raise ValueError(f"{path}: the adapter checkpoint's {', '.join(f'{k}={saved.get(k)!r}' for k in diff)} "
+                             f"!= this run's {', '.join(f'{k}={want[k]!r}' for k in diff)}; resume with the "
+                             "model.path and actor.lora it was saved with")
 
     def finish_save(self) -> None:
         """Wait for a background save's files and write its metadata (a no-op when none is pending)."""
@@ -492,5 +590,6 @@ class MegatronEngine:
         from megappo.parallel import dist_checkpoint
 
         self.finish_save()
+        self._check_lora_checkpoint(path)
         with self.resident():
-            dist_checkpoint.load(path, self, load_optimizer=load_optimizer)
+            dist_checkpoint.load(path, self, load_optimizer=load_optimizer, strict=self.lora is None)
