@@ -411,16 +411,24 @@ def test_ppo_run_with_your_own_openai_sdk_agent(ray_session, tiny_assets, data_d
         assert 0 < errors < rows and h["rollout/agent_requests_mean"] == pytest.approx(2 * (1 - errors / rows))
         assert h["objective/scores"] == pytest.approx(0.5 * (1 - errors / rows))  # the agent's reward; 0 if it failed
         assert h["rollout/agent_own_prompt"] == rows - errors  # tools= changed the prompt: trained as sent
+        assert h["rollout/agent_fallbacks"] == 0 and h["rollout/agent_timeouts"] == 0
         assert h["rollout/weights_fingerprint_ok"] == 1.0
+        width = b["prompts"].shape[1]
         for i in range(rows):
-            if b["response_mask"][i].sum() == 0:
+            if b["response_mask"][i].sum() == 0:  # a failed agent's sample: nothing trained
                 continue
-            prompt = b["prompts"][i][b["attention_mask"][i, :b["prompts"].shape[1]].bool()].tolist()
-            resp_attn = b["attention_mask"][i, b["prompts"].shape[1]:].bool()
-            model = b["responses"][i][b["response_mask"][i].bool()].tolist()
-            assert int(resp_attn.sum()) > int(b["response_mask"][i].sum())  # the tool result: attended, not trained
-            trained.append((tuple(prompt), tuple(model)))
-    for s in sessions:
-        expected.append((tuple(s[0]["prompt"]), tuple(s[0]["sampled"] + s[1]["sampled"])))
-    assert sorted(trained) == sorted(expected)  # token in, token out: nothing re-tokenised
+            prompt = b["prompts"][i][b["attention_mask"][i, :width].bool()].tolist()
+            n = int(b["attention_mask"][i, width:].sum())  # right-padded response: its attended tokens
+            trained.append((tuple(prompt), tuple(b["responses"][i, :n].tolist()),
+                            tuple(b["response_mask"][i, :n].tolist())))
+    for first, second in sessions:
+        sent = first["prompt"] + first["sampled"]
+        assert second["prompt"][:len(sent)] == sent  # the second request continues the sampled ids as sampled
+        tool = second["prompt"][len(sent):]  # the tool result (and the turn's closing) as the template renders it
+        assert tool
+        expected.append((tuple(first["prompt"]), tuple(first["sampled"] + tool + second["sampled"]),
+                         (1,) * len(first["sampled"]) + (0,) * len(tool) + (1,) * len(second["sampled"])))
+    # token identity: trained prompt = the gateway's rendering of the first request, response = the sampled ids
+    # and the tool result's tokens between them, only the sampled ids trained (response_mask)
+    assert sorted(trained) == sorted(expected)
     assert history[0]["rollout/logprob_diff_max"] < 1e-4
