@@ -159,6 +159,12 @@ class ActorConfig:
     # rollout/logprob_diff_max); in bf16 or with another kernel the ratio starts off 1 by that gap.
     # Without the recompute there is no pi_old entropy (objective/entropy, policy/entropy_avg absent).
     use_rollout_log_probs: bool = False
+    # ppo: clipped around pi_old, with truncated IS min(pi_old / pi_rollout, 2) when the sampler's log-probs
+    # are there. decoupled: decoupled PPO (AReaL) for stale samples (trainer.mode=fully_async): clipped
+    # around the proximal policy (pi_old, recomputed before the update), each token weighted by
+    # pi_prox / pi_behav (the policy version that sampled it), truncated at behav_imp_weight_cap (null = not)
+    policy_loss: str = "ppo"
+    behav_imp_weight_cap: Optional[float] = None
     # sequence packing: each micro-batch's rows as one sequence of real tokens (no padding computed;
     # attention kept within each row; equal to the padded path within fp32 rounding). CPU: megatron's
     # local attention with a block-causal mask (memory: tokens^2 per micro-batch). Not yet with TE.
@@ -389,6 +395,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "critic.optim.lr_schedule": LR_SCHEDULES,
     "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "actor.kl_loss_type": KL_ESTIMATORS,
+    "actor.policy_loss": ("ppo", "decoupled"),
     "actor.lora.init": LORA_INITS,
     "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
                                 "remax", "gpg", "opo", "grpo_passk"),

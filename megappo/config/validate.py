@@ -227,10 +227,25 @@ def _check_algorithm(cfg) -> None:
         if v is not None and not 0 < v < (1 if side == "clip_ratio_low" else float("inf")):
             raise ConfigError(f"actor.{side}={v} must be in (0, {'1' if side == 'clip_ratio_low' else 'inf'}); "
                               "null = actor.clip_ratio")
+    _check_policy_loss(cfg.actor)
     r = cfg.reward
     if r.overlong_buffer_len and not 0 < r.overlong_buffer_len <= cfg.rollout.max_new_tokens:
         raise ConfigError(f"reward.overlong_buffer_len={r.overlong_buffer_len} must be in (0, rollout.max_new_tokens="
                           f"{cfg.rollout.max_new_tokens}]; 0 turns the length penalty off")
+
+
+def _check_policy_loss(actor) -> None:
+    """actor.policy_loss=decoupled needs a proximal forward apart from the sampler's log-probs; its cap only with it."""
+    cap = actor.behav_imp_weight_cap
+    if cap is not None and actor.policy_loss != "decoupled":
+        raise ConfigError("actor.behav_imp_weight_cap weights the decoupled loss; set actor.policy_loss=decoupled "
+                          "or leave the cap null")
+    if cap is not None and not cap >= 1:
+        raise ConfigError(f"actor.behav_imp_weight_cap={cap} must be >= 1 (a cap below 1 down-weights on-policy "
+                          "tokens); null = not truncated")
+    if actor.policy_loss == "decoupled" and actor.use_rollout_log_probs:
+        raise ConfigError("actor.policy_loss=decoupled clips around a recomputed proximal policy; "
+                          "set actor.use_rollout_log_probs=false")
 
 
 def _check_agent(cfg) -> None:

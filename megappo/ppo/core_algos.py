@@ -512,6 +512,39 @@ def compute_policy_loss(
     return loss, clipfrac.detach(), approx_kl, dual_clipfrac.detach()
 
 
+def compute_decoupled_policy_loss(
+    proximal_log_prob: torch.Tensor,
+    behaviour_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    behav_imp_weight_cap: float | None = None,
+    **ppo: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy optimization"; AReaL, Fu et al. 2025):
+    the policy that sampled a token (behaviour, pi_behav: `rollout_log_probs`, of whatever version generated
+    that token) is kept apart from the policy the update is clipped around (proximal, pi_prox:
+    `old_log_probs`, the trainer's forward over the batch just before this update). Per token t:
+
+        r_t = pi_theta / pi_prox                            (the PPO ratio, clipped as in compute_policy_loss)
+        w_t = min(pi_prox / pi_behav, behav_imp_weight_cap) (the behaviour weight; cap None = not truncated)
+        l_t = w_t * max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high))   (dual clip as compute_policy_loss)
+
+    w_t is detached: gradients flow through pi_theta only. With pi_behav == pi_prox, w_t = 1 and this is
+    plain PPO. A sample generated across weight updates (fully async) has a different pi_behav per token, so
+    w_t is per token. `ppo` are compute_policy_loss's keyword arguments (clip ranges, agg mode, normalizer).
+    Returns compute_policy_loss's four values plus metrics: behav_weight_mean, behav_capped_frac."""
+    mask = response_mask.to(log_prob.dtype)
+    proximal_log_prob, behaviour_log_prob = proximal_log_prob.detach(), behaviour_log_prob.detach()
+    ratio = torch.exp((proximal_log_prob - behaviour_log_prob).clamp(-20.0, 20.0))
+    weight = ratio if behav_imp_weight_cap is None else ratio.clamp(max=behav_imp_weight_cap)
+    capped = torch.zeros_like(ratio) if behav_imp_weight_cap is None else (ratio > behav_imp_weight_cap).to(mask.dtype)
+    out = compute_policy_loss(proximal_log_prob, log_prob, advantages, response_mask,
+                              importance_weights=weight * mask, **ppo)
+    metrics = {"behav_weight_mean": masked_mean(weight, mask), "behav_capped_frac": masked_mean(capped, mask)}
+    return (*out, metrics)
+
+
 def clip_higher_kept_frac(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                           response_mask: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
     """What DAPO's clip-higher changed: the fraction of tokens that symmetric clipping, [1 - eps_low,

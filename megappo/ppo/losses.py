@@ -27,7 +27,9 @@ from megappo.ppo import core_algos as algos
 @dataclass(frozen=True)
 class PolicyLoss:
     """Clipped surrogate (+ dual clip), truncated IS when `rollout_log_probs` are in the batch,
-    optional entropy bonus and KL-to-reference loss (actor.* keys of the config)."""
+    optional entropy bonus and KL-to-reference loss (actor.* keys of the config).
+    policy_loss=decoupled: decoupled PPO (core_algos.compute_decoupled_policy_loss), clipped around
+    `old_log_probs` (proximal) and weighted by old / rollout (behaviour) truncated at behav_imp_weight_cap."""
 
     clip_ratio: float = 0.2
     clip_ratio_low: Optional[float] = None  # DAPO clip-higher: [1 - low, 1 + high]; None = clip_ratio
@@ -38,6 +40,8 @@ class PolicyLoss:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "k3"
+    policy_loss: str = "ppo"  # ppo | decoupled (CHOICES["actor.policy_loss"])
+    behav_imp_weight_cap: Optional[float] = None
     name: str = "actor"  # metric prefix
 
     @classmethod
@@ -45,11 +49,13 @@ class PolicyLoss:
         return cls(clip_ratio=actor.clip_ratio, clip_ratio_low=actor.clip_ratio_low,
                    clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode,
                    entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss,
-                   kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type)
+                   kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
+                   policy_loss=actor.policy_loss, behav_imp_weight_cap=actor.behav_imp_weight_cap)
 
     @property
     def required_keys(self) -> list[str]:
-        return ["old_log_probs", "advantages", "response_mask"] + (["ref_log_prob"] if self.use_kl_loss else [])
+        return (["old_log_probs", "advantages", "response_mask"] + (["ref_log_prob"] if self.use_kl_loss else [])
+                + (["rollout_log_probs"] if self.policy_loss == "decoupled" else []))
 
     optional_keys = ("rollout_log_probs",)
 
@@ -63,13 +69,19 @@ class PolicyLoss:
 
     def __call__(self, outs: dict, mb: dict, norm: float, n_tokens: float) -> tuple[torch.Tensor, dict]:
         mask = mb["response_mask"]
-        weights = None
-        if "rollout_log_probs" in mb:
-            weights, _ = algos.compute_importance_weights(mb["old_log_probs"], mb["rollout_log_probs"], mask)
-        pg, clipfrac, approx_kl, dual = algos.compute_policy_loss(
-            mb["old_log_probs"], outs["logprobs"], mb["advantages"], mask, self.clip_ratio, self.clip_ratio_c,
-            self.loss_agg_mode, normalizer=1.0, importance_weights=weights, clip_ratio_low=self.clip_ratio_low,
-            clip_ratio_high=self.clip_ratio_high)
+        ppo = dict(clip_ratio=self.clip_ratio, clip_ratio_c=self.clip_ratio_c, loss_agg_mode=self.loss_agg_mode,
+                   normalizer=1.0, clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high)
+        behav = {}
+        if self.policy_loss == "decoupled":
+            pg, clipfrac, approx_kl, dual, behav = algos.compute_decoupled_policy_loss(
+                mb["old_log_probs"], mb["rollout_log_probs"], outs["logprobs"], mb["advantages"], mask,
+                self.behav_imp_weight_cap, **ppo)
+        else:
+            weights = None
+            if "rollout_log_probs" in mb:
+                weights, _ = algos.compute_importance_weights(mb["old_log_probs"], mb["rollout_log_probs"], mask)
+            pg, clipfrac, approx_kl, dual = algos.compute_policy_loss(
+                mb["old_log_probs"], outs["logprobs"], mb["advantages"], mask, importance_weights=weights, **ppo)
         loss = pg
         share = float(mask.sum()) / max(n_tokens, 1.0)  # token-weighted means sum to the mini-batch mean
         p = self.name
@@ -79,6 +91,7 @@ class PolicyLoss:
         metrics = {f"{p}/pg_loss": pg.detach() / norm, f"{p}/pg_clipfrac": clipfrac * share,
                    f"{p}/ppo_kl": ppo_kl * share, f"{p}/approx_kl": approx_kl.detach() * share,
                    f"{p}/pg_clipfrac_lower": dual * share}
+        metrics.update({f"{p}/{k}": v * share for k, v in behav.items()})
         eps_low = self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
         if self.clip_ratio_high is not None and self.clip_ratio_high > eps_low:  # clip-higher: what it let through
             metrics[f"{p}/clip_higher_kept_frac"] = share * algos.clip_higher_kept_frac(
