@@ -1,0 +1,87 @@
+"""trainer.mode=fully_async (#39): the staleness manager on random schedules (pure, fast)."""
+
+import random
+
+import pytest
+import torch
+
+from megappo.ppo.staleness import StalenessManager, select_batch, version_stats
+
+
+def _simulate(batch_size: int, max_staleness: int, steps: int, seed: int, max_concurrent=None):
+    """A driver loop over random generation times: admit under the manager, finish samples in random order,
+    train a batch whenever select_batch gives one. Returns each trained sample's staleness and the peak of
+    samples started but not consumed."""
+    rng = random.Random(seed)
+    m = StalenessManager(batch_size, max_staleness, max_concurrent)
+    running, done, lags, peak, nxt = {}, {}, [], 0, 0
+    while m.version < steps:
+        for _ in range(m.capacity()):
+            running[nxt] = (m.version, rng.randint(1, 20))  # (start version, ticks left)
+            m.on_start()
+            nxt += 1
+        peak = max(peak, m.started - m.consumed)
+        for k in list(running):  # one tick of generation
+            v0, left = running[k]
+            if left <= 1 or rng.random() < 0.1:
+                done[k] = running.pop(k)[0]
+                m.on_finish()
+            else:
+                running[k] = (v0, left - 1)
+        batch = select_batch(done, [v0 for v0, _ in running.values()], m.version, batch_size, max_staleness)
+        if batch is not None:
+            lags += [m.version - done.pop(k) for k in batch]
+            m.on_consume(len(batch))
+            m.on_update()
+    return lags, peak, m
+
+
+@pytest.mark.parametrize("s", [0, 1, 2, 4])
+@pytest.mark.parametrize("seed", range(5))
+def test_admission_bounds_the_staleness_of_every_trained_sample(s, seed):
+    lags, peak, m = _simulate(batch_size=3, max_staleness=s, steps=12, seed=seed)
+    assert len(lags) == 12 * 3 and max(lags) <= s
+    assert peak <= (s + 1) * 3  # never more than s + 1 batches started and not consumed
+    if s == 0:
+        assert set(lags) == {0}  # on-policy only
+
+
+def test_staleness_occurs_under_a_bound_of_one():
+    """The bound is not vacuous: with s=1 some samples do train one version late."""
+    assert any(max(_simulate(3, 1, 12, seed)[0]) == 1 for seed in range(5))
+
+
+def test_zero_staleness_admits_one_batch_at_a_time():
+    m = StalenessManager(batch_size=4, max_staleness=0)
+    assert m.capacity() == 4
+    m.on_start(4)
+    assert m.capacity() == 0
+    m.on_finish(4)
+    m.on_consume(4)
+    assert m.capacity() == 0  # not before the update
+    m.on_update()
+    assert m.capacity() == 4
+    with pytest.raises(RuntimeError, match="capacity"):
+        m.on_start(5)
+    assert StalenessManager(4, 2, max_concurrent=6).capacity() == 6
+
+
+def test_select_batch_waits_for_due_samples_and_takes_oldest_first():
+    assert select_batch({"a": 1, "b": 0}, [], version=1, batch_size=3, max_staleness=1) is None  # too few
+    # "c" started at 0 is still running and due at version 0 + 1: wait even with enough done
+    assert select_batch({"a": 1, "b": 1, "d": 1}, [0], version=1, batch_size=2, max_staleness=1) is None
+    assert select_batch({"a": 2, "b": 0, "d": 1}, [2], version=2, batch_size=2, max_staleness=1) == ["b", "d"]
+
+
+def test_version_stats_by_hand():
+    # trained at version 3; row 0 sampled at 1,1,2 (crossed one update at its last token); row 1 at 3,3 (+pad);
+    # row 2 at 0 (3 behind: over a bound of 2)
+    tv = torch.tensor([[1, 1, 2], [3, 3, 0], [0, 0, 0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]])
+    m = version_stats(tv, mask, version=3, max_staleness=2)
+    assert m["async/staleness_mean"] == pytest.approx((2 + 2 + 1 + 0 + 0 + 3) / 6)
+    assert m["async/staleness_max"] == 3
+    assert m["async/sample_staleness_mean"] == pytest.approx((2 + 0 + 3) / 3)
+    assert m["async/sample_staleness_max"] == 3
+    assert m["async/cross_update_token_frac"] == pytest.approx(1 / 6)
+    assert m["async/over_bound"] == 1
