@@ -1,14 +1,15 @@
 """Padding vs packing on a long-tailed batch: the real model's own samples (vLLM, temperature 1.0, up to
 --max-new-tokens) scored and trained by MegatronEngine three ways: padded (today's default), packed
 (pack_sequences: micro_batch_size rows per packed micro-batch), packed + token budget
-(max_tokens_per_micro_batch), and packed_budget_rows: the budget variant with the former packed
-attention (one SDPA call per row in fp32, models/packed_attention.IMPL = "rows") for a before / after in
-one run. Prints one JSON object: the batch's length spread, and per variant the log-prob forward, the
+(max_tokens_per_micro_batch), and for before / after in one run: packed_budget_rows, the budget variant
+with the former packed attention (one SDPA call per row in fp32, models/packed_attention.IMPL = "rows"),
+and packed_budget_full_window, the budget variant with every micro-batch's LM / value head over the
+batch's longest response R instead of its own (workers/packing.TRIM_RESPONSES = False). Prints one JSON object: the batch's length spread, and per variant the log-prob forward, the
 actor update and the critic update times and tokens computed / real.
 
     .venv/bin/python bench/packing.py [--model assets/smollm2-135m-instruct] [--responses 64]
         [--max-new-tokens 512] [--micro-batch-size 4] [--max-tokens 2048] [--dtype bf16] [--batch FILE]
-        [--variants padded,packed,packed_budget,packed_budget_rows] [--heads lm,value]
+        [--variants padded,packed,packed_budget,packed_budget_rows,packed_budget_full_window] [--heads lm,value]
 
 The batch is generated once and kept in --batch (safetensors; reused when present); --synthetic makes a
 timing stand-in without vLLM instead (random token ids, prompts of 55-74 tokens, response lengths
@@ -65,7 +66,7 @@ def make_batch(model: str, responses: int, max_new_tokens: int, dtype: str, out:
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
-VARIANTS = ("padded", "packed", "packed_budget", "packed_budget_rows")
+VARIANTS = ("padded", "packed", "packed_budget", "packed_budget_rows", "packed_budget_full_window")
 
 
 def make_synthetic_batch(responses: int, max_new_tokens: int, out: Path) -> None:
@@ -97,6 +98,7 @@ def _worker(rank, world, port, model, batch_path, dtype, mbs, max_tokens, reps, 
     from megappo.models import packed_attention
     from megappo.parallel.layout import ParallelLayout
     from megappo.parallel.megatron_init import destroy, init_distributed, init_megatron
+    from megappo.workers import packing
     from megappo.workers.megatron_engine import EngineConfig, MegatronEngine, OptimConfig
 
     init_distributed(rank, world, "127.0.0.1", port)
@@ -117,12 +119,13 @@ def _worker(rank, world, port, model, batch_path, dtype, mbs, max_tokens, reps, 
 
     variants = {"padded": {}, "packed": {"pack_sequences": True},
                 "packed_budget": {"pack_sequences": True, "max_tokens_per_micro_batch": max_tokens}}
-    variants["packed_budget_rows"] = variants["packed_budget"]
+    variants["packed_budget_rows"] = variants["packed_budget_full_window"] = variants["packed_budget"]
     report = {}
     for name in names:
         kw = variants[name]
         packed_attention.IMPL = "rows" if name.endswith("_rows") else "auto"
         packed_attention.COMPUTE_DTYPE = "fp32" if name.endswith("_rows") else None
+        packing.TRIM_RESPONSES = not name.endswith("_full_window")
         row = {}
         for head, loss in (("lm", pg), ("value", vf)):
             if head not in heads:

@@ -471,3 +471,69 @@ def test_segment_spans():
 
     assert segment_spans(torch.tensor([0, 0, 0, 1, 1, 2, -1, -1])) == [(0, 3), (3, 5), (5, 6), (6, 8)]
     assert segment_spans(torch.tensor([4])) == [(0, 1)] and segment_spans(torch.tensor([], dtype=torch.long)) == []
+
+
+def _short_responses_batch():
+    """8 rows of left-padded prompts (5-10 tokens) and right-padded responses of 1-6 tokens (R = 6): packed
+    micro-batches whose own longest response is shorter than R."""
+    prompts, responses = [10, 8, 6, 10, 9, 7, 10, 5], [6, 1, 2, 6, 3, 1, 5, 2]
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 1000, (B, S), generator=g)
+    mask = torch.zeros(B, S, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        mask[i, S - R - p:S - R + r] = 1
+    return {"input_ids": ids, "attention_mask": mask, "advantages": torch.randn(B, R, generator=g),
+            "response_mask": mask[:, -R:].float()}
+
+
+def _short_responses_worker(rank, world, port, path):
+    from megappo.parallel.megatron_init import init_distributed, init_megatron
+    from megappo.workers.megatron_engine import EngineConfig, MegatronEngine, OptimConfig
+
+    init_distributed(rank, world, "127.0.0.1", port)
+    layout = ParallelLayout()
+    init_megatron(layout)
+    batch = _short_responses_batch()
+    norm = batch["response_mask"].sum().item()
+    report = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, kw in {"padded": {}, "packed": {"pack_sequences": True},
+                         "budget": {"pack_sequences": True, "max_tokens_per_micro_batch": 20}}.items():
+            eng = MegatronEngine(path, layout, EngineConfig(head="lm", optim=OptimConfig(**OPTIM), params_dtype=dtype,
+                                                            **kw))
+            fwd = eng.forward_only(batch, response_length=R, micro_batch_size=2)
+            metrics = eng.train_step(batch, pg_loss, norm, response_length=R, micro_batch_size=2)
+            report[(str(dtype), name)] = {"fwd": fwd, "metrics": metrics}
+    return report
+
+
+def test_packed_short_response_windows_equal_the_padded_path_fp32_and_bf16(tiny_assets):
+    """Each packed micro-batch runs its head over its own longest response, not the batch's R (#41): the
+    windows here are 6, 6, 3, 5 (2 rows each) and 6, 6, 5, 3, 1, 2 (20-token budget). Log-probs, entropy
+    (padded back to R) and the update equal the padded path's: fp32
+    within 1e-5 (test_packed_sequences_equal_the_padded_path's tolerance), bf16 log-probs within
+    tools/gpu_smoke.py's bf16 tolerance (mean |diff| <= 0.05 over the response tokens)."""
+    from megappo.workers.megatron_step import micro_batches, right_align
+
+    batch = right_align(_short_responses_batch(), R)
+    windows = lambda **kw: [mb["_targets"].shape[1] for mb in micro_batches(  # noqa: E731
+        batch, 2, packed=True, pp=1, vpp=None, seq_multiple=1, **kw).items]
+    assert windows(max_tokens=None) == [6, 6, 3, 5] and windows(max_tokens=20) == [6, 6, 5, 3, 1, 2]
+
+    report = spawn_local(_short_responses_worker, 1, str(tiny_assets["tiny-llama"]))[0]
+    m = _short_responses_batch()["response_mask"]
+    for dtype in (str(torch.float32), str(torch.bfloat16)):
+        base = report[(dtype, "padded")]
+        for name in ("packed", "budget"):
+            got = report[(dtype, name)]
+            # [B, R]: the columns past a micro-batch's window come back as zeros (no head ran there)
+            assert got["fwd"]["logprobs"].shape == (B, R) and (got["fwd"]["logprobs"][m == 0] == 0).any()
+            if dtype == str(torch.float32):
+                for k in ("logprobs", "entropy"):
+                    torch.testing.assert_close(got["fwd"][k] * m, base["fwd"][k] * m, rtol=0, atol=1e-5)
+                assert got["metrics"]["loss"] == pytest.approx(base["metrics"]["loss"], rel=1e-5)
+                assert got["metrics"]["grad_norm"] == pytest.approx(base["metrics"]["grad_norm"], rel=1e-5)
+            else:
+                diff = ((got["fwd"]["logprobs"] - base["fwd"]["logprobs"]).abs() * m).sum() / m.sum()
+                assert diff <= 0.05, (name, diff)
+                assert got["metrics"]["loss"] == pytest.approx(base["metrics"]["loss"], rel=0.05, abs=0.05)

@@ -153,14 +153,22 @@ def loss_func(spec: StepSpec, mb: dict, output: torch.Tensor):
     one = torch.ones((), dtype=torch.int, device=output.device)
     if spec.forward_only and spec.loss_fn is None:
         rows = {"_rows": mb["_rows"]} if spec.packed else {}  # forward_only puts the rows back in order
+        width = mb.get("_response_width")  # packed: the micro-batch's window padded back to the batch's R
         return torch.zeros((), dtype=torch.float32, device=output.device), one, \
-            {**{k: v.detach() for k, v in outs.items()}, **rows}
+            {**{k: pad_columns(v.detach(), width) for k, v in outs.items()}, **rows}
     loss_sum, metrics = spec.loss_fn(outs, mb)
     loss = loss_sum / spec.normalizer
     reported = {"loss": loss.detach().clone()}
     reported.update({k: torch.as_tensor(v, device=output.device).detach().float()
                      for k, v in (metrics or {}).items()})
     return loss, one, reported
+
+
+def pad_columns(x: torch.Tensor, width: Optional[int]) -> torch.Tensor:
+    """[rows, w] -> [rows, width], zeros on the right (the columns past every row's response)."""
+    if width is None or x.shape[1] == width:
+        return x
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
 
 def model_outputs(spec: StepSpec, output: torch.Tensor, mb: dict) -> dict:

@@ -10,8 +10,14 @@ crosses rows. Pure functions over the engine's right-aligned batch (megatron_ste
   budget gets one of its own): micro-batches of ~equal tokens whatever the lengths.
 - Every micro-batch of one call is padded to the same width T (the pipeline's p2p buffers have one
   shape); the padding is one extra segment (id -1) whose outputs nobody reads.
-- `_out_index` [1, n*R] is the packed column predicting each response token (the row's own segment,
-  clamped inside it for a short row), so the LM / value head runs on those columns only.
+- A micro-batch's response window is its own longest response, w <= R (the batch's): every per-row
+  [rows, R] key is cut to [rows, w] (the cut columns are padding after every row's last response token,
+  masked out of every loss), and `_out_index` [1, rows*w] is the packed column predicting each response
+  token (the row's own segment, clamped inside it for a short row), so the LM / value head and the fp32
+  log-prob temporaries over the vocabulary run on rows*w columns, not rows*R (issue #41: with a long
+  tail, R is several times a typical micro-batch's w). `_response_width` (R) is what forward-only outputs
+  are padded back to (megatron_step.loss_func). `TRIM_RESPONSES = False` keeps the full R window
+  (bench/packing.py's before / after).
 The model attends within each row through models/packed_attention.py (the segment ids stand where
 megatron's mask would): the attention work is sum(len^2) over rows, as unpacked. TE's THD path
 (cu_seqlens) is the GPU route and is not wired yet.
@@ -25,6 +31,7 @@ import torch
 
 # per-row keys the packed micro-batch recomputes; every other [B, ...] key is selected by row
 _PACKED_KEYS = ("input_ids", "position_ids", "attention_mask", "_out_index")
+TRIM_RESPONSES = True
 
 
 def plan_micro_batches(lengths: Sequence[int], micro_batch_size: int, max_tokens: Optional[int] = None) -> list[list[int]]:
@@ -57,10 +64,16 @@ def packed_width(lengths: Sequence[int], groups: list[list[int]], multiple: int 
 
 def pack(batch: dict, rows: list[int], width: int) -> dict:
     """One packed micro-batch of `rows` of a right-aligned batch (tokens from column 0, `attention_mask`
-    1 on them, `_out_index` [B, R] columns within each row)."""
+    1 on them, `_out_index` [B, R] columns within each row), its response window cut to its rows'
+    longest response."""
     valid = batch["attention_mask"].bool()
     lengths = valid.sum(-1)
     device = batch["input_ids"].device
+    full = batch["_out_index"].shape[1]
+    # a row's response tokens are those whose predicting column lies before its last token (the response
+    # is right-padded, so they are a prefix of the R columns)
+    responses = (batch["_out_index"][rows] < (lengths[rows] - 1)[:, None]).sum(-1)
+    w = max(int(responses.max()), 1) if TRIM_RESPONSES and rows else full
     ids = torch.zeros(width, dtype=batch["input_ids"].dtype, device=device)
     pos = torch.zeros(width, dtype=batch["position_ids"].dtype, device=device)
     seg = torch.full((width,), -1, dtype=torch.long, device=device)
@@ -72,11 +85,12 @@ def pack(batch: dict, rows: list[int], width: int) -> dict:
         ids[start:start + n] = batch["input_ids"][r, :n]
         pos[start:start + n] = batch["position_ids"][r, :n]
         seg[start:start + n] = k
-        out_index.append(start + batch["_out_index"][r].clamp(0, max(n - 1, 0)))
+        out_index.append(start + batch["_out_index"][r, :w].clamp(0, max(n - 1, 0)))
         start += n
     out = {k: v[rows] for k, v in batch.items() if torch.is_tensor(v) and k not in _PACKED_KEYS
            and v.dim() >= 1 and v.shape[0] == valid.shape[0]}
-    out.update(input_ids=ids[None], position_ids=pos[None], _segments=seg,
+    out = {k: v[:, :w] if v.dim() >= 2 and v.shape[1] == full else v for k, v in out.items()}
+    out.update(input_ids=ids[None], position_ids=pos[None], _segments=seg, _response_width=full,
                _out_index=torch.cat(out_index)[None] if out_index else torch.zeros(1, 0, dtype=torch.long),
                _rows=torch.tensor(rows, dtype=torch.long, device="cpu"))
     return out
