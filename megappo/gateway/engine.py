@@ -14,7 +14,11 @@ unfinished (adding the requests queued since the last step first), and each fini
 its caller's future. Every step batches all requests in
 flight (`steps` vs `requests` shows it). `paused()` holds the step lock: requests in flight keep their
 KV cache and continue after it (vLLM's "keep" pause mode), new ones queue; the policy version is what
-`bump_version` last set when the request entered the engine.
+`bump_version` last set when the request entered the engine, and each sampled token's is the version
+current at the step that sampled it (`Completion.token_versions`): a request in flight across a weight
+load continues from its tokens so far under the new weights (a partial rollout, trainer.mode=fully_async)
+and its later tokens carry the new version. Per-token versions need vLLM's default CUMULATIVE output kind
+(with FINAL_ONLY every token gets the version of its last step).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import itertools
 import queue
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -35,6 +39,7 @@ class Completion:
     finish_reason: str  # "stop" | "length" | "abort"
     version: int  # the policy version that sampled it
     stop_string: str = ""  # the stop string that ended it (its tokens are in ids)
+    token_versions: list = field(default_factory=list)  # per id: the version of the step that sampled it
 
 
 class AsyncTokenEngine:
@@ -46,6 +51,7 @@ class AsyncTokenEngine:
         self.requests = 0  # requests served
         self._lock = threading.Lock()  # held by a step, by add_request, and by paused()
         self._pending: dict[str, tuple] = {}  # request id -> (loop, future, prompt ids, version, vLLM's id)
+        self._token_versions: dict[str, list] = {}  # request id -> the version that sampled each id so far
         self._wake = threading.Event()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (prompt ids, params, loop, future)
         self._closed = False
@@ -82,6 +88,7 @@ class AsyncTokenEngine:
                 loop.call_soon_threadsafe(_set, future, None, e)
                 continue
             self._pending[rid] = (loop, future, prompt, self.version, internal)
+            self._token_versions[rid] = []
 
     def _loop(self) -> None:
         from megappo.parallel import cpu_compat
@@ -102,14 +109,22 @@ class AsyncTokenEngine:
                     self.engine.abort_request([self._pending[rid][4] for rid in failed], internal=True)
                     for rid in failed:
                         loop, future, *_ = self._pending.pop(rid)
+                        self._token_versions.pop(rid, None)
                         loop.call_soon_threadsafe(_set, future, None, e)
                     continue
                 self.steps += 1
+                stepped_at = self.version  # bump_version runs under the lock (paused()), never inside a step
             for out in outputs:
-                if out.finished and out.request_id in self._pending:
+                if out.request_id not in self._pending:
+                    continue
+                tv = self._token_versions[out.request_id]
+                tv.extend([stepped_at] * (len(out.outputs[0].token_ids) - len(tv)))
+                if out.finished:
                     loop, future, prompt, version, _ = self._pending.pop(out.request_id)
                     self.requests += 1
-                    loop.call_soon_threadsafe(_set, future, _completion(out, prompt, version), None)
+                    done = _completion(out, prompt, version)
+                    done.token_versions = self._token_versions.pop(out.request_id)[:len(done.ids)]
+                    loop.call_soon_threadsafe(_set, future, done, None)
 
     @contextmanager
     def paused(self):
