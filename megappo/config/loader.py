@@ -92,7 +92,7 @@ def load_config(path: str | os.PathLike, overrides: list[str] = (), validate: bo
 
 
 def _absolute_rule_files(cfg) -> None:
-    """reward.rules' file targets (path/to/file.py:fn) as absolute paths: the saved config.json (megappo eval
+    """reward.rules' and rollout.agent's file targets (path/to/file.py:fn) as absolute paths: the saved config.json (megappo eval
     --config) and any process loads the same file wherever it runs."""
     from megappo.rewards.rules import absolute_target
 
@@ -101,6 +101,8 @@ def _absolute_rule_files(cfg) -> None:
             cfg.reward.rules[source] = absolute_target(spec)
         elif isinstance(spec, DictConfig) and isinstance(spec.get("fn"), str):
             spec.fn = absolute_target(spec.fn)
+    if isinstance(cfg.rollout.agent, str):  # rollout.agent=path/to/agent.py:run, loaded by every rollout worker
+        cfg.rollout.agent = absolute_target(cfg.rollout.agent)
 
 
 def to_yaml(cfg) -> str:
