@@ -64,11 +64,99 @@ def export_checkpoint(ckpt, out, role: str = "actor", dtype: Optional[str] = Non
     if not (ckpt / role).is_dir():
         raise ExportError(f"{ckpt} holds no {role}/ (the run had no {role}); choose --role "
                           f"{' or '.join(r for r in ROLES if (ckpt / r).is_dir())}")
+    if (ckpt / role / "lora.json").is_file():  # actor.lora: adapters only, the base is the run's model.path
+        base = _lora_base(ckpt, config)
+        return export_lora(ckpt / role, out, base, dtype=dtype, overwrite=overwrite)
     try:
         return mcore_to_hf(ckpt / role, out, config=str(config or _hf_source(ckpt, role)), dtype=dtype,
                            overwrite=overwrite, progress=progress)
     except ConvertError as e:
         raise ExportError(str(e)) from None
+
+
+def _lora_base(ckpt: Path, config: Optional[str]) -> Path:
+    """The HF base an adapter checkpoint was trained on: --config, else the run's model.path."""
+    if config and any(Path(config).glob("*.safetensors")):
+        return Path(config)
+    run_cfg = ckpt.parent.parent / "config.json"
+    path = json.loads(run_cfg.read_text()).get("model", {}).get("path") if run_cfg.is_file() else None
+    if path and any(Path(path).glob("*.safetensors")):
+        return Path(path)
+    raise ExportError(f"{ckpt} holds LoRA adapters only and the base weights (the run's model.path) are not found "
+                      f"via {run_cfg}; pass --config with the HF base model dir")
+
+
+def read_lora_adapter(role_dir, dims, tp: int = 1) -> dict:
+    """An adapter checkpoint's (engine.save_checkpoint with actor.lora) adapters in peft's layout
+    {HF module: (A, B)}, read from megatron's torch_dist files (layers stacked or one key per layer)."""
+    import re
+
+    from megappo.models.lora import megatron_lora_to_hf
+    from tools.convert_ckpt.dcp_io import CheckpointReader
+
+    reader = CheckpointReader(Path(role_dir))
+    keys = [k for k in reader.tensors() if k.endswith(".lora_A") and not k.startswith("optimizer.")]
+    out = {}
+    for ka in keys:
+        mod = ka.removesuffix(".lora_A")
+        a, b = reader.read(ka), reader.read(mod + ".lora_B")
+        if re.search(r"\.layers\.\d+\.", mod):  # one key per layer
+            per_layer = [(mod, a, b)]
+        else:  # layers stacked along dim 0 (megatron's sharded_offsets)
+            per_layer = [(mod.replace(".layers.", f".layers.{i}.", 1), a[i], b[i]) for i in range(a.shape[0])]
+        column = mod.rsplit(".", 1)[-1] in ("linear_qkv", "linear_fc1")
+        for name, ai, bi in per_layer:  # back to the TP shards it was saved from (fc1's B is [gate; up] per rank)
+            a_sh = [ai] * tp if column else list(ai.chunk(tp, dim=1))
+            b_sh = list(bi.chunk(tp, dim=0)) if column else [bi] * tp
+            out.update(megatron_lora_to_hf(name, a_sh, b_sh, dims))
+    return out
+
+
+def export_lora(role_dir, out, base, dtype: Optional[str] = None, overwrite: bool = False) -> dict:
+    """A LoRA actor's checkpoint as (1) a merged HF model dir `out` (the base's safetensors with each adapted
+    weight W + alpha/r * B @ A, the base's config and tokenizer files) and (2) a peft adapter dir
+    `out`/adapter (adapter_config.json + adapter_model.safetensors) for PeftModel.from_pretrained(base, ...)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from megappo.models.gpt import load_hf_config
+    from megappo.models.lora import LoraConfig, save_peft_adapter
+    from megappo.parallel.weight_mapping import ModelDims
+
+    role_dir, out, base = Path(role_dir), Path(out), Path(base)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ExportError(f"{out} exists and is not empty; pass --overwrite or another --out")
+    meta = json.loads((role_dir / "lora.json").read_text())
+    cfg = LoraConfig(rank=int(meta["rank"]), alpha=float(meta["alpha"]), target_modules=meta["target_modules"])
+    tp = int(meta.get("tp", 1))
+    adapter = read_lora_adapter(role_dir, ModelDims.from_hf_config(load_hf_config(base), tp=tp), tp)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    cast = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "float32": torch.float32,
+            "bfloat16": torch.bfloat16}.get(dtype)
+    merged = 0
+    for f in sorted(base.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        for name in list(tensors):
+            mod = name.removesuffix(".weight")
+            if name.endswith(".weight") and mod in adapter:
+                a, b = adapter[mod]
+                w = tensors[name]
+                tensors[name] = (w.double() + cfg.scaling * (b.double() @ a.double())).to(w.dtype)
+                merged += 1
+            if cast is not None and tensors[name].is_floating_point():
+                tensors[name] = tensors[name].to(cast)
+        save_file(tensors, str(out / f.name), metadata={"format": "pt"})
+    if merged != len(adapter):
+        raise ExportError(f"{role_dir}: {len(adapter) - merged} adapted modules have no weight in {base}: another base?")
+    for f in base.iterdir():  # config, generation config, tokenizer, the shard index
+        if f.is_file() and not f.name.endswith(".safetensors"):
+            shutil.copy2(f, out / f.name)
+    save_peft_adapter(adapter, cfg, base, out / "adapter")
+    return {"direction": "lora-to-hf", "merged_modules": merged, "adapter": str(out / "adapter"), "base": str(base)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

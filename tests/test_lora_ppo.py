@@ -80,6 +80,7 @@ def _engine_worker(rank, world, port, path, ckpt, peft_dir):
     out["lora_lp0"] = lp(eng)  # B = 0: the adapted model is the base at step 0 (KL 0)
     base0 = {k: v.detach().clone() for c in eng.inner_chunks() for k, v in c.named_parameters() if "lora_" not in k}
     eng.train_step(b1, pg_loss, norm, R, 2)
+    out["step1_lp"] = lp(eng)
     eng.save_checkpoint(ckpt)
     eng.train_step(b2, pg_loss, norm, R, 2)
     out["straight"] = adapters(eng)
@@ -155,28 +156,36 @@ def test_adapter_checkpoint_resumes_exactly_and_refuses_another_rank(engine_runs
         assert r["refusal"] and "rank=4" in r["refusal"] and "rank=8" in r["refusal"] and "\n" not in r["refusal"]
 
 
+def _hf_gap(model, want) -> float:
+    """max |HF model's log-probs - `want`| over make_batch's rows whose response is all real, each row alone."""
+    import torch
+
+    from test_megatron_engine import make_batch
+
+    b = make_batch()
+    ids, mask = b["input_ids"], b["attention_mask"]
+    r = want.shape[1]
+    worst, rows = 0.0, 0
+    with torch.no_grad():
+        for i in range(ids.shape[0]):
+            if not mask[i, -r:].all():
+                continue
+            row = ids[i][mask[i].bool()][None]
+            lp = torch.log_softmax(model(input_ids=row).logits.float(), -1)[0, :-1].gather(-1, row[0, 1:, None])[:, 0]
+            worst, rows = max(worst, (want[i] - lp[-r:]).abs().max().item()), rows + 1
+    assert rows >= 4
+    return worst
+
+
 def test_exported_peft_adapter_loads_onto_the_hf_base(engine_runs):
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from test_megatron_engine import make_batch
-
     path, tmp, res = engine_runs
-    base = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, str(tmp / "peft")).eval()
-    b = make_batch()
-    ids, mask = b["input_ids"], b["attention_mask"]
-    r = res[0]["straight_lp"].shape[1]
-    worst, rows = 0.0, 0
-    with torch.no_grad():
-        for i in range(ids.shape[0]):  # each row alone, its real tokens only; rows whose response is all real
-            if not mask[i, -r:].all():
-                continue
-            row = ids[i][mask[i].bool()][None]
-            lp = torch.log_softmax(model(input_ids=row).logits.float(), -1)[0, :-1].gather(-1, row[0, 1:, None])[:, 0]
-            worst, rows = max(worst, (res[0]["straight_lp"][i] - lp[-r:]).abs().max().item()), rows + 1
-    assert rows >= 4
+    worst = _hf_gap(model, res[0]["straight_lp"])
     print(f"peft on HF vs megatron LoRA log-probs: {worst:.2e}")
     assert worst <= 1e-4
 
@@ -239,3 +248,25 @@ def test_vllm_gets_the_merged_weights_after_a_lora_step(tiny_assets):
     for rnd in r["rounds"]:
         assert rnd["metrics"]["rollout/weights_fingerprint_ok"] == 1.0
         assert rnd["parity"]["rollout/logprob_diff_max"] < 1e-4, rnd["parity"]
+
+
+def test_adapter_checkpoint_exports_merged_hf_and_peft(engine_runs):
+    """megappo export's LoRA path (offline, from the torch_dist files): the merged HF dir and the peft dir
+    both give the engine's log-probs at the checkpointed step."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from megappo.export import export_lora
+
+    path, tmp, res = engine_runs
+    info = export_lora(tmp / "step1", tmp / "merged", path)
+    assert info["merged_modules"] == 7 * 4  # q, k, v, o, gate, up, down in each of the 4 layers
+    want = res[0]["step1_lp"]
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp / "merged"), dtype=torch.float32).eval()
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                     str(tmp / "merged" / "adapter")).eval()
+    gm, gp = _hf_gap(merged, want), _hf_gap(peft, want)
+    print(f"exported merged HF vs engine: {gm:.2e}; exported peft adapter vs engine: {gp:.2e}")
+    assert gm <= 1e-4 and gp <= 1e-4
+    assert (res[0]["step1_lp"] - res[0]["ref_lp"]).abs().max().item() > 1e-3  # the step moved the policy

@@ -559,8 +559,10 @@ class MegatronEngine:
     def _lora_meta(self) -> dict:
         """What an adapter checkpoint is only valid with: the adapter's shape and the base it was trained on."""
         lo = self.lora
+        # tp: the adapters' files hold linear_fc1's B in the TP-rank layout ([gate; up] per rank), so a resume
+        # (and export) needs the TP it was saved at
         return {"rank": lo.rank, "alpha": float(lo.alpha), "target_modules": list(lo.target_modules),
-                "base": base_identity(self.model_path)}
+                "base": base_identity(self.model_path), "tp": self.layout.tp}
 
     def _check_lora_checkpoint(self, path) -> None:
         """An adapter checkpoint for another base or adapter shape, or a full one for a LoRA engine (or the
