@@ -9,7 +9,10 @@ tools and their thread pool).
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from functools import partial
+from pathlib import Path
 from typing import Callable, Optional
 
 
@@ -20,3 +23,23 @@ def agent_loop_builder(multi_turn) -> Optional[Callable]:
     from megappo.agent.loop import AgentLoop
 
     return partial(AgentLoop, config=multi_turn)
+
+
+def load_agent(target: str) -> Callable:
+    """'pkg.module:fn' or '/path/to/file.py:fn' -> the async agent function (one line when it is not one)."""
+    from megappo.rewards.rules import _import_file, is_file, split_target
+
+    module, name = split_target("rollout.agent", target, "my_pkg.my_agent:run")
+    try:
+        mod = _import_file(Path(module).expanduser().resolve()) if is_file(module) else importlib.import_module(module)
+        fn = getattr(mod, name)
+    except (ImportError, AttributeError, OSError) as e:
+        raise ValueError(f"rollout.agent={target}: cannot load it ({type(e).__name__}: {e}); put the module on "
+                         "PYTHONPATH or fix the name") from None
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"rollout.agent={target} is not an async function; write `async def {name}(client, row)`")
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        raise ValueError(f"rollout.agent={target} must take (client, row): an OpenAI client and the row") from None
+    return fn

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from megappo.parallel.weight_mapping import SUPPORTED_MODEL_TYPES
+from megappo.parallel.weight_mapping import LORA_INITS, LORA_TARGETS, SUPPORTED_MODEL_TYPES  # noqa: F401
 
 
 @dataclass
@@ -113,12 +113,7 @@ class OptimConfig:
     distributed_optimizer: bool = True
 
 
-# LoRA (models/lora.py): megatron's fused / parallel linears an adapter may wrap, by how their weight is
-# split over TP (column: along the output; row: along the input), and the initialisations of A
-LORA_COLUMN_TARGETS = ("linear_qkv", "linear_fc1")
-LORA_ROW_TARGETS = ("linear_proj", "linear_fc2")
-LORA_TARGETS = LORA_COLUMN_TARGETS + LORA_ROW_TARGETS
-LORA_INITS = ("kaiming", "gaussian")
+# LoRA's targets and inits: parallel/weight_mapping.py (LORA_*), below both this schema and models/lora.py
 
 
 @dataclass

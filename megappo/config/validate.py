@@ -262,7 +262,7 @@ def _check_agent(cfg) -> None:
     if not cfg.data.apply_chat_template:
         raise ConfigError("rollout.agent sends chat messages, rendered with the chat template; set "
                           "data.apply_chat_template=true")
-    from megappo.gateway.agents import load_agent
+    from megappo.agent.factory import load_agent
 
     try:
         load_agent(str(r.agent))

@@ -31,12 +31,11 @@ turns as {"role": "reward", "value": r}, which the row's environment uses instea
 from __future__ import annotations
 
 import asyncio
-import importlib
-import inspect
 import time
 from functools import partial
-from pathlib import Path
 from typing import Callable, Optional
+
+from megappo.agent.factory import load_agent  # noqa: F401 (re-exported: one loader, also config/validate's)
 
 SEED_STRIDE = 1_000_003  # request t of sample k is seeded base_seed + k + t * SEED_STRIDE (as agent/loop.py)
 STATS = ("agent_requests", "agent_segments", "agent_fallbacks", "agent_errors", "agent_timeouts",
@@ -73,26 +72,6 @@ def sample_rows(non_tensor: dict, n: int) -> list[dict]:
                "index": int(non_tensor["index"][i]) if "index" in non_tensor else i}
         rows += [row] * n
     return rows
-
-
-def load_agent(target: str) -> Callable:
-    """'pkg.module:fn' or '/path/to/file.py:fn' -> the async agent function (one line when it is not one)."""
-    from megappo.rewards.rules import _import_file, is_file, split_target
-
-    module, name = split_target("rollout.agent", target, "my_pkg.my_agent:run")
-    try:
-        mod = _import_file(Path(module).expanduser().resolve()) if is_file(module) else importlib.import_module(module)
-        fn = getattr(mod, name)
-    except (ImportError, AttributeError, OSError) as e:
-        raise ValueError(f"rollout.agent={target}: cannot load it ({type(e).__name__}: {e}); put the module on "
-                         "PYTHONPATH or fix the name") from None
-    if not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"rollout.agent={target} is not an async function; write `async def {name}(client, row)`")
-    try:
-        inspect.signature(fn).bind(None, None)
-    except TypeError:
-        raise ValueError(f"rollout.agent={target} must take (client, row): an OpenAI client and the row") from None
-    return fn
 
 
 class AgentRunner:

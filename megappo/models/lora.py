@@ -45,8 +45,8 @@ import torch.nn.functional as F
 from megappo.parallel.weight_mapping import ModelDims, global_named_parameters, global_param_name, hf_names, hf_to_megatron_shard, \
     layer_offset, megatron_shards_to_hf
 
-from megappo.config.schema import LORA_COLUMN_TARGETS as COLUMN_TARGETS, LORA_INITS as INITS, \
-    LORA_ROW_TARGETS as ROW_TARGETS, LORA_TARGETS as TARGETS  # the one list (config.schema: actor.lora)
+from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS as COLUMN_TARGETS, LORA_INITS as INITS, \
+    LORA_TARGETS as TARGETS  # the one list (also config actor.lora's)
 
 _HF_HINT = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
             "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}

@@ -54,13 +54,13 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from megappo.parallel.layout import ParallelLayout
-from megappo.parallel.weight_mapping import ModelDims, hf_names, megatron_shard_hf_slices, \
+from megappo.parallel.weight_mapping import ModelDims, global_named_parameters, hf_names, megatron_shard_hf_slices, \
     megatron_shards_to_hf, routed_expert, tp_split_dim
 
 
@@ -97,10 +97,15 @@ def _module_key(name: str) -> str:
 class Resharder:
     def __init__(self, chunks: list, dims: ModelDims, layout: ParallelLayout, rollout_tp: int,
                  bucket_bytes: int = 256 << 20, dtype: Optional[torch.dtype] = None,
-                 fingerprint_fn: Optional[Callable[[torch.Tensor], Any]] = None, transport: str = "auto"):
+                 fingerprint_fn: Optional[Callable[[torch.Tensor], Any]] = None, transport: str = "auto",
+                 named_weights: Optional[Callable[[list], Iterable[tuple[str, torch.Tensor]]]] = None):
+        """`named_weights(chunks)`: (global megatron name, tensor) of what to send, read at every sync; default
+        every parameter (weight_mapping.global_named_parameters); a LoRA actor passes
+        models/lora.merged_named_parameters (the adapted linears merged, the adapters left out)."""
         from megatron.core import parallel_state as mpu
 
         self.chunks, self.dims, self.layout = chunks, dims, layout
+        self.named_weights = named_weights or _all_parameters
         self.rollout_tp = int(rollout_tp)
         self.bucket_bytes = int(bucket_bytes)
         self.fingerprint_fn = fingerprint_fn  # HF tensor -> (value, scale) or a tensor [2]; linear in the tensor
@@ -157,12 +162,10 @@ class Resharder:
         self.transport = "shm" if self._shm is not None else "collective"
 
     def _collect(self) -> dict:
-        """This rank's (global name -> shard) to send, read again at every sync: the chunks' parameters,
-        each LoRA-adapted linear's weight merged (W + scaling * B @ A, computed now; models/lora.py), the
-        adapters' own parameters left out. The tied output layer: the embedding is the one sent."""
-        from megappo.models.lora import merged_named_parameters
-
-        return {name: p for name, p in merged_named_parameters(self.chunks)
+        """This rank's (global name -> shard) to send, read again at every sync (`named_weights`: with LoRA
+        each adapted linear's weight merged now, the adapters left out). The tied output layer: the
+        embedding is the one sent."""
+        return {name: p for name, p in self.named_weights(self.chunks)
                 if not (name == "output_layer.weight" and self.dims.tied_embeddings)}
 
     # ---- plan ------------------------------------------------------------------------------------
@@ -538,6 +541,12 @@ def _shm_free_bytes() -> int:
     except OSError:
         return 0
     return st.f_bavail * st.f_frsize
+
+
+def _all_parameters(chunks: list) -> Iterable[tuple[str, torch.Tensor]]:
+    """(global name, tensor) of every parameter of the chunks."""
+    for chunk in chunks:
+        yield from global_named_parameters(chunk)
 
 
 class _ShmSlots:

@@ -40,6 +40,13 @@ if TYPE_CHECKING:  # torch is imported where a tensor is built: the config schem
     import torch   # supported families, and the driver validates its config before Ray (and torch) start
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral")
+
+# LoRA (models/lora.py, config actor.lora): megatron's fused / parallel linears an adapter may wrap, by how
+# their weight is split over TP (column: along the output; row: along the input), and the inits of A
+LORA_COLUMN_TARGETS = ("linear_qkv", "linear_fc1")
+LORA_ROW_TARGETS = ("linear_proj", "linear_fc2")
+LORA_TARGETS = LORA_COLUMN_TARGETS + LORA_ROW_TARGETS
+LORA_INITS = ("kaiming", "gaussian")
 DEFAULT_VOCAB_DIVISOR = 128
 
 

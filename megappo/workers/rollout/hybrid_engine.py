@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megappo.parallel import device
+from megappo.models.lora import merged_named_parameters
 from megappo.parallel.resharding import Resharder
 from megappo.protocol import DataProto
 from megappo.utils.checkpoint import rng_state, set_rng_state
@@ -56,7 +57,8 @@ class HybridEngine:
         self.resharder = Resharder(engine.inner_chunks(), engine.dims, engine.layout, rollout_tp=rollout.tp,
                                    bucket_bytes=int(mb * (1 << 20)),
                                    fingerprint_fn=tensor_fingerprint_on_device if check_fingerprint else None,
-                                   transport=transport)
+                                   transport=transport,
+                                   named_weights=merged_named_parameters)  # LoRA: the adapted linears merged
         self.check_fingerprint = check_fingerprint
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()

@@ -86,11 +86,13 @@ class WeightSender:
 
     def __init__(self, engine, group: Optional[StatelessGroup], bucket_mb: float = 256):
         from megappo.parallel.resharding import Resharder
+        from megappo.models.lora import merged_named_parameters
 
         self.engine, self.group = engine, group
         self.resharder = Resharder(engine.inner_chunks(), engine.dims, engine.layout, rollout_tp=1,
                                    bucket_bytes=int(bucket_mb * (1 << 20)),
-                                   fingerprint_fn=tensor_fingerprint_on_device)
+                                   fingerprint_fn=tensor_fingerprint_on_device,
+                                   named_weights=merged_named_parameters)  # LoRA: the adapted linears merged
 
     def send(self) -> dict:
         t0 = time.perf_counter()
