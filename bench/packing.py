@@ -96,6 +96,7 @@ def _worker(rank, world, port, model, batch_path, dtype, mbs, max_tokens, reps, 
     from safetensors.torch import load_file
 
     from megappo.models import packed_attention
+    from megappo.parallel import device
     from megappo.parallel.layout import ParallelLayout
     from megappo.parallel.megatron_init import destroy, init_distributed, init_megatron
     from megappo.workers import packing
@@ -110,6 +111,12 @@ def _worker(rank, world, port, model, batch_path, dtype, mbs, max_tokens, reps, 
     data["advantages"] = torch.randn(data["response_mask"].shape, generator=g)
     norm = float(data["response_mask"].sum())
     params_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    on = device.current()  # cuda where torch sees a GPU: the engine, its batches and the timers' syncs
+
+    def now() -> float:
+        if on == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     def pg(out, mb):
         return -(out["logprobs"] * mb["advantages"] * mb["response_mask"]).sum(), {}
@@ -130,17 +137,17 @@ def _worker(rank, world, port, model, batch_path, dtype, mbs, max_tokens, reps, 
         for head, loss in (("lm", pg), ("value", vf)):
             if head not in heads:
                 continue
-            eng = MegatronEngine(model, layout, EngineConfig(head=head, optim=OptimConfig(lr=1e-6),
+            eng = MegatronEngine(model, layout, EngineConfig(head=head, optim=OptimConfig(lr=1e-6), device=on,
                                                              params_dtype=params_dtype, **kw))
             fwd, upd = [], []
             for _ in range(reps):
-                t = time.perf_counter()
+                t = now()
                 eng.forward_only(data, response_length=R, micro_batch_size=mbs, compute_entropy=False)
-                fwd.append(time.perf_counter() - t)
+                fwd.append(now() - t)
                 computed = eng.last_computed_tokens
-                t = time.perf_counter()
+                t = now()
                 eng.train_step(data, loss, norm, response_length=R, micro_batch_size=mbs, compute_entropy=False)
-                upd.append(time.perf_counter() - t)
+                upd.append(now() - t)
             if head == "lm":
                 row.update(logprob_s=round(statistics.median(fwd), 3), actor_update_s=round(statistics.median(upd), 3))
             else:
