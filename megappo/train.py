@@ -43,7 +43,7 @@ def start_ray(cfg) -> bool:
     if ray.is_initialized():
         return False
     res = cfg.resources
-    workers = res.nodes * res.workers_per_node + (res.rollout_workers if cfg.trainer.mode == "async" else 0)
+    workers = res.nodes * res.workers_per_node + (res.rollout_workers if cfg.trainer.mode != "sync" else 0)
     kwargs = dict(include_dashboard=False, log_to_driver=False, configure_logging=False, namespace="megappo")
     address = os.environ.get("RAY_ADDRESS")
     if address and address != "local":

@@ -335,7 +335,12 @@ class RewardConfig:
 
 @dataclass
 class TrainerConfig:
-    mode: str = "sync"  # sync (colocated hybrid engine) | async (one-step off-policy, own rollout pool)
+    # sync (colocated hybrid engine) | async (one-step off-policy, own rollout pool) | fully_async (the pool
+    # generates continuously; weights reach it while samples are in flight: partial rollouts, ppo/fully_async.py)
+    mode: str = "sync"
+    # fully_async: how many policy versions a trained sample may lag the one it started at (admission control,
+    # ppo/staleness.py); 0 = on-policy only
+    max_staleness: int = 1
     total_steps: int = 10
     output_dir: str = "outputs/run"
     resume: str = "auto"  # auto (newest complete checkpoint) | never | <path to a checkpoint dir>
@@ -400,7 +405,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "rollout.weight_load": ("auto", "reload", "direct"),
     "rollout.cpu_linear": ("packed", "plain"),
     "rollout.sleep_level": (1, 2),
-    "trainer.mode": ("sync", "async"),
+    "trainer.mode": ("sync", "async", "fully_async"),
     "trainer.on_nan": ("skip", "stop"),
 }
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")

@@ -378,10 +378,29 @@ def _check_trainer(cfg, check_paths: bool) -> None:
         raise ConfigError(f"trainer.total_steps={t.total_steps} must be >= 1")
     if t.save_every < 0 or t.val_every < 0:
         raise ConfigError("trainer.save_every and trainer.val_every must be >= 0 (0 = never)")
-    if t.mode == "async" and cfg.resources.rollout_workers < 1:
-        raise ConfigError("trainer.mode=async runs rollout on its own pool; set resources.rollout_workers>=1")
+    if t.mode != "sync" and cfg.resources.rollout_workers < 1:
+        raise ConfigError(f"trainer.mode={t.mode} runs rollout on its own pool; set resources.rollout_workers>=1")
+    if t.mode == "fully_async":
+        _check_fully_async(cfg)
     if t.resume not in ("auto", "never") and check_paths and not Path(t.resume).is_dir():
         raise ConfigError(f"trainer.resume={t.resume} is not a checkpoint directory; use auto, never or an existing dir")
+
+
+def _check_fully_async(cfg) -> None:
+    """What trainer.mode=fully_async (ppo/fully_async.py) does not do yet, refused before any worker starts."""
+    t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
+    if t.max_staleness < 0:
+        raise ConfigError(f"trainer.max_staleness={t.max_staleness} must be >= 0 (0 = on-policy only)")
+    unsupported = [
+        (r.tp != 1, f"rollout.tp={r.tp}: each rollout worker's engine steps on its own; set rollout.tp=1"),
+        (r.multi_turn.enable or bool(r.agent), "rollout.multi_turn / rollout.agent: use trainer.mode=async"),
+        (a.filter_groups.enable, "algorithm.filter_groups (DAPO's dynamic sampling): use trainer.mode=async or sync"),
+        (a.adv_estimator == "remax", "algorithm.adv_estimator=remax (a greedy baseline per step): use another estimator"),
+        (t.save_every > 0, "trainer.save_every: groups in flight are not checkpointed yet; set trainer.save_every=0"),
+    ]
+    for bad, what in unsupported:
+        if bad:
+            raise ConfigError(f"trainer.mode=fully_async does not support {what}")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")

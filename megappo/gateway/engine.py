@@ -134,6 +134,22 @@ class AsyncTokenEngine:
         with self._lock:
             yield
 
+    def abort_all(self) -> int:
+        """Abort every request queued or in flight (their callers' awaits are cancelled); returns how many."""
+        with self._lock:
+            pending = list(self._pending.values())
+            if pending:
+                self.engine.abort_request([p[4] for p in pending], internal=True)
+            futures = [(loop, future) for loop, future, *_ in pending]
+            while not self._inbox.empty():
+                _, _, loop, future = self._inbox.get()
+                futures.append((loop, future))
+            for loop, future in futures:
+                loop.call_soon_threadsafe(future.cancel)
+            self._pending.clear()
+            self._token_versions.clear()
+        return len(futures)
+
     def bump_version(self) -> int:
         self.version += 1
         return self.version

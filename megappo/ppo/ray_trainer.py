@@ -127,7 +127,9 @@ class RayPPOTrainer(CheckpointingMixin):
         self.sampling = SamplingSpec.from_config(cfg.rollout)  # how training rollouts sample (seeded per step)
         self.policy_loss = PolicyLoss.from_config(cfg.actor)
         self.value_loss = ValueLoss.from_config(cfg.critic)
-        self.async_mode = cfg.trainer.mode == "async"
+        self.async_mode = cfg.trainer.mode != "sync"  # async | fully_async: a rollout pool of its own
+        self.fully_async = cfg.trainer.mode == "fully_async"
+        self.stream = None  # fully_async: ppo/fully_async.GroupStream, made per _fit_once
         self.output_dir = Path(cfg.trainer.output_dir)
         self.ckpt_root = self.output_dir / "checkpoints"
         self.show_progress = show_progress
@@ -339,7 +341,11 @@ class RayPPOTrainer(CheckpointingMixin):
             self._failed_at = None
         start = time.perf_counter()
         inflight = self._launch_rollout(self.global_step + 1) \
-            if self.async_mode and self.global_step < total else None
+            if self.async_mode and not self.fully_async and self.global_step < total else None
+        if self.fully_async:
+            from megappo.ppo.fully_async import GroupStream
+
+            self.stream = GroupStream(self)
         with _Progress(total, self.global_step, self.show_progress,
                        algos.algorithm_name(cfg.algorithm.adv_estimator)) as progress, \
                 Tracking(cfg.trainer.project, cfg.trainer.experiment, self.output_dir, list(cfg.trainer.loggers),
@@ -376,7 +382,10 @@ class RayPPOTrainer(CheckpointingMixin):
         t0, timing, counts = time.perf_counter(), {}, {}  # timing/*: seconds only; counts: dynamic_sampling/*
         # 1. rollout (async: the batch launched last step; launch the next one before training)
         baselines = None
-        if inflight is None:
+        if self.stream is not None:  # fully_async: finished groups that keep every sample within the bound
+            with self._phase("rollout_wait", timing):
+                batch = self.stream.next_batch()
+        elif inflight is None:
             prompts = self._next_prompts(step)
             with self._phase("gen", timing):
                 batch = self._generate(prompts, self._sampling_for(step))
@@ -401,9 +410,11 @@ class RayPPOTrainer(CheckpointingMixin):
             kl = self._advantages(batch, scores, baselines)
         # 6. critic and actor updates
         critic_metrics, actor_metrics = self._update(batch, timing)
+        if self.stream is not None:  # 6b. the new weights to the rollout pool, its generation in flight
+            timing.update(self.stream.after_update())
         self.global_step = step
         timing["timing/step_s"] = time.perf_counter() - t0
-        if self.async_mode:  # how much of the rollout hid behind the previous step's training
+        if self.async_mode and not self.fully_async:  # how much of the rollout hid behind the previous step's training
             rollout_s = gen_metrics.get("timing/rollout_s", 0.0)
             timing["timing/rollout_overlap_s"] = max(0.0, rollout_s - timing["timing/rollout_wait_s"])
             timing["timing/rollout_overlap_frac"] = timing["timing/rollout_overlap_s"] / max(rollout_s, 1e-9)
@@ -571,8 +582,8 @@ class RayPPOTrainer(CheckpointingMixin):
         if self.val_dataset is None:
             return {}
         t0 = time.perf_counter()
-        if self.async_mode:  # queued behind the in-flight rollout on the rollout pool
-            self._sync_rollout_weights()
+        if self.async_mode and not self.fully_async:  # queued behind the in-flight rollout on the rollout pool
+            self._sync_rollout_weights()  # (fully_async: the pool got this step's weights after its update)
         size, parts = self.config.data.val_batch_size, []
         for i in range(0, len(self.val_dataset), size):
             prompts = self.val_dataset.get_batch(range(i, min(i + size, len(self.val_dataset))))
@@ -582,9 +593,6 @@ class RayPPOTrainer(CheckpointingMixin):
         _, reward_metrics = self.val_reward_fn(out)
         tools = {k.replace("rollout/", "eval/"): v for k, v in agent_metrics(out.batch).items() if k.startswith("rollout/")}
         return {**eval_metrics(out, reward_metrics), **tools, "timing/validate_s": time.perf_counter() - t0}
-
-# the prompt-side columns of a generated batch: [B, P] or [B, P + R], left-padded; fill value per key
-
 
 class _PreemptionSignals:
     """SIGTERM / SIGUSR1 -> an event the loop checks after each step; `uninstall()` puts the previous

@@ -238,6 +238,7 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
         self._sync_group = None  # async mode: the trainer <-> rollout-pool weight group
         self._sender = None
         self._receiver = None
+        self._stream = None  # fully_async: RolloutStream, continuous generation on this rollout worker
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
@@ -324,12 +325,49 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
             with self.hybrid:
                 out = self.hybrid.generate_sequences(prompts)
             metrics = dict(self.hybrid.metrics)
+        elif self._stream is not None:  # fully_async (validation): through the stream's engine, on rank 0
+            t0 = time.perf_counter()
+            out = self._stream.generate(prompts) if self.rank == 0 else None
+            metrics = {"timing/rollout_s": time.perf_counter() - t0}
         else:
             t0 = time.perf_counter()
             out = replicated_generate(self.rollout, prompts)
             metrics = {"timing/rollout_s": time.perf_counter() - t0}
-        out.meta_info["metrics"] = metrics
+        if out is not None:
+            out.meta_info["metrics"] = metrics
         return out if self.rank == 0 else None
+
+    # ---- fully asynchronous rollout (trainer.mode=fully_async, rollout/stream.py) ------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    def stream_start(self, version: int) -> None:
+        """(Re)start this rollout worker's stream at policy `version`; what was in flight is aborted."""
+        from megappo.workers.rollout.stream import RolloutStream
+
+        if self._stream is not None:
+            self._stream.close()
+        self._stream = RolloutStream(self._need(self.rollout, "rollout"), version)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def stream_submit(self, prompts: DataProto, ranks: list) -> int:
+        """Start the groups (prompt rows) i with ranks[i] == this worker's rank; returns its groups in flight."""
+        mine = [i for i, r in enumerate(ranks) if r == self.rank]
+        return self._stream.submit(prompts[mine]) if mine else self._stream.in_flight
+
+    @register(Dispatch.ONE_TO_ALL)
+    def stream_collect(self) -> Optional[DataProto]:
+        """This worker's finished groups since the last call (token_versions, start_version), or None."""
+        return self._stream.collect()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def stream_receive_weights(self, bump: bool = True) -> dict:
+        """receive_weights between two engine steps (the actor's send_weights runs at the same time): the
+        groups in flight wait with their KV cache and continue under the new weights; then version + 1."""
+        with self._stream.paused():
+            out = self.receive_weights()
+            if bump:
+                self._stream.bump_version()
+        return out
 
     # ---- async weight sync (rollout/weight_sync.py) ----------------------------------------------
 

@@ -250,28 +250,37 @@ class VLLMRollout:
         n, R = spec.num_samples, spec.max_new_tokens
         base_seed = spec.seed if spec.seed is not None else self.seed + 1000003 * self._calls
         self._calls += 1
-        attn = prompts.batch["attention_mask"].cpu()
-        ids = prompts.batch["input_ids"].cpu()
-        pos = prompts.batch.get("position_ids")
-        pos = (attn.long().cumsum(-1) - 1).clamp(min=0) if pos is None else pos.cpu()
-        requests, params = self._requests(ids, attn.bool(), spec, base_seed)
+        attn = prompts.batch["attention_mask"].cpu().bool()
+        requests, params = self._requests(prompts.batch["input_ids"].cpu(), attn, spec, base_seed)
+        trajs = None
         with preserved_rng(), cpu_compat.suspended():  # vLLM needs no megatron shim
             if self.agent is None:
-                res = self._response_tensors(self.llm.generate(requests, params, use_tqdm=False), R)
+                outs = self.llm.generate(requests, params, use_tqdm=False)
+                res = self.response_tensors([(o.outputs[0].token_ids, _logprobs_of(o.outputs[0]),
+                                              o.outputs[0].finish_reason) for o in outs], R)
             else:
                 from megappo.agent.loop import trajectory_tensors
 
                 trajs = self.agent.run([r["prompt_token_ids"] for r in requests], spec, base_seed,
                                        self._agent_input(prompts.non_tensor_batch, n))
                 res = trajectory_tensors(trajs, R, self.pad_token_id)
-                turns = [t.turns for t in trajs]  # DataProto makes it a 1-D object array (one row per sample)
+        return self.assemble(prompts, res, spec.with_seed(base_seed), trajs, requests)
+
+    def assemble(self, prompts: DataProto, res: dict, spec: SamplingSpec, trajs=None, requests=None) -> DataProto:
+        """The rollout's DataProto: `prompts` (one row per prompt) each repeated spec.num_samples times, beside
+        the samples' tensors `res` (response_tensors', or the agent loop's trajectory_tensors)."""
+        meta, n, R = dict(prompts.meta_info), spec.num_samples, spec.max_new_tokens
+        attn = prompts.batch["attention_mask"].cpu()
+        ids = prompts.batch["input_ids"].cpu()
+        pos = prompts.batch.get("position_ids")
+        pos = (attn.long().cumsum(-1) - 1).clamp(min=0) if pos is None else pos.cpu()
         responses, response_mask, logps, stopped = (res.pop(k) for k in ("responses", "response_mask",
                                                                         "rollout_log_probs", "stopped"))
         token_mask = res.pop("token_mask", response_mask)  # multi-turn: tool tokens are attended, not trained
 
         rep = lambda t: t.repeat_interleave(n, dim=0)  # noqa: E731
         p_ids, p_mask, p_pos = rep(ids), rep(attn.long()), rep(pos.long())
-        if self.agent is not None and any(t.prompt is not None for t in trajs):  # rollout.agent sent its own prompt
+        if trajs is not None and any(t.prompt is not None for t in trajs):  # rollout.agent sent its own prompt
             own = left_pad([t.prompt if t.prompt is not None else r["prompt_token_ids"] for t, r in zip(trajs, requests)],
                            self.pad_token_id)
             p_ids, p_mask, p_pos = own["input_ids"], own["attention_mask"], own["position_ids"]
@@ -288,11 +297,10 @@ class VLLMRollout:
             **res,  # multi-turn: agent/loop.STAT_KEYS per row
         }
         non_tensor = {k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()}
-        if self.agent is not None:
-            non_tensor["agent_turns"] = turns  # what each row's environment scores (agent/environment.py)
-        out_meta = dict(meta)
-        out_meta.update(sampling=spec.with_seed(base_seed), response_length=R)
-        return DataProto(batch, non_tensor, out_meta)
+        if trajs is not None:  # what each row's environment scores (agent/environment.py); DataProto makes
+            non_tensor["agent_turns"] = [t.turns for t in trajs]  # it a 1-D object array (one row per sample)
+        meta.update(sampling=spec, response_length=R)
+        return DataProto(batch, non_tensor, meta)
 
     def _agent_input(self, non_tensor: dict, n: int):
         """Per sample, what the agent takes: rollout.agent's runner the rows (gateway/agents.sample_rows), the
@@ -320,25 +328,29 @@ class VLLMRollout:
                 params.append(SamplingParams(seed=base_seed + i * n + j, logprobs=0, **kwargs))
         return requests, params
 
-    def _response_tensors(self, outs, R: int) -> dict[str, torch.Tensor]:
-        """vLLM outputs -> responses (pad-filled), response_mask, rollout_log_probs, stopped."""
-        rows = len(outs)
+    def response_tensors(self, samples: list, R: int) -> dict[str, torch.Tensor]:
+        """Samples (sampled ids, their log-probs, vLLM's finish reason) -> responses (pad-filled),
+        response_mask, rollout_log_probs, stopped."""
+        rows = len(samples)
         responses = torch.full((rows, R), self.pad_token_id, dtype=torch.long, device="cpu")
         response_mask = torch.zeros((rows, R), dtype=torch.long, device="cpu")
         logps = torch.zeros((rows, R), dtype=torch.float32, device="cpu")
         stopped = torch.zeros(rows, dtype=torch.bool, device="cpu")
-        for k, o in enumerate(outs):
-            c = o.outputs[0]
-            toks = list(c.token_ids)[:R]
+        for k, (token_ids, logprobs, finish_reason) in enumerate(samples):
+            toks = list(token_ids)[:R]
             L = len(toks)
             if L:
                 responses[k, :L] = torch.tensor(toks, dtype=torch.long, device="cpu")
                 response_mask[k, :L] = 1
-                lp = c.logprobs or []
-                logps[k, :L] = torch.tensor([float(lp[t][tok].logprob) for t, tok in enumerate(toks)],
-                                            dtype=torch.float32, device="cpu")
-            stopped[k] = c.finish_reason == "stop"
+                logps[k, :L] = torch.tensor(list(logprobs)[:L], dtype=torch.float32, device="cpu")
+            stopped[k] = finish_reason == "stop"
         return {"responses": responses, "response_mask": response_mask, "rollout_log_probs": logps, "stopped": stopped}
+
+
+def _logprobs_of(c) -> list:
+    """A vLLM CompletionOutput's log-prob of each sampled id (requested with logprobs=0), else zeros."""
+    lp = c.logprobs or []
+    return [float(lp[t][tok].logprob) for t, tok in enumerate(c.token_ids)] if lp else [0.0] * len(c.token_ids)
 
 
 def left_pad(token_lists: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -358,15 +370,21 @@ _PROMPT_COLUMNS = {"prompts": None, "input_ids": None, "attention_mask": 0, "pos
 
 
 def left_pad_prompts(parts: list, pad_id: int) -> list:
-    """Generated batches (DataProto) whose prompts were padded to different widths, left-padded to the widest (the
-    engine right-aligns every row, so extra left padding costs no compute)."""
-    width = max(p.batch["prompts"].shape[1] for p in parts)
+    """Batches (DataProto) whose prompts were padded to different widths, left-padded to the widest (the
+    engine right-aligns every row, so extra left padding costs no compute): generated batches (their
+    "prompts" width) or prompt batches (input_ids, attention_mask[, position_ids])."""
+    def prompt_width(p) -> int:
+        return p.batch["prompts" if "prompts" in p.batch else "input_ids"].shape[1]
+
+    width = max(prompt_width(p) for p in parts)
     out = []
     for p in parts:
-        extra = width - p.batch["prompts"].shape[1]
+        extra = width - prompt_width(p)
         if extra:
             p = DataProto(dict(p.batch), dict(p.non_tensor_batch), dict(p.meta_info))
             for key, fill in _PROMPT_COLUMNS.items():
+                if key not in p.batch:
+                    continue
                 t = p.batch[key]
                 pad = torch.full((t.shape[0], extra), pad_id if fill is None else fill, dtype=t.dtype, device="cpu")
                 p.batch[key] = torch.cat([pad, t], dim=1)

@@ -1,0 +1,132 @@
+"""trainer.mode=fully_async (#39): the rollout pool generates continuously, the trainer takes a batch as soon
+as enough finished groups keep every sample within trainer.max_staleness, and after each update the new
+weights reach the pool while generation is in flight (each engine pauses between two steps, loads them,
+resumes: an unfinished sample continues under the new weights, a partial rollout).
+
+    stream = GroupStream(trainer)       # the rollout pool's streams started at the trainer's version
+    batch = stream.next_batch()         # admit groups, collect finished ones, until select_batch gives a batch
+    ...the trainer's steps 2-6 on it (pi_old / proximal, ref, values, rewards, advantages, updates)...
+    stream.after_update()               # weights to the pool under pause; version + 1
+
+Admission and batch choice are ppo/staleness.py's (AReaL's rule: a group starts only while every group that
+can still be trained stays within the bound). A group is one prompt's rollout.n samples; each is seeded as
+the synchronous run seeds it (group g = prompt i of step k gets step k's seed + i * n), so with
+max_staleness=0 (one batch admitted at a time, trained on-policy) the batches are the sync run's. A batch's
+groups are ordered by their index, whatever order they finished in.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from megappo.ppo.staleness import StalenessManager, select_batch, version_stats
+from megappo.protocol import DataProto
+
+if TYPE_CHECKING:
+    from megappo.ppo.ray_trainer import RayPPOTrainer
+
+POLL_S = 0.02  # between two collects while a batch is not ready
+
+
+class GroupStream:
+    def __init__(self, trainer: "RayPPOTrainer"):
+        cfg = trainer.config
+        self.trainer = trainer
+        self.pool = trainer.rollout_wg
+        self.B = cfg.data.train_batch_size  # groups per trained batch
+        self.max_staleness = cfg.trainer.max_staleness
+        self.mgr = StalenessManager(self.B, self.max_staleness, version=trainer.global_step,
+                                    started=trainer.global_step * self.B, finished=trainer.global_step * self.B,
+                                    consumed=trainer.global_step * self.B)
+        self.queue: list = []  # (group index, one-row DataProto) drawn from the sampler, not yet started
+        self.next_group = trainer.global_step * self.B
+        self.pending: dict = {}  # uid -> (group index, start version, worker rank)
+        self.done: dict = {}  # uid -> (group index, start version, DataProto rows)
+        self.load = [0] * self.pool.world_size  # groups in flight per rollout worker
+        self.pool.submit("stream_start", self.mgr.version).result()
+        self.sync_metrics = self._sync(bump=False)  # the trainer's weights (a resumed run's too), checked
+
+    # ---- 1. admit, collect, choose --------------------------------------------------------------------
+
+    def next_batch(self) -> DataProto:
+        """The next batch to train (its groups' rows in group order), with meta_info["metrics"] (async/*)."""
+        t0 = time.perf_counter()
+        while True:
+            self._admit()
+            self._collect()
+            starts = {uid: v0 for uid, (_, v0, _) in self.done.items()}
+            chosen = select_batch(starts, [v0 for _, v0, _ in self.pending.values()], self.mgr.version, self.B,
+                                  self.max_staleness)
+            if chosen is not None:
+                break
+            if time.perf_counter() - t0 > self.trainer.config.trainer.phase_timeout_s:
+                raise TimeoutError(f"fully_async: no batch of {self.B} finished groups after trainer.phase_timeout_s="
+                                   f"{self.trainer.config.trainer.phase_timeout_s}s ({len(self.pending)} in flight, "
+                                   f"{len(self.done)} finished)")
+            time.sleep(POLL_S)
+        groups = sorted((self.done.pop(uid) for uid in chosen), key=lambda g: g[0])
+        self.mgr.on_consume(len(groups))
+        from megappo.workers.rollout.vllm_rollout import left_pad_prompts
+
+        batch = DataProto.concat(left_pad_prompts([rows for _, _, rows in groups],
+                                                  self.trainer.tokenizer.pad_token_id or 0))
+        metrics = version_stats(batch.batch["token_versions"], batch.batch["response_mask"], self.mgr.version,
+                                self.max_staleness)
+        metrics.update({"async/groups_in_flight": float(len(self.pending)),
+                        "async/groups_waiting": float(len(self.done)),
+                        "async/policy_version": float(self.mgr.version)})
+        batch.meta_info["metrics"] = metrics
+        return batch
+
+    def _admit(self) -> None:
+        """Start as many groups as admission allows, each on the rollout worker with the fewest in flight."""
+        k = self.mgr.capacity()
+        if k == 0:
+            return
+        while len(self.queue) < k:  # whole sampler batches, in order: group g = prompt g % B of step g // B + 1
+            prompts = self.trainer.train_dataset.get_batch(next(self.trainer.sampler))
+            self.queue += [(self.next_group + i, prompts[i:i + 1]) for i in range(len(prompts))]
+            self.next_group += len(prompts)
+        start, self.queue = self.queue[:k], self.queue[k:]
+        seeds, ranks = [], []
+        for g, row in start:
+            step, i = g // self.B + 1, g % self.B
+            seeds.append(self.trainer._sampling_for(step).seed + i * self.trainer.sampling.num_samples)
+            rank = min(range(len(self.load)), key=self.load.__getitem__)
+            self.load[rank] += 1
+            self.pending[row.non_tensor_batch["uid"][0]] = (g, self.mgr.version, rank)
+            ranks.append(rank)
+        from megappo.workers.rollout.vllm_rollout import left_pad_prompts
+
+        rows = DataProto.concat(left_pad_prompts([row for _, row in start], self.trainer.tokenizer.pad_token_id or 0))
+        rows.non_tensor_batch["group_seed"] = np.array(seeds, dtype=object)
+        rows.meta_info = {"sampling": self.trainer.sampling}
+        self.mgr.on_start(len(start))
+        self.pool.submit("stream_submit", rows, ranks).result()
+
+    def _collect(self) -> None:
+        for rank, part in enumerate(self.pool.submit("stream_collect").result()):
+            if part is None:
+                continue
+            uids = part.non_tensor_batch["uid"]
+            for uid in dict.fromkeys(uids):  # each finished group once, its rows together
+                g, v0, worker = self.pending.pop(uid)
+                self.load[worker] -= 1
+                self.done[uid] = (g, v0, part[[j for j, u in enumerate(uids) if u == uid]])
+                self.mgr.on_finish()
+
+    # ---- 6b. the new weights to the pool, generation in flight ----------------------------------------
+
+    def after_update(self) -> dict:
+        self.mgr.on_update()
+        return self._sync(bump=True)
+
+    def _sync(self, bump: bool) -> dict:
+        t0 = time.perf_counter()
+        send = self.trainer.actor_wg.submit("send_weights")
+        recv = self.pool.submit("stream_receive_weights", bump)
+        sent, received = send.result()[0], recv.result()[0]
+        return {"timing/weight_sync_s": time.perf_counter() - t0, **sent, **received}

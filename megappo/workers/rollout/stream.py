@@ -1,0 +1,118 @@
+"""Continuous generation on one rollout worker, for trainer.mode=fully_async (#39): groups go in whenever the
+driver admits them, finished groups come out, and new weights load between two engine steps while the rest
+keep generating.
+
+    stream = RolloutStream(rollout, version=0)   # the worker's VLLMRollout (its own engine, rollout.tp=1)
+    stream.submit(prompts)                       # one row per prompt (a group of spec.num_samples samples)
+    done = stream.collect()                      # the finished groups as one DataProto, or None
+    with stream.paused():                        # between two engine steps
+        ...load weights...                       # (WeightReceiver.receive)
+    stream.bump_version()
+
+The engine is the gateway's AsyncTokenEngine over the same in-process vLLM (continuous batching across
+every group in flight). Pause mode: keep. A request in flight across a weight load keeps its KV cache and
+continues from its tokens so far under the new weights (a partial rollout, as PipelineRL does); its KV
+for the earlier tokens was computed by the old weights. Each sampled token carries the version of the
+engine step that sampled it (`token_versions`, [rows, R], -1 past a response) and each sample the version
+it started at (`start_version`); the decoupled loss takes the sampler's own log-probs as the behaviour
+policy per token, so a sample that spans versions is corrected token by token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+
+from megappo.protocol import DataProto
+
+
+class RolloutStream:
+    def __init__(self, rollout, version: int = 0):
+        from megappo.gateway.engine import AsyncTokenEngine
+
+        self.rollout = rollout
+        self.engine = AsyncTokenEngine.for_llm(rollout.llm)
+        self.engine.version = version
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="megappo-stream", daemon=True)
+        self._thread.start()
+        self._groups: dict = {}  # uid -> (the prompt's row, its SamplingSpec, one future per sample)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._groups)
+
+    def submit(self, prompts: DataProto) -> int:
+        """Start every row's group: sample j of row i is seeded base + j, base = non_tensor "group_seed"[i]
+        when given, else meta_info["sampling"].seed + i * n (as VLLMRollout.generate_sequences seeds a
+        batch). Returns the groups now in flight."""
+        spec = prompts.meta_info["sampling"]
+        n = spec.num_samples
+        ids, mask = prompts.batch["input_ids"].cpu(), prompts.batch["attention_mask"].cpu().bool()
+        seeds = prompts.non_tensor_batch.get("group_seed")
+        for i, uid in enumerate(prompts.non_tensor_batch["uid"]):
+            if uid in self._groups:
+                raise ValueError(f"group {uid} is already in flight on this rollout worker")
+            base = int(seeds[i]) if seeds is not None else spec.seed + i * n
+            requests, params = self.rollout._requests(ids[i:i + 1], mask[i:i + 1], spec, base)
+            row = prompts[i:i + 1]
+            row.non_tensor_batch.pop("group_seed", None)
+            self._groups[uid] = (row, spec.with_seed(base), [
+                asyncio.run_coroutine_threadsafe(self.engine.generate(r["prompt_token_ids"], p), self._loop)
+                for r, p in zip(requests, params)])
+        return self.in_flight
+
+    def collect(self) -> Optional[DataProto]:
+        """The groups whose every sample has finished (removed from the stream), or None. A request the
+        engine failed raises here."""
+        done = [uid for uid, (_, _, futures) in self._groups.items() if all(f.done() for f in futures)]
+        parts = [self._assemble(*self._groups.pop(uid)) for uid in done]
+        if not parts:
+            return None
+        from megappo.workers.rollout.vllm_rollout import left_pad_prompts
+
+        return DataProto.concat(left_pad_prompts(parts, self.rollout.pad_token_id))
+
+    def generate(self, prompts: DataProto) -> DataProto:
+        """A whole batch through the stream's engine, waited for (validation while groups are in flight: a
+        synchronous LLM.generate would step the same engine from a second thread)."""
+        spec = prompts.meta_info["sampling"]
+        spec = spec.with_seed(0 if spec.seed is None else spec.seed)  # greedy validation: no seed of its own
+        n = spec.num_samples
+        requests, params = self.rollout._requests(prompts.batch["input_ids"].cpu(),
+                                                  prompts.batch["attention_mask"].cpu().bool(), spec, spec.seed)
+        futures = [asyncio.run_coroutine_threadsafe(self.engine.generate(r["prompt_token_ids"], p), self._loop)
+                   for r, p in zip(requests, params)]
+        return DataProto.concat([self._assemble(prompts[i:i + 1], spec.with_seed(spec.seed + i * n),
+                                                futures[i * n:(i + 1) * n]) for i in range(len(prompts))])
+
+    def _assemble(self, row: DataProto, spec, futures) -> DataProto:
+        done = [f.result() for f in futures]
+        R = spec.max_new_tokens
+        res = self.rollout.response_tensors([(c.ids, c.logprobs, c.finish_reason) for c in done], R)
+        versions = torch.full((len(done), R), -1, dtype=torch.long, device="cpu")
+        for k, c in enumerate(done):
+            tv = c.token_versions[:R]
+            versions[k, :len(tv)] = torch.tensor(tv, dtype=torch.long, device="cpu")
+        res["token_versions"] = versions
+        res["start_version"] = torch.tensor([c.version for c in done], dtype=torch.long, device="cpu")
+        return self.rollout.assemble(row, res, spec)
+
+    @contextmanager
+    def paused(self):
+        """No engine step runs inside; the requests in flight keep their KV cache and continue after."""
+        with self.engine.paused():
+            yield
+
+    def bump_version(self) -> int:
+        return self.engine.bump_version()
+
+    def close(self) -> None:
+        """Abort what is in flight (a new stream starts clean, e.g. after a restart)."""
+        self.engine.abort_all()
+        self._groups.clear()
+        self._loop.call_soon_threadsafe(self._loop.stop)
