@@ -15,9 +15,23 @@ FULLY_ASYNC = ["trainer.mode=fully_async", "resources.rollout_workers=1", "train
                "trainer.export_hf=false"]
 
 
+def _recording_groups(trained: list):
+    """A run's setup hook: each update's batch -> trained.append({group index: dataset index})."""
+    def setup(trainer):
+        update = trainer._update
+
+        def recorded(batch, timing):
+            nt = batch.non_tensor_batch
+            trained.append({int(g): int(i) for g, i in zip(nt["group"], nt["index"])})
+            return update(batch, timing)
+
+        trainer._update = recorded
+    return setup
+
+
 @pytest.mark.parametrize("overrides, expected", [
     (["trainer.max_staleness=-1"], "trainer.max_staleness=-1 must be >= 0"),
-    (["trainer.save_every=2"], "set trainer.save_every=0"),
+    (["algorithm.adv_estimator=remax"], "algorithm.adv_estimator=remax"),
     (["algorithm.filter_groups.enable=true"], "algorithm.filter_groups"),
     (["resources.rollout_workers=2", "rollout.tp=2"], "set rollout.tp=1"),
 ])
@@ -61,3 +75,47 @@ def test_stale_groups_stay_within_the_bound(ray_session, tiny_assets, data_dir, 
         assert math.isfinite(h["loss/policy_avg"])
     # the stale step's pi_old (proximal: the updated actor) differs from the sampler's log-probs
     assert history[1]["rollout/logprob_diff_max"] > 1e-3
+
+
+def test_a_checkpoint_with_groups_in_flight_resumes_without_losing_or_repeating_a_prompt(
+        ray_session, tiny_assets, data_dir, tmp_path):
+    """max_staleness=1, a checkpoint after every step: at step 1's, 4 groups are trained and 4 more were
+    generated at version 0. Resumed from it, those 4 are regenerated (same prompts, same seeds, the resumed
+    weights) and the run trains groups 0..11 once each, as the uninterrupted run does: the same group
+    indices, each with the same prompt."""
+    straight, resumed = [], []
+    common = [*FULLY_ASYNC, "trainer.max_staleness=1", "trainer.total_steps=3", "trainer.val_every=0"]
+    _run(_config(tiny_assets, data_dir, tmp_path / "a", *common, "trainer.save_every=1"),
+         setup=_recording_groups(straight))
+    from megappo.utils.checkpoint import step_dir
+
+    first = step_dir(tmp_path / "a" / "checkpoints", 1)
+    assert first.is_dir()
+    _run(_config(tiny_assets, data_dir, tmp_path / "b", *common, f"trainer.resume={first}"),
+         setup=_recording_groups(resumed))
+    assert len(straight) == 3 and len(resumed) == 2
+    once = [g for step in [straight[0], *resumed] for g in step]
+    assert sorted(once) == list(range(12)) == sorted(g for step in straight for g in step)
+    prompt = {g: i for step in straight for g, i in step.items()}
+    assert all(prompt[g] == i for step in resumed for g, i in step.items())  # group g is the same prompt
+
+
+def test_a_rollout_worker_killed_mid_generation_is_replaced_and_its_groups_regenerated(
+        ray_session, tiny_assets, data_dir, tmp_path):
+    """SIGKILL the rollout worker while step 2 waits for its groups: every worker group comes up again, the
+    run resumes from step 1's checkpoint and regenerates the groups that were in flight; groups 0..11 are
+    trained once each over the run's surviving steps."""
+    from test_fault_tolerance import _killer
+
+    trained, log = [], []
+
+    def setup(trainer):
+        _recording_groups(trained)(trainer)
+        trainer.fault_hook = _killer(trainer, {("rollout_wait", 2): ("rollout", 0, 0.3)}, log)
+
+    history, trainer = _run(_config(tiny_assets, data_dir, tmp_path / "kill", *FULLY_ASYNC, "trainer.max_staleness=1",
+                                    "trainer.total_steps=3", "trainer.val_every=0", "trainer.save_every=1",
+                                    "trainer.async_save=false"), setup=setup)
+    assert trainer.restarts == 1 and [e[1] for e in log] == ["rollout"], log
+    assert trainer.global_step == 3 and len(trained) == 3  # step 1, then steps 2 and 3 after the restart
+    assert sorted(g for step in trained for g in step) == list(range(12))

@@ -396,7 +396,6 @@ def _check_fully_async(cfg) -> None:
         (r.multi_turn.enable or bool(r.agent), "rollout.multi_turn / rollout.agent: use trainer.mode=async"),
         (a.filter_groups.enable, "algorithm.filter_groups (DAPO's dynamic sampling): use trainer.mode=async or sync"),
         (a.adv_estimator == "remax", "algorithm.adv_estimator=remax (a greedy baseline per step): use another estimator"),
-        (t.save_every > 0, "trainer.save_every: groups in flight are not checkpointed yet; set trainer.save_every=0"),
     ]
     for bad, what in unsupported:
         if bad:

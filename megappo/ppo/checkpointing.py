@@ -90,8 +90,11 @@ class CheckpointingMixin:
     def _driver_state(self, step: int) -> dict:
         """What the driver itself needs to resume after `step`: the sampler's position before the
         next step's prompts, the KL controller, its RNG (trainer_state.json; JSON, never pickle)."""
-        return {"step": step, "sampler": self._sampler_before.get(step + 1, self.sampler.state_dict()),
-                "kl_ctrl": self.kl_ctrl.state_dict(), "rng": rng_state()}
+        state = {"step": step, "sampler": self._sampler_before.get(step + 1, self.sampler.state_dict()),
+                 "kl_ctrl": self.kl_ctrl.state_dict(), "rng": rng_state()}
+        if self.stream is not None:  # fully_async: where the groups not yet trained start (regenerated on resume)
+            state["sampler"], state["fully_async"] = self.stream.state_dict()
+        return state
 
     def _load_driver_state(self, state: dict) -> None:
         self.global_step = int(state["step"])
@@ -99,6 +102,7 @@ class CheckpointingMixin:
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         set_rng_state(state["rng"])
         self._sampler_before = {}
+        self._stream_resume = state.get("fully_async")  # read by the next GroupStream
 
     def export_final(self, step: int) -> Path:
         """The step's policy as a plain HF dir: <output_dir>/hf_final (megappo export)."""

@@ -42,7 +42,15 @@ class GroupStream:
                                     started=trainer.global_step * self.B, finished=trainer.global_step * self.B,
                                     consumed=trainer.global_step * self.B)
         self.queue: list = []  # (group index, one-row DataProto) drawn from the sampler, not yet started
-        self.next_group = trainer.global_step * self.B
+        self.next_group = trainer.global_step * self.B  # the first group of the next sampler batch to draw
+        self.consumed: set = set()  # group indices trained (those at or above the lowest untrained one matter)
+        self.skip: set = set()  # resumed: groups of the redrawn sampler batches that were trained already
+        resume, trainer._stream_resume = trainer._stream_resume, None
+        if resume is not None:  # the trainer's sampler is at the batch holding the lowest untrained group
+            self.next_group = resume["low"] // self.B * self.B
+            self.skip = set(range(self.next_group, resume["low"])) | set(resume["consumed"])
+            self.consumed = set(resume["consumed"])
+        self.sampler_before = {self.next_group // self.B: trainer.sampler.state_dict()}  # sampler batch -> state
         self.pending: dict = {}  # uid -> (group index, start version, worker rank)
         self.done: dict = {}  # uid -> (group index, start version, DataProto rows)
         self.load = [0] * self.pool.world_size  # groups in flight per rollout worker
@@ -69,6 +77,7 @@ class GroupStream:
             time.sleep(POLL_S)
         groups = sorted((self.done.pop(uid) for uid in chosen), key=lambda g: g[0])
         self.mgr.on_consume(len(groups))
+        self.consumed.update(g for g, _, _ in groups)
         from megappo.workers.rollout.vllm_rollout import left_pad_prompts
 
         batch = DataProto.concat(left_pad_prompts([rows for _, _, rows in groups],
@@ -87,8 +96,10 @@ class GroupStream:
         if k == 0:
             return
         while len(self.queue) < k:  # whole sampler batches, in order: group g = prompt g % B of step g // B + 1
+            self.sampler_before[self.next_group // self.B] = self.trainer.sampler.state_dict()
             prompts = self.trainer.train_dataset.get_batch(next(self.trainer.sampler))
-            self.queue += [(self.next_group + i, prompts[i:i + 1]) for i in range(len(prompts))]
+            self.queue += [(self.next_group + i, prompts[i:i + 1]) for i in range(len(prompts))
+                           if self.next_group + i not in self.skip]
             self.next_group += len(prompts)
         start, self.queue = self.queue[:k], self.queue[k:]
         seeds, ranks = [], []
@@ -98,6 +109,7 @@ class GroupStream:
             rank = min(range(len(self.load)), key=self.load.__getitem__)
             self.load[rank] += 1
             self.pending[row.non_tensor_batch["uid"][0]] = (g, self.mgr.version, rank)
+            row.non_tensor_batch["group"] = np.array([g])
             ranks.append(rank)
         from megappo.workers.rollout.vllm_rollout import left_pad_prompts
 
@@ -117,6 +129,20 @@ class GroupStream:
                 self.load[worker] -= 1
                 self.done[uid] = (g, v0, part[[j for j, u in enumerate(uids) if u == uid]])
                 self.mgr.on_finish()
+
+    # ---- checkpoints: the untrained groups are regenerated on resume -----------------------------------
+
+    def state_dict(self) -> tuple[dict, dict]:
+        """(the sampler's state before the batch holding the lowest untrained group, {low, consumed}): a
+        resumed run redraws from that batch and skips the groups trained already, so no prompt is lost or
+        trained twice. Groups in flight or finished but untrained are not saved: they are generated again
+        (same prompts, same seeds) by the resumed weights."""
+        untrained = [g for g, _, _ in self.pending.values()] + [g for g, _, _ in self.done.values()] + \
+            [g for g, _ in self.queue] + [self.next_group]
+        low = min(untrained)
+        self.consumed = {g for g in self.consumed if g >= low}
+        self.sampler_before = {b: s for b, s in self.sampler_before.items() if b >= low // self.B}
+        return self.sampler_before[low // self.B], {"low": low, "consumed": sorted(self.consumed)}
 
     # ---- 6b. the new weights to the pool, generation in flight ----------------------------------------
 

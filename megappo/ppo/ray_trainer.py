@@ -130,6 +130,7 @@ class RayPPOTrainer(CheckpointingMixin):
         self.async_mode = cfg.trainer.mode != "sync"  # async | fully_async: a rollout pool of its own
         self.fully_async = cfg.trainer.mode == "fully_async"
         self.stream = None  # fully_async: ppo/fully_async.GroupStream, made per _fit_once
+        self._stream_resume: Optional[dict] = None  # fully_async: a checkpoint's GroupStream.state_dict()
         self.output_dir = Path(cfg.trainer.output_dir)
         self.ckpt_root = self.output_dir / "checkpoints"
         self.show_progress = show_progress
