@@ -413,6 +413,7 @@ def test_ppo_run_with_your_own_openai_sdk_agent(ray_session, tiny_assets, data_d
         assert h["rollout/agent_own_prompt"] == rows - errors  # tools= changed the prompt: trained as sent
         assert h["rollout/agent_fallbacks"] == 0 and h["rollout/agent_timeouts"] == 0
         assert h["rollout/weights_fingerprint_ok"] == 1.0
+        assert 0 < h["timing/agent_s_p50"] <= h["timing/agent_s_p95"] <= h["timing/agent_s_max"]  # session latency
         width = b["prompts"].shape[1]
         for i in range(rows):
             if b["response_mask"][i].sum() == 0:  # a failed agent's sample: nothing trained

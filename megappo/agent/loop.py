@@ -200,6 +200,8 @@ def _own_agent_metrics(batch: dict) -> dict:
             "rollout/agent_timeouts": batch["agent_timeouts"].sum().item(),
             "rollout/agent_own_prompt": batch["agent_own_prompt"].sum().item(),
             "timing/agent_s_mean": batch["agent_s"].mean().item(),
+            "timing/agent_s_p50": batch["agent_s"].float().quantile(0.5).item(),
+            "timing/agent_s_p95": batch["agent_s"].float().quantile(0.95).item(),
             "timing/agent_s_max": batch["agent_s"].max().item()}
 
 
