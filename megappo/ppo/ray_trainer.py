@@ -63,6 +63,7 @@ from megappo.ppo.checkpointing import CheckpointingMixin
 from megappo.ppo.losses import PolicyLoss, ValueLoss
 from megappo.ppo.metrics import eval_metrics, kl_metrics, step_metrics
 from megappo.ppo.reward_curve import plot_reward_curve
+from megappo.ppo.run_control import PreemptionSignals, StepProgress
 from megappo.protocol import DataProto
 from megappo.rewards.manager import RewardManager
 from megappo.rewards.rules import load_rules
@@ -147,7 +148,7 @@ class RayPPOTrainer(CheckpointingMixin):
         self._unfinished: Optional[PendingCheckpoint] = None  # a save its workers still write (async_save)
         self._initial_state = self._driver_state(0)
         # SIGTERM / SIGUSR1 from now on: finish the step in flight, checkpoint, stop (fit)
-        self.preemption = _PreemptionSignals().install()
+        self.preemption = PreemptionSignals().install()
         self.actor_wg = self.critic_wg = self.ref_wg = self.rm_wg = self.rollout_wg = None
         self.resource_pool_manager = None
         self._plotting: Optional[threading.Thread] = None  # fit's reward_curve.png, drawn in the background
@@ -347,7 +348,7 @@ class RayPPOTrainer(CheckpointingMixin):
             from megappo.ppo.fully_async import GroupStream
 
             self.stream = GroupStream(self)
-        with _Progress(total, self.global_step, self.show_progress,
+        with StepProgress(total, self.global_step, self.show_progress,
                        algos.algorithm_name(cfg.algorithm.adv_estimator)) as progress, \
                 Tracking(cfg.trainer.project, cfg.trainer.experiment, self.output_dir, list(cfg.trainer.loggers),
                          config=cfg, console=progress.console, resume_step=self.global_step) as tracker:
@@ -594,71 +595,3 @@ class RayPPOTrainer(CheckpointingMixin):
         _, reward_metrics = self.val_reward_fn(out)
         tools = {k.replace("rollout/", "eval/"): v for k, v in agent_metrics(out.batch).items() if k.startswith("rollout/")}
         return {**eval_metrics(out, reward_metrics), **tools, "timing/validate_s": time.perf_counter() - t0}
-
-class _PreemptionSignals:
-    """SIGTERM / SIGUSR1 -> an event the loop checks after each step; `uninstall()` puts the previous
-    handlers back. Slurm sends one before a time limit or a preemption (`--signal=B:USR1@120`)."""
-
-    SIGNALS = ("SIGTERM", "SIGUSR1")
-
-    def __init__(self):
-        import threading
-
-        self._event = threading.Event()
-        self.name = None
-        self._previous = {}
-
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
-    def _handle(self, signum, frame) -> None:
-        import signal
-
-        self.name = signal.Signals(signum).name
-        if not self._event.is_set():
-            print(f"megappo: {self.name}: finishing the step in flight, then a checkpoint and exit", flush=True)
-        self._event.set()
-
-    def install(self) -> "_PreemptionSignals":
-        import signal
-        import threading
-
-        if threading.current_thread() is threading.main_thread() and not self._previous:
-            for name in self.SIGNALS:  # signal handlers can only be set from the main thread
-                sig = getattr(signal, name)
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def uninstall(self) -> None:
-        import signal
-
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
-
-
-class _Progress:
-    """A rich progress bar over steps (score / correct rate / step time in its description)."""
-
-    def __init__(self, total: int, done: int, enabled: bool, label: str = "PPO"):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-            TimeRemainingColumn
-
-        self.console = Console()
-        self.progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                 TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.description}"),
-                                 console=self.console, disable=not enabled, transient=False)
-        self.task = self.progress.add_task("", total=total, completed=done)
-
-    def __enter__(self) -> "_Progress":
-        self.progress.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.progress.stop()
-
-    def advance(self, m: dict) -> None:
-        desc = (f"score {m['objective/scores']:.3f}  correct {m['objective/verifiable_correct_rate']:.2f}  "
-                f"kl {m['objective/kl']:.3f}  {m['time/training']:.1f}s/step")
-        self.progress.update(self.task, advance=1, description=desc)

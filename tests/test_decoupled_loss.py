@@ -1,0 +1,84 @@
+"""Decoupled PPO (#39; AReaL, Fu et al. 2025): the loss against its formula by hand, plain PPO when the
+behaviour policy is the proximal one, gradients through pi_theta only, and its config (moved out of
+test_core_algos.py, which holds the rest of core_algos)."""
+
+import math
+
+import pytest
+import torch
+
+from megappo.ppo import core_algos as ca
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+T = torch.tensor
+
+
+def close(a, b, tol=1e-5):
+    return torch.allclose(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64), atol=tol)
+
+
+# ----------------------------------------------------------------------------- decoupled PPO (#39)
+def test_decoupled_loss_matches_the_formula_by_hand():
+    # per token: r = pi_theta / pi_prox, w = pi_prox / pi_behav; l = w * max(-A r, -A clip(r, .8, 1.2))
+    prox = T([[0.0, 0.0, 0.0, 0.0]])
+    behav = T([[math.log(0.5), math.log(2.0), 0.0, math.log(0.1)]])  # w = 2, .5, 1, 10
+    logp = T([[math.log(1.5), math.log(0.5), math.log(1.1), 0.0]])  # r = 1.5, .5, 1.1, 1
+    adv = T([[1.0, -1.0, 2.0, 1.0]])
+    mask = torch.ones(1, 4)
+    loss, clipfrac, _, _, m = ca.compute_decoupled_policy_loss(prox, behav, logp, adv, mask, clip_ratio=0.2,
+                                                               clip_ratio_c=None)
+    # token losses: 2 * -1.2 (r clipped at 1.2); .5 * .8 (r=.5, A<0: max(.5, .8)); 1 * -2.2; 10 * -1
+    assert close(loss, (-2.4 + 0.4 - 2.2 - 10.0) / 4)
+    assert close(clipfrac, 0.5) and close(m["behav_weight_mean"], (2 + 0.5 + 1 + 10) / 4)
+    assert close(m["behav_capped_frac"], 0.0)
+    # truncation: w = min(w, 3): only the last token's 10 becomes 3
+    loss_t, *_, m_t = ca.compute_decoupled_policy_loss(prox, behav, logp, adv, mask, behav_imp_weight_cap=3.0,
+                                                       clip_ratio=0.2, clip_ratio_c=None)
+    assert close(loss_t, (-2.4 + 0.4 - 2.2 - 3.0) / 4)
+    assert close(m_t["behav_capped_frac"], 0.25) and close(m_t["behav_weight_mean"], (2 + 0.5 + 1 + 3) / 4)
+
+
+def test_decoupled_loss_is_plain_ppo_when_behaviour_is_proximal():
+    g = torch.Generator().manual_seed(0)
+    old, logp, adv = (torch.randn(3, 5, generator=g) for _ in range(3))
+    mask = (torch.rand(3, 5, generator=g) > 0.3).float()
+    ppo = ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, clip_ratio_c=3.0)
+    dec = ca.compute_decoupled_policy_loss(old, old.clone(), logp, adv, mask, behav_imp_weight_cap=2.0,
+                                           clip_ratio=0.2, clip_ratio_c=3.0)
+    for a, b in zip(ppo, dec[:4]):
+        assert close(a, b, tol=1e-7)
+    assert close(dec[4]["behav_weight_mean"], 1.0)
+
+
+def test_decoupled_loss_gradients_flow_through_pi_theta_only():
+    prox = T([[0.0, 0.0]]).requires_grad_()
+    behav = T([[math.log(0.5), 0.0]]).requires_grad_()
+    logp = T([[0.0, 0.0]]).requires_grad_()
+    adv = T([[2.0, 1.0]])
+    loss, *_ = ca.compute_decoupled_policy_loss(prox, behav, logp, adv, torch.ones(1, 2), clip_ratio=0.2)
+    loss.backward()
+    assert prox.grad is None or close(prox.grad, 0.0)
+    assert behav.grad is None or close(behav.grad, 0.0)
+    assert close(logp.grad, [[-2.0 * 2.0 / 2, -1.0 / 2]])  # d/dlogp of -w A e^{logp - prox} / N at r = 1
+
+
+def test_policy_loss_decoupled_from_config_and_refused_combinations():
+    from megappo.config import ConfigError, load_config
+    from megappo.ppo.losses import PolicyLoss
+
+    cfg = load_config(REPO / "configs/grpo_tiny.yaml", ["actor.policy_loss=decoupled", "actor.behav_imp_weight_cap=5",
+                                                        "actor.use_rollout_log_probs=false"], validate=True)
+    loss = PolicyLoss.from_config(cfg.actor)
+    assert loss.policy_loss == "decoupled" and loss.behav_imp_weight_cap == 5 and "rollout_log_probs" in loss.required_keys
+    mb = {"old_log_probs": T([[0.0, 0.0]]), "rollout_log_probs": T([[math.log(0.1), 0.0]]),
+          "advantages": T([[1.0, 1.0]]), "response_mask": torch.ones(1, 2), "ref_log_prob": T([[0.0, 0.0]])}
+    total, metrics = loss({"logprobs": T([[0.0, 0.0]])}, mb, norm=2.0, n_tokens=2.0)
+    assert close(total, -5.0 - 1.0)  # a sum: w = min(10, 5) and 1, r = 1
+    assert close(metrics["actor/behav_capped_frac"], 0.5)
+    for over, msg in ((["actor.behav_imp_weight_cap=5"], "policy_loss=decoupled"),
+                      (["actor.policy_loss=decoupled", "actor.behav_imp_weight_cap=0.5"], ">= 1"),
+                      (["actor.policy_loss=decoupled", "actor.use_rollout_log_probs=true"], "use_rollout_log_probs"),
+                      (["actor.policy_loss=dapo"], "policy_loss")):
+        with pytest.raises(ConfigError, match=msg):
+            load_config(REPO / "configs/grpo_tiny.yaml", over, validate=True)
