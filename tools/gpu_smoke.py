@@ -20,8 +20,9 @@ One process, one device. Each check is a row of a pass/fail table (exit 1 when a
 What to carry to a GPU image that has torch, transformers, peft and their usual dependencies but no
 registry: megatron-core, omegaconf and antlr4-python3-runtime as wheels (`scripts/gpu_smoke_wheels.sh`
 fetches them), and this checkout. megappo needs none of vLLM, Ray or pyarrow for these checks
-(tests/test_gpu_paths.py runs them on the CPU with those and the other packages the image lacks blocked). First run on a GPU (2026-11-26, an
-H200, torch 2.11.0+cu130, no Transformer Engine): every row passed in bf16 and fp32 (docs/gpu.md).
+(tests/test_gpu_paths.py runs them on the CPU with those and the other packages the image lacks blocked).
+First run on a GPU (2026-11-26, an H200, torch 2.11.0+cu130, no Transformer Engine): every row passed in
+bf16 and fp32 (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
+from unittest import mock
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -152,12 +154,17 @@ def check_logprobs(args, assets) -> tuple[bool, str]:
     return versus_hf(args, str(assets["tiny-llama"]))
 
 
+def train_on(eng, batch: dict, device: str) -> None:
+    """One Adam step of the policy-gradient loss on `batch` (2 rows per micro-batch)."""
+    eng.train_step(on_device(batch, device), pg_loss, float(batch["response_mask"].sum()), response_length=R,
+                   micro_batch_size=2)
+
+
 def update_of_one_step(path: str, batch: dict, device: str, dtype) -> torch.Tensor:
     """Every parameter's change (flattened, name order) after one Adam step on `batch`."""
     eng = engine(path, device, dtype, train=True)
     before = params(eng)
-    eng.train_step(on_device(batch, device), pg_loss, float(batch["response_mask"].sum()), response_length=R,
-                   micro_batch_size=2)
+    train_on(eng, batch, device)
     after = params(eng)
     return torch.cat([(after[k] - before[k]).flatten() for k in sorted(before)])
 
@@ -178,14 +185,9 @@ def check_train_step(args, assets) -> tuple[bool, str]:
 
     path, batch = str(assets["tiny-llama"]), make_batch()
     here = update_of_one_step(path, batch, args.device, args.torch_dtype)
-    hidden = {"CUDA_VISIBLE_DEVICES": "", "MEGAPPO_DEVICE": "cpu"}
-    saved = {k: os.environ.get(k) for k in hidden}
-    os.environ.update(hidden)  # inherited by the spawned child only: this process's CUDA is initialised
-    try:
+    # inherited by the spawned child only: this process's CUDA is initialised already
+    with mock.patch.dict(os.environ, {"CUDA_VISIBLE_DEVICES": "", "MEGAPPO_DEVICE": "cpu"}):
         ref = spawn_local(_cpu_reference_update, 1, path, batch, timeout=300)[0]
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     cos = torch.nn.functional.cosine_similarity(here, ref, dim=0).item()
     rel = ((here - ref).norm() / ref.norm()).item()
     # fp32: 1e-4 relative. Adam's first step is about lr * g / |g|, so where |g| is near adam_eps a summation
@@ -210,8 +212,7 @@ def check_moe(args, assets) -> tuple[bool, str]:
 
 def check_checkpoint(args, assets) -> tuple[bool, str]:
     path, batch = str(assets["tiny-llama"]), make_batch()
-    step = lambda e: e.train_step(on_device(batch, args.device), pg_loss,  # noqa: E731
-                                  float(batch["response_mask"].sum()), response_length=R, micro_batch_size=2)
+    step = lambda e: train_on(e, batch, args.device)  # noqa: E731
     with tempfile.TemporaryDirectory(dir=args.out) as tmp:
         a = engine(path, args.device, args.torch_dtype, train=True)
         step(a)
@@ -238,8 +239,7 @@ def check_lora(args, assets) -> tuple[bool, str]:
                        for k, v in c.named_parameters()}
     before = weights()
     for b in (batch, dict(batch, advantages=-batch["advantages"].flip(0))):
-        eng.train_step(on_device(b, args.device), pg_loss, float(b["response_mask"].sum()), response_length=R,
-                       micro_batch_size=2)
+        train_on(eng, b, args.device)
     after = weights()
     base_same = all(torch.equal(before[k], after[k]) for k in before if "lora_" not in k)
     moved = max((after[k] - before[k]).abs().max().item() for k in before if "lora_" in k)

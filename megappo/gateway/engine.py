@@ -172,7 +172,11 @@ def _set(future, result, error) -> None:
 def _completion(out, prompt: list, version: int) -> Completion:
     c = out.outputs[0]
     ids = list(c.token_ids)
-    lp = c.logprobs or []
-    logprobs = [float(lp[t][tok].logprob) for t, tok in enumerate(ids)] if lp else [0.0] * len(ids)
     stop = c.stop_reason if isinstance(c.stop_reason, str) else ""
-    return Completion(prompt, ids, logprobs, c.finish_reason or "abort", version, stop)
+    return Completion(prompt, ids, sampled_logprobs(c), c.finish_reason or "abort", version, stop)
+
+
+def sampled_logprobs(c) -> list:
+    """A vLLM CompletionOutput's log-prob of each sampled id (requested with logprobs=0), else zeros."""
+    lp = c.logprobs or []
+    return [float(lp[t][tok].logprob) for t, tok in enumerate(c.token_ids)] if lp else [0.0] * len(c.token_ids)

@@ -55,7 +55,7 @@ class GroupStream:
         self.done: dict = {}  # uid -> (group index, start version, DataProto rows)
         self.load = [0] * self.pool.world_size  # groups in flight per rollout worker
         self.pool.submit("stream_start", self.mgr.version).result()
-        self.sync_metrics = self._sync(bump=False)  # the trainer's weights (a resumed run's too), checked
+        trainer._sync_rollout_weights("stream_receive_weights", False)  # the trainer's weights (resumed too), checked
 
     # ---- 1. admit, collect, choose --------------------------------------------------------------------
 
@@ -148,11 +148,4 @@ class GroupStream:
 
     def after_update(self) -> dict:
         self.mgr.on_update()
-        return self._sync(bump=True)
-
-    def _sync(self, bump: bool) -> dict:
-        t0 = time.perf_counter()
-        send = self.trainer.actor_wg.submit("send_weights")
-        recv = self.pool.submit("stream_receive_weights", bump)
-        sent, received = send.result()[0], recv.result()[0]
-        return {"timing/weight_sync_s": time.perf_counter() - t0, **sent, **received}
+        return self.trainer._sync_rollout_weights("stream_receive_weights", True)

@@ -490,11 +490,12 @@ class RayPPOTrainer(CheckpointingMixin):
         rows.sort(key=lambda i: rank[pool.non_tensor_batch["uid"][i]])  # stable: a group's rows stay together
         return pool[rows]
 
-    def _sync_rollout_weights(self) -> dict:
-        """Async: actor -> rollout pool over the weight-sync group (both sides at once)."""
+    def _sync_rollout_weights(self, receive: str = "receive_weights", *args) -> dict:
+        """Async: actor -> rollout pool over the weight-sync group (both sides at once; fully_async's pool
+        receives with stream_receive_weights, between two engine steps)."""
         t0 = time.perf_counter()
         send = self.actor_wg.submit("send_weights")
-        recv = self.rollout_wg.submit("receive_weights")
+        recv = self.rollout_wg.submit(receive, *args)
         sent, received = send.result()[0], recv.result()[0]
         return {"timing/weight_sync_s": time.perf_counter() - t0, **sent, **received}
 

@@ -50,21 +50,25 @@ class RolloutStream:
         """Start every row's group: sample j of row i is seeded base + j, base = non_tensor "group_seed"[i]
         when given, else meta_info["sampling"].seed + i * n (as VLLMRollout.generate_sequences seeds a
         batch). Returns the groups now in flight."""
-        spec = prompts.meta_info["sampling"]
-        n = spec.num_samples
-        ids, mask = prompts.batch["input_ids"].cpu(), prompts.batch["attention_mask"].cpu().bool()
         seeds = prompts.non_tensor_batch.get("group_seed")
         for i, uid in enumerate(prompts.non_tensor_batch["uid"]):
             if uid in self._groups:
                 raise ValueError(f"group {uid} is already in flight on this rollout worker")
-            base = int(seeds[i]) if seeds is not None else spec.seed + i * n
-            requests, params = self.rollout._requests(ids[i:i + 1], mask[i:i + 1], spec, base)
-            row = prompts[i:i + 1]
-            row.non_tensor_batch.pop("group_seed", None)
-            self._groups[uid] = (row, spec.with_seed(base), [
-                asyncio.run_coroutine_threadsafe(self.engine.generate(r["prompt_token_ids"], p), self._loop)
-                for r, p in zip(requests, params)])
+            self._groups[uid] = self._start(prompts, i, None if seeds is None else int(seeds[i]))
         return self.in_flight
+
+    def _start(self, prompts: DataProto, i: int, base=None) -> tuple:
+        """Row i's group into the engine: (its one-row DataProto, its SamplingSpec seeded `base`, one future
+        per sample)."""
+        spec = prompts.meta_info["sampling"]
+        base = spec.seed + i * spec.num_samples if base is None else base
+        requests, params = self.rollout._requests(prompts.batch["input_ids"][i:i + 1].cpu(),
+                                                  prompts.batch["attention_mask"][i:i + 1].cpu().bool(), spec, base)
+        row = prompts[i:i + 1]
+        row.non_tensor_batch.pop("group_seed", None)
+        return row, spec.with_seed(base), [
+            asyncio.run_coroutine_threadsafe(self.engine.generate(r["prompt_token_ids"], p), self._loop)
+            for r, p in zip(requests, params)]
 
     def collect(self) -> Optional[DataProto]:
         """The groups whose every sample has finished (removed from the stream), or None. A request the
@@ -81,14 +85,11 @@ class RolloutStream:
         """A whole batch through the stream's engine, waited for (validation while groups are in flight: a
         synchronous LLM.generate would step the same engine from a second thread)."""
         spec = prompts.meta_info["sampling"]
-        spec = spec.with_seed(0 if spec.seed is None else spec.seed)  # greedy validation: no seed of its own
-        n = spec.num_samples
-        requests, params = self.rollout._requests(prompts.batch["input_ids"].cpu(),
-                                                  prompts.batch["attention_mask"].cpu().bool(), spec, spec.seed)
-        futures = [asyncio.run_coroutine_threadsafe(self.engine.generate(r["prompt_token_ids"], p), self._loop)
-                   for r, p in zip(requests, params)]
-        return DataProto.concat([self._assemble(prompts[i:i + 1], spec.with_seed(spec.seed + i * n),
-                                                futures[i * n:(i + 1) * n]) for i in range(len(prompts))])
+        if spec.seed is None:  # greedy validation: no seed of its own
+            prompts = DataProto(prompts.batch, prompts.non_tensor_batch, {**prompts.meta_info,
+                                                                          "sampling": spec.with_seed(0)})
+        started = [self._start(prompts, i) for i in range(len(prompts))]  # every request in before any wait
+        return DataProto.concat([self._assemble(*group) for group in started])
 
     def _assemble(self, row: DataProto, spec, futures) -> DataProto:
         done = [f.result() for f in futures]

@@ -255,8 +255,10 @@ class VLLMRollout:
         trajs = None
         with preserved_rng(), cpu_compat.suspended():  # vLLM needs no megatron shim
             if self.agent is None:
+                from megappo.gateway.engine import sampled_logprobs
+
                 outs = self.llm.generate(requests, params, use_tqdm=False)
-                res = self.response_tensors([(o.outputs[0].token_ids, _logprobs_of(o.outputs[0]),
+                res = self.response_tensors([(o.outputs[0].token_ids, sampled_logprobs(o.outputs[0]),
                                               o.outputs[0].finish_reason) for o in outs], R)
             else:
                 from megappo.agent.loop import trajectory_tensors
@@ -345,12 +347,6 @@ class VLLMRollout:
                 logps[k, :L] = torch.tensor(list(logprobs)[:L], dtype=torch.float32, device="cpu")
             stopped[k] = finish_reason == "stop"
         return {"responses": responses, "response_mask": response_mask, "rollout_log_probs": logps, "stopped": stopped}
-
-
-def _logprobs_of(c) -> list:
-    """A vLLM CompletionOutput's log-prob of each sampled id (requested with logprobs=0), else zeros."""
-    lp = c.logprobs or []
-    return [float(lp[t][tok].logprob) for t, tok in enumerate(c.token_ids)] if lp else [0.0] * len(c.token_ids)
 
 
 def left_pad(token_lists: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
