@@ -105,14 +105,17 @@ def rollout(tiny_assets):
     yield r
 
 
+TOKENS = 160  # per request: long enough that none finishes before the pause, however late the poll wakes
+
+
 def _generate(engine, prompts, load=None):
     """Sample every prompt concurrently (seeded per request); with `load`, pause after a few engine steps,
     call it (a weight load) and bump the version while the requests are in flight."""
     from vllm import SamplingParams
 
     async def main():
-        tasks = [asyncio.create_task(engine.generate(p, SamplingParams(max_tokens=24, min_tokens=24, temperature=1.0,
-                                                                       logprobs=0, seed=k)))
+        tasks = [asyncio.create_task(engine.generate(p, SamplingParams(max_tokens=TOKENS, min_tokens=TOKENS,
+                                                                       temperature=1.0, logprobs=0, seed=k)))
                  for k, p in enumerate(prompts)]
         if load is not None:
             start = engine.steps
@@ -145,7 +148,7 @@ def test_tokens_sampled_after_a_weight_load_carry_the_new_version(rollout):
         engine.close()
     assert [c.ids for c in crossed] == [c.ids for c in plain]
     for c in crossed:
-        assert len(c.token_versions) == len(c.ids) == 24 and c.version == v0
+        assert len(c.token_versions) == len(c.ids) == TOKENS and c.version == v0
         assert c.token_versions == sorted(c.token_versions) and set(c.token_versions) <= {v0, v0 + 1}
     assert all(c.token_versions[0] == v0 and c.token_versions[-1] == v0 + 1 for c in crossed)  # all spanned it
     tv = torch.tensor([c.token_versions for c in crossed])
