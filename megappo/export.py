@@ -64,7 +64,9 @@ def export_checkpoint(ckpt, out, role: str = "actor", dtype: Optional[str] = Non
     if not (ckpt / role).is_dir():
         raise ExportError(f"{ckpt} holds no {role}/ (the run had no {role}); choose --role "
                           f"{' or '.join(r for r in ROLES if (ckpt / r).is_dir())}")
-    if (ckpt / role / "lora.json").is_file():  # actor.lora: adapters only, the base is the run's model.path
+    from megappo.models.lora import LORA_META
+
+    if (ckpt / role / LORA_META).is_file():  # actor.lora: adapters only, the base is the run's model.path
         base = _lora_base(ckpt, config)
         return export_lora(ckpt / role, out, base, dtype=dtype, overwrite=overwrite)
     try:
@@ -86,9 +88,10 @@ def _lora_base(ckpt: Path, config: Optional[str]) -> Path:
                       f"via {run_cfg}; pass --config with the HF base model dir")
 
 
-def read_lora_adapter(role_dir, dims, tp: int = 1) -> dict:
+def read_lora_adapter(role_dir, dims) -> dict:
     """An adapter checkpoint's (engine.save_checkpoint with actor.lora) adapters in peft's layout
-    {HF module: (A, B)}, read from megatron's torch_dist files (layers stacked or one key per layer)."""
+    {HF module: (A, B)}, read from megatron's torch_dist files (layers stacked or one key per layer). The
+    files hold the full tensors in the TP1 layout whatever TP saved them (fc1's B as [gate; up]): `dims` at tp=1."""
     import re
 
     from megappo.models.lora import megatron_lora_to_hf
@@ -104,11 +107,8 @@ def read_lora_adapter(role_dir, dims, tp: int = 1) -> dict:
             per_layer = [(mod, a, b)]
         else:  # layers stacked along dim 0 (megatron's sharded_offsets)
             per_layer = [(mod.replace(".layers.", f".layers.{i}.", 1), a[i], b[i]) for i in range(a.shape[0])]
-        column = mod.rsplit(".", 1)[-1] in ("linear_qkv", "linear_fc1")
-        for name, ai, bi in per_layer:  # back to the TP shards it was saved from (fc1's B is [gate; up] per rank)
-            a_sh = [ai] * tp if column else list(ai.chunk(tp, dim=1))
-            b_sh = list(bi.chunk(tp, dim=0)) if column else [bi] * tp
-            out.update(megatron_lora_to_hf(name, a_sh, b_sh, dims))
+        for name, ai, bi in per_layer:
+            out.update(megatron_lora_to_hf(name, [ai], [bi], dims))
     return out
 
 
@@ -122,16 +122,18 @@ def export_lora(role_dir, out, base, dtype: Optional[str] = None, overwrite: boo
     from safetensors.torch import load_file, save_file
 
     from megappo.models.gpt import load_hf_config
-    from megappo.models.lora import LoraConfig, save_peft_adapter
+    from megappo.models.lora import LORA_FORMAT, LORA_META, LoraConfig, save_peft_adapter
     from megappo.parallel.weight_mapping import ModelDims
 
     role_dir, out, base = Path(role_dir), Path(out), Path(base)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out} exists and is not empty; pass --overwrite or another --out")
-    meta = json.loads((role_dir / "lora.json").read_text())
+    meta = json.loads((role_dir / LORA_META).read_text())
+    if meta.get("format") != LORA_FORMAT:
+        raise ExportError(f"{role_dir}: adapter checkpoint format {meta.get('format', 1)}, this megappo reads "
+                          f"format {LORA_FORMAT}; export it with the megappo version that saved it")
     cfg = LoraConfig(rank=int(meta["rank"]), alpha=float(meta["alpha"]), target_modules=meta["target_modules"])
-    tp = int(meta.get("tp", 1))
-    adapter = read_lora_adapter(role_dir, ModelDims.from_hf_config(load_hf_config(base), tp=tp), tp)
+    adapter = read_lora_adapter(role_dir, ModelDims.from_hf_config(load_hf_config(base), tp=1))
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)

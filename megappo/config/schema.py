@@ -120,7 +120,8 @@ class OptimConfig:
 class LoraSection:
     """actor.lora: train low-rank adapters on the frozen base instead of every weight (rank 0 = off). The
     reference policy is then the base itself (adapters off, no ref model is built), vLLM gets the merged
-    weights, checkpoints hold the adapters and their optimizer state only."""
+    weights, checkpoints hold the adapters and their optimizer state only, laid out the same at every TP
+    (a run may resume at another actor.parallel.tp)."""
 
     rank: int = 0  # r; 0 = full fine-tuning
     alpha: float = 16.0  # scaling = alpha / rank

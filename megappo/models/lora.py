@@ -48,6 +48,10 @@ from megappo.parallel.weight_mapping import ModelDims, global_named_parameters, 
 from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS as COLUMN_TARGETS, LORA_INITS as INITS, \
     LORA_TARGETS as TARGETS  # the one list (also config actor.lora's)
 
+LORA_META = "lora.json"  # in an adapter checkpoint: rank, alpha, targets, the base it belongs to, format
+LORA_FORMAT = 2  # lora.json's "format": linear_fc1's B saved as gate and up halves, the same files at every TP
+# (format 1 held the TP-rank layout [gate; up] per rank and needed the TP it was saved at)
+
 _HF_HINT = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
             "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
 
@@ -183,9 +187,18 @@ class _LoraMixin:
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         axes = {"weight": 0, "bias": 0, "lora_B": 0} if self.lora_column else {"weight": 1, "lora_A": 1}
-        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axes,
-                                                   sharded_offsets, tp_group=self._lora_group,
-                                                   dp_cp_group=(metadata or {}).get("dp_cp_group"))
+        dp_group = (metadata or {}).get("dp_cp_group")
+        out = make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axes,
+                                                  sharded_offsets, tp_group=self._lora_group, dp_cp_group=dp_group)
+        if self.lora_column and self.lora_name.endswith("linear_fc1") and self.config.gated_linear_unit:
+            # B's rows are [gate; up] per TP rank, as W's: saved as megatron's MLP saves W (gate and up each
+            # sharded along TP), so the files are the same at every TP and a resume may change it
+            from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+            out[f"{prefix}lora_B"] = apply_swiglu_sharded_factory(
+                out[f"{prefix}lora_B"], sharded_offsets, (metadata or {}).get("singleton_local_shards", False),
+                tp_group=self._lora_group, dp_group=dp_group)
+        return out
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:

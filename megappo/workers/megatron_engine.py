@@ -53,7 +53,8 @@ from megappo.config.schema import OptimConfig
 from megappo.models.gpt import build_gpt_chunks, build_transformer_config, load_hf_config, use_transformer_engine, \
     load_hf_weights
 from megappo.models.expert_load import ExpertLoad
-from megappo.models.lora import LoraConfig, apply_lora, is_lora_param, lora_disabled, merged_named_parameters
+from megappo.models.lora import LORA_FORMAT, LORA_META, LoraConfig, apply_lora, is_lora_param, lora_disabled, \
+    merged_named_parameters
 from megappo.parallel.cpu_compat import causal_mask
 from megappo.parallel.layout import ParallelLayout
 from megappo.parallel.megatron_init import resolve_device
@@ -63,7 +64,6 @@ from megappo.workers.megatron_step import right_align
 from megappo.workers.offload import HostOffload
 
 HEADS = ("lm", "value")
-LORA_META = "lora.json"  # in an adapter checkpoint: rank, alpha, targets and the base it belongs to
 
 
 def base_identity(model_path) -> str:
@@ -559,10 +559,8 @@ class MegatronEngine:
     def _lora_meta(self) -> dict:
         """What an adapter checkpoint is only valid with: the adapter's shape and the base it was trained on."""
         lo = self.lora
-        # tp: the adapters' files hold linear_fc1's B in the TP-rank layout ([gate; up] per rank), so a resume
-        # (and export) needs the TP it was saved at
         return {"rank": lo.rank, "alpha": float(lo.alpha), "target_modules": list(lo.target_modules),
-                "base": base_identity(self.model_path), "tp": self.layout.tp}
+                "base": base_identity(self.model_path), "format": LORA_FORMAT}
 
     def _check_lora_checkpoint(self, path) -> None:
         """An adapter checkpoint for another base or adapter shape, or a full one for a LoRA engine (or the
