@@ -34,6 +34,7 @@ def _recording_groups(trained: list):
     (["algorithm.adv_estimator=remax"], "algorithm.adv_estimator=remax"),
     (["algorithm.filter_groups.enable=true"], "algorithm.filter_groups"),
     (["resources.rollout_workers=2", "rollout.tp=2"], "set rollout.tp=1"),
+    (["trainer.mode=async", "trainer.partial_rollout=false"], "applies to trainer.mode=fully_async only"),
 ])
 def test_what_fully_async_does_not_do_yet_is_one_line(tiny_assets, data_dir, tmp_path, overrides, expected):
     with pytest.raises(ConfigError, match=expected) as e:
@@ -95,23 +96,33 @@ def test_stale_groups_within_the_bound_and_a_checkpoint_with_groups_in_flight(
     assert all(prompt[g] == i for step in resumed for g, i in step.items())  # group g is the same prompt
 
 
-def test_partial_rollouts_cross_weight_updates_within_the_bound(ray_session, tiny_assets, data_dir, tmp_path):
+@pytest.mark.parametrize("partial", [True, False], ids=["partial", "drained"])
+def test_partial_rollouts_cross_weight_updates_within_the_bound(ray_session, tiny_assets, data_dir, tmp_path,
+                                                                 partial):
     """Responses of up to 200 tokens, so the pool generates more slowly than the trainer trains: every update's
-    weights reach the engine while admitted groups are mid-sample (keep-KV pause), and those samples finish
-    under the new weights. Some trained tokens were sampled by a later version than their sample started
-    with (per-token staleness below per-sample), and nothing exceeds max_staleness=2."""
+    weights reach the pool while admitted groups are mid-sample. partial: those samples continue under the
+    new weights (keep-KV pause): some trained tokens were sampled by a later version than their sample
+    started with (per-token staleness below per-sample). trainer.partial_rollout=false: each sync first
+    waits for them to finish (timing/drain_s), so no token is. Never over max_staleness=2."""
     history = _run(_config(tiny_assets, data_dir, tmp_path / "partial", *FULLY_ASYNC, "trainer.max_staleness=2",
                            "trainer.total_steps=5", "trainer.val_every=0", "actor.policy_loss=decoupled",
-                           "rollout.max_new_tokens=200"))  # 5 steps: batches 4 and 5 start after an update
+                           "rollout.max_new_tokens=200", f"trainer.partial_rollout={str(partial).lower()}"))
+    # 5 steps: batches 4 and 5 start after an update
     for h in history:
-        print({k: round(v, 4) for k, v in h.items() if k.startswith("async/") or k == "response_length/mean"})
+        print({k: round(v, 4) for k, v in h.items() if k.startswith("async/") or k in (
+            "response_length/mean", "timing/drain_s", "timing/weight_sync_s")})
         assert h["async/over_bound"] == 0 and h["async/sample_staleness_max"] <= 2
         assert h["rollout/weights_fingerprint_ok"] == 1.0 and math.isfinite(h["loss/policy_avg"])
+    assert max(h["response_length/mean"] for h in history) > 100  # long enough to be in flight at a sync
     crossed = [h for h in history if h["async/cross_update_token_frac"] > 0]
+    if not partial:
+        assert not crossed and all(h["async/staleness_mean"] == h["async/sample_staleness_mean"] for h in history)
+        assert max(h["timing/drain_s"] for h in history) > 0.01  # a sync waited for samples in flight
+        return
     assert crossed, "no sample spanned a weight update"
+    assert all("timing/drain_s" not in h for h in history)
     for h in crossed:  # a crossing sample's later tokens are fresher than the version it started at
         assert h["async/staleness_mean"] < h["async/sample_staleness_mean"]
-    assert max(h["response_length/mean"] for h in history) > 100  # long enough to be in flight at a sync
 
 
 @pytest.mark.long  # 140 s; CI keeps the checkpoint resume above (the restart path itself: test_fault_tolerance)

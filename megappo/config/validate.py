@@ -382,6 +382,9 @@ def _check_trainer(cfg, check_paths: bool) -> None:
         raise ConfigError(f"trainer.mode={t.mode} runs rollout on its own pool; set resources.rollout_workers>=1")
     if t.mode == "fully_async":
         _check_fully_async(cfg)
+    elif not t.partial_rollout:
+        raise ConfigError(f"trainer.partial_rollout=false applies to trainer.mode=fully_async only ({t.mode} mode "
+                          "never loads weights while a sample is in flight); remove it or set trainer.mode=fully_async")
     if t.resume not in ("auto", "never") and check_paths and not Path(t.resume).is_dir():
         raise ConfigError(f"trainer.resume={t.resume} is not a checkpoint directory; use auto, never or an existing dir")
 

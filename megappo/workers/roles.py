@@ -360,6 +360,11 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
         return self._stream.collect()
 
     @register(Dispatch.ONE_TO_ALL)
+    def stream_drain(self) -> int:
+        """Wait for this worker's samples in flight to finish (trainer.partial_rollout=false, before a sync)."""
+        return self._stream.drain()
+
+    @register(Dispatch.ONE_TO_ALL)
     def stream_receive_weights(self, bump: bool = True) -> dict:
         """receive_weights between two engine steps (the actor's send_weights runs at the same time): the
         groups in flight wait with their KV cache and continue under the new weights; then version + 1."""

@@ -5,12 +5,14 @@ keep generating.
     stream = RolloutStream(rollout, version=0)   # the worker's VLLMRollout (its own engine, rollout.tp=1)
     stream.submit(prompts)                       # one row per prompt (a group of spec.num_samples samples)
     done = stream.collect()                      # the finished groups as one DataProto, or None
+    stream.drain()                               # trainer.partial_rollout=false only: nothing in flight
     with stream.paused():                        # between two engine steps
         ...load weights...                       # (WeightReceiver.receive)
     stream.bump_version()
 
 The engine is the gateway's AsyncTokenEngine over the same in-process vLLM (continuous batching across
-every group in flight). Pause mode: keep. A request in flight across a weight load keeps its KV cache and
+every group in flight). Pause mode: keep (or, with trainer.partial_rollout=false, drain first: no sample
+spans a weight load). A request in flight across a weight load keeps its KV cache and
 continues from its tokens so far under the new weights (a partial rollout, as PipelineRL does); its KV
 for the earlier tokens was computed by the old weights. Each sampled token carries the version of the
 engine step that sampled it (`token_versions`, [rows, R], -1 past a response) and each sample the version
@@ -102,6 +104,14 @@ class RolloutStream:
         res["token_versions"] = versions
         res["start_version"] = torch.tensor([c.version for c in done], dtype=torch.long, device="cpu")
         return self.rollout.assemble(row, res, spec)
+
+    def drain(self) -> int:
+        """Wait until every sample in flight has finished (the engine keeps stepping; the groups stay here
+        for collect). Returns the groups waited for."""
+        for _, _, futures in list(self._groups.values()):
+            for f in futures:
+                f.exception()  # waits; a failed request raises in collect, as it would without the drain
+        return len(self._groups)
 
     @contextmanager
     def paused(self):
