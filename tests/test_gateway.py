@@ -259,6 +259,70 @@ def test_a_raw_http_agent_opens_a_session_rewards_it_and_closes_it(served):
         == r["choices"][0]["token_ids"]
 
 
+def test_stream_chunks_rebuild_the_reply_as_the_sdk_reads_them():
+    """stream_chunks is what stream=true sends: each chunk is a valid ChatCompletionChunk / Completion for the
+    openai SDK's own models, and joining the deltas gives back the reply, its tool calls and finish reason."""
+    from openai.types.chat import ChatCompletionChunk
+
+    from megappo.gateway.app import stream_chunks
+
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "calculator",
+                                                                  "arguments": json.dumps({"expression": e})}}
+             for i, e in enumerate(("2+3", "4*5"))]
+    usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    chat = {"id": "mp-1", "object": "chat.completion", "created": 1, "model": "tiny", "prompt_token_ids": [1, 2, 3, 4, 5],
+            "usage": usage, "choices": [{"index": 0, "finish_reason": "tool_calls", "token_ids": [7, 8, 9],
+                                         "logprobs": None, "message": {"role": "assistant", "content": "Let me add.",
+                                                                       "tool_calls": calls}}]}
+    chunks = [ChatCompletionChunk.model_validate(c) for c in stream_chunks(chat, include_usage=True)]
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant" and "".join(d.content or "" for d in deltas) == "Let me add."
+    got = [t.model_dump(exclude_none=True) for d in deltas for t in d.tool_calls or []]
+    assert [{k: v for k, v in t.items() if k != "index"} for t in got] == calls and [t["index"] for t in got] == [0, 1]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert chunks[-1].usage.total_tokens == 8 and chunks[0].model_extra["prompt_token_ids"] == [1, 2, 3, 4, 5]
+    assert sum((c.choices[0].model_extra.get("token_ids", []) for c in chunks if c.choices), []) == [7, 8, 9]
+    text = {**chat, "object": "text_completion",
+            "choices": [{"index": 0, "text": " five", "finish_reason": "stop", "token_ids": [7], "logprobs": None}]}
+    parts = stream_chunks(text)  # (the SDK's Completion model rejects the null finish_reason every stream sends)
+    assert "".join(p["choices"][0]["text"] for p in parts) == " five" and parts[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all(p["object"] == "text_completion" for p in parts)
+
+
+def test_stream_true_samples_and_captures_what_stream_false_does(served):
+    """The unmodified SDK with stream=True (chat and completions), against the same request unstreamed in
+    another session with the same seed: the same ids, text and finish reason, the same tokens captured for
+    training; a raw HTTP client sees server-sent events ending in [DONE]."""
+    import openai
+
+    _, _, gateway, url = served
+    messages = [{"role": "user", "content": "Count: one, two,"}]
+    plain, streamed = gateway.open_session(), gateway.open_session()
+    ask = dict(model="tiny", messages=messages, max_tokens=12, temperature=1.0, seed=11)
+    want = openai.OpenAI(base_url=url + "/v1", api_key=plain.key).chat.completions.create(**ask)
+    chunks = list(openai.OpenAI(base_url=url + "/v1", api_key=streamed.key).chat.completions.create(
+        **ask, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    ids = sum((c.choices[0].model_extra.get("token_ids") or [] for c in chunks if c.choices), [])
+    assert ids == want.choices[0].model_extra["token_ids"] and text == want.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == len(ids)
+    model_ids = [[t for t, m in zip(s.record()["segments"][0]["tokens"], s.record()["segments"][0]["model_mask"]) if m]
+                 for s in (plain, streamed)]
+    assert model_ids[0] == model_ids[1] == ids
+    done = openai.OpenAI(base_url=url + "/v1", api_key=streamed.key).completions.create(
+        model="tiny", prompt="What is", max_tokens=4, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in done) and streamed.record()["requests"] == 2
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/chat/completions", json.dumps({"messages": messages, "max_tokens": 4, "stream": True}),
+                 {"Content-Type": "application/json", "Authorization": f"Bearer {gateway.open_session().key}"})
+    r = conn.getresponse()
+    body = r.read().decode()
+    assert r.getheader("content-type").startswith("text/event-stream") and body.endswith("data: [DONE]\n\n")
+    assert all(e.startswith("data: ") for e in body.strip().split("\n\n"))
+
+
 def test_bad_input_is_a_4xx_with_one_line_and_loses_nothing(served):
     _, _, gateway, url = served
     mine, other = gateway.open_session(), gateway.open_session()
@@ -278,7 +342,8 @@ def test_bad_input_is_a_4xx_with_one_line_and_loses_nothing(served):
         "context past max_model_len": ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}]},
                                        mine.key, 400, "exceed max_model_len"),
         "n > 1": ("/v1/chat/completions", {**ok, "n": 2}, mine.key, 400, "open one session per sample"),
-        "stream": ("/v1/chat/completions", {**ok, "stream": True}, mine.key, 400, "stream=true"),
+        "stream_options not an object": ("/v1/chat/completions", {**ok, "stream": True, "stream_options": "usage"},
+                                         mine.key, 400, "stream_options must be an object"),
         "bad messages": ("/v1/chat/completions", {"messages": [{"content": "x"}]}, mine.key, 400, "role"),
         "another model": ("/v1/chat/completions", {**ok, "model": "gpt-4"}, mine.key, 404, "not served here"),
     }

@@ -65,6 +65,10 @@ def test_sessions_spread_over_workers_and_stay_on_theirs(routed):
         msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
         status, raw = _post(url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 4}, o["api_key"])
         assert status == 200 and raw["choices"][0]["token_ids"]
+    o = opened[4][1]  # stream=true through the router: the worker's server-sent events pass as they are
+    chunks = list(openai.OpenAI(base_url=url + "/v1", api_key=o["api_key"], max_retries=0).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "count"}], max_tokens=4, seed=1, stream=True))
+    assert chunks and sum((c.choices[0].model_extra.get("token_ids") or [] for c in chunks), [])
     for _, o in opened[:4]:
         status, record = _post(url, f"/megappo/v1/sessions/{o['session_id']}/close", {}, admin)
         assert status == 200 and record["requests"] == 2 and record["fallbacks"] == 0

@@ -16,8 +16,13 @@ admin), `GET /megappo/v1/sessions/{id}`, `POST /megappo/v1/sessions/{id}/close`,
 
 A key reaches its own session only (401 for an unknown key, 403 for another session's); `open_key`
 (for `megappo serve`) is a key whose requests are served and not recorded. Every bad input is a 4xx
-whose body is OpenAI's error object with one line: malformed JSON, an unknown key, `n` > 1, `stream`,
+whose body is OpenAI's error object with one line: malformed JSON, an unknown key, `n` > 1,
 max_tokens past the server's budget, a prompt past max_model_len. Loopback by default (serve.py).
+
+`stream=true` (chat and completions) answers with OpenAI's server-sent chunks once the reply is sampled,
+not token by token: the role, the text in one delta, each tool call, the finish reason, the usage when
+`stream_options.include_usage`, then `data: [DONE]`; `prompt_token_ids` rides on the first chunk and
+`token_ids` on the text's, as vLLM streams them. What is captured for training is the same either way.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from fastapi import FastAPI, Header, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from megappo.agent.format import parse_calls, strip_calls
 from megappo.gateway.capture import ChatRenderer, Session
@@ -214,8 +219,8 @@ class Gateway:
     def _sampling(self, body: dict, prompt_len: int):
         from vllm import SamplingParams
 
-        if body.get("stream"):
-            raise GatewayError(400, "stream=true is not supported by this gateway yet; send stream=false")
+        if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
+            raise GatewayError(400, 'stream_options must be an object such as {"include_usage": true}')
         if body.get("n", 1) != 1:
             raise GatewayError(400, "n must be 1: open one session per sample")
         if body.get("model") not in (None, self.model_name):
@@ -247,6 +252,38 @@ class Gateway:
                 "choices": [choice], "prompt_token_ids": out.prompt_ids,
                 "usage": {"prompt_tokens": len(out.prompt_ids), "completion_tokens": len(out.ids),
                           "total_tokens": len(out.prompt_ids) + len(out.ids)}}
+
+
+def stream_chunks(response: dict, include_usage: bool = False) -> list[dict]:
+    """A finished chat.completion or text_completion as OpenAI's stream chunks (in order)."""
+    chat = response["object"] == "chat.completion"
+    choice = response["choices"][0]
+    head = {k: response[k] for k in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(part: dict, finish=None, **extra) -> dict:
+        body = {"delta": part} if chat else {"text": part.get("content", "")}
+        return {**head, **extra, "choices": [{"index": 0, **body, "logprobs": None, "finish_reason": finish}]}
+
+    text = choice["message"]["content"] if chat else choice["text"]
+    out = [chunk({"role": "assistant", "content": ""} if chat else {},
+                 prompt_token_ids=response["prompt_token_ids"])]
+    out.append(chunk({"content": text or ""}))
+    out[-1]["choices"][0]["token_ids"] = choice["token_ids"]
+    if chat and choice["logprobs"] is not None:
+        out[-1]["choices"][0]["logprobs"] = choice["logprobs"]
+    for i, call in enumerate(choice["message"].get("tool_calls", []) if chat else []):
+        out.append(chunk({"tool_calls": [{"index": i, **call}]}))
+    out.append(chunk({}, choice["finish_reason"]))
+    if include_usage:
+        out.append({**head, "choices": [], "usage": response["usage"]})
+    return out
+
+
+def _streamed(response: dict, body: dict) -> StreamingResponse:
+    chunks = stream_chunks(response, bool((body.get("stream_options") or {}).get("include_usage")))
+    events = [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+    return StreamingResponse(iter(events), media_type="text/event-stream")
 
 
 def _bearer(authorization: Optional[str]) -> str:
@@ -299,11 +336,15 @@ def make_app(gateway: Gateway):
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, authorization: Optional[str] = Header(None)):
-        return await gateway.chat(await body_of(request), authorization)
+        body = await body_of(request)
+        out = await gateway.chat(body, authorization)
+        return _streamed(out, body) if body.get("stream") else out
 
     @app.post("/v1/completions")
     async def completions(request: Request, authorization: Optional[str] = Header(None)):
-        return await gateway.completion(await body_of(request), authorization)
+        body = await body_of(request)
+        out = await gateway.completion(body, authorization)
+        return _streamed(out, body) if body.get("stream") else out
 
     @app.get("/v1/models")
     async def models(authorization: Optional[str] = Header(None)):

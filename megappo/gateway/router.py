@@ -7,10 +7,10 @@ every later request under its key goes to that worker (its engine holds the sess
     # then {url}/v1/chat/completions with the session's key, as against one gateway
 
 The router parses no OpenAI body: it reads the Bearer key, looks up its worker and forwards the request
-as sent (method, path, body, the Authorization header), returning the worker's status and body; the worker
-checks the key itself. A key the router never handed out is refused here (401) without reaching a worker.
+as sent (method, path, body, the Authorization header), returning the worker's status, body and content type
+(a stream=true answer's server-sent events pass as they are); the worker checks the key itself. A key the router never handed out is refused here (401) without reaching a worker.
 Session ids and keys are the workers' own; the router adds nothing to them. Loopback by default, as the
-gateways. Streaming is not forwarded (the gateways do not stream).
+gateways.
 """
 
 from __future__ import annotations
@@ -76,10 +76,10 @@ class Router:
         if k is not None:
             self.open[k] -= 1
 
-    async def forward(self, k: int, method: str, path: str, body: bytes, authorization: str) -> tuple[int, bytes]:
+    async def forward(self, k: int, method: str, path: str, body: bytes, authorization: str) -> tuple[int, bytes, str]:
         r = await self.client().request(method, self.backends[k] + path, content=body,
                                         headers={"Authorization": authorization, "Content-Type": "application/json"})
-        return r.status_code, r.content
+        return r.status_code, r.content, r.headers.get("content-type", "application/json")
 
     async def stats(self) -> dict:
         per = []
@@ -132,9 +132,9 @@ def make_router_app(router: Router):
         if k is None:
             return _error(401, "unknown API key or session: open a session (POST /megappo/v1/sessions) and send "
                                "its api_key as Authorization: Bearer <key>")
-        status, content = await router.forward(k, request.method, "/" + path, await request.body(), authorization)
+        status, content, kind = await router.forward(k, request.method, "/" + path, await request.body(), authorization)
         if status == 200 and session is not None and parts[-1] == "close":
             router.closed(session)
-        return Response(content, status_code=status, media_type="application/json")
+        return Response(content, status_code=status, media_type=kind)
 
     return app
