@@ -144,10 +144,10 @@ def _worker(rank, world, port, model, batch_path, dtype, mbs, max_tokens, reps, 
                 t = now()
                 eng.forward_only(data, response_length=R, micro_batch_size=mbs, compute_entropy=False)
                 fwd.append(now() - t)
-                computed = eng.last_computed_tokens
                 t = now()
-                eng.train_step(data, loss, norm, response_length=R, micro_batch_size=mbs, compute_entropy=False)
+                step = eng.train_step(data, loss, norm, response_length=R, micro_batch_size=mbs, compute_entropy=False)
                 upd.append(now() - t)
+                computed = step["computed_tokens"]
             if head == "lm":
                 row.update(logprob_s=round(statistics.median(fwd), 3), actor_update_s=round(statistics.median(upd), 3))
             else:

@@ -400,8 +400,8 @@ def _packing_worker(rank, world, port, path, layout):
         for name, kw in variants.items():
             eng = MegatronEngine(path, layout, EngineConfig(head=head, optim=OptimConfig(**OPTIM), **kw))
             fwd = eng.forward_only(batch, response_length=R, micro_batch_size=2)
-            computed = eng.last_computed_tokens
             metrics = eng.train_step(batch, loss, norm, response_length=R, micro_batch_size=2)
+            computed = metrics.pop("computed_tokens")
             report[(head, name)] = {"fwd": fwd, "metrics": metrics, "computed": computed,
                                     "params": {k: v.detach().clone() for k, v in eng.named_parameters_global()}}
     report["last_stage"] = mpu.get_pipeline_model_parallel_rank() == layout.pp - 1

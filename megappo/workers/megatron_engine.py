@@ -26,8 +26,8 @@ that are padding in every row.
 Split by responsibility: this file builds the engine (model chunks, DDP, optimizer, offload,
 checkpoints) and holds its public API; one pass over a batch (its micro-batches, megatron's
 forward-step and loss functions, the head on the output columns, packed RoPE) is megatron_step.py,
-which gets what a micro-batch needs as arguments and keeps nothing between calls. The engine's only
-per-call record is `last_computed_tokens`, a read-out for the tokens-computed metric.
+which gets what a micro-batch needs as arguments and keeps nothing between calls; what a pass computed
+comes back from the call (train_step's `computed_tokens`), nothing is left on the engine.
 
 Loss normalisation: `loss_fn(outputs, micro_batch) -> (loss_sum, metrics)` returns a SUM over the
 micro-batch's tokens/sequences; the engine divides by the caller's `normalizer` (the global token or
@@ -223,7 +223,6 @@ class MegatronEngine:
         self._resident_depth = 0
         # a read-out for metrics (roles._train's tokens_computed), written by _run only and never read by
         # the engine: the tokens the last forward / train step computed (rows x width, or packed widths)
-        self.last_computed_tokens = 0
         if from_dist_ckpt:  # a megatron dist checkpoint (+ HF config.json) instead of HF weights
             self.load_checkpoint(model_path, load_optimizer=False)
         if self.config.offload:
@@ -347,9 +346,9 @@ class MegatronEngine:
 
     def _run(self, batch: dict, response_length: int, micro_batch_size: int, forward_only: bool,
              loss_fn: Optional[Callable], normalizer: Optional[float], temperature: float,
-             compute_entropy: bool) -> list:
+             compute_entropy: bool) -> tuple[list, int]:
         """One pass of megatron's pipeline schedule over the batch (megatron_step.py); returns its
-        per-micro-batch outputs (on the last pipeline stage)."""
+        per-micro-batch outputs (on the last pipeline stage) and the tokens this rank computed (padding in)."""
         seq = batch["input_ids"].shape[1]
         if not 1 <= response_length < seq:
             raise ValueError(f"response_length must be in [1, {seq - 1}], got {response_length}")
@@ -362,7 +361,6 @@ class MegatronEngine:
                                             vpp=self.layout.vpp if self.layout.virtual_pp else None,
                                             seq_multiple=multiple,
                                             max_tokens=self.config.max_tokens_per_micro_batch)
-        self.last_computed_tokens = micro.computed_tokens
         spec = megatron_step.StepSpec(
             value_head=self.value_head, vocab_size=self.dims.vocab_size, head_on_outputs=self.head_on_outputs,
             packed=packed,
@@ -371,7 +369,7 @@ class MegatronEngine:
             mask=None if self.uses_te or packed else causal_mask(micro.seq, self.device),
             forward_only=forward_only, loss_fn=loss_fn, normalizer=normalizer, temperature=temperature,
             compute_entropy=compute_entropy, expert_load=self.expert_load)
-        return megatron_step.run(spec, micro, self.model)
+        return megatron_step.run(spec, micro, self.model), micro.computed_tokens
 
     # ---- public API ------------------------------------------------------------------------------
 
@@ -387,8 +385,8 @@ class MegatronEngine:
         for m in self.model:
             m.eval()
         with self.resident(parts=["params"]):  # a forward needs the weights only: optimizer and grads stay off
-            store = self._run(batch, response_length, micro_batch_size, True, None, None, temperature,
-                              compute_entropy)
+            store, _ = self._run(batch, response_length, micro_batch_size, True, None, None, temperature,
+                                 compute_entropy)
         if not self.is_last_stage:
             return None
         out = {k: torch.cat([d[k] for d in store], dim=0) for k in store[0]}
@@ -403,7 +401,8 @@ class MegatronEngine:
     def train_step(self, batch: dict, loss_fn: Callable, normalizer: float, response_length: int,
                    micro_batch_size: int = 1, temperature: float = 1.0, compute_entropy: bool = True) -> dict:
         """One optimizer step over this DP rank's share of a mini-batch. Returns metrics (same on every
-        rank): loss and loss_fn's metrics (summed over micro-batches and DP), grad_norm, lr.
+        rank): loss and loss_fn's metrics (summed over micro-batches and DP), grad_norm, lr; and
+        computed_tokens, the tokens this rank ran through the model (padding in: the tokens/*_computed metric).
         compute_entropy=False: loss_fn's outputs carry no "entropy" (one pass over the vocab less)."""
         if self.optimizer is None:
             raise RuntimeError("this engine was built without an optimizer (EngineConfig.optim=None)")
@@ -423,8 +422,8 @@ class MegatronEngine:
         self.optimizer.zero_grad()
         if self.expert_load is not None:
             self.expert_load.reset()
-        store = self._run(batch, response_length, micro_batch_size, False, loss_fn, float(normalizer), temperature,
-                          compute_entropy=compute_entropy)
+        store, computed = self._run(batch, response_length, micro_batch_size, False, loss_fn, float(normalizer),
+                                    temperature, compute_entropy=compute_entropy)
         finite = self._loss_is_finite(store)
         if finite:
             ok, grad_norm, _ = self.optimizer.step()
@@ -458,6 +457,7 @@ class MegatronEngine:
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["update_successful"] = bool(ok)
         metrics["nan_skipped"] = float(not finite)
+        metrics["computed_tokens"] = float(computed)  # this rank's (padding in); the caller sums over DP
         if self.expert_load is not None:  # TP ranks route the same tokens unless sequence parallel splits them
             metrics.update(self.expert_load.metrics(self.tf_config.sequence_parallel or self.tp_rank == 0))
         return metrics

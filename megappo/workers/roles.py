@@ -159,11 +159,11 @@ def _train(engine, data: DataProto, loss, role_cfg, dp: int, temperature: float 
                                      normalizer=norm, response_length=r,
                                      micro_batch_size=min(role_cfg.micro_batch_size, len(mini)),
                                      temperature=temperature, compute_entropy=loss.needs_entropy)
+            tokens[1] += step.pop("computed_tokens")
             for k, v in step.items():
                 history[k if "/" in k else f"{loss.name}/{k}"].append(float(v))
             ids = mini.batch["input_ids"]
             tokens[0] += float(mini.batch["attention_mask"].sum())
-            tokens[1] += float(engine.last_computed_tokens)
             tokens[2] += float(ids.numel())
     metrics = {k: sum(v) / len(v) for k, v in history.items()}
     metrics[f"{loss.name}/empty_minibatches"] = float(empty)
