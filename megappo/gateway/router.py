@@ -7,8 +7,9 @@ every later request under its key goes to that worker (its engine holds the sess
     # then {url}/v1/chat/completions with the session's key, as against one gateway
 
 The router parses no OpenAI body: it reads the Bearer key, looks up its worker and forwards the request
-as sent (method, path, body, the Authorization header), returning the worker's status, body and content type
-(a stream=true answer's server-sent events pass as they are); the worker checks the key itself. A key the router never handed out is refused here (401) without reaching a worker.
+as sent (method, path, body, the Authorization header), returning the worker's status, body and content
+type (a stream=true answer's server-sent events pass as they are); the worker checks the key itself. A key
+the router never handed out is refused here (401) without reaching a worker.
 Session ids and keys are the workers' own; the router adds nothing to them. Loopback by default, as the
 gateways.
 """
@@ -76,7 +77,8 @@ class Router:
         if k is not None:
             self.open[k] -= 1
 
-    async def forward(self, k: int, method: str, path: str, body: bytes, authorization: str) -> tuple[int, bytes, str]:
+    async def forward(self, k: int, method: str, path: str, body: bytes,
+                      authorization: str) -> tuple[int, bytes, str]:
         r = await self.client().request(method, self.backends[k] + path, content=body,
                                         headers={"Authorization": authorization, "Content-Type": "application/json"})
         return r.status_code, r.content, r.headers.get("content-type", "application/json")

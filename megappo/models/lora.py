@@ -187,7 +187,8 @@ class _LoraMixin:
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         axes = {"weight": 0, "bias": 0, "lora_B": 0} if self.lora_column else {"weight": 1, "lora_A": 1}
-        dp_group = (metadata or {}).get("dp_cp_group")
+        metadata = metadata or {}
+        dp_group = metadata.get("dp_cp_group")
         out = make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axes,
                                                   sharded_offsets, tp_group=self._lora_group, dp_cp_group=dp_group)
         if self.lora_column and self.lora_name.endswith("linear_fc1") and self.config.gated_linear_unit:
@@ -196,7 +197,7 @@ class _LoraMixin:
             from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
             out[f"{prefix}lora_B"] = apply_swiglu_sharded_factory(
-                out[f"{prefix}lora_B"], sharded_offsets, (metadata or {}).get("singleton_local_shards", False),
+                out[f"{prefix}lora_B"], sharded_offsets, metadata.get("singleton_local_shards", False),
                 tp_group=self._lora_group, dp_group=dp_group)
         return out
 

@@ -221,8 +221,6 @@ class MegatronEngine:
                 c.eval()
         self._host = HostOffload()
         self._resident_depth = 0
-        # a read-out for metrics (roles._train's tokens_computed), written by _run only and never read by
-        # the engine: the tokens the last forward / train step computed (rows x width, or packed widths)
         if from_dist_ckpt:  # a megatron dist checkpoint (+ HF config.json) instead of HF weights
             self.load_checkpoint(model_path, load_optimizer=False)
         if self.config.offload:
