@@ -98,7 +98,7 @@ def read_lora_adapter(role_dir, dims) -> dict:
     from tools.convert_ckpt.dcp_io import CheckpointReader
 
     reader = CheckpointReader(Path(role_dir))
-    keys = [k for k in reader.tensors() if k.endswith(".lora_A") and not k.startswith("optimizer.")]
+    keys = [k for k in reader.tensors() if k.endswith(".lora_A") and ".optimizer." not in f".{k}"]  # chained_0.optimizer: MoE
     out = {}
     for ka in keys:
         mod = ka.removesuffix(".lora_A")
@@ -107,6 +107,9 @@ def read_lora_adapter(role_dir, dims) -> dict:
             per_layer = [(mod, a, b)]
         else:  # layers stacked along dim 0 (megatron's sharded_offsets)
             per_layer = [(mod.replace(".layers.", f".layers.{i}.", 1), a[i], b[i]) for i in range(a.shape[0])]
+        if ".mlp.experts.experts." in mod:  # routed experts (SequentialMLP): stacked along the next dim, global index
+            per_layer = [(name.replace(".mlp.experts.experts.", f".mlp.experts.local_experts.{e}."), ai[e], bi[e])
+                         for name, ai, bi in per_layer for e in range(ai.shape[0])]
         for name, ai, bi in per_layer:
             out.update(megatron_lora_to_hf(name, [ai], [bi], dims))
     return out
@@ -157,7 +160,11 @@ def export_lora(role_dir, out, base, dtype: Optional[str] = None, overwrite: boo
     for f in base.iterdir():  # config, generation config, tokenizer, the shard index
         if f.is_file() and not f.name.endswith(".safetensors"):
             shutil.copy2(f, out / f.name)
-    save_peft_adapter(adapter, cfg, base, out / "adapter")
+    try:
+        save_peft_adapter(adapter, cfg, base, out / "adapter")
+    except ValueError as e:  # not expressible in peft (a MoE model's dense MLP adapters): the merged model stands
+        return {"direction": "lora-to-hf", "merged_modules": merged, "adapter": None, "adapter_skipped": str(e),
+                "base": str(base)}
     return {"direction": "lora-to-hf", "merged_modules": merged, "adapter": str(out / "adapter"), "base": str(base)}
 
 

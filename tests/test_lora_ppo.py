@@ -29,11 +29,26 @@ def test_bad_lora_config_is_one_line(overrides, expected):
     assert expected in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
-def test_lora_on_a_moe_model_is_refused_in_one_line(tiny_assets):
-    moe = [f"model.path={tiny_assets['tiny-qwen3_moe']}"]
+MOE_LORA_INVALID = [
+    ("tiny-qwen3_moe", ["actor.lora.experts=true", "actor.parallel.tp=2", "actor.parallel.dp=1",
+                        "actor.parallel.ep=1"], "expert TP > 1 is not supported yet"),
+    ("tiny-qwen3_moe", ["actor.lora.experts=true", "actor.lora.target_modules=[linear_qkv]"],
+     "add them to actor.lora.target_modules"),
+    ("tiny-mixtral", [], "every layer of mixtral is routed; set actor.lora.experts=true"),
+]
+
+
+@pytest.mark.parametrize("model,overrides,expected", MOE_LORA_INVALID, ids=[e for _, _, e in MOE_LORA_INVALID])
+def test_bad_lora_on_a_moe_model_is_one_line(tiny_assets, model, overrides, expected):
+    moe = [f"model.path={tiny_assets['tiny-qwen3_moe']}", "actor.lora.rank=4"]
+    load_config(REPO / "configs/ppo_tiny_moe.yaml", moe + ["actor.lora.experts=true"])  # valid: experts at EP2
+    load_config(REPO / "configs/ppo_tiny_moe.yaml", moe)  # valid: attention and the dense layer only
     with pytest.raises(ConfigError) as info:
-        load_config(REPO / "configs/ppo_tiny_moe.yaml", moe + ["actor.lora.rank=4"])
-    assert "routed experts are not adapted yet" in str(info.value) and "\n" not in str(info.value)
+        load_config(REPO / "configs/ppo_tiny_moe.yaml", [f"model.path={tiny_assets[model]}", "actor.lora.rank=4"]
+                    + overrides)
+    assert expected in str(info.value) and "\n" not in str(info.value), str(info.value)
+    with pytest.raises(ConfigError, match="has no routed experts; set it false"):
+        load_config(TINY, ["actor.lora.rank=4", "actor.lora.experts=true"])
 
 
 # ---- the engine: two processes at TP2 (adapter shards split like the base) ------------------------------

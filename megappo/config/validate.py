@@ -355,9 +355,21 @@ def _check_lora(cfg, dims: ModelDims) -> None:
     if bad or not lo.target_modules:
         raise ConfigError(f"actor.lora.target_modules {list(bad) or '[]'}: name some of megatron's "
                           f"{', '.join(LORA_TARGETS)} (linear_qkv = q/k/v_proj, linear_fc1 = gate/up_proj)")
-    if dims.num_experts:
-        raise ConfigError(f"actor.lora on a mixture-of-experts model ({dims.model_type}): routed experts are not "
-                          "adapted yet; set actor.lora.rank=0 (full fine-tuning) or use a dense model")
+    mlp = [t for t in lo.target_modules if t in ("linear_fc1", "linear_fc2")]
+    if lo.experts and not dims.num_experts:
+        raise ConfigError(f"actor.lora.experts=true: {dims.model_type} has no routed experts; set it false")
+    if lo.experts and not mlp:
+        raise ConfigError("actor.lora.experts=true adapts the experts' linear_fc1 / linear_fc2: add them to "
+                          "actor.lora.target_modules or set experts false")
+    if lo.experts and cfg.actor.parallel.tp > 1:
+        raise ConfigError(f"actor.lora.experts=true at actor.parallel.tp={cfg.actor.parallel.tp}: expert TP > 1 "
+                          "is not supported yet; split the experts with actor.parallel.ep at tp=1")
+    if lo.experts and cfg.model.transformer_engine:
+        raise ConfigError("actor.lora.experts=true with model.transformer_engine=true (TE's grouped-GEMM experts) "
+                          "is not supported yet; set model.transformer_engine=false")
+    if dims.num_experts and not lo.experts and mlp and all(dims.moe_layers):
+        raise ConfigError(f"actor.lora.target_modules {mlp} match no dense MLP: every layer of {dims.model_type} "
+                          "is routed; set actor.lora.experts=true or drop them from target_modules")
 
 
 def _check_data_and_batches(cfg) -> None:

@@ -27,7 +27,14 @@ adapters with one shared lora_A and the Bs laid out as weight_mapping lays out t
 `megatron_lora_to_hf` convert both ways; an HF adapter with different A's over a fused group is
 refused (it is a rank-3r adapter on the fused linear, not this one).
 
-Routed experts (mlp.experts.*) are not wrapped yet; shared experts and dense MLPs are.
+Routed experts (`experts=True`, off by default): each expert's linear_fc1 / linear_fc2 of megatron's
+SequentialMLP gets its own adapter, the same rule as a dense MLP's; its parameters are marked as the
+expert weights are (`allreduce=False`: gradients averaged over the expert-data-parallel group only), and
+its A is seeded by the GLOBAL expert index, so every EP size starts from the same adapters. The expert
+receives its tokens from the dispatcher (which owns the communication), so at expert TP 1 the adapter
+needs none; expert TP > 1 and TE's grouped GEMM (TEGroupedMLP) are refused in one line. peft adapts
+transformers' stacked expert parameters (`mlp.experts.gate_up_proj` / `down_proj`) with
+target_parameters: `peft_expert_tensors` / `experts_from_peft` convert.
 """
 
 from __future__ import annotations
@@ -42,8 +49,8 @@ from typing import Iterator, Mapping, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from megappo.parallel.weight_mapping import ModelDims, global_named_parameters, global_param_name, hf_names, hf_to_megatron_shard, \
-    layer_offset, megatron_shards_to_hf
+from megappo.parallel.weight_mapping import MOE_FAMILIES, ModelDims, global_named_parameters, global_namer, hf_names, \
+    hf_to_megatron_shard, megatron_shards_to_hf
 
 from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS as COLUMN_TARGETS, LORA_INITS as INITS, \
     LORA_TARGETS as TARGETS  # the one list (also config actor.lora's)
@@ -67,6 +74,7 @@ class LoraConfig:
     target_modules: Sequence[str] = field(default_factory=lambda: list(TARGETS))
     init: str = "kaiming"
     seed: int = 0
+    experts: bool = False  # also the routed experts' linear_fc1 / linear_fc2 (target_modules permitting)
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
@@ -142,6 +150,8 @@ class _LoraMixin:
         self.lora_enabled = True
         self.lora_name = global_name
         self._lora_group, self._lora_tp = group, tp
+        for p in (self.lora_A, self.lora_B):  # a routed expert's: reduced over expert-DP, as its weight
+            p.allreduce = getattr(w, "allreduce", True)
 
     def lora_delta(self, x: torch.Tensor, gather_output: bool = False) -> torch.Tensor:
         from megatron.core.tensor_parallel import mappings as mp
@@ -238,18 +248,19 @@ def _as_chunks(model) -> list:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
-def _global_module_name(local: str, offset: int) -> str:
-    local = local.removeprefix("module.")
-    return global_param_name(local + ".weight", offset).removesuffix(".weight")
+def _module_namer(chunk):
+    """A module name local to the chunk -> its global name (layer and routed-expert indices made global)."""
+    name_of = global_namer(getattr(chunk, "module", chunk))
+    return lambda local: name_of(local.removeprefix("module.") + ".weight").removesuffix(".weight")
 
 
 def iter_lora_modules(model) -> Iterator[tuple[str, torch.nn.Module]]:
     """(global megatron module name, module) of every adapted linear in the chunk(s)."""
     for chunk in _as_chunks(model):
-        off = layer_offset(getattr(chunk, "module", chunk))
+        name_of = _module_namer(chunk)
         for name, mod in chunk.named_modules():
             if isinstance(mod, _LoraMixin):
-                yield _global_module_name(name, off), mod
+                yield name_of(name), mod
 
 
 def is_lora_param(name: str) -> bool:
@@ -264,13 +275,14 @@ def apply_lora(model, cfg: LoraConfig) -> list[str]:
     column, row, refused = _column_row_classes()
     wrapped, seen = [], set()
     for chunk in chunks:
-        off = layer_offset(getattr(chunk, "module", chunk))
+        name_of = _module_namer(chunk)
         for name, mod in list(chunk.named_modules()):
             leaf = name.rsplit(".", 1)[-1]
             if leaf not in cfg.target_modules or isinstance(mod, _LoraMixin):
                 continue
-            if ".experts." in f".{name}." and ".shared_experts." not in f".{name}.":
-                continue  # routed experts: not wrapped yet
+            routed = ".experts." in f".{name}." and ".shared_experts." not in f".{name}."
+            if routed and not cfg.experts:
+                continue
             if refused and isinstance(mod, refused):
                 raise NotImplementedError(f"LoRA on {name}: TE's fused-norm {type(mod).__name__} is not supported "
                                           "yet; build the model with model.transformer_engine=false")
@@ -278,19 +290,25 @@ def apply_lora(model, cfg: LoraConfig) -> list[str]:
                 is_col = True
             elif isinstance(mod, row):
                 is_col = False
+            elif routed:  # TE's grouped linears: one module for every local expert
+                raise NotImplementedError(f"LoRA on {name}: routed experts as {type(mod).__name__} (TE's grouped "
+                                          "GEMM) are not supported yet; build with model.transformer_engine=false")
             else:
                 continue
+            if routed and _group_size(_tp_group_of(mod)) > 1:
+                raise NotImplementedError(f"LoRA on {name}: routed experts at expert TP > 1 are not supported yet; "
+                                          "split the experts with actor.parallel.ep at tp=1")
             if getattr(mod, "weight", None) is None:
                 raise ValueError(f"LoRA on {name}: {type(mod).__name__} has no weight of its own")
-            gname = _global_module_name(name, off)
+            gname = name_of(name)
             mod.__class__ = _lora_class(type(mod), is_col)
             mod._lora_setup(cfg, gname)
             wrapped.append(gname)
             seen.add(leaf)
     missing = [t for t in cfg.target_modules if t not in seen]
     if missing:
-        raise ValueError(f"lora.target_modules {missing} match no column/row-parallel linear of this model "
-                         f"(routed experts are not adapted yet)")
+        hint = "" if cfg.experts else " (routed experts' linears need lora.experts=true)"
+        raise ValueError(f"lora.target_modules {missing} match no column/row-parallel linear of this model{hint}")
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             p.requires_grad_(is_lora_param(name))
@@ -417,10 +435,12 @@ def gather_hf_lora(model, dims: ModelDims) -> Optional[dict[str, tuple[torch.Ten
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    mine = {}
-    if mpu.get_data_parallel_rank() == 0:
-        mine = {name: (mpu.get_tensor_model_parallel_rank(), m.lora_A.detach().cpu(), m.lora_B.detach().cpu())
-                for name, m in iter_lora_modules(model)}
+    # one replica's shards: data-parallel rank 0's, and for a routed expert (allreduce False: replicated over
+    # the expert-data-parallel group only) expert-data-parallel rank 0's of each expert-parallel rank
+    dense_rank0, expert_rank0 = mpu.get_data_parallel_rank() == 0, mpu.get_expert_data_parallel_rank() == 0
+    mine = {name: (mpu.get_tensor_model_parallel_rank(), m.lora_A.detach().cpu(), m.lora_B.detach().cpu())
+            for name, m in iter_lora_modules(model)
+            if (dense_rank0 if getattr(m.lora_A, "allreduce", True) else expert_rank0)}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() != 0:
@@ -436,9 +456,54 @@ def gather_hf_lora(model, dims: ModelDims) -> Optional[dict[str, tuple[torch.Ten
     return out
 
 
+# routed experts in peft: transformers 5 holds a layer's experts stacked, `model.layers.{i}.mlp.experts`
+# .gate_up_proj [E, 2F, H] ([gate; up] per expert) and .down_proj [E, H, F], and peft adapts them with
+# target_parameters (its ParamWrapper): A [E*r, in], expert e's in rows e*r..e*r+r-1; B [out, r*E], expert
+# e's in columns e, e+E, e+2E, ... Listing both wraps the first inside the second (`base_layer.`), so the
+# order below is the order of adapter_config's target_parameters.
+PEFT_EXPERT_PARAMS = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
+_EXPERT_PROJ = {p: (fc, fam.proj[fc]) for fam in MOE_FAMILIES.values() for fc in fam.proj for p in fam.proj[fc]}
+_HF_EXPERT_MODULE = re.compile(r"^model\.layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)$")
+
+
+def peft_expert_tensors(hf: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict, dict, list]:
+    """Split {HF module: (A, B)} (experts as per-expert on-disk modules, `model.layers.1.mlp.experts.2.gate_proj`)
+    into (the other modules as they are, peft's stacked expert tensors {key: tensor} without the
+    `base_model.model.` prefix, peft's target_parameters)."""
+    dense, stacks = {}, {}
+    for mod, ab in hf.items():
+        m = _HF_EXPERT_MODULE.match(mod)
+        if not m or m.group(3) not in _EXPERT_PROJ:
+            dense[mod] = ab
+            continue
+        fc, projs = _EXPERT_PROJ[m.group(3)]
+        per_expert = stacks.setdefault((int(m.group(1)), fc), {}).setdefault(int(m.group(2)), {})
+        per_expert[projs.index(m.group(3))] = ab
+    fcs = [fc for fc in PEFT_EXPERT_PARAMS if any(k[1] == fc for k in stacks)]
+    tensors = {}
+    for (layer, fc), experts in sorted(stacks.items()):
+        if sorted(experts) != list(range(len(experts))):
+            raise ValueError(f"layer {layer} {fc}: adapters for experts {sorted(experts)}, not 0..{len(experts) - 1}")
+        a = torch.cat([experts[e][0][0] for e in range(len(experts))], 0)
+        b = torch.stack([torch.cat([experts[e][i][1] for i in sorted(experts[e])], 0) for e in range(len(experts))], -1)
+        path = f"model.layers.{layer}.mlp.experts" + ".base_layer" * (len(fcs) - 1 - fcs.index(fc))
+        tensors[f"{path}.lora_A.weight"] = a.contiguous()
+        tensors[f"{path}.lora_B.weight"] = b.reshape(b.shape[0], -1).contiguous()
+    return dense, tensors, [f"mlp.experts.{PEFT_EXPERT_PARAMS[fc]}" for fc in fcs]
+
+
+def _is_moe(base_path) -> bool:
+    import json
+    from pathlib import Path
+
+    cfg = Path(base_path) / "config.json"
+    return cfg.exists() and json.loads(cfg.read_text()).get("model_type") in MOE_FAMILIES
+
+
 def save_peft_adapter(hf: Mapping[str, tuple[torch.Tensor, torch.Tensor]], cfg: LoraConfig, base_path, out) -> None:
     """Write a peft adapter dir (adapter_config.json + adapter_model.safetensors) that
-    `peft.PeftModel.from_pretrained(<HF base>, out)` loads: the HF modules' (A, B) in peft's key names."""
+    `peft.PeftModel.from_pretrained(<HF base>, out)` loads: the HF modules' (A, B) in peft's key names, routed
+    experts as peft's target_parameters on transformers' stacked expert tensors (peft_expert_tensors)."""
     import json
     from pathlib import Path
 
@@ -446,13 +511,20 @@ def save_peft_adapter(hf: Mapping[str, tuple[torch.Tensor, torch.Tensor]], cfg: 
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for mod, (a, b) in hf.items():
-        tensors[f"base_model.model.{mod}.lora_A.weight"] = a.contiguous()
-        tensors[f"base_model.model.{mod}.lora_B.weight"] = b.contiguous()
+    dense, experts, target_parameters = peft_expert_tensors(hf)
+    clash = sorted({m.rsplit(".", 1)[-1] for m in dense} & set(_EXPERT_PROJ))
+    if clash and _is_moe(base_path):
+        # peft (transformers 5) reads these target names as the stacked experts' (its v4 -> v5 conversion)
+        raise ValueError(f"a peft adapter cannot hold the dense MLP adapters ({', '.join(clash)}) of this MoE model: "
+                         "peft maps those names onto the routed experts; use the merged HF export instead")
+    tensors = {f"base_model.model.{k}": v for k, v in experts.items()}
+    for mod, (a, b) in dense.items():  # copies: q/k/v (gate/up) may share one A tensor, safetensors refuses that
+        tensors[f"base_model.model.{mod}.lora_A.weight"] = a.clone(memory_format=torch.contiguous_format)
+        tensors[f"base_model.model.{mod}.lora_B.weight"] = b.clone(memory_format=torch.contiguous_format)
     save_file(tensors, str(out / "adapter_model.safetensors"))
-    targets = sorted({m.rsplit(".", 1)[-1] for m in hf})
+    targets = sorted({m.rsplit(".", 1)[-1] for m in dense})
     (out / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_path), "r": cfg.rank,
-        "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "target_modules": targets, "bias": "none",
+        "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "target_modules": targets or None,
+        "target_parameters": target_parameters or None, "bias": "none",
         "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True}, indent=1))

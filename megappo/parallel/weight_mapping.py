@@ -450,13 +450,24 @@ def _expert_offsets(chunk) -> dict:
     return out
 
 
+def global_namer(chunk):
+    """A function: a parameter name local to this megatron model chunk -> its global name (layer and expert
+    indices made global)."""
+    off, experts = layer_offset(chunk), _expert_offsets(chunk)
+
+    def name_of(local: str) -> str:
+        local = local.removeprefix("module.")
+        m = _LAYER_RE.match(local)
+        return global_param_name(local, off, experts.get(int(m.group(1)), 0) if m else 0)
+
+    return name_of
+
+
 def global_named_parameters(chunk):
     """(global megatron name, param) for one megatron model chunk (layer and expert indices made global)."""
-    off, experts = layer_offset(chunk), _expert_offsets(chunk)
+    name_of = global_namer(chunk)
     for name, p in chunk.named_parameters():
-        name = name.removeprefix("module.")
-        m = _LAYER_RE.match(name)
-        yield global_param_name(name, off, experts.get(int(m.group(1)), 0) if m else 0), p
+        yield name_of(name), p
 
 
 def _kind(mcore_name: str, dims: ModelDims) -> str:

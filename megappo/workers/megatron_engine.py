@@ -108,7 +108,8 @@ def lora_config_from(cfg) -> Optional[LoraConfig]:
     if not lo.rank:
         return None
     return LoraConfig(rank=int(lo.rank), alpha=float(lo.alpha), dropout=float(lo.dropout),
-                      target_modules=list(lo.target_modules), init=str(lo.init), seed=int(cfg.trainer.seed))
+                      target_modules=list(lo.target_modules), init=str(lo.init), seed=int(cfg.trainer.seed),
+                      experts=bool(lo.experts))
 
 
 def engine_config_from(cfg, role: str) -> EngineConfig:
@@ -558,7 +559,7 @@ class MegatronEngine:
         """What an adapter checkpoint is only valid with: the adapter's shape and the base it was trained on."""
         lo = self.lora
         return {"rank": lo.rank, "alpha": float(lo.alpha), "target_modules": list(lo.target_modules),
-                "base": base_identity(self.model_path), "format": LORA_FORMAT}
+                "experts": bool(lo.experts), "base": base_identity(self.model_path), "format": LORA_FORMAT}
 
     def _check_lora_checkpoint(self, path) -> None:
         """An adapter checkpoint for another base or adapter shape, or a full one for a LoRA engine (or the
@@ -572,6 +573,7 @@ class MegatronEngine:
             raise ValueError(f"{path} is not a LoRA adapter checkpoint (no {LORA_META}): it was saved with "
                              "actor.lora.rank=0; resume with that, or start the LoRA run afresh")
         saved, want = json.loads(meta_file.read_text()), self._lora_meta()
+        saved.setdefault("experts", False)  # saved before routed experts could be adapted
         diff = [k for k in want if saved.get(k) != want[k]]
         if diff:
             raise ValueError(f"{path}: the adapter checkpoint's {', '.join(f'{k}={saved.get(k)!r}' for k in diff)} "

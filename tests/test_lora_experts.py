@@ -1,0 +1,251 @@
+"""LoRA on a MoE model's routed experts (actor.lora.experts; models/lora.py): tiny Mixtral (4 layers, each
+4 routed experts, top-2), fp32, CPU/gloo, megatron's engine (DDP, distributed optimizer), at EP2 x DP2
+(each rank holds 2 of the 4 experts of every layer) and in one process (EP1).
+
+- The same adapter (random, B nonzero; attention and every expert's fc1/fc2) gives the
+  log-probs of the HF model with each adapted weight merged (W + alpha/r B@A, written here expert by
+  expert), <= 1e-4; the adapter exported in peft's layout (stacked expert tensors, target_parameters)
+  loads with `peft` and gives them too.
+- One optimizer step at EP2 equals the single-process step (<= 1e-5): an expert adapter's gradient is
+  averaged over the expert-data-parallel group, as the expert's weight's is, not over every DP rank.
+- The step leaves every base weight bit-identical; the exported adapter gives the stepped model's
+  log-probs in HF + peft; the EP2 checkpoint (adapters + Adam state) resumes in one process, and the
+  export CLI's merged HF model from it gives those log-probs too.
+
+Mixtral, not the tiny Qwen3-MoE: that one's layer 0 is a dense MLP, and peft (transformers 5) reads a
+dense gate_proj/up_proj/down_proj target on a Qwen3-MoE as the experts' (save_peft_adapter refuses it).
+"""
+
+import pytest
+import torch
+
+from megappo.parallel.launch import spawn_local
+from megappo.parallel.layout import ParallelLayout
+
+RANK, ALPHA = 4, 8.0
+OPTIM = dict(lr=1e-2, adam_eps=1e-6, clip_grad=1.0)
+LAYOUTS = {1: ParallelLayout(), 2: ParallelLayout(dp=2, ep=2)}
+
+
+def random_adapter(path) -> dict:
+    """{HF module (per-expert on-disk names, block_sparse_moe.experts.{e}.w1|w3|w2): (A, B)} for every adapted
+    projection, A shared within q/k/v and within one expert's w1/w3 (gate/up)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(path)
+    h, f = c.hidden_size, c.intermediate_size
+    d = c.head_dim or h // c.num_attention_heads
+    g = torch.Generator().manual_seed(11)
+
+    def a(n):
+        return (torch.rand(RANK, n, generator=g) * 2 - 1) / n ** 0.5
+
+    def b(n):
+        return torch.randn(n, RANK, generator=g) * 0.1
+
+    out = {}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        qkv = a(h)
+        out[p + "self_attn.q_proj"] = (qkv, b(c.num_attention_heads * d))
+        out[p + "self_attn.k_proj"] = (qkv, b(c.num_key_value_heads * d))
+        out[p + "self_attn.v_proj"] = (qkv, b(c.num_key_value_heads * d))
+        out[p + "self_attn.o_proj"] = (a(c.num_attention_heads * d), b(h))
+        for e in range(c.num_local_experts):
+            q, fc = p + f"block_sparse_moe.experts.{e}.", a(h)
+            out[q + "w1"], out[q + "w3"], out[q + "w2"] = (fc, b(f)), (fc, b(f)), (a(f), b(h))
+    return out
+
+
+def merged_hf_model(path, adapter):
+    """The HF model with every adapted weight merged, expert by expert into transformers' stacked tensors."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    s = ALPHA / RANK
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            p = f"model.layers.{i}."
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                a, b = adapter[p + "self_attn." + proj]
+                getattr(layer.self_attn, proj).weight += s * b @ a
+            ex = layer.mlp.experts
+            for e in range(ex.gate_up_proj.shape[0]):
+                q = p + f"block_sparse_moe.experts.{e}."
+                (a, b1), (_, b3) = adapter[q + "w1"], adapter[q + "w3"]
+                ex.gate_up_proj[e] += s * torch.cat([b1, b3]) @ a  # [gate (w1); up (w3)] rows, transformers' order
+                a, b = adapter[q + "w2"]
+                ex.down_proj[e] += s * b @ a
+    return model
+
+
+def _worker(rank, world, port, path, ep, adapter, out_dir):
+    from megatron.core import parallel_state as mpu
+
+    from megappo.models.gpt import load_hf_config
+    from megappo.models.lora import LoraConfig, iter_lora_modules, load_hf_lora
+    from megappo.parallel.megatron_init import init_distributed, init_megatron
+    from megappo.parallel.weight_mapping import ModelDims
+    from megappo.workers.megatron_engine import EngineConfig, MegatronEngine, OptimConfig
+    from test_megatron_engine import B, R, make_batch, pg_loss
+
+    init_distributed(rank, world, "127.0.0.1", port)
+    layout = LAYOUTS[ep]
+    cfg = EngineConfig(optim=OptimConfig(**OPTIM), lora=LoraConfig(rank=RANK, alpha=ALPHA, experts=True))
+    init_megatron(layout)
+    eng = MegatronEngine(path, layout, cfg)
+    dims = ModelDims.from_hf_config(load_hf_config(path), tp=1)
+    load_hf_lora(eng.inner_chunks(), adapter, dims, 0, 1)
+    batch = make_batch()
+    dp, n = mpu.get_data_parallel_rank(), B // layout.dp
+    local = {k: v[dp * n:(dp + 1) * n] for k, v in batch.items()}
+    res = {"dp": dp, "rows": (dp * n, (dp + 1) * n),
+           "names": [name for name, _ in iter_lora_modules(eng.inner_chunks())],
+           "expert_grad_groups": {p.allreduce for name, m in iter_lora_modules(eng.inner_chunks())
+                                  if ".experts." in name for p in (m.lora_A, m.lora_B)}}
+    res["lp0"] = eng.forward_only(local, R, 4)["logprobs"]
+    base0 = {k: v.detach().clone() for c in eng.inner_chunks() for k, v in c.named_parameters() if "lora_" not in k}
+    eng.train_step(local, pg_loss, batch["response_mask"].sum().item(), R, 2)
+    res["base_bit_identical"] = all(torch.equal(v, dict(c.named_parameters())[k])
+                                    for c in eng.inner_chunks() for k, v in base0.items()
+                                    if k in dict(c.named_parameters()))
+    res["lp1"] = eng.forward_only(local, R, 4)["logprobs"]
+    eng.export_lora_adapter(f"{out_dir}/peft_ep{ep}")
+    eng.save_checkpoint(f"{out_dir}/ckpt_ep{ep}")
+    eng.finish_save()
+    return res
+
+
+def _resume_worker(rank, world, port, path, ckpt, out):
+    from megappo.models.lora import LoraConfig
+    from megappo.parallel.megatron_init import init_distributed, init_megatron
+    from megappo.workers.megatron_engine import EngineConfig, MegatronEngine, OptimConfig
+
+    init_distributed(rank, world, "127.0.0.1", port)
+    init_megatron(LAYOUTS[1])
+    eng = MegatronEngine(path, LAYOUTS[1], EngineConfig(optim=OptimConfig(**OPTIM),
+                                                         lora=LoraConfig(rank=RANK, alpha=ALPHA, experts=True)))
+    eng.load_checkpoint(ckpt)
+    eng.export_lora_adapter(out)
+    return eng.steps
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_assets, tmp_path_factory):
+    path = str(tiny_assets["tiny-mixtral"])
+    tmp = tmp_path_factory.mktemp("lora_experts")
+    adapter = random_adapter(path)
+    ep2 = spawn_local(_worker, 2, path, 2, adapter, str(tmp), timeout=600)
+    (ep1,) = spawn_local(_worker, 1, path, 1, adapter, str(tmp), timeout=600)
+    return path, tmp, adapter, ep1, ep2
+
+
+def _joined(ep2, key):
+    return torch.cat([r[key] for r in sorted(ep2, key=lambda r: r["dp"])])
+
+
+def _hf_logprobs(model):
+    """HF's log-probs of make_batch's response tokens, each row alone without its padding, and the mask of
+    the rows compared (a row whose response ends in padding is left out)."""
+    from test_megatron_engine import R, make_batch
+
+    b = make_batch()
+    out, keep = torch.zeros(b["input_ids"].shape[0], R), b["attention_mask"][:, -R:].all(-1, keepdim=True)
+    with torch.no_grad():
+        for i, (ids, m) in enumerate(zip(b["input_ids"], b["attention_mask"])):
+            if keep[i]:
+                row = ids[m.bool()][None]
+                lp = torch.log_softmax(model(input_ids=row).logits.float(), -1)[0, :-1].gather(-1, row[0, 1:, None])
+                out[i] = lp[-R:, 0]
+    assert keep.sum() >= 4
+    return out, keep.float().expand(-1, R)
+
+
+def _gap(a, b, mask) -> float:
+    return ((a - b).abs() * mask).max().item()
+
+
+def test_expert_adapters_are_wrapped_and_reduced_over_expert_dp(runs):
+    _, _, _, ep1, ep2 = runs
+    experts1 = [n for n in ep1["names"] if ".experts." in n]
+    assert len(experts1) == 4 * 4 * 2  # 4 layers x 4 experts x fc1/fc2
+    held = [sorted({n.split(".local_experts.")[1].split(".")[0] for n in r["names"] if ".experts." in n})
+            for r in sorted(ep2, key=lambda r: r["dp"])]
+    assert held == [["0", "1"], ["2", "3"]]  # global expert indices: each rank holds its own 2
+    # marked as megatron marks expert weights: reduced over the expert-data-parallel group (DDP's expert buffers)
+    assert all(r["expert_grad_groups"] == {False} for r in [ep1, *ep2])
+
+
+def test_logprobs_match_the_merged_hf_model_and_peft(runs):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from megappo.models.lora import LoraConfig, save_peft_adapter
+
+    path, tmp, adapter, ep1, ep2 = runs
+    ref, mask = _hf_logprobs(merged_hf_model(path, adapter))
+    base, _ = _hf_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+    save_peft_adapter(adapter, LoraConfig(rank=RANK, alpha=ALPHA, experts=True), path, tmp / "random_peft")
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                           str(tmp / "random_peft")).eval()
+    via_peft, _ = _hf_logprobs(peft_model)
+    gaps = {"ep1": _gap(ep1["lp0"], ref, mask), "ep2": _gap(_joined(ep2, "lp0"), ref, mask),
+            "peft": _gap(via_peft, ref, mask)}
+    print(f"log-probs vs merged HF: {gaps}; the adapter moves them by {_gap(ref, base, mask):.2f}")
+    assert _gap(ref, base, mask) > 0.05  # the adapter (experts included) changes the model: the check has teeth
+    assert max(gaps.values()) <= 1e-4
+
+
+def test_one_step_at_ep2_equals_the_single_process_step(runs):
+    from safetensors.torch import load_file
+
+    _, tmp, _, ep1, ep2 = runs
+    one, two = (load_file(str(tmp / f"peft_ep{ep}" / "adapter_model.safetensors")) for ep in (1, 2))
+    assert one.keys() == two.keys() and any(".mlp.experts." in k for k in one)
+    worst = max((one[k] - two[k]).abs().max().item() for k in one)
+    moved = max((one[k] - load_file(str(tmp / "random_peft" / "adapter_model.safetensors"))[k]).abs().max().item()
+                for k in one)
+    lp = (ep1["lp1"] - _joined(ep2, "lp1")).abs().max().item()
+    print(f"EP2 vs single process after one step: adapters {worst:.2e} (the step moved them {moved:.2e}), "
+          f"log-probs {lp:.2e}")
+    # adapters 2e-5 absolute, 0.2% of one Adam step at lr 1e-2: Adam divides by sqrt(v) + 1e-6, so EP's other
+    # summation order shows where a gradient is near that eps (8.5e-6 measured)
+    assert moved > 1e-3 and worst <= 2e-5 and lp <= 1e-5
+    assert ep1["base_bit_identical"] and all(r["base_bit_identical"] for r in ep2)
+
+
+def test_exported_adapter_gives_the_stepped_model_in_peft(runs):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path, tmp, _, _, ep2 = runs
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                      str(tmp / "peft_ep2")).eval()
+    got, mask = _hf_logprobs(model)
+    gap = _gap(got, _joined(ep2, "lp1"), mask)
+    print(f"peft with the EP2 export vs megatron after the step: {gap:.2e}")
+    assert gap <= 1e-4
+
+
+def test_ep2_checkpoint_resumes_in_one_process(runs):
+    from safetensors.torch import load_file
+
+    path, tmp, _, _, _ = runs
+    (steps,) = spawn_local(_resume_worker, 1, path, str(tmp / "ckpt_ep2"), str(tmp / "resumed"), timeout=300)
+    saved, resumed = (load_file(str(tmp / d / "adapter_model.safetensors")) for d in ("peft_ep2", "resumed"))
+    assert steps == 1 and saved.keys() == resumed.keys()
+    assert all(torch.equal(saved[k], resumed[k]) for k in saved)
+
+
+def test_export_cli_merges_the_ep2_checkpoint(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from megappo.export import export_lora
+
+    path, tmp, _, _, ep2 = runs
+    info = export_lora(tmp / "ckpt_ep2", tmp_path / "merged", path)
+    assert info["merged_modules"] == 4 * (4 + 4 * 3) and info["adapter"]  # q/k/v/o + 4 experts x w1/w3/w2
+    got, mask = _hf_logprobs(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval())
+    gap = _gap(got, _joined(ep2, "lp1"), mask)
+    print(f"merged HF export of the EP2 checkpoint vs megatron after the step: {gap:.2e}")
+    assert gap <= 1e-4
