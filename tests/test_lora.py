@@ -31,7 +31,7 @@ def random_adapter(path) -> dict:
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(path)
-    h, d = c.hidden_size, getattr(c, "head_dim", c.hidden_size // c.num_attention_heads)
+    h, d = c.hidden_size, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     g = torch.Generator().manual_seed(7)
 
     def a(n):

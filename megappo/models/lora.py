@@ -509,14 +509,14 @@ def save_peft_adapter(hf: Mapping[str, tuple[torch.Tensor, torch.Tensor]], cfg: 
 
     from safetensors.torch import save_file
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     dense, experts, target_parameters = peft_expert_tensors(hf)
     clash = sorted({m.rsplit(".", 1)[-1] for m in dense} & set(_EXPERT_PROJ))
     if clash and _is_moe(base_path):
         # peft (transformers 5) reads these target names as the stacked experts' (its v4 -> v5 conversion)
         raise ValueError(f"a peft adapter cannot hold the dense MLP adapters ({', '.join(clash)}) of this MoE model: "
                          "peft maps those names onto the routed experts; use the merged HF export instead")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     tensors = {f"base_model.model.{k}": v for k, v in experts.items()}
     for mod, (a, b) in dense.items():  # copies: q/k/v (gate/up) may share one A tensor, safetensors refuses that
         tensors[f"base_model.model.{mod}.lora_A.weight"] = a.clone(memory_format=torch.contiguous_format)

@@ -109,8 +109,10 @@ class CheckpointingMixin:
         from megappo.export import export_checkpoint
 
         out = self.output_dir / "hf_final"
-        export_checkpoint(step_dir(self.ckpt_root, step), out, overwrite=True, progress=False)
+        info = export_checkpoint(step_dir(self.ckpt_root, step), out, overwrite=True, progress=False)
         print(f"exported the final policy (step {step}) to {out}", flush=True)
+        if isinstance(info, dict) and info.get("adapter_skipped"):
+            print(f"no peft adapter beside it: {info['adapter_skipped']}", flush=True)
         return out
 
     def _resume(self) -> Optional[Path]:
