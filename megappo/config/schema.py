@@ -253,6 +253,11 @@ class RolloutConfig:
     # what sleep does with vLLM's weights: 2 = discard them (the hybrid engine re-syncs every weight
     # before each rollout anyway), 1 = keep a pinned host copy (host RAM: the model's weights per GPU)
     sleep_level: int = 2
+    # with actor.lora, what each weight sync sends vLLM. merged: every weight with the adapters folded in
+    # (any vLLM path; fingerprints on the merged tensors). adapter: the base once, then only the adapters,
+    # as a peft dir loaded by vLLM's own LoRA serving (enable_lora; a new LoRARequest per sync): the base
+    # fingerprinted at every sync, the adapters checked by the vLLM-vs-Megatron log-prob gap
+    lora_sync: str = "merged"
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     # your own agent (docs/agents.md): "my_pkg.my_agent:run" or "/path/agent.py:run", an
     # `async def run(client, row)` given an openai.AsyncOpenAI bound to one sample's session on the rollout
@@ -413,6 +418,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "rollout.weight_load": ("auto", "reload", "direct"),
     "rollout.cpu_linear": ("packed", "plain"),
     "rollout.sleep_level": (1, 2),
+    "rollout.lora_sync": ("merged", "adapter"),
     "trainer.mode": ("sync", "async", "fully_async"),
     "trainer.on_nan": ("skip", "stop"),
 }

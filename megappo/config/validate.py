@@ -345,6 +345,7 @@ def _check_lora(cfg, dims: ModelDims) -> None:
     lo = cfg.actor.lora
     if lo.rank < 0:
         raise ConfigError(f"actor.lora.rank={lo.rank} must be >= 0 (0 = full fine-tuning)")
+    _check_lora_sync(cfg)
     if not lo.rank:
         return
     if lo.alpha <= 0:
@@ -370,6 +371,31 @@ def _check_lora(cfg, dims: ModelDims) -> None:
     if dims.num_experts and not lo.experts and mlp and all(dims.moe_layers):
         raise ConfigError(f"actor.lora.target_modules {mlp} match no dense MLP: every layer of {dims.model_type} "
                           "is routed; set actor.lora.experts=true or drop them from target_modules")
+
+
+VLLM_MAX_LORA_RANK = 512  # vLLM's largest max_lora_rank
+
+
+def _check_lora_sync(cfg) -> None:
+    """rollout.lora_sync=adapter: wired for the hybrid engine's single-turn generation of a dense model."""
+    r, lo = cfg.rollout, cfg.actor.lora
+    if r.lora_sync != "adapter":
+        return
+    why = None
+    if not lo.rank:
+        why = "needs actor.lora.rank > 0"
+    elif lo.rank > VLLM_MAX_LORA_RANK:
+        why = f"serves ranks up to {VLLM_MAX_LORA_RANK} (actor.lora.rank={lo.rank})"
+    elif lo.experts:
+        why = "does not serve adapters on routed experts (actor.lora.experts=true) here"
+    elif cfg.trainer.mode != "sync":
+        why = f"is wired for the hybrid engine (trainer.mode=sync), not trainer.mode={cfg.trainer.mode}"
+    elif r.multi_turn.enable or r.agent:
+        why = "is wired for single-turn generation, not rollout.multi_turn / rollout.agent"
+    elif cfg.resources.device != "cpu" and r.free_cache_engine and r.sleep_level == 2:
+        why = "keeps the base in vLLM between syncs, which sleep level 2 discards: set rollout.sleep_level=1"
+    if why:
+        raise ConfigError(f"rollout.lora_sync=adapter {why}; or use rollout.lora_sync=merged")
 
 
 def _check_data_and_batches(cfg) -> None:

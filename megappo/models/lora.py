@@ -351,6 +351,16 @@ def merged_named_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
             yield gname, (mod.merged_weight() if mod is not None else p.detach())
 
 
+def base_named_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(global megatron name, tensor) of every base parameter of this rank as it is (adapters not merged,
+    not listed): the frozen base, e.g. to fingerprint what vLLM holds under rollout.lora_sync=adapter."""
+    for chunk in _as_chunks(model):
+        inner = getattr(chunk, "module", chunk)
+        for (gname, p), (lname, _) in zip(global_named_parameters(inner), inner.named_parameters()):
+            if not is_lora_param(lname):
+                yield gname, p.detach()
+
+
 # ---- HF / peft <-> megatron ----------------------------------------------------------------------
 
 _PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
@@ -428,10 +438,11 @@ def load_hf_lora(model, hf: Mapping[str, tuple[torch.Tensor, torch.Tensor]], dim
     return done
 
 
-def gather_hf_lora(model, dims: ModelDims) -> Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """The whole adapter in peft's layout {HF module: (A, B)} on global rank 0 (None elsewhere), from every
-    TP and PP rank's shards (collective over the world; one DP replica's shards are used). Adapters are
-    small (r x (in + out) per linear), so they travel as objects."""
+def gather_hf_lora(model, dims: ModelDims,
+                   everywhere: bool = False) -> Optional[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """The whole adapter in peft's layout {HF module: (A, B)} on global rank 0 (None elsewhere; `everywhere`:
+    on every rank), from every TP and PP rank's shards (collective over the world; one DP replica's shards
+    are used). Adapters are small (r x (in + out) per linear), so they travel as objects."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
@@ -443,7 +454,7 @@ def gather_hf_lora(model, dims: ModelDims) -> Optional[dict[str, tuple[torch.Ten
             if (dense_rank0 if getattr(m.lora_A, "allreduce", True) else expert_rank0)}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    if dist.get_rank() != 0:
+    if dist.get_rank() != 0 and not everywhere:
         return None
     shards: dict = {}
     for part in everyone:

@@ -265,6 +265,8 @@ def vllm_model_fingerprints(model: torch.nn.Module) -> dict[str, tuple[float, fl
     out: dict[str, list[float]] = {}
     handled: set[int] = set()
     for mod_name, layer in model.named_modules():
+        # vLLM's LoRA serving (enable_lora) wraps a layer as `{name}.base_layer`: the weights are that layer's
+        mod_name = mod_name.removesuffix(".base_layer")
         prefix, _, leaf = mod_name.rpartition(".")
         base = (prefix + ".") if prefix else ""
         fps_of = next((fn for cls, fn in kinds if isinstance(layer, cls)), None)

@@ -13,6 +13,8 @@ then on CPU a re-pack of the packed linears it loaded, or vLLM's reload_weights;
 collective_rpc) with the actor resident (an `offload=true` actor is brought back for the sync and
 leaves again before generation), reset the prefix cache, check the weight fingerprint (a mismatch
 raises `WeightSyncError`), wake the KV cache.
+With actor.lora and rollout.lora_sync=adapter, a sync sends only the adapters (a peft dir for vLLM's own
+LoRA serving); vLLM keeps the base it loaded, fingerprinted against the actor's at every sync.
 Exit: put vLLM to sleep (GPU: KV cache freed, weights discarded with rollout.sleep_level 2) and
 restore the trainer's RNG state. The engine is put to sleep once when the HybridEngine is built too.
 
@@ -27,15 +29,19 @@ timing/weight_sync_s, timing/rollout_s.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import shutil
+import tempfile
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from megappo.parallel import device
-from megappo.models.lora import merged_named_parameters
+from megappo.models.lora import base_named_parameters, gather_hf_lora, merged_named_parameters, save_peft_adapter
 from megappo.parallel.resharding import Resharder
 from megappo.protocol import DataProto
 from megappo.utils.checkpoint import rng_state, set_rng_state
@@ -54,11 +60,17 @@ class HybridEngine:
         self.rollout = rollout
         cfg = rollout.config
         mb = bucket_mb if bucket_mb is not None else cfg.weight_sync_bucket_mb
+        # rollout.lora_sync=adapter: vLLM keeps the base it loaded from model.path (the actor's frozen base)
+        # and samples with the adapters, sent as a peft dir at every sync; else every weight, adapters merged
+        self.adapter_sync = getattr(engine, "lora", None) is not None and getattr(cfg, "lora_sync", "") == "adapter"
+        self._adapter_version = 0
+        self._adapter_dir: Optional[Path] = None
         self.resharder = Resharder(engine.inner_chunks(), engine.dims, engine.layout, rollout_tp=rollout.tp,
                                    bucket_bytes=int(mb * (1 << 20)),
                                    fingerprint_fn=tensor_fingerprint_on_device if check_fingerprint else None,
                                    transport=transport,
-                                   named_weights=merged_named_parameters)  # LoRA: the adapted linears merged
+                                   named_weights=base_named_parameters if self.adapter_sync
+                                   else merged_named_parameters)  # LoRA: the adapted linears merged
         self.check_fingerprint = check_fingerprint
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
@@ -75,6 +87,8 @@ class HybridEngine:
 
     def sync_weights(self) -> dict:
         """Stream the trainer's weights into vLLM (collective over the actor world)."""
+        if self.adapter_sync:
+            return self._sync_adapter()
         t0 = time.perf_counter()
         with self._resident():  # an offloaded actor comes back for the sync only
             for bucket in self.resharder.buckets(corrupt=self.corrupt_hook):
@@ -85,6 +99,40 @@ class HybridEngine:
              "rollout/weight_sync_bytes_received": float(self.resharder.stats.get("bytes_received", 0)),
              "rollout/weight_sync_buckets": float(self.resharder.num_buckets),
              "rollout/weight_sync_shm": float(self.resharder.transport == "shm")}
+        self._check_fingerprints(m)
+        self.metrics.update(m)
+        return m
+
+    def _sync_adapter(self) -> dict:
+        """rollout.lora_sync=adapter: every rank gathers the whole adapter (r x (in + out) per linear), writes
+        it as a peft dir on tmpfs and has its vLLM engine sample with it (a new LoRARequest). The base is
+        streamed once, to fingerprint it (vLLM loaded it from model.path; nothing is loaded into vLLM),
+        and vLLM's copy is fingerprinted against that at every sync."""
+        t0 = time.perf_counter()
+        if self._adapter_version == 0 and self.check_fingerprint:
+            with self._resident():
+                for _ in self.resharder.buckets():
+                    pass  # the base's expected fingerprints, taken on the owners as the buckets are built
+        adapter = gather_hf_lora(self.engine.inner_chunks(), self.engine.dims, everywhere=True)
+        if self._adapter_dir is None:
+            shm = Path("/dev/shm")
+            self._adapter_dir = Path(tempfile.mkdtemp(prefix="megappo-lora-", dir=shm if shm.is_dir() else None))
+            atexit.register(shutil.rmtree, self._adapter_dir, True)
+        self._adapter_version += 1
+        path = self._adapter_dir / f"v{self._adapter_version}"
+        save_peft_adapter(adapter, self.engine.lora, self.engine.model_path, path)
+        self.rollout.load_adapter(path, self._adapter_version)
+        shutil.rmtree(self._adapter_dir / f"v{self._adapter_version - 2}", ignore_errors=True)  # vLLM read it
+        m = {"timing/weight_sync_s": time.perf_counter() - t0,
+             "rollout/weight_sync_bytes_received": float(sum(a.nbytes + b.nbytes for a, b in adapter.values())),
+             "rollout/lora_adapter_version": float(self._adapter_version)}
+        self._check_fingerprints(m)
+        self.metrics.update(m)
+        return m
+
+    def _check_fingerprints(self, m: dict) -> None:
+        """vLLM's weights against the trainer's (the last streamed buckets' fingerprints): a mismatch on any
+        rank raises WeightSyncError on every rank."""
         if self.check_fingerprint:
             expected = with_tied_head(self.resharder.expected_fingerprints, self.engine.dims.tied_embeddings)
             held = self.rollout.fingerprint()
@@ -98,8 +146,6 @@ class HybridEngine:
                     f"({len(bad)} tensor(s)): " + "; ".join(bad[:5]))
             if not ok.item():
                 raise WeightSyncError(f"rank {self.rank}: weight fingerprint mismatch on another rank")
-        self.metrics.update(m)
-        return m
 
     def _resident(self):
         """The actor's weights only (not its optimizer, not its grad buffers) on the device for a sync."""

@@ -56,6 +56,8 @@ RNG; `base_seed` is the spec's seed, or `seed + 1000003 * call_index` for an uns
 
 from __future__ import annotations
 
+import typing
+
 import contextlib
 import os
 import uuid
@@ -83,10 +85,11 @@ _direct_load, _moe_methods = direct_load, moe_methods
 class VLLMRollout:
     def __init__(self, model_path, config=None, *, seed: int = 0, dtype: Optional[str] = None,
                  max_model_len: Optional[int] = None, tokenizer_path=None, load_format: str = "auto",
-                 agent: Optional[Callable] = None):
+                 agent: Optional[Callable] = None, lora_rank: int = 0):
         """`agent`: a builder `(llm, tokenizer) -> agent` (gateway/agents.agent_builder): the built-in multi-turn
         loop (agent/loop.AgentLoop; required when `config.multi_turn.enable`) or your own agent run against a
-        gateway on this engine (gateway/agents.AgentRunner, rollout.agent)."""
+        gateway on this engine (gateway/agents.AgentRunner, rollout.agent). `lora_rank` > 0: vLLM serves
+        LoRA adapters up to that rank (rollout.lora_sync=adapter; `load_adapter`)."""
         from megappo.config.schema import RolloutConfig
         from megappo.config.validate import check_weight_load
 
@@ -109,6 +112,12 @@ class VLLMRollout:
 
         self.distributed = dist.is_available() and dist.is_initialized()
         kwargs = self._engine_kwargs(dtype, max_model_len, tokenizer_path, load_format)
+        self.lora_request = None  # the adapter every generate call samples with (load_adapter)
+        if lora_rank:  # vLLM's max_lora_rank is one of its fixed sizes: the smallest that holds ours
+            from vllm.config.lora import MaxLoRARanks
+
+            kwargs.update(enable_lora=True, max_loras=1,
+                          max_lora_rank=min(r for r in typing.get_args(MaxLoRARanks) if r >= lora_rank))
         if self.distributed:
             kwargs["distributed_executor_backend"] = "external_launcher"
             self._external_launcher_env()
@@ -152,7 +161,8 @@ class VLLMRollout:
                    dtype={"auto": None, "fp32": "float32", "bf16": "bfloat16"}[cfg.model.dtype],
                    max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
                    tokenizer_path=cfg.model.tokenizer or cfg.model.path,
-                   agent=agent_builder(cfg.rollout))
+                   agent=agent_builder(cfg.rollout),
+                   lora_rank=cfg.actor.lora.rank if cfg.rollout.lora_sync == "adapter" else 0)
 
     def _engine_kwargs(self, dtype, max_model_len, tokenizer_path, load_format) -> dict:
         """vllm.LLM(...) arguments: the model, precision, TP, sampler outputs, and the device's memory."""
@@ -215,6 +225,16 @@ class VLLMRollout:
         if reset_prefix_cache:
             self.reset_prefix_cache()
 
+    def load_adapter(self, path, version: int) -> None:
+        """Sample with the peft adapter dir `path` from now on (rollout.lora_sync=adapter): a new LoRARequest
+        per version, which vLLM loads from the dir at its first use (keep the dir until the next version)."""
+        from vllm.lora.request import LoRARequest
+
+        if self.lora_request is not None:
+            self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
+        self.lora_request = LoRARequest(f"policy-v{version}", version + 1, str(path))
+        self.llm.reset_prefix_cache()  # cached blocks were computed with the previous adapter
+
     def reset_prefix_cache(self) -> None:
         # REQUIRED after a weight update: cached KV blocks were computed with the old weights
         self.llm.reset_prefix_cache()
@@ -257,7 +277,7 @@ class VLLMRollout:
             if self.agent is None:
                 from megappo.gateway.engine import sampled_logprobs
 
-                outs = self.llm.generate(requests, params, use_tqdm=False)
+                outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
                 res = self.response_tensors([(o.outputs[0].token_ids, sampled_logprobs(o.outputs[0]),
                                               o.outputs[0].finish_reason) for o in outs], R)
             else:
