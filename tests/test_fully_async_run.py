@@ -96,23 +96,31 @@ def test_stale_groups_within_the_bound_and_a_checkpoint_with_groups_in_flight(
     assert all(prompt[g] == i for step in resumed for g, i in step.items())  # group g is the same prompt
 
 
-@pytest.mark.parametrize("partial", [True, False], ids=["partial", "drained"])
-def test_partial_rollouts_cross_weight_updates_within_the_bound(ray_session, tiny_assets, data_dir, tmp_path,
-                                                                 partial):
+PAUSES = {"partial": ["trainer.partial_rollout=true"], "drained": ["trainer.partial_rollout=false"],
+          "recompute": ["trainer.partial_rollout=true", "trainer.pause_mode=recompute"]}
+
+
+@pytest.mark.parametrize("pause", list(PAUSES))
+def test_partial_rollouts_cross_weight_updates_within_the_bound(ray_session, tiny_assets, data_dir, tmp_path, pause):
     """Responses of up to 200 tokens, so the pool generates more slowly than the trainer trains: every update's
     weights reach the pool while admitted groups are mid-sample. partial: those samples continue under the
     new weights (keep-KV pause): some trained tokens were sampled by a later version than their sample
-    started with (per-token staleness below per-sample). trainer.partial_rollout=false: each sync first
-    waits for them to finish (timing/drain_s), so no token is. Never over max_staleness=2."""
+    started with (per-token staleness below per-sample). recompute: the same, each sample in flight first
+    re-prefilled under the new weights (async/recomputed_samples > 0 at some sync). trainer.partial_rollout=
+    false: each sync first waits for them to finish (timing/drain_s), so no token is. Never over
+    max_staleness=2."""
+    partial = pause != "drained"
     history = _run(_config(tiny_assets, data_dir, tmp_path / "partial", *FULLY_ASYNC, "trainer.max_staleness=2",
                            "trainer.total_steps=5", "trainer.val_every=0", "actor.policy_loss=decoupled",
-                           "rollout.max_new_tokens=200", f"trainer.partial_rollout={str(partial).lower()}"))
+                           "rollout.max_new_tokens=200", *PAUSES[pause]))
     # 5 steps: batches 4 and 5 start after an update
     for h in history:
         print({k: round(v, 4) for k, v in h.items() if k.startswith("async/") or k in (
-            "response_length/mean", "timing/drain_s", "timing/weight_sync_s")})
+            "response_length/mean", "timing/drain_s", "timing/weight_sync_s", "timing/step_s")})
         assert h["async/over_bound"] == 0 and h["async/sample_staleness_max"] <= 2
         assert h["rollout/weights_fingerprint_ok"] == 1.0 and math.isfinite(h["loss/policy_avg"])
+    recomputed = [h.get("async/recomputed_samples", 0) for h in history]
+    assert (max(recomputed) > 0) == (pause == "recompute"), recomputed
     assert max(h["response_length/mean"] for h in history) > 100  # long enough to be in flight at a sync
     crossed = [h for h in history if h["async/cross_update_token_frac"] > 0]
     if not partial:

@@ -423,6 +423,9 @@ def _check_trainer(cfg, check_paths: bool) -> None:
     elif not t.partial_rollout:
         raise ConfigError(f"trainer.partial_rollout=false applies to trainer.mode=fully_async only ({t.mode} mode "
                           "never loads weights while a sample is in flight); remove it or set trainer.mode=fully_async")
+    if t.pause_mode != "keep" and (t.mode != "fully_async" or not t.partial_rollout):
+        raise ConfigError(f"trainer.pause_mode={t.pause_mode} applies to samples in flight across a weight load: "
+                          "trainer.mode=fully_async with trainer.partial_rollout=true; remove it or set those")
     if t.resume not in ("auto", "never") and check_paths and not Path(t.resume).is_dir():
         raise ConfigError(f"trainer.resume={t.resume} is not a checkpoint directory; use auto, never or an existing dir")
 

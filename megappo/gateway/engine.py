@@ -150,6 +150,13 @@ class AsyncTokenEngine:
             self._token_versions.clear()
         return len(futures)
 
+    def recompute_running(self) -> int:
+        """Inside `paused()`, after a weight load: preempt every running request, so vLLM re-prefills its prompt
+        + tokens so far under the new weights before it samples on (vLLM's reset_prefix_cache with
+        reset_running_requests). Returns the requests in flight."""
+        self.engine.reset_prefix_cache(reset_running_requests=True)
+        return len(self._pending)
+
     def bump_version(self) -> int:
         self.version += 1
         return self.version

@@ -496,7 +496,10 @@ class RayPPOTrainer(CheckpointingMixin):
         t0 = time.perf_counter()
         send = self.actor_wg.submit("send_weights")
         recv = self.rollout_wg.submit(receive, *args)
-        sent, received = send.result()[0], recv.result()[0]
+        sent, everyone = send.result()[0], recv.result()
+        received = dict(everyone[0])
+        if "async/recomputed_samples" in received:  # trainer.pause_mode=recompute: over the pool
+            received["async/recomputed_samples"] = sum(r["async/recomputed_samples"] for r in everyone)
         return {"timing/weight_sync_s": time.perf_counter() - t0, **sent, **received}
 
     def _launch_rollout(self, step: int) -> _Inflight:

@@ -367,11 +367,16 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
     @register(Dispatch.ONE_TO_ALL)
     def stream_receive_weights(self, bump: bool = True) -> dict:
         """receive_weights between two engine steps (the actor's send_weights runs at the same time): the
-        groups in flight wait with their KV cache and continue under the new weights; then version + 1."""
-        with self._stream.paused():
+        groups in flight wait with their KV cache and continue under the new weights (trainer.pause_mode=
+        recompute: re-prefilled under them first); then version + 1."""
+        recompute = self.config.trainer.pause_mode == "recompute"
+        with self._stream.paused(recompute=recompute):
+            in_flight = self._stream.samples_in_flight if recompute else 0
             out = self.receive_weights()
             if bump:
                 self._stream.bump_version()
+        if recompute:
+            out["async/recomputed_samples"] = float(in_flight)
         return out
 
     # ---- async weight sync (rollout/weight_sync.py) ----------------------------------------------

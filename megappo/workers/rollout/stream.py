@@ -11,10 +11,11 @@ keep generating.
     stream.bump_version()
 
 The engine is the gateway's AsyncTokenEngine over the same in-process vLLM (continuous batching across
-every group in flight). Pause mode: keep (or, with trainer.partial_rollout=false, drain first: no sample
-spans a weight load). A request in flight across a weight load keeps its KV cache and
-continues from its tokens so far under the new weights (a partial rollout, as PipelineRL does); its KV
-for the earlier tokens was computed by the old weights. Each sampled token carries the version of the
+every group in flight). Pause mode (trainer.pause_mode): keep = a request in flight across a weight load
+keeps its KV cache and continues from its tokens so far under the new weights (a partial rollout, as
+PipelineRL does; its KV for the earlier tokens was computed by the old weights); recompute = after the load
+vLLM preempts it and re-prefills its prompt + tokens so far under the new weights, then samples on. With
+trainer.partial_rollout=false the stream drains first: no sample spans a weight load. Each sampled token carries the version of the
 engine step that sampled it (`token_versions`, [rows, R], -1 past a response) and each sample the version
 it started at (`start_version`); the decoupled loss takes the sampler's own log-probs as the behaviour
 policy per token, so a sample that spans versions is corrected token by token.
@@ -47,6 +48,11 @@ class RolloutStream:
     @property
     def in_flight(self) -> int:
         return len(self._groups)
+
+    @property
+    def samples_in_flight(self) -> int:
+        """Samples still generating (a group may have some finished)."""
+        return sum(not f.done() for _, _, futures in self._groups.values() for f in futures)
 
     def submit(self, prompts: DataProto) -> int:
         """Start every row's group: sample j of row i is seeded base + j, base = non_tensor "group_seed"[i]
@@ -114,10 +120,14 @@ class RolloutStream:
         return len(self._groups)
 
     @contextmanager
-    def paused(self):
-        """No engine step runs inside; the requests in flight keep their KV cache and continue after."""
+    def paused(self, recompute: bool = False):
+        """No engine step runs inside; the requests in flight keep their KV cache and continue after, or
+        (`recompute`, trainer.pause_mode=recompute) re-prefill their prompt + tokens so far first, under the
+        weights loaded inside."""
         with self.engine.paused():
             yield
+            if recompute:
+                self.engine.recompute_running()
 
     def bump_version(self) -> int:
         return self.engine.bump_version()
