@@ -35,7 +35,8 @@ The model (stated so it can be checked by hand):
   states for it), plus the resharder's buffers (about 2 x rollout.weight_sync_bucket_mb).
 - LoRA (`actor.lora.rank > 0`, models/lora.py): the actor's base weights are frozen (bf16 2 B/param, no grad
   buffer, no optimizer state); its adapters (A [r, in], B [out, r] on every targeted linear_qkv /
-  linear_proj / linear_fc1 / linear_fc2 of the stage; routed experts are not wrapped) take weights + grads
+  linear_proj / linear_fc1 / linear_fc2 of the stage; each local routed expert's fc1 / fc2 too with
+  lora.experts, their Adam sharded over expert data parallel) take weights + grads
   + Adam as a trained role's params (column-parallel base: A replicated, B split over tp; row-parallel:
   A split, B replicated). No reference copy: the reference is the base with the adapters off.
   Activations as full fine-tuning (the adapters' r-wide ones are negligible).
@@ -178,10 +179,10 @@ def lora_rank(cfg) -> int:
     return int(getattr(getattr(cfg.actor, "lora", None), "rank", 0) or 0)
 
 
-def lora_params(a, lora, tp: int = 1, pp: int = 1) -> int:
-    """Adapter parameters on one GPU of a pipeline stage (layers / pp of them): A [r, in] and B [out, r]
-    per targeted linear, the split one of the two divided by tp. Routed experts carry no adapters
-    (models/lora.py), so a MoE layer's fc1 / fc2 count nothing."""
+def lora_params(a, lora, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[int, int]:
+    """(dense, expert) adapter parameters on one GPU of a pipeline stage (layers / pp of them): A [r, in] and
+    B [out, r] per targeted linear, the split one of the two divided by tp. Routed experts carry adapters
+    only with lora.experts (each of the num_experts / ep local experts its fc1 / fc2's, at expert TP 1)."""
     r = int(lora.rank)
     head_dim = a.head_dim or a.hidden_size // a.num_attention_heads
     h, q = a.hidden_size, a.num_attention_heads * head_dim
@@ -195,7 +196,12 @@ def lora_params(a, lora, tp: int = 1, pp: int = 1) -> int:
         per = r * (fan_in + fan_out / tp) if split == "column" else r * (fan_in / tp + fan_out)
         layers = a.num_layers - n_moe if name in ("linear_fc1", "linear_fc2") else a.num_layers
         total += per * layers / pp
-    return int(total)
+    experts = 0.0
+    if getattr(lora, "experts", False) and n_moe:
+        f = getattr(a, MOE_FAMILIES[a.family].ffn_key)
+        per_expert = sum({"linear_fc1": r * (h + 2 * f), "linear_fc2": r * (f + h)}.get(t, 0) for t in lora.target_modules)
+        experts = per_expert * a.num_experts / ep * n_moe / pp
+    return int(total), int(experts)
 
 
 def role_memory(cfg, role: str) -> RoleMemory:
@@ -205,9 +211,11 @@ def role_memory(cfg, role: str) -> RoleMemory:
     n = dense + experts
     if role == "ref":
         return RoleMemory(n, experts, 2 * n / GB, 0.0, 0.0, 0.0)
-    if role == "actor" and lora_rank(cfg):  # frozen base + adapters (trained, dense: sharded over dp)
-        k = lora_params(cfg.model.arch, cfg.actor.lora, par.tp, par.pp)
-        return RoleMemory(n + k, experts, 2 * (n + k) / GB, 4 * k / GB, 12 * k / par.dp / GB,
+    if role == "actor" and lora_rank(cfg):  # frozen base + adapters (trained; Adam sharded as their base's)
+        k, k_exp = lora_params(cfg.model.arch, cfg.actor.lora, par.tp, par.pp, par.ep)
+        k_all = k + k_exp
+        return RoleMemory(n + k_all, experts, 2 * (n + k_all) / GB, 4 * k_all / GB,
+                          12 * (k / par.dp + k_exp / (par.dp // par.ep)) / GB,
                           activation_bytes(cfg, rcfg, par, lm_head=True) / GB)
     # the distributed optimizer shards dense params over dp, expert params over dp / ep (expert data parallel)
     optimizer = 12 * (dense / par.dp + experts / (par.dp // par.ep))

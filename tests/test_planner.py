@@ -198,7 +198,40 @@ def test_lora_adapter_count_equals_apply_lora_on_the_tiny_model(tiny_assets):
     cfg = load_config(REPO / "configs/ppo_tiny.yaml", [f"model.path={path}", "actor.lora.rank=4"], validate=False)
     for tp in (1, 2):
         counts = spawn_local(_count_adapters, tp, path, 4, timeout=300)
-        assert counts == [lora_params(cfg.model.arch, cfg.actor.lora, tp=tp)] * tp, (tp, counts)
+        assert counts == [sum(lora_params(cfg.model.arch, cfg.actor.lora, tp=tp))] * tp, (tp, counts)
+
+
+def _count_moe_adapters(rank, world, port, path, lora_rank):
+    from megappo.models.gpt import build_gpt_chunks, build_transformer_config, load_hf_config
+    from megappo.models.lora import LoraConfig, apply_lora, iter_lora_modules
+    from megappo.parallel.layout import ParallelLayout
+    from megappo.parallel.megatron_init import destroy, init_distributed, init_megatron
+
+    init_distributed(rank, world, "127.0.0.1", port)
+    layout = ParallelLayout(dp=2, ep=2)
+    init_megatron(layout)
+    hf_config = load_hf_config(path)
+    chunks = build_gpt_chunks(hf_config, build_transformer_config(hf_config, layout), layout)
+    apply_lora(chunks, LoraConfig(rank=lora_rank, experts=True))
+    counts = [0, 0]  # dense, routed experts'
+    for name, m in iter_lora_modules(chunks):
+        counts[".experts." in name] += m.lora_A.numel() + m.lora_B.numel()
+    destroy()
+    return counts
+
+
+def test_expert_lora_adapter_count_equals_apply_lora_at_ep2(tiny_assets):
+    """With actor.lora.experts the planner's (dense, expert) adapter parameters per GPU are apply_lora's on the
+    tiny Qwen3-MoE at DP2 x EP2 (each rank's 2 of the 4 experts of layers 1-3, layer 0's dense MLP)."""
+    from megappo.parallel.launch import spawn_local
+    from megappo.planner import lora_params
+
+    path = str(tiny_assets["tiny-qwen3_moe"])
+    cfg = load_config(REPO / "configs/ppo_tiny_moe.yaml", [f"model.path={path}", "actor.lora.rank=4",
+                                                            "actor.lora.experts=true"], validate=False)
+    counts = spawn_local(_count_moe_adapters, 2, path, 4, timeout=300)
+    want = list(lora_params(cfg.model.arch, cfg.actor.lora, ep=2))
+    assert counts == [want, want] and want[1] > 0, (counts, want)
 
 
 def test_moe_activations_and_actor_logits_against_hand_calculation():
