@@ -31,7 +31,6 @@ def _recording_groups(trained: list):
 
 @pytest.mark.parametrize("overrides, expected", [
     (["trainer.max_staleness=-1"], "trainer.max_staleness=-1 must be >= 0"),
-    (["algorithm.adv_estimator=remax"], "algorithm.adv_estimator=remax"),
     (["algorithm.filter_groups.enable=true"], "algorithm.filter_groups"),
     (["resources.rollout_workers=2", "rollout.tp=2"], "set rollout.tp=1"),
     (["trainer.mode=async", "trainer.partial_rollout=false"], "applies to trainer.mode=fully_async only"),
@@ -153,3 +152,40 @@ def test_a_rollout_worker_killed_mid_generation_is_replaced_and_its_groups_regen
     assert trainer.restarts == 1 and [e[1] for e in log] == ["rollout"], log
     assert trainer.global_step == 3 and len(trained) == 3  # step 1, then steps 2 and 3 after the restart
     assert sorted(g for step in trained for g in step) == list(range(12))
+
+
+def test_remax_takes_its_greedy_baseline_from_the_pool(ray_session, tiny_assets, data_dir, tmp_path):
+    """algorithm.adv_estimator=remax in fully_async: each batch's prompts get one greedy response from the pool
+    (its newest weights) and every sample's advantage is its score minus that response's reward."""
+    import torch
+
+    captured = []
+
+    def setup(trainer):
+        advantages = trainer._advantages
+
+        def recorded(batch, scores, baselines=None):
+            out = advantages(batch, scores, baselines)
+            b = batch.batch  # G_0: the whole response's reward (its score, plus KL penalties if in the reward)
+            captured.append(((b["token_level_rewards"] * b["response_mask"]).sum(-1), baselines, b["advantages"],
+                             b["response_mask"]))
+            return out
+
+        trainer._advantages = recorded
+
+    from megappo.assets import ensure_assets
+    from trainer_utils import REPO
+
+    arith = ensure_assets(REPO / "assets", demo=True)["tiny-llama-arith"]  # warm-started: some answers right
+    history, _ = _run(_config(tiny_assets, data_dir, tmp_path / "remax", *FULLY_ASYNC, "trainer.max_staleness=1",
+                              "trainer.total_steps=2", "trainer.val_every=0", "algorithm.adv_estimator=remax",
+                              "critic.enable=false", f"model.path={arith}"), setup=setup)
+    assert len(captured) == 2 and all(h["timing/gen_baseline_s"] > 0 for h in history)
+    for score, baseline, adv, mask in captured:
+        print(f"rewards {score.tolist()} greedy baselines {baseline.tolist()}")
+        assert baseline is not None and baseline.shape == score.shape
+        first = mask.argmax(-1)  # ReMax's advantage is the same at every response token: (score - baseline)
+        got = adv.gather(-1, first[:, None])[:, 0]
+        torch.testing.assert_close(got, score - baseline, atol=1e-5, rtol=1e-5)
+    every = torch.cat([torch.stack([s, b]) for s, b, _, _ in captured], 1)
+    assert len(set(every.flatten().tolist())) > 1  # rewards and baselines vary: the check above has teeth

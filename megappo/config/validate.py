@@ -202,9 +202,9 @@ def _check_algorithm(cfg) -> None:
     if a.adv_estimator in GROUP_ESTIMATORS and cfg.rollout.n < 2:
         raise ConfigError(f"algorithm.adv_estimator={a.adv_estimator} compares responses to the same "
                           f"prompt; set rollout.n>=2")
-    if a.adv_estimator == "remax" and cfg.trainer.mode != "sync":
-        raise ConfigError("algorithm.adv_estimator=remax needs a greedy baseline rollout of the same weights each "
-                          "step; use trainer.mode=sync")
+    if a.adv_estimator == "remax" and cfg.trainer.mode == "async":  # the pool is busy with the next batch
+        raise ConfigError("algorithm.adv_estimator=remax needs a greedy baseline rollout each step, which one-step "
+                          "async mode does not run; use trainer.mode=sync or fully_async")
     if a.adv_estimator == "gae" and not cfg.critic.enable:
         raise ConfigError("algorithm.adv_estimator=gae needs a value model; set critic.enable=true or choose grpo/rloo")
     if a.use_kl_in_reward and cfg.actor.use_kl_loss:
@@ -439,7 +439,6 @@ def _check_fully_async(cfg) -> None:
         (r.tp != 1, f"rollout.tp={r.tp}: each rollout worker's engine steps on its own; set rollout.tp=1"),
         (r.multi_turn.enable or bool(r.agent), "rollout.multi_turn / rollout.agent: use trainer.mode=async"),
         (a.filter_groups.enable, "algorithm.filter_groups (DAPO's dynamic sampling): use trainer.mode=async or sync"),
-        (a.adv_estimator == "remax", "algorithm.adv_estimator=remax (a greedy baseline per step): use another estimator"),
     ]
     for bad, what in unsupported:
         if bad:

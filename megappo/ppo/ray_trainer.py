@@ -91,6 +91,17 @@ class _Inflight:
         return self.call.result()[0]
 
 
+def prompts_of(batch: DataProto) -> DataProto:
+    """One row per group (uid) of a generated batch: its prompt as the rollout took it, with the group's
+    non-tensor fields (ground truth, data source) for the reward rules."""
+    uids = batch.non_tensor_batch["uid"]
+    first = sorted({u: i for i, u in reversed(list(enumerate(uids)))}.values())
+    b, width = batch.batch, batch.batch["prompts"].shape[1]
+    return DataProto.from_dict({"input_ids": b["prompts"][first], "attention_mask": b["attention_mask"][first, :width],
+                                "position_ids": b["position_ids"][first, :width]},
+                               {k: v[first] for k, v in batch.non_tensor_batch.items()})
+
+
 class RayPPOTrainer(CheckpointingMixin):
     def __init__(self, config, tokenizer=None, reward_fn=None, val_reward_fn=None, show_progress: bool = True):
         from transformers import AutoTokenizer
@@ -387,6 +398,9 @@ class RayPPOTrainer(CheckpointingMixin):
         if self.stream is not None:  # fully_async: finished groups that keep every sample within the bound
             with self._phase("rollout_wait", timing):
                 batch = self.stream.next_batch()
+            if cfg.algorithm.adv_estimator == "remax":  # the greedy baseline under the pool's newest weights
+                with self._phase("gen_baseline", timing):
+                    baselines = self._greedy_baselines(prompts_of(batch), batch)
         elif inflight is None:
             prompts = self._next_prompts(step)
             with self._phase("gen", timing):
@@ -530,7 +544,9 @@ class RayPPOTrainer(CheckpointingMixin):
         return batch
 
     def _greedy_baselines(self, prompts: DataProto, batch: DataProto) -> torch.Tensor:
-        """ReMax: each row's baseline is the reward of its prompt's greedy response (same weights)."""
+        """ReMax: each row's baseline is the reward of its prompt's greedy response (same weights; fully_async:
+        the pool's weights when the batch is taken, up to max_staleness versions newer than the samples'. A
+        baseline that depends on the prompt only leaves the policy gradient unbiased either way)."""
         greedy = self._generate(prompts.select(meta_info_keys=[]), self.sampling.greedy())
         greedy.meta_info.pop("metrics", None)
         scores, _ = self.val_reward_fn(greedy)  # the training rules, no samples printed
