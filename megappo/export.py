@@ -125,7 +125,7 @@ def export_lora(role_dir, out, base, dtype: Optional[str] = None, overwrite: boo
     from safetensors.torch import load_file, save_file
 
     from megappo.models.gpt import load_hf_config
-    from megappo.models.lora import LORA_FORMAT, LORA_META, LoraConfig, save_peft_adapter
+    from megappo.models.lora import LORA_FORMAT, LORA_META, LoraConfig, PeftLayoutError, save_peft_adapter
     from megappo.parallel.weight_mapping import ModelDims
 
     role_dir, out, base = Path(role_dir), Path(out), Path(base)
@@ -162,7 +162,7 @@ def export_lora(role_dir, out, base, dtype: Optional[str] = None, overwrite: boo
             shutil.copy2(f, out / f.name)
     try:
         save_peft_adapter(adapter, cfg, base, out / "adapter")
-    except ValueError as e:  # not expressible in peft (a MoE model's dense MLP adapters): the merged model stands
+    except PeftLayoutError as e:  # not expressible in peft (a MoE model's dense MLP adapters): the merged model stands
         return {"direction": "lora-to-hf", "merged_modules": merged, "adapter": None, "adapter_skipped": str(e),
                 "base": str(base)}
     return {"direction": "lora-to-hf", "merged_modules": merged, "adapter": str(out / "adapter"), "base": str(base)}

@@ -39,6 +39,7 @@ MOE_LORA_INVALID = [
     ("tiny-qwen3_moe", ["actor.lora.experts=true", "actor.lora.target_modules=[linear_qkv]"],
      "add them to actor.lora.target_modules"),
     ("tiny-mixtral", [], "every layer of mixtral is routed; set actor.lora.experts=true"),
+    ("tiny-qwen3_moe", ["rollout.lora_sync=adapter"], "cannot hold a qwen3_moe model's dense MLP adapters"),
 ]
 
 

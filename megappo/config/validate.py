@@ -345,7 +345,7 @@ def _check_lora(cfg, dims: ModelDims) -> None:
     lo = cfg.actor.lora
     if lo.rank < 0:
         raise ConfigError(f"actor.lora.rank={lo.rank} must be >= 0 (0 = full fine-tuning)")
-    _check_lora_sync(cfg)
+    _check_lora_sync(cfg, dims)
     if not lo.rank:
         return
     if lo.alpha <= 0:
@@ -376,7 +376,7 @@ def _check_lora(cfg, dims: ModelDims) -> None:
 VLLM_MAX_LORA_RANK = 512  # vLLM's largest max_lora_rank
 
 
-def _check_lora_sync(cfg) -> None:
+def _check_lora_sync(cfg, dims: ModelDims) -> None:
     """rollout.lora_sync=adapter: wired for the hybrid engine's single-turn generation of a dense model."""
     r, lo = cfg.rollout, cfg.actor.lora
     if r.lora_sync != "adapter":
@@ -388,6 +388,9 @@ def _check_lora_sync(cfg) -> None:
         why = f"serves ranks up to {VLLM_MAX_LORA_RANK} (actor.lora.rank={lo.rank})"
     elif lo.experts:
         why = "does not serve adapters on routed experts (actor.lora.experts=true) here"
+    elif dims.num_experts and {"linear_fc1", "linear_fc2"} & set(lo.target_modules):
+        why = (f"sends a peft adapter, which cannot hold a {dims.model_type} model's dense MLP adapters (peft reads "
+               "those names as the experts'); target [linear_qkv, linear_proj] only")
     elif cfg.trainer.mode != "sync":
         why = f"is wired for the hybrid engine (trainer.mode=sync), not trainer.mode={cfg.trainer.mode}"
     elif r.multi_turn.enable or r.agent:

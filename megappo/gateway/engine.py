@@ -153,9 +153,12 @@ class AsyncTokenEngine:
     def recompute_running(self) -> int:
         """Inside `paused()`, after a weight load: preempt every running request, so vLLM re-prefills its prompt
         + tokens so far under the new weights before it samples on (vLLM's reset_prefix_cache with
-        reset_running_requests). Returns the requests in flight."""
+        reset_running_requests). Returns how many requests the scheduler moved out of running (the ones
+        holding KV; a request still waiting has none to recompute)."""
+        scheduler = self.engine.engine_core.engine_core.scheduler  # in-process engine core (this module's premise)
+        before = len(scheduler.running)
         self.engine.reset_prefix_cache(reset_running_requests=True)
-        return len(self._pending)
+        return before - len(scheduler.running)
 
     def bump_version(self) -> int:
         self.version += 1

@@ -503,6 +503,10 @@ def peft_expert_tensors(hf: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> 
     return dense, tensors, [f"mlp.experts.{PEFT_EXPERT_PARAMS[fc]}" for fc in fcs]
 
 
+class PeftLayoutError(ValueError):
+    """An adapter peft cannot hold as it is (the merged HF export still can)."""
+
+
 def _is_moe(base_path) -> bool:
     import json
     from pathlib import Path
@@ -524,7 +528,7 @@ def save_peft_adapter(hf: Mapping[str, tuple[torch.Tensor, torch.Tensor]], cfg: 
     clash = sorted({m.rsplit(".", 1)[-1] for m in dense} & set(_EXPERT_PROJ))
     if clash and _is_moe(base_path):
         # peft (transformers 5) reads these target names as the stacked experts' (its v4 -> v5 conversion)
-        raise ValueError(f"a peft adapter cannot hold the dense MLP adapters ({', '.join(clash)}) of this MoE model: "
+        raise PeftLayoutError(f"a peft adapter cannot hold the dense MLP adapters ({', '.join(clash)}) of this MoE model: "
                          "peft maps those names onto the routed experts; use the merged HF export instead")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -536,6 +540,7 @@ def save_peft_adapter(hf: Mapping[str, tuple[torch.Tensor, torch.Tensor]], cfg: 
     targets = sorted({m.rsplit(".", 1)[-1] for m in dense})
     (out / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_path), "r": cfg.rank,
-        "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "target_modules": targets or None,
-        "target_parameters": target_parameters or None, "bias": "none",
+        # training-only; peft's ParamWrapper (the experts') refuses any other value
+        "lora_alpha": cfg.alpha, "lora_dropout": 0.0 if target_parameters else cfg.dropout,
+        "target_modules": targets or [], "target_parameters": target_parameters or None, "bias": "none",
         "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True}, indent=1))

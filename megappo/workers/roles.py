@@ -369,14 +369,12 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
         """receive_weights between two engine steps (the actor's send_weights runs at the same time): the
         groups in flight wait with their KV cache and continue under the new weights (trainer.pause_mode=
         recompute: re-prefilled under them first); then version + 1."""
-        recompute = self.config.trainer.pause_mode == "recompute"
-        with self._stream.paused(recompute=recompute):
-            in_flight = self._stream.samples_in_flight if recompute else 0
+        with self._stream.paused():
             out = self.receive_weights()
+            if self.config.trainer.pause_mode == "recompute":
+                out["async/recomputed_samples"] = float(self._stream.recompute())
             if bump:
                 self._stream.bump_version()
-        if recompute:
-            out["async/recomputed_samples"] = float(in_flight)
         return out
 
     # ---- async weight sync (rollout/weight_sync.py) ----------------------------------------------

@@ -109,11 +109,11 @@ class HybridEngine:
         streamed once, to fingerprint it (vLLM loaded it from model.path; nothing is loaded into vLLM),
         and vLLM's copy is fingerprinted against that at every sync."""
         t0 = time.perf_counter()
-        if self._adapter_version == 0 and self.check_fingerprint:
-            with self._resident():
+        with self._resident():  # an offloaded actor's params (adapters too) come back for the sync only
+            if self._adapter_version == 0 and self.check_fingerprint:
                 for _ in self.resharder.buckets():
                     pass  # the base's expected fingerprints, taken on the owners as the buckets are built
-        adapter = gather_hf_lora(self.engine.inner_chunks(), self.engine.dims, everywhere=True)
+            adapter = gather_hf_lora(self.engine.inner_chunks(), self.engine.dims, everywhere=True)
         if self._adapter_dir is None:
             shm = Path("/dev/shm")
             self._adapter_dir = Path(tempfile.mkdtemp(prefix="megappo-lora-", dir=shm if shm.is_dir() else None))

@@ -8,6 +8,7 @@ keep generating.
     stream.drain()                               # trainer.partial_rollout=false only: nothing in flight
     with stream.paused():                        # between two engine steps
         ...load weights...                       # (WeightReceiver.receive)
+        stream.recompute()                       # trainer.pause_mode=recompute only: re-prefill what runs
     stream.bump_version()
 
 The engine is the gateway's AsyncTokenEngine over the same in-process vLLM (continuous batching across
@@ -48,11 +49,6 @@ class RolloutStream:
     @property
     def in_flight(self) -> int:
         return len(self._groups)
-
-    @property
-    def samples_in_flight(self) -> int:
-        """Samples still generating (a group may have some finished)."""
-        return sum(not f.done() for _, _, futures in self._groups.values() for f in futures)
 
     def submit(self, prompts: DataProto) -> int:
         """Start every row's group: sample j of row i is seeded base + j, base = non_tensor "group_seed"[i]
@@ -120,14 +116,16 @@ class RolloutStream:
         return len(self._groups)
 
     @contextmanager
-    def paused(self, recompute: bool = False):
-        """No engine step runs inside; the requests in flight keep their KV cache and continue after, or
-        (`recompute`, trainer.pause_mode=recompute) re-prefill their prompt + tokens so far first, under the
-        weights loaded inside."""
+    def paused(self):
+        """No engine step runs inside; the requests in flight keep their KV cache and continue after (unless
+        `recompute` is called inside, after the weights load)."""
         with self.engine.paused():
             yield
-            if recompute:
-                self.engine.recompute_running()
+
+    def recompute(self) -> int:
+        """Inside `paused()`, after a weight load (trainer.pause_mode=recompute): the running requests re-prefill
+        their prompt + tokens so far under the new weights before sampling on. Returns how many."""
+        return self.engine.recompute_running()
 
     def bump_version(self) -> int:
         return self.engine.bump_version()
