@@ -34,7 +34,7 @@ its A is seeded by the GLOBAL expert index, so every EP size starts from the sam
 receives its tokens from the dispatcher (which owns the communication), so at expert TP 1 the adapter
 needs none; expert TP > 1 and TE's grouped GEMM (TEGroupedMLP) are refused in one line. peft adapts
 transformers' stacked expert parameters (`mlp.experts.gate_up_proj` / `down_proj`) with
-target_parameters: `peft_expert_tensors` / `experts_from_peft` convert.
+target_parameters: `peft_expert_tensors` writes that layout (save_peft_adapter).
 """
 
 from __future__ import annotations
@@ -528,8 +528,8 @@ def save_peft_adapter(hf: Mapping[str, tuple[torch.Tensor, torch.Tensor]], cfg: 
     clash = sorted({m.rsplit(".", 1)[-1] for m in dense} & set(_EXPERT_PROJ))
     if clash and _is_moe(base_path):
         # peft (transformers 5) reads these target names as the stacked experts' (its v4 -> v5 conversion)
-        raise PeftLayoutError(f"a peft adapter cannot hold the dense MLP adapters ({', '.join(clash)}) of this MoE model: "
-                         "peft maps those names onto the routed experts; use the merged HF export instead")
+        raise PeftLayoutError(f"a peft adapter cannot hold the dense MLP adapters ({', '.join(clash)}) of this MoE "
+                              "model: peft maps those names onto the routed experts; use the merged HF export instead")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {f"base_model.model.{k}": v for k, v in experts.items()}
