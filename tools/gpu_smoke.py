@@ -14,15 +14,16 @@ One process, one device. Each check is a row of a pass/fail table (exit 1 when a
 - checkpoint:       save (megatron dist checkpoint, optimizer included), load into a fresh engine: the
                     parameters bit for bit, and one more step equal on both;
 - LoRA:             actor.lora: two steps move the adapters only (the base bit-identical), and the
-                    exported peft adapter on HF's base gives the engine's log-probs.
+                    exported peft adapter on HF's base gives the engine's log-probs;
+- expert LoRA:      the same with actor.lora.experts on the tiny Mixtral (an adapter per routed expert).
 `--device cpu` runs the same checks on the CPU (tests/test_gpu_paths.py does, with vllm and ray blocked).
 
 What to carry to a GPU image that has torch, transformers, peft and their usual dependencies but no
 registry: megatron-core, omegaconf and antlr4-python3-runtime as wheels (`scripts/gpu_smoke_wheels.sh`
 fetches them), and this checkout. megappo needs none of vLLM, Ray or pyarrow for these checks
 (tests/test_gpu_paths.py runs them on the CPU with those and the other packages the image lacks blocked).
-First run on a GPU (2026-11-26, an H200, torch 2.11.0+cu130, no Transformer Engine): every row passed in
-bf16 and fp32 (docs/gpu.md).
+Runs on a GPU (2026-11-26, two leases of an H200, torch 2.11.0+cu130, no Transformer Engine; the expert-LoRA
+row in the second): every row passed in bf16 and fp32 (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -252,8 +253,36 @@ def check_lora(args, assets) -> tuple[bool, str]:
         f"base bit-identical: {base_same}; adapters moved {moved:.1e}; vs HF + peft {said}"
 
 
+def check_expert_lora(args, assets) -> tuple[bool, str]:
+    """actor.lora.experts on the device: the tiny Mixtral (every layer routed, megatron's SequentialMLP) with
+    adapters on each expert's fc1/fc2 and the attention; two steps move the expert adapters too, the base
+    stays bit-identical, and the exported peft adapter (transformers 5's stacked expert layout) on HF's
+    base gives the engine's log-probs."""
+    from megappo.models.lora import LoraConfig
+
+    path, batch = str(assets["tiny-mixtral"]), make_batch()
+    eng = engine(path, args.device, args.torch_dtype, train=True, lora=LoraConfig(rank=4, alpha=8.0, experts=True))
+    weights = lambda: {k: v.detach().clone() for c in eng.inner_chunks()  # noqa: E731
+                       for k, v in c.named_parameters()}
+    before = weights()
+    for b in (batch, dict(batch, advantages=-batch["advantages"].flip(0))):
+        train_on(eng, b, args.device)
+    after = weights()
+    base_same = all(torch.equal(before[k], after[k]) for k in before if "lora_" not in k)
+    experts = [k for k in before if "lora_" in k and ".experts." in k]
+    moved = min((after[k] - before[k]).abs().max().item() for k in experts if k.endswith("lora_B"))
+    got = eng.forward_only(on_device(batch, args.device), response_length=R, micro_batch_size=2)["logprobs"]
+    with tempfile.TemporaryDirectory(dir=args.out) as tmp:
+        eng.export_lora_adapter(tmp)
+        ok, said = close(got, hf_logprobs(path, batch, args.device, args.torch_dtype, adapter=tmp),
+                         valid_positions(batch), args.bf16)
+    return ok and base_same and moved > 0, (f"base bit-identical: {base_same}; {len(experts)} expert adapter "
+                                            f"tensors, each B moved >= {moved:.1e}; vs HF + peft {said}")
+
+
 CHECKS = {"stack": check_stack, "logprobs vs HF": check_logprobs, "train step": check_train_step,
-          "packed == padded": check_packed, "MoE layer": check_moe, "checkpoint": check_checkpoint, "LoRA": check_lora}
+          "packed == padded": check_packed, "MoE layer": check_moe, "checkpoint": check_checkpoint, "LoRA": check_lora,
+          "expert LoRA": check_expert_lora}
 
 
 def main(argv=None) -> int:
