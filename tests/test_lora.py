@@ -327,3 +327,46 @@ def _dims_tiny():
     return ModelDims.from_hf_dict(dict(model_type="llama", hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                                        num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=10,
                                        rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu"))
+
+
+def _gather_from_a_ddp_engine(rank, world, port, path):
+    """A training engine (megatron's DDP: every adapter a view into one flat param buffer) gathers its adapter:
+    (the flat buffer's bytes, the bytes each rank pickled for the gather, the adapter's own bytes)."""
+    import pickle
+
+    import torch.distributed as dist
+
+    from megappo.config.schema import OptimConfig
+    from megappo.models.lora import gather_hf_lora, iter_lora_modules
+    from megappo.parallel.megatron_init import init_distributed, init_megatron
+    from megappo.workers.megatron_engine import EngineConfig, MegatronEngine
+
+    init_distributed(rank, world, "127.0.0.1", port, backend="gloo")
+    init_megatron(ParallelLayout(dp=world), seed=SEED)
+    eng = MegatronEngine(path, ParallelLayout(dp=world), EngineConfig(
+        device="cpu", optim=OptimConfig(lr=1e-3), seed=SEED, lora=LoraConfig(rank=RANK, alpha=ALPHA)))
+    mods = [m for _, m in iter_lora_modules(eng.inner_chunks())]
+    buffer = max(m.lora_A.untyped_storage().nbytes() for m in mods)
+    own = sum(p.numel() * p.element_size() for m in mods for p in (m.lora_A, m.lora_B))
+    sent, gather = [], dist.all_gather_object
+
+    def measured(out, obj, *a, **kw):
+        sent.append(len(pickle.dumps(obj)))
+        return gather(out, obj, *a, **kw)
+
+    dist.all_gather_object = measured
+    try:
+        got = gather_hf_lora(eng.inner_chunks(), eng.dims, everywhere=True)
+    finally:
+        dist.all_gather_object = gather
+    assert got
+    return buffer, sum(sent), own
+
+
+def test_gathered_adapters_carry_their_own_bytes_not_ddp_buffer(tiny_assets):
+    """gather_hf_lora sends each adapter tensor as an object: a param is a view into DDP's flat buffer, and a
+    pickled view carries its whole storage. It did: SmolLM2 at rank 16 peaked at 22 GB in the first adapter
+    sync (the node's memory: a worker killed). What each rank pickles is now its adapters' own bytes."""
+    (buffer, sent, own), _ = spawn_local(_gather_from_a_ddp_engine, 2, str(tiny_assets[FAM]), timeout=300)
+    assert buffer >= own / 2, (buffer, own)  # one adapter's storage holds (about) all of them: DDP's buffer
+    assert own <= sent <= 1.5 * own + 20_000, (sent, own)  # tensors + names and pickle framing

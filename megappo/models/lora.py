@@ -449,7 +449,10 @@ def gather_hf_lora(model, dims: ModelDims,
     # one replica's shards: data-parallel rank 0's, and for a routed expert (allreduce False: replicated over
     # the expert-data-parallel group only) expert-data-parallel rank 0's of each expert-parallel rank
     dense_rank0, expert_rank0 = mpu.get_data_parallel_rank() == 0, mpu.get_expert_data_parallel_rank() == 0
-    mine = {name: (mpu.get_tensor_model_parallel_rank(), m.lora_A.detach().cpu(), m.lora_B.detach().cpu())
+    # clone: a param is a view into DDP's whole param buffer, and pickling a view writes its whole storage
+    # (on the CPU .cpu() is that view: every adapter tensor sent the buffer, 22 GB for SmolLM2 at rank 16)
+    mine = {name: (mpu.get_tensor_model_parallel_rank(), m.lora_A.detach().cpu().clone(),
+                   m.lora_B.detach().cpu().clone())
             for name, m in iter_lora_modules(model)
             if (dense_rank0 if getattr(m.lora_A, "allreduce", True) else expert_rank0)}
     everyone = [None] * dist.get_world_size()
