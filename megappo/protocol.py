@@ -98,7 +98,11 @@ class DataProto:
         if off:
             raise ValueError(f"DataProto leaving this process holds device tensors: {', '.join(off)}; move them to "
                              "the CPU first (`.cpu()`): the driver and Ray's object store take CPU tensors only")
-        return self.__dict__.copy()
+        state = self.__dict__.copy()
+        # a pickled view carries its whole storage: a chunk of a batch would send every row to every worker
+        state["batch"] = {k: v.clone() if v.untyped_storage().nbytes() > v.numel() * v.element_size() else v
+                          for k, v in self.batch.items()}
+        return state
 
     @classmethod
     def from_dict(

@@ -349,3 +349,17 @@ def test_only_cpu_tensors_leave_a_process():
         pickle.dumps(d)
     back = pickle.loads(pickle.dumps(d.select(batch_keys=["ok"])))
     assert torch.equal(back.batch["ok"], torch.zeros(2, 3))
+
+
+def test_a_pickled_chunk_carries_its_own_rows_only():
+    """A chunk is a view into the batch's tensors, and a pickled view carries its whole storage: through Ray
+    each of N workers received all N chunks' rows. Pickling a chunk sends its rows only, and the same values."""
+    import pickle
+
+    dp = DataProto.from_dict({"input_ids": torch.arange(64 * 256).view(64, 256), "mask": torch.ones(64, 256)})
+    whole = len(pickle.dumps(dp))
+    parts = dp.chunk(8)
+    sizes = [len(pickle.dumps(p)) for p in parts]
+    assert max(sizes) < whole / 4, (sizes, whole)
+    back = DataProto.concat([pickle.loads(pickle.dumps(p)) for p in parts])
+    assert all(torch.equal(back.batch[k], dp.batch[k]) for k in dp.batch)
