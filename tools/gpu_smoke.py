@@ -229,55 +229,52 @@ def check_checkpoint(args, assets) -> tuple[bool, str]:
     return ok, f"loaded params bit-identical: {same}; after one more step on both: max |diff| {again:.1e}"
 
 
+def lora_steps_vs_peft(args, path: str, lora) -> tuple[bool, dict, tuple[bool, str]]:
+    """Two Adam steps of a LoRA engine (`lora`: a models.lora.LoraConfig) on the device, then its exported peft
+    adapter on HF's base: (every base weight bit-identical, {adapter param: its largest change}, the
+    engine's log-probs vs HF + peft as `close` says)."""
+    batch = make_batch()
+    eng = engine(path, args.device, args.torch_dtype, train=True, lora=lora)
+    weights = lambda: {k: v.detach().clone() for c in eng.inner_chunks()  # noqa: E731
+                       for k, v in c.named_parameters()}
+    before = weights()
+    for b in (batch, dict(batch, advantages=-batch["advantages"].flip(0))):
+        train_on(eng, b, args.device)
+    after = weights()
+    base_same = all(torch.equal(before[k], after[k]) for k in before if "lora_" not in k)
+    moved = {k: (after[k] - before[k]).abs().max().item() for k in before if "lora_" in k}
+    got = eng.forward_only(on_device(batch, args.device), response_length=R, micro_batch_size=2)["logprobs"]
+    with tempfile.TemporaryDirectory(dir=args.out) as tmp:
+        eng.export_lora_adapter(tmp)
+        versus = close(got, hf_logprobs(path, batch, args.device, args.torch_dtype, adapter=tmp),
+                       valid_positions(batch), args.bf16)
+    return base_same, moved, versus
+
+
 def check_lora(args, assets) -> tuple[bool, str]:
     """actor.lora on the device: two Adam steps move the adapters only (every base weight bit-identical);
     the exported peft adapter on HF's base gives the engine's log-probs (same tolerances as above)."""
     from megappo.models.lora import LoraConfig
 
-    path, batch = str(assets["tiny-llama"]), make_batch()
-    eng = engine(path, args.device, args.torch_dtype, train=True, lora=LoraConfig(rank=4, alpha=8.0))
-    weights = lambda: {k: v.detach().clone() for c in eng.inner_chunks()  # noqa: E731
-                       for k, v in c.named_parameters()}
-    before = weights()
-    for b in (batch, dict(batch, advantages=-batch["advantages"].flip(0))):
-        train_on(eng, b, args.device)
-    after = weights()
-    base_same = all(torch.equal(before[k], after[k]) for k in before if "lora_" not in k)
-    moved = max((after[k] - before[k]).abs().max().item() for k in before if "lora_" in k)
-    got = eng.forward_only(on_device(batch, args.device), response_length=R, micro_batch_size=2)["logprobs"]
-    with tempfile.TemporaryDirectory(dir=args.out) as tmp:
-        eng.export_lora_adapter(tmp)
-        ok, said = close(got, hf_logprobs(path, batch, args.device, args.torch_dtype, adapter=tmp),
-                         valid_positions(batch), args.bf16)
-    return ok and base_same and moved > 0, \
-        f"base bit-identical: {base_same}; adapters moved {moved:.1e}; vs HF + peft {said}"
+    base_same, moved, (ok, said) = lora_steps_vs_peft(args, str(assets["tiny-llama"]), LoraConfig(rank=4, alpha=8.0))
+    most = max(moved.values())
+    return ok and base_same and most > 0, \
+        f"base bit-identical: {base_same}; adapters moved {most:.1e}; vs HF + peft {said}"
 
 
 def check_expert_lora(args, assets) -> tuple[bool, str]:
     """actor.lora.experts on the device: the tiny Mixtral (every layer routed, megatron's SequentialMLP) with
-    adapters on each expert's fc1/fc2 and the attention; two steps move the expert adapters too, the base
-    stays bit-identical, and the exported peft adapter (transformers 5's stacked expert layout) on HF's
-    base gives the engine's log-probs."""
+    adapters on each expert's fc1/fc2 and the attention; two steps move every expert's B, the base stays
+    bit-identical, and the exported peft adapter (transformers 5's stacked expert layout) on HF's base
+    gives the engine's log-probs."""
     from megappo.models.lora import LoraConfig
 
-    path, batch = str(assets["tiny-mixtral"]), make_batch()
-    eng = engine(path, args.device, args.torch_dtype, train=True, lora=LoraConfig(rank=4, alpha=8.0, experts=True))
-    weights = lambda: {k: v.detach().clone() for c in eng.inner_chunks()  # noqa: E731
-                       for k, v in c.named_parameters()}
-    before = weights()
-    for b in (batch, dict(batch, advantages=-batch["advantages"].flip(0))):
-        train_on(eng, b, args.device)
-    after = weights()
-    base_same = all(torch.equal(before[k], after[k]) for k in before if "lora_" not in k)
-    experts = [k for k in before if "lora_" in k and ".experts." in k]
-    moved = min((after[k] - before[k]).abs().max().item() for k in experts if k.endswith("lora_B"))
-    got = eng.forward_only(on_device(batch, args.device), response_length=R, micro_batch_size=2)["logprobs"]
-    with tempfile.TemporaryDirectory(dir=args.out) as tmp:
-        eng.export_lora_adapter(tmp)
-        ok, said = close(got, hf_logprobs(path, batch, args.device, args.torch_dtype, adapter=tmp),
-                         valid_positions(batch), args.bf16)
-    return ok and base_same and moved > 0, (f"base bit-identical: {base_same}; {len(experts)} expert adapter "
-                                            f"tensors, each B moved >= {moved:.1e}; vs HF + peft {said}")
+    base_same, moved, (ok, said) = lora_steps_vs_peft(args, str(assets["tiny-mixtral"]),
+                                                      LoraConfig(rank=4, alpha=8.0, experts=True))
+    experts = [v for k, v in moved.items() if ".experts." in k]
+    least = min(v for k, v in moved.items() if ".experts." in k and k.endswith("lora_B"))
+    return ok and base_same and least > 0, (f"base bit-identical: {base_same}; {len(experts)} expert adapter "
+                                            f"tensors, each B moved >= {least:.1e}; vs HF + peft {said}")
 
 
 CHECKS = {"stack": check_stack, "logprobs vs HF": check_logprobs, "train step": check_train_step,
