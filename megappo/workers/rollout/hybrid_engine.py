@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import shutil
 import tempfile
 import time
@@ -47,6 +48,28 @@ from megappo.protocol import DataProto
 from megappo.utils.checkpoint import rng_state, set_rng_state
 from megappo.workers.rollout.fingerprint import compare, tensor_fingerprint_on_device, tolerance_for, \
     with_tied_head
+
+
+ADAPTER_DIR_PREFIX = "megappo-lora-"  # + "{pid}-{random}" under /dev/shm: one per process, per run
+
+
+def sweep_adapter_dirs(root: Path, older_than_s: float = 3600.0) -> list[Path]:
+    """Remove the adapter dirs a killed process left in `root` (atexit does not run on SIGKILL or an OOM kill):
+    those whose process is gone and that no sync touched for `older_than_s` (another container sharing
+    /dev/shm has its own pids; a live run writes a new version dir every sync). Returns what was removed."""
+    removed = []
+    for d in root.glob(ADAPTER_DIR_PREFIX + "*-*"):
+        try:
+            pid = int(d.name[len(ADAPTER_DIR_PREFIX):].split("-")[0])
+            if time.time() - d.stat().st_mtime < older_than_s:
+                continue
+            os.kill(pid, 0)
+        except ProcessLookupError:  # no such process: left behind
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+        except (ValueError, OSError):  # another naming, alive under another user, or already gone
+            continue
+    return removed
 
 
 class WeightSyncError(RuntimeError):
@@ -116,7 +139,9 @@ class HybridEngine:
             adapter = gather_hf_lora(self.engine.inner_chunks(), self.engine.dims, everywhere=True)
         if self._adapter_dir is None:
             shm = Path("/dev/shm")
-            self._adapter_dir = Path(tempfile.mkdtemp(prefix="megappo-lora-", dir=shm if shm.is_dir() else None))
+            root = shm if shm.is_dir() else Path(tempfile.gettempdir())
+            sweep_adapter_dirs(root)
+            self._adapter_dir = Path(tempfile.mkdtemp(prefix=f"{ADAPTER_DIR_PREFIX}{os.getpid()}-", dir=root))
             atexit.register(shutil.rmtree, self._adapter_dir, True)
         self._adapter_version += 1
         path = self._adapter_dir / f"v{self._adapter_version}"
