@@ -1,5 +1,6 @@
 """rollout.lora_sync=adapter writes each sync's adapter as a peft dir under /dev/shm (tmpfs: it holds
-memory); atexit removes it, but not after SIGKILL or an OOM kill. The next run's first sync sweeps the dirs
+memory). The worker group's shutdown removes it (Worker.release, before Ray's kill, which skips atexit);
+an exit runs atexit. Neither runs after SIGKILL or an OOM kill: the next run's first sync sweeps the dirs
 whose process is gone and that no sync touched for an hour; a live run's dir and a fresh one stay."""
 
 import os
@@ -34,3 +35,17 @@ def test_sweep_removes_only_old_dirs_of_gone_processes(tmp_path):
     other = make(f"{ADAPTER_DIR_PREFIX}notapid", old)
     assert sweep_adapter_dirs(tmp_path) == [left]
     assert not left.exists() and live.exists() and fresh.exists() and other.exists()
+
+
+def test_worker_release_runs_each_callback_once_past_a_failing_one(monkeypatch):
+    """Worker.release (what a worker group calls before Ray's kill, which skips atexit): every callback runs
+    once, in reverse order of registration; one that raises does not stop the rest."""
+    from megappo.controller.worker import Worker
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": ""}.items():
+        monkeypatch.setenv(k, v)  # restored after the test (Worker picks and exports a port)
+    w = Worker()
+    ran = []
+    w.on_release += [lambda: ran.append("first"), lambda: 1 / 0, lambda: ran.append("last")]
+    assert w.release() == 2 and ran == ["last", "first"]
+    assert w.release() == 0 and ran == ["last", "first"]

@@ -367,7 +367,13 @@ def test_adapter_sync_ppo_run(ray_session, tiny_assets, data_dir, tmp_path):
     cfg = config(tiny_assets, data_dir, tmp_path, "actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=1e-2",
                  "rollout.lora_sync=adapter", "trainer.total_steps=3", "trainer.save_every=0", "trainer.val_every=0",
                  "actor.use_kl_loss=true", "algorithm.use_kl_in_reward=false")
+    from megappo.workers.rollout.hybrid_engine import ADAPTER_DIR_PREFIX
+
+    shm = Path("/dev/shm")
+    before = set(shm.glob(ADAPTER_DIR_PREFIX + "*"))
     history = run(cfg)
+    # the workers' adapter dirs are gone once the run is shut down (Worker.release before Ray's kill)
+    assert not set(shm.glob(ADAPTER_DIR_PREFIX + "*")) - before
     model_bytes = sum(f.stat().st_size for f in tiny_assets["tiny-llama"].glob("*.safetensors"))
     for step, h in enumerate(history, 1):
         print(f"step {step}: adapter {h['rollout/weight_sync_bytes_received'] / 1e3:.1f} kB in "

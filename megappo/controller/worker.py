@@ -45,6 +45,8 @@ class Worker:
             os.environ["MASTER_PORT"] = str(free_port(addr))
         self.master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         self.master_port = int(os.environ["MASTER_PORT"])
+        # what `release` undoes before the group kills this process (Ray's kill skips atexit): tmpfs dirs
+        self.on_release: list = []
 
     # ------------------------------------------------------------------ group plumbing (not registered)
     def info(self) -> dict:
@@ -52,6 +54,18 @@ class Worker:
         return {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(), "node_ip": _node_ip(),
                 "hostname": socket.gethostname(), "master_addr": self.master_addr, "master_port": self.master_port,
                 "device": os.environ.get("MEGAPPO_DEVICE"), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    def release(self) -> int:
+        """Run the `on_release` callbacks (the group calls this just before it kills the process); one that
+        fails does not stop the others. Returns how many ran."""
+        done = 0
+        while self.on_release:
+            try:
+                self.on_release.pop()()
+                done += 1
+            except Exception:  # noqa: BLE001 - best effort: the process is killed next
+                pass
+        return done
 
     def init_distributed(self, backend: str | None = None) -> None:
         """torch.distributed for this group (gloo on CPU, nccl on GPU); idempotent."""

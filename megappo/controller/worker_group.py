@@ -248,9 +248,14 @@ class RayWorkerGroup:
         return self._wait(self._submit(method, plan), method)
 
     # ------------------------------------------------------------------ lifecycle
-    def shutdown(self) -> None:
+    def shutdown(self, release_timeout_s: float = 3.0) -> None:
+        """Kill every worker; first, unless the group is already broken (a dead or hung rank), give each
+        `release_timeout_s` to undo what a kill would leave behind (Worker.release: files on tmpfs)."""
         import ray
 
+        if self.workers and not self._broken:
+            ray.wait([w.release.remote() for w in self.workers], num_returns=len(self.workers),
+                     timeout=release_timeout_s)
         for w in self.workers:
             try:
                 ray.kill(w, no_restart=True)

@@ -307,6 +307,7 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
         self.rollout = VLLMRollout.from_config(cfg)
         if self.actor is not None:
             self.hybrid = HybridEngine(self.actor, self.rollout, bucket_mb=cfg.rollout.weight_sync_bucket_mb)
+            self.on_release.append(self.hybrid.close)
         return {"role": self.role, "hybrid": self.hybrid is not None}
 
     @register(Dispatch.ONE_TO_ALL)

@@ -142,7 +142,7 @@ class HybridEngine:
             root = shm if shm.is_dir() else Path(tempfile.gettempdir())
             sweep_adapter_dirs(root)
             self._adapter_dir = Path(tempfile.mkdtemp(prefix=f"{ADAPTER_DIR_PREFIX}{os.getpid()}-", dir=root))
-            atexit.register(shutil.rmtree, self._adapter_dir, True)
+            atexit.register(self.close)  # an exit; the worker group's shutdown calls close (Worker.release)
         self._adapter_version += 1
         path = self._adapter_dir / f"v{self._adapter_version}"
         save_peft_adapter(adapter, self.engine.lora, self.engine.model_path, path)
@@ -154,6 +154,12 @@ class HybridEngine:
         self._check_fingerprints(m)
         self.metrics.update(m)
         return m
+
+    def close(self) -> None:
+        """Remove this process's adapter dir (rollout.lora_sync=adapter): /dev/shm is memory."""
+        if self._adapter_dir is not None:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+            self._adapter_dir = None
 
     def _check_fingerprints(self, m: dict) -> None:
         """vLLM's weights against the trainer's (the last streamed buckets' fingerprints): a mismatch on any
