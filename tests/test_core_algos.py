@@ -550,3 +550,43 @@ def test_dynamic_sampling_keeps_groups_whose_accuracy_varies():
     assert ca.groups_to_keep(uids, acc, score, "score") == (["a", "b", "d"], ["c"])
     with pytest.raises(ValueError, match="choose one of: acc, score"):
         ca.groups_to_keep(uids, acc, score, "accuracy")
+
+
+def test_filter_groups_draws_until_enough_varied_groups_then_tops_up():
+    """ppo/dynamic_sampling.filter_groups with a stand-in generator and rule: it draws new prompts until
+    `want` groups whose correctness differs are in hand, keeps exactly those (a group's rows together, prompts
+    left-padded to the widest part); when rounds run out it tops up with zero-variance groups."""
+    from types import SimpleNamespace
+
+    from megappo.ppo.dynamic_sampling import filter_groups
+    from megappo.protocol import DataProto
+
+    def part(width, groups):  # groups: {uid: [correct per response]}
+        uids = [u for u, cs in groups.items() for _ in cs]
+        ids = torch.arange(len(uids) * width).reshape(len(uids), width) + 1
+        return DataProto({"prompts": ids, "input_ids": torch.cat([ids, ids[:, :2]], 1),
+                          "attention_mask": torch.ones(len(uids), width + 2, dtype=torch.long),
+                          "responses": ids[:, :2]},
+                         {"uid": np.array(uids, dtype=object),
+                          "correct": np.array([c for cs in groups.values() for c in cs], dtype=object)})
+
+    def score_rows(p):
+        return [SimpleNamespace(correct=c, final=float(c)) for c in p.non_tensor_batch["correct"]]
+
+    first = part(3, {"a": [1, 1], "b": [1, 0]})
+    drawn = []
+
+    def draw_more(rnd):
+        drawn.append(rnd)
+        return part(5, {"c": [0, 0], "d": [0, 1], "e": [1, 0]})
+
+    fg = SimpleNamespace(max_rounds=3, metric="acc")
+    kept, counts = filter_groups(first, 2, fg, draw_more, score_rows, pad_id=0)
+    assert drawn == [1] and list(kept.non_tensor_batch["uid"]) == ["b", "b", "d", "d"]
+    assert kept.batch["prompts"].shape == (4, 5) and kept.batch["prompts"][0, :2].tolist() == [0, 0]
+    assert counts == {"dynamic_sampling/rounds": 2.0, "dynamic_sampling/groups_drawn": 5.0,
+                      "dynamic_sampling/groups_varied": 3.0, "dynamic_sampling/groups_topped_up": 0.0}
+
+    kept, counts = filter_groups(first, 2, SimpleNamespace(max_rounds=1, metric="acc"), draw_more, score_rows, 0)
+    assert drawn == [1] and list(kept.non_tensor_batch["uid"]) == ["b", "b", "a", "a"]  # varied first, then topped up
+    assert counts["dynamic_sampling/groups_topped_up"] == 1.0 and counts["dynamic_sampling/rounds"] == 1.0

@@ -60,6 +60,7 @@ from megappo.data.sampler import EpochSampler
 from megappo.parallel.layout import same_layout
 from megappo.ppo import core_algos as algos
 from megappo.ppo.checkpointing import CheckpointingMixin
+from megappo.ppo.dynamic_sampling import filter_groups
 from megappo.ppo.losses import PolicyLoss, ValueLoss
 from megappo.ppo.metrics import eval_metrics, kl_metrics, step_metrics
 from megappo.ppo.reward_curve import plot_reward_curve
@@ -468,41 +469,20 @@ class RayPPOTrainer(CheckpointingMixin):
         return (wg or self.rollout_wg).generate_sequences(prompts)[0]
 
     def _filter_groups(self, batch: DataProto, step: int, counts: dict) -> DataProto:
-        """DAPO's dynamic sampling: drop the prompts whose responses are all right or all wrong
-        (algorithm.filter_groups.metric=acc, the rule's correctness; =score: all got the same shaped reward),
-        generate more prompts until data.train_batch_size prompts whose responses differ are in hand (at
-        most algorithm.filter_groups.max_rounds generations; then the batch is topped up with dropped
-        prompts), keep exactly that many. The kept rows carry their rule results to the reward phase
-        (RewardManager.score_rows keep=True): a rule runs once per response."""
-        want, fg = self.config.data.train_batch_size, self.config.algorithm.filter_groups
-        parts, kept, flat = [batch], [], []
-        for rnd in range(fg.max_rounds):
-            if rnd:
-                more = self.train_dataset.get_batch(next(self.sampler))
-                seed = (self._sampling_for(step).seed + rnd * 1_000_003) % (1 << 31)
-                part = self._generate(more, self._sampling_for(step).with_seed(seed))
-                part.meta_info.pop("metrics", None)
-                parts.append(part)
-            rows = self.reward_fn.score_rows(parts[-1], keep=True)  # the reward phase reuses the rule's results
-            varied, same = algos.groups_to_keep(parts[-1].non_tensor_batch["uid"], [r.correct for r in rows],
-                                                [r.final for r in rows], fg.metric)
-            kept += varied
-            flat += same
-            if len(kept) >= want:
-                break
-        chosen = (kept + flat)[:want]  # topped up with zero-variance groups when rounds ran out
-        counts.update({"dynamic_sampling/rounds": float(len(parts)),
-                       "dynamic_sampling/groups_drawn": float(len(kept) + len(flat)),
-                       "dynamic_sampling/groups_varied": float(len(kept)),
-                       "dynamic_sampling/groups_topped_up": float(max(0, want - len(kept)))})
-        from megappo.workers.rollout.vllm_rollout import left_pad_prompts
+        """DAPO's dynamic sampling (ppo/dynamic_sampling.py): more prompts of this step until
+        data.train_batch_size of them have responses that differ."""
+        def draw_more(rnd: int) -> DataProto:
+            seed = (self._sampling_for(step).seed + rnd * 1_000_003) % (1 << 31)
+            more = self.train_dataset.get_batch(next(self.sampler))
+            part = self._generate(more, self._sampling_for(step).with_seed(seed))
+            part.meta_info.pop("metrics", None)
+            return part
 
-        pool = DataProto.concat(left_pad_prompts(parts, self.tokenizer.pad_token_id or 0))
-        pool.meta_info = dict(batch.meta_info)
-        rank = {u: i for i, u in enumerate(chosen)}
-        rows = [i for i, u in enumerate(pool.non_tensor_batch["uid"]) if u in rank]
-        rows.sort(key=lambda i: rank[pool.non_tensor_batch["uid"][i]])  # stable: a group's rows stay together
-        return pool[rows]
+        kept, drawn = filter_groups(batch, self.config.data.train_batch_size, self.config.algorithm.filter_groups,
+                                    draw_more, lambda part: self.reward_fn.score_rows(part, keep=True),
+                                    self.tokenizer.pad_token_id or 0)
+        counts.update(drawn)
+        return kept
 
     def _sync_rollout_weights(self, receive: str = "receive_weights", *args) -> dict:
         """Async: actor -> rollout pool over the weight-sync group (both sides at once; fully_async's pool

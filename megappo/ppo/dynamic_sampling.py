@@ -1,0 +1,45 @@
+"""DAPO's dynamic sampling (algorithm.filter_groups): train only on prompts whose responses differ.
+
+A group whose responses are all right or all wrong (metric=acc, the rule's correctness; =score: all got the
+same shaped reward) has zero advantage under GRPO and only dilutes the batch. `filter_groups` keeps drawing
+and generating prompts until `want` varied groups are in hand (at most `max_rounds` generations; then the
+batch is topped up with the dropped groups) and keeps exactly `want` groups, each group's rows together.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from megappo.ppo.core_algos import groups_to_keep
+from megappo.protocol import DataProto
+
+
+def filter_groups(first: DataProto, want: int, fg, draw_more: Callable[[int], DataProto], score_rows: Callable,
+                  pad_id: int) -> tuple[DataProto, dict]:
+    """`first`: the step's generated batch; `draw_more(round)`: another generated batch of new prompts;
+    `score_rows(batch)`: the rule's per-row results (RewardManager.score_rows(keep=True), so the reward phase
+    reuses them: a rule runs once per response). Returns the kept rows and the dynamic_sampling/* counts."""
+    parts, kept, flat = [first], [], []
+    for rnd in range(fg.max_rounds):
+        if rnd:
+            parts.append(draw_more(rnd))
+        rows = score_rows(parts[-1])
+        varied, same = groups_to_keep(parts[-1].non_tensor_batch["uid"], [r.correct for r in rows],
+                                      [r.final for r in rows], fg.metric)
+        kept += varied
+        flat += same
+        if len(kept) >= want:
+            break
+    chosen = (kept + flat)[:want]  # topped up with zero-variance groups when rounds ran out
+    counts = {"dynamic_sampling/rounds": float(len(parts)),
+              "dynamic_sampling/groups_drawn": float(len(kept) + len(flat)),
+              "dynamic_sampling/groups_varied": float(len(kept)),
+              "dynamic_sampling/groups_topped_up": float(max(0, want - len(kept)))}
+    from megappo.workers.rollout.vllm_rollout import left_pad_prompts
+
+    pool = DataProto.concat(left_pad_prompts(parts, pad_id))
+    pool.meta_info = dict(first.meta_info)
+    rank = {u: i for i, u in enumerate(chosen)}
+    rows = [i for i, u in enumerate(pool.non_tensor_batch["uid"]) if u in rank]
+    rows.sort(key=lambda i: rank[pool.non_tensor_batch["uid"][i]])  # stable: a group's rows stay together
+    return pool[rows], counts
