@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from megappo.parallel.weight_mapping import LORA_INITS, LORA_TARGETS, SUPPORTED_MODEL_TYPES  # noqa: F401
+from megappo.parallel.model_dims import LORA_INITS, LORA_TARGETS, SUPPORTED_MODEL_TYPES  # noqa: F401
 
 
 @dataclass
@@ -33,7 +33,7 @@ class ArchConfig:
     """Model shapes. Filled from `<model.path>/config.json` when that exists; otherwise (planning a big
     model, validating a layout without the weights at hand) taken as written here."""
 
-    family: str = "llama"  # parallel/weight_mapping.py SUPPORTED_MODEL_TYPES
+    family: str = "llama"  # parallel/model_dims.py SUPPORTED_MODEL_TYPES
     hidden_size: int = 128
     intermediate_size: int = 256
     num_layers: int = 4
@@ -113,7 +113,7 @@ class OptimConfig:
     distributed_optimizer: bool = True
 
 
-# LoRA's targets and inits: parallel/weight_mapping.py (LORA_*), below both this schema and models/lora.py
+# LoRA's targets and inits: parallel/model_dims.py (LORA_*), below both this schema and models/lora.py
 
 
 @dataclass
@@ -405,7 +405,7 @@ FILTER_GROUPS_METRICS = ("acc", "score")  # algorithm.filter_groups.metric (ppo/
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "gpg", "opo", "grpo_passk")
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "kl", "mse", "low_var_kl")  # kl/mse/low_var_kl: verl's k1/k2/k3
 CHOICES: dict[str, tuple[Any, ...]] = {
-    "model.arch.family": SUPPORTED_MODEL_TYPES,  # what parallel/weight_mapping.py maps
+    "model.arch.family": SUPPORTED_MODEL_TYPES,  # what parallel/model_dims.py knows, weight_mapping.py maps
     "model.dtype": ("auto", "fp32", "bf16"),
     "model.moe.token_dispatcher": ("alltoall", "allgather", "flex"),
     "resources.device": ("auto", "cpu", "cuda"),

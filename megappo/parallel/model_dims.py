@@ -1,0 +1,231 @@
+"""What a model is, in the numbers megatron needs: `ModelDims` (read from a HF config), the families
+megappo supports (dense and MoE: `MOE_FAMILIES`' HF names), the padded vocabulary, megatron's
+TransformerConfig arguments, and the LoRA targets by how TP splits them. No torch: the config schema and
+the driver read these before Ray (and torch) start. Names and tensor layouts are parallel/weight_mapping.py's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral")
+
+# LoRA (models/lora.py, config actor.lora): megatron's fused / parallel linears an adapter may wrap, by how
+# their weight is split over TP (column: along the output; row: along the input), and the inits of A
+LORA_COLUMN_TARGETS = ("linear_qkv", "linear_fc1")
+LORA_ROW_TARGETS = ("linear_proj", "linear_fc2")
+LORA_TARGETS = LORA_COLUMN_TARGETS + LORA_ROW_TARGETS
+LORA_INITS = ("kaiming", "gaussian")
+DEFAULT_VOCAB_DIVISOR = 128
+
+
+@dataclass(frozen=True)
+class MoeFamily:
+    """One mixture-of-experts family: its HF tensor names and its config.json keys. ModelDims reads a
+    config.json through it, config/validate.py writes model.arch as one, the weight mapping names tensors by
+    it: a new MoE family is one row of MOE_FAMILIES (and its name in SUPPORTED_MODEL_TYPES)."""
+
+    block: str  # the HF module holding the router (`{block}.gate`) and the experts (`{block}.experts.{e}.`)
+    proj: dict  # megatron expert linear -> its HF projections in merge order (fc1 = [gate; up], fc2 = down)
+    experts_keys: tuple  # config.json keys of the routed expert count, the first the family's own
+    ffn_key: str  # config.json key of one expert's FFN size
+    sparse_layers: bool  # routed layers by decoder_sparse_step / mlp_only_layers (else every layer)
+    norm_topk_prob: Optional[bool] = None  # the family's fixed top-k renormalisation; None: config.json's
+    refused: tuple = ()  # (config.json key, what a non-zero value means): refused when set
+
+    def dims(self, hf_config) -> dict:
+        """ModelDims' expert fields from a HF config of this family."""
+        mt = hf_config.model_type
+        experts = next((getattr(hf_config, k) for k in self.experts_keys if getattr(hf_config, k, None)), None)
+        if not experts or not getattr(hf_config, "num_experts_per_tok", None):
+            raise ValueError(f"a {mt} config needs {self.experts_keys[0]} and num_experts_per_tok (its config.json)")
+        for key, why in self.refused:
+            if getattr(hf_config, key, 0):
+                raise ValueError(f"{mt} {key} > 0 ({why}) is not supported; set 0")
+        layers = hf_config.num_hidden_layers
+        if self.sparse_layers:  # transformers' rule (Qwen3MoeDecoderLayer): (i+1) % step == 0, except mlp_only_layers
+            step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+            dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+            moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+        else:
+            moe_layers = (True,) * layers
+        norm = self.norm_topk_prob if self.norm_topk_prob is not None else bool(getattr(hf_config, "norm_topk_prob", False))
+        return dict(num_experts=int(experts), moe_topk=int(hf_config.num_experts_per_tok),
+                    moe_ffn_hidden_size=int(getattr(hf_config, self.ffn_key)), norm_topk_prob=norm,
+                    moe_layers=moe_layers)
+
+    def hf_keys(self, num_experts: int, topk: int, ffn: int, decoder_sparse_step: int = 1,
+                mlp_only_layers=(), norm_topk_prob: bool = False) -> dict:
+        """The config.json keys this family reads (`dims`), from the fields of a config's model.arch."""
+        d = {self.experts_keys[0]: num_experts, "num_experts_per_tok": topk, self.ffn_key: ffn}
+        if self.ffn_key == "intermediate_size":  # experts of the dense FFN size: model.arch's intermediate_size
+            del d[self.ffn_key]
+        if self.sparse_layers:
+            d.update(decoder_sparse_step=decoder_sparse_step, mlp_only_layers=list(mlp_only_layers))
+        if self.norm_topk_prob is None:
+            d["norm_topk_prob"] = norm_topk_prob
+        return d
+
+
+MOE_FAMILIES = {
+    "qwen3_moe": MoeFamily("mlp", {"linear_fc1": ["gate_proj", "up_proj"], "linear_fc2": ["down_proj"]},
+                           experts_keys=("num_experts", "num_local_experts"), ffn_key="moe_intermediate_size",
+                           sparse_layers=True),
+    # every layer routed; softmax over all experts, top-k renormalised; experts of intermediate_size
+    "mixtral": MoeFamily("block_sparse_moe", {"linear_fc1": ["w1", "w3"], "linear_fc2": ["w2"]},
+                         experts_keys=("num_local_experts",), ffn_key="intermediate_size", sparse_layers=False,
+                         norm_topk_prob=True, refused=(("router_jitter_noise", "random routing in training"),)),
+}
+
+
+def num_routed_experts(hf_config) -> int:
+    """The routed expert count of a HF config (0: dense), read by its family's keys."""
+    fam = MOE_FAMILIES.get(getattr(hf_config, "model_type", None))
+    return int(next((getattr(hf_config, k) for k in fam.experts_keys if getattr(hf_config, k, None)), 0) or 0) if fam else 0
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> int:
+    """Round the vocab up to a multiple of lcm(divisible_by, tp).
+
+    Megatron-LM pads to divisible_by * tp, which makes the embedding's global shape depend on TP
+    (32000 rows at TP2, 32256 at TP4), so a dist checkpoint saved at one TP no longer loads at
+    another. lcm keeps the padded size the same for every power-of-two TP up to divisible_by."""
+    multiple = math.lcm(divisible_by, tp)
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def rope_theta(hf_config) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
+    if rope_type not in ("default", None):
+        raise ValueError(f"rope_type {rope_type!r} is not supported (only default RoPE)")
+    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    return float(theta if theta is not None else getattr(hf_config, "rope_theta", 10000.0))
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """A model's shapes, from a HF config (+ TP size for the padded vocab): the one description of them
+    that the weight mapping, the engine, the converter and the config checks all use."""
+
+    model_type: str
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    padded_vocab_size: int
+    tied_embeddings: bool
+    qkv_bias: bool
+    value_head: bool = False  # critic: output_layer is the [1, hidden] value head
+    qk_norm: bool = False  # qwen3: RMSNorm over each query / key head before RoPE
+    # mixture of experts (qwen3_moe); num_experts 0: dense
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_layers: tuple = ()  # per layer: True where the MLP is the routed experts
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities (softmax over the k)
+    grouped_experts: bool = False  # experts named as TE's TEGroupedMLP names them (expert_param_name)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
+
+    @classmethod
+    def from_hf_config(cls, hf_config, tp: int = 1, value_head: bool = False,
+                       vocab_divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> "ModelDims":
+        mt = hf_config.model_type
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {mt!r} not supported; choose one of {', '.join(SUPPORTED_MODEL_TYPES)}")
+        heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        qkv_bias = mt == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
+        if mt != "qwen2" and getattr(hf_config, "mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported")
+        moe = MOE_FAMILIES[mt].dims(hf_config) if mt in MOE_FAMILIES else {}
+        return cls(
+            model_type=mt,
+            hidden_size=hf_config.hidden_size,
+            ffn_hidden_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            vocab_size=hf_config.vocab_size,
+            padded_vocab_size=padded_vocab_size(hf_config.vocab_size, tp, vocab_divisible_by),
+            tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head,
+            qkv_bias=qkv_bias,
+            value_head=value_head,
+            qk_norm=mt in ("qwen3", "qwen3_moe"),
+            **moe,
+        )
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict, tp: int = 1, value_head: bool = False) -> "ModelDims":
+        """From a HF config.json read as a dict (no transformers import)."""
+        import types
+
+        return cls.from_hf_config(types.SimpleNamespace(**raw), tp=tp, value_head=value_head)
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def transformer_config_kwargs(hf_config) -> dict:
+    """The megatron TransformerConfig fields that describe a HF llama/qwen2/mistral/qwen3 model (dropout
+    off: every PPO model runs without dropout). Device/precision/fusion fields are set by the caller."""
+    import torch.nn.functional as F
+
+    dims = ModelDims.from_hf_config(hf_config)
+    if hf_config.hidden_act != "silu":
+        raise ValueError(f"hidden_act {hf_config.hidden_act!r} not supported (SwiGLU/silu only)")
+    if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True) \
+            and hf_config.model_type in ("mistral", "mixtral"):
+        raise ValueError(f"{hf_config.model_type} sliding_window attention is not supported; set sliding_window=None")
+    if hf_config.model_type in ("qwen3", "qwen3_moe") and getattr(hf_config, "use_sliding_window", False):
+        raise ValueError(f"{hf_config.model_type} use_sliding_window=True is not supported; set use_sliding_window=false")
+    moe = {}
+    if dims.num_experts:
+        moe = dict(
+            num_moe_experts=dims.num_experts,
+            moe_router_topk=dims.moe_topk,
+            moe_ffn_hidden_size=dims.moe_ffn_hidden_size,
+            moe_layer_freq=[int(m) for m in dims.moe_layers],  # explicit: megatron's int rule is i % N == 0
+            # transformers: softmax over all experts in fp32, top-k, then (norm_topk_prob) renormalised over
+            # the k. megatron: pre_softmax=False is a softmax over the top-k logits, the same numbers.
+            moe_router_score_function="softmax",
+            moe_router_pre_softmax=not dims.norm_topk_prob,
+            moe_router_dtype="fp32",
+            # RL fine-tuning keeps the pretrained routing: no load-balancing or z-loss term (as slime's RL
+            # recipes: --moe-aux-loss-coeff 0); megatron's defaults would add an aux loss to the PPO loss
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False,  # SequentialMLP: megatron's local spec on CPU
+            # alltoall: ranks of an expert-parallel group may hold different token counts (the engine cuts
+            # each micro-batch to its longest row; allgather needs equal counts). On CPU with
+            # parallel/cpu_compat.py's patch_moe_alltoall.
+            moe_token_dispatcher_type="alltoall",
+        )
+    return dict(
+        num_layers=dims.num_layers,
+        hidden_size=dims.hidden_size,
+        ffn_hidden_size=dims.ffn_hidden_size,
+        num_attention_heads=dims.num_heads,
+        num_query_groups=dims.num_kv_heads,
+        kv_channels=dims.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(hf_config.rms_norm_eps),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=dims.qkv_bias,
+        qk_layernorm=dims.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
+        **moe,
+    )
