@@ -14,10 +14,10 @@ import torch
 from megappo.ppo.staleness import StalenessManager, select_batch, version_stats
 
 
-def _simulate(batch_size: int, max_staleness: int, steps: int, seed: int, max_concurrent=None):
-    """A driver loop over random generation times: admit under the manager, finish samples in random order,
-    train a batch whenever select_batch gives one. Returns each trained sample's staleness and the peak of
-    samples started but not consumed."""
+def _simulate(batch_size: int, max_staleness: int, steps: int, seed: int, max_concurrent=None, drop_p=0.0):
+    """A driver loop over random generation times: admit under the manager, finish samples in random order
+    (a fraction `drop_p` of them dropped as DAPO's filter drops a group), train a batch whenever select_batch
+    gives one. Returns each trained sample's staleness and the peak of samples started but not consumed."""
     rng = random.Random(seed)
     m = StalenessManager(batch_size, max_staleness, max_concurrent)
     running, done, lags, peak, nxt = {}, {}, [], 0, 0
@@ -30,8 +30,12 @@ def _simulate(batch_size: int, max_staleness: int, steps: int, seed: int, max_co
         for k in list(running):  # one tick of generation
             v0, left = running[k]
             if left <= 1 or rng.random() < 0.1:
-                done[k] = running.pop(k)[0]
+                v0 = running.pop(k)[0]
                 m.on_finish()
+                if rng.random() < drop_p:
+                    m.on_drop()
+                else:
+                    done[k] = v0
             else:
                 running[k] = (v0, left - 1)
         batch = select_batch(done, [v0 for v0, _ in running.values()], m.version, batch_size, max_staleness)
@@ -154,3 +158,12 @@ def test_tokens_sampled_after_a_weight_load_carry_the_new_version(rollout):
     tv = torch.tensor([c.token_versions for c in crossed])
     stats = version_stats(tv, torch.ones_like(tv), version=v0 + 1, max_staleness=1)
     assert 0 < stats["async/cross_update_token_frac"] < 1 and stats["async/over_bound"] == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_dropped_groups_free_their_places_and_keep_the_bound(seed):
+    """DAPO's filter in fully_async drops finished groups (StalenessManager.on_drop): the run still trains
+    every batch within the bound, and the places of dropped ones go to new groups."""
+    lags, peak, m = _simulate(batch_size=3, max_staleness=1, steps=12, seed=seed, drop_p=0.4)
+    assert len(lags) == 12 * 3 and max(lags) <= 1 and peak <= 2 * 3
+    assert m.consumed == 12 * 3 and m.started - m.consumed <= 2 * 3  # dropped ones hold no place

@@ -290,13 +290,14 @@ class KLControlConfig:
 
 @dataclass
 class FilterGroupsConfig:
-    """DAPO's dynamic sampling (group estimators, sync mode): a prompt whose n responses are all right or all
-    wrong (metric=acc; all scored the same: metric=score) is dropped and more prompts are sampled until
-    data.train_batch_size prompts whose responses differ are in the batch. After max_rounds generations the
-    batch is topped up with dropped groups (counted in dynamic_sampling/groups_topped_up)."""
+    """DAPO's dynamic sampling (group estimators, sync or fully_async mode): a prompt whose n responses are all
+    right or all wrong (metric=acc; all scored the same: metric=score) is dropped and more prompts are sampled
+    until data.train_batch_size prompts whose responses differ are in the batch. After max_rounds generations
+    the batch is topped up with dropped groups (counted in dynamic_sampling/groups_topped_up). fully_async
+    drops each group as it finishes, at most (max_rounds - 1) x train_batch_size per batch."""
 
     enable: bool = False
-    max_rounds: int = 4  # generations per step at most (the first included)
+    max_rounds: int = 4  # generations per step at most (the first included); fully_async: the drop budget
     # what must differ within a group: "acc" (the paper) the rule's correctness before any shaping;
     # "score" the shaped scalar reward (overlong / non-stop penalties included)
     metric: str = "acc"

@@ -249,13 +249,16 @@ class RayWorkerGroup:
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self, release_timeout_s: float = 3.0) -> None:
-        """Kill every worker; first, unless the group is already broken (a dead or hung rank), give each
-        `release_timeout_s` to undo what a kill would leave behind (Worker.release: files on tmpfs)."""
+        """Kill every worker; first give the started ones `release_timeout_s` to undo what a kill would leave
+        behind (Worker.release: files on tmpfs; a dead rank answers at once, a hung one costs the bound)."""
         import ray
 
-        if self.workers and not self._broken:
-            ray.wait([w.release.remote() for w in self.workers], num_returns=len(self.workers),
-                     timeout=release_timeout_s)
+        if self.workers and len(self.infos) == len(self.workers):
+            try:
+                ray.wait([w.release.remote() for w in self.workers], num_returns=len(self.workers),
+                         timeout=release_timeout_s)
+            except Exception:  # noqa: BLE001 - Ray itself going down: kill what can be killed
+                pass
         for w in self.workers:
             try:
                 ray.kill(w, no_restart=True)

@@ -9,10 +9,15 @@ resumes: an unfinished sample continues under the new weights, a partial rollout
     stream.after_update()               # weights to the pool under pause; version + 1
 
 Admission and batch choice are ppo/staleness.py's (AReaL's rule: a group starts only while every group that
-can still be trained stays within the bound). A group is one prompt's rollout.n samples; each is seeded as
-the synchronous run seeds it (group g = prompt i of step k gets step k's seed + i * n), so with
-max_staleness=0 (one batch admitted at a time, trained on-policy) the batches are the sync run's. A batch's
-groups are ordered by their index, whatever order they finished in.
+can still be trained stays within the bound). With algorithm.filter_groups (DAPO's dynamic sampling) each
+group is scored by its rule as it finishes and one whose responses all agree is dropped: its place goes to a
+new group, and it counts as consumed for a resume. At most (max_rounds - 1) x B groups are dropped per batch,
+as a synchronous step draws at most max_rounds x B prompts; past that a finished group is kept as it is.
+
+A group is one prompt's rollout.n samples; each is seeded as the synchronous run seeds it (group g = prompt i
+of step k gets step k's seed + i * n), so with max_staleness=0 (one batch admitted at a time, trained
+on-policy) the batches are the sync run's. A batch's groups are ordered by their index, whatever order they
+finished in.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megappo.ppo.core_algos import groups_to_keep
 from megappo.ppo.staleness import StalenessManager, select_batch, version_stats
 from megappo.protocol import DataProto
 
@@ -54,6 +60,10 @@ class GroupStream:
         self.pending: dict = {}  # uid -> (group index, start version, worker rank)
         self.done: dict = {}  # uid -> (group index, start version, DataProto rows)
         self.load = [0] * self.pool.world_size  # groups in flight per rollout worker
+        fg = cfg.algorithm.filter_groups
+        self.filter = fg if fg.enable else None  # DAPO: drop finished groups whose responses all agree
+        self.drop_budget = (fg.max_rounds - 1) * self.B  # per batch, as a sync step's extra rounds
+        self.filtered = {"varied": 0, "dropped": 0, "kept_flat": 0}  # since the last batch
         self.pool.submit("stream_start", self.mgr.version).result()
         trainer._sync_rollout_weights("stream_receive_weights", False)  # the trainer's weights (resumed too), checked
 
@@ -64,7 +74,8 @@ class GroupStream:
         t0 = time.perf_counter()
         while True:
             self._admit()
-            self._collect()
+            if self._collect():  # progress (DAPO may drop what finished): the timeout counts from here
+                t0 = time.perf_counter()
             starts = {uid: v0 for uid, (_, v0, _) in self.done.items()}
             chosen = select_batch(starts, [v0 for _, v0, _ in self.pending.values()], self.mgr.version, self.B,
                                   self.max_staleness)
@@ -84,6 +95,13 @@ class GroupStream:
                                                   self.trainer.tokenizer.pad_token_id or 0))
         metrics = version_stats(batch.batch["token_versions"], batch.batch["response_mask"], self.mgr.version,
                                 self.max_staleness)
+        if self.filter is not None:
+            f = self.filtered
+            metrics.update({"dynamic_sampling/groups_drawn": float(sum(f.values())),
+                            "dynamic_sampling/groups_varied": float(f["varied"]),
+                            "dynamic_sampling/groups_dropped": float(f["dropped"]),
+                            "dynamic_sampling/groups_topped_up": float(f["kept_flat"])})
+            self.filtered = dict.fromkeys(f, 0)
         metrics.update({"async/groups_in_flight": float(len(self.pending)),
                         "async/groups_waiting": float(len(self.done)),
                         "async/policy_version": float(self.mgr.version)})
@@ -119,7 +137,9 @@ class GroupStream:
         self.mgr.on_start(len(start))
         self.pool.submit("stream_submit", rows, ranks).result()
 
-    def _collect(self) -> None:
+    def _collect(self) -> int:
+        """Move the pool's finished groups to `done` (or drop them: DAPO). Returns how many finished."""
+        finished = 0
         for rank, part in enumerate(self.pool.submit("stream_collect").result()):
             if part is None:
                 continue
@@ -127,8 +147,25 @@ class GroupStream:
             for uid in dict.fromkeys(uids):  # each finished group once, its rows together
                 g, v0, worker = self.pending.pop(uid)
                 self.load[worker] -= 1
-                self.done[uid] = (g, v0, part[[j for j, u in enumerate(uids) if u == uid]])
+                rows = part[[j for j, u in enumerate(uids) if u == uid]]
                 self.mgr.on_finish()
+                finished += 1
+                if self.filter is not None and self._drop(rows):
+                    self.mgr.on_drop()
+                    self.consumed.add(g)  # a resume does not draw it again
+                    continue
+                self.done[uid] = (g, v0, rows)
+        return finished
+
+    def _drop(self, rows: DataProto) -> bool:
+        """DAPO: whether this finished group's responses all agree (algorithm.filter_groups.metric) and the batch's
+        drop budget has room. Its rule results stay on the rows for the reward phase (a rule runs once)."""
+        scored = self.trainer.reward_fn.score_rows(rows, keep=True, examine=False)  # printed by the reward phase
+        varied, _ = groups_to_keep(rows.non_tensor_batch["uid"], [r.correct for r in scored],
+                                   [r.final for r in scored], self.filter.metric)
+        kind = "varied" if varied else "dropped" if self.filtered["dropped"] < self.drop_budget else "kept_flat"
+        self.filtered[kind] += 1
+        return kind == "dropped"
 
     # ---- checkpoints: the untrained groups are regenerated on resume -----------------------------------
 

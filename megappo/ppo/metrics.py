@@ -27,7 +27,8 @@ Plus: timing/* (seconds only, one per phase; timing/save_s is what the step wait
 save's tensor copy, and the previous step's background save finishing its files; 0 when neither; and
 timing/rollout_overlap_frac, a ratio of two of them), tokens/{actor,critic}_real, _computed, _padded_batch
 (the update's tokens: real ones, what the micro-batches computed, the padded batch; what padding cost),
-dynamic_sampling/* (algorithm.filter_groups: rounds, groups_drawn, groups_varied, groups_topped_up), eval/*
+dynamic_sampling/* (algorithm.filter_groups: rounds, groups_drawn, groups_varied, groups_topped_up; fully_async:
+groups_dropped, no rounds), eval/*
 (validation), the workers' actor/*, critic/* update metrics as
 they come (critic/* only when there is a critic), advantages/{mean,max,min} over the response tokens,
 and rollout/*:

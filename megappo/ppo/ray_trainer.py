@@ -479,7 +479,7 @@ class RayPPOTrainer(CheckpointingMixin):
             return part
 
         kept, drawn = filter_groups(batch, self.config.data.train_batch_size, self.config.algorithm.filter_groups,
-                                    draw_more, lambda part: self.reward_fn.score_rows(part, keep=True),
+                                    draw_more, lambda part: self.reward_fn.score_rows(part, keep=True, examine=False),
                                     self.tokenizer.pad_token_id or 0)
         counts.update(drawn)
         return kept

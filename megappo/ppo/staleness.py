@@ -66,6 +66,13 @@ class StalenessManager:
         self.finished += n
         assert self.finished <= self.started, (self.finished, self.started)
 
+    def on_drop(self, n: int = 1) -> None:
+        """Finished samples that will never be trained (DAPO's filter): as if never started, so their places
+        go to new samples and the bound on the trained ones is unchanged."""
+        self.started -= n
+        self.finished -= n
+        assert self.consumed <= self.finished <= self.started, (self.consumed, self.finished, self.started)
+
     def on_consume(self, n: int) -> None:
         self.consumed += n
         assert self.consumed <= self.finished, (self.consumed, self.finished)

@@ -129,12 +129,13 @@ class RewardManager:
     def __call__(self, data: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         return self.aggregate(self.score_rows(data), data)
 
-    def score_rows(self, data: DataProto, keep: bool = False) -> list[RowScore]:
+    def score_rows(self, data: DataProto, keep: bool = False, examine: bool = True) -> list[RowScore]:
         """Every response scored by the rule of its data_source (a batched rule: one call per source). A rule
         that raises or times out scores its rows 0 (counted in reward/num_scorer_errors, warned once per
         source): one bad row does not end a run. `keep`: leave each row's rule result in
         non_tensor_batch[RULE_SCORES] for a later call on (a selection of) these rows; a call that finds
-        them uses them and removes them. Penalties and RM scores are applied afresh either way."""
+        them uses them and removes them. Penalties and RM scores are applied afresh either way. `examine`:
+        print up to num_examine samples per source (a filter's call leaves that to the reward phase)."""
         responses = data.batch["responses"]
         mask = self._response_mask(data).bool()
         lengths = mask.sum(dim=-1).tolist()
@@ -175,7 +176,7 @@ class RewardManager:
             rows.append(RowScore(source, rule_score, final, rule_score >= 1.0, bool(stopped[i]), int(lengths[i]),
                                  uids[i], bool(scored[i].failure), length_penalty, scored[i].failure == "timeout",
                                  scored[i].extras))
-            if shown[source] < self.num_examine:
+            if examine and shown[source] < self.num_examine:
                 shown[source] += 1
                 self._print_sample(data, i, source, texts[i], truths[i], rule_score, final, stopped[i])
         return rows

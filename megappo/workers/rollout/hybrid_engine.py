@@ -142,7 +142,7 @@ class HybridEngine:
             root = shm if shm.is_dir() else Path(tempfile.gettempdir())
             sweep_adapter_dirs(root)
             self._adapter_dir = Path(tempfile.mkdtemp(prefix=f"{ADAPTER_DIR_PREFIX}{os.getpid()}-", dir=root))
-            atexit.register(self.close)  # an exit; the worker group's shutdown calls close (Worker.release)
+            atexit.register(shutil.rmtree, self._adapter_dir, True)  # the group's shutdown calls close
         self._adapter_version += 1
         path = self._adapter_dir / f"v{self._adapter_version}"
         save_peft_adapter(adapter, self.engine.lora, self.engine.model_path, path)

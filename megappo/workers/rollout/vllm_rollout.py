@@ -143,7 +143,7 @@ class VLLMRollout:
         self.agent = agent(self.llm, self.tokenizer) if agent is not None else None
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.num_experts = num_routed_experts(hf_config)  # its family's config keys (weight_mapping.MOE_FAMILIES)
+        self.num_experts = num_routed_experts(hf_config)  # its family's config keys (model_dims.MOE_FAMILIES)
         check_weight_load(self.config, self.num_experts, on_cpu=not on_gpu())  # reload cannot refit CPU experts
         if on_gpu() and self.direct_load and self.num_experts:  # the MoE backend vLLM chose for this GPU
             problem = moe_direct_load_problem(m for w in self.llm.collective_rpc(moe_methods) for m in w)
