@@ -34,9 +34,10 @@ def _recording_groups(trained: list, steps: list = None):
 
 @pytest.mark.parametrize("overrides, expected", [
     (["trainer.max_staleness=-1"], "trainer.max_staleness=-1 must be >= 0"),
-    (["algorithm.filter_groups.enable=true"], "algorithm.filter_groups"),
     (["resources.rollout_workers=2", "rollout.tp=2"], "set rollout.tp=1"),
     (["trainer.mode=async", "trainer.partial_rollout=false"], "applies to trainer.mode=fully_async only"),
+    (["trainer.mode=async", "algorithm.filter_groups.enable=true", "algorithm.adv_estimator=grpo",
+      "critic.enable=false"], "which one-step async mode does not; use trainer.mode=sync or fully_async"),
 ])
 def test_what_fully_async_does_not_do_yet_is_one_line(tiny_assets, data_dir, tmp_path, overrides, expected):
     with pytest.raises(ConfigError, match=expected) as e:
@@ -195,3 +196,98 @@ def test_remax_takes_its_greedy_baseline_from_the_pool(ray_session, tiny_assets,
         torch.testing.assert_close(got, score - baseline, atol=1e-5, rtol=1e-5)
     every = torch.cat([torch.stack([s, b]) for s, b, _, _ in captured], 1)
     assert len(set(every.flatten().tolist())) > 1  # rewards and baselines vary: the check above has teeth
+
+
+def test_dapo_filter_drops_groups_whose_responses_agree(ray_session, tiny_assets, data_dir, tmp_path):
+    """algorithm.filter_groups in fully_async: each group is scored by its rule as it finishes and dropped when
+    all its responses are equally right (metric=acc); its place goes to a new group. Every trained group has
+    responses that differ, unless the per-batch drop budget ran out (then counted as topped up)."""
+    trained_scores = []
+
+    def setup(trainer):
+        update = trainer._update
+
+        def recorded(batch, timing):
+            scores = batch.batch["token_level_scores"].sum(-1)
+            by_uid = {}
+            for u, s in zip(batch.non_tensor_batch["uid"], scores.tolist()):
+                by_uid.setdefault(u, []).append(s)
+            trained_scores.append(by_uid)
+            return update(batch, timing)
+
+        trainer._update = recorded
+
+    from megappo.assets import ensure_assets
+    from trainer_utils import REPO
+
+    arith = ensure_assets(REPO / "assets", demo=True)["tiny-llama-arith"]  # warm-started: some answers right
+    history, _ = _run(_config(tiny_assets, data_dir, tmp_path / "dapo", *FULLY_ASYNC, "trainer.max_staleness=1",
+                              "trainer.total_steps=2", "trainer.val_every=0", "algorithm.adv_estimator=grpo",
+                              "critic.enable=false", "algorithm.filter_groups.enable=true",
+                              "algorithm.filter_groups.max_rounds=20", "algorithm.filter_groups.metric=score",
+                              f"model.path={arith}"), setup=setup)
+    for h, by_uid in zip(history, trained_scores):
+        print({k: v for k, v in h.items() if k.startswith("dynamic_sampling/")},
+              {u: [round(x, 2) for x in s] for u, s in by_uid.items()})
+        assert h["dynamic_sampling/groups_topped_up"] == 0
+        assert all(len(set(s)) > 1 for s in by_uid.values())  # every trained group can learn
+    # each trained group was counted as varied when it finished, by its batch's report at the latest
+    assert sum(h["dynamic_sampling/groups_varied"] for h in history) >= sum(map(len, trained_scores)) == 2 * 4
+    assert sum(h["dynamic_sampling/groups_dropped"] for h in history) > 0  # the filter had something to drop
+
+
+def test_your_own_agent_streams_in_fully_async(ray_session, tiny_assets, data_dir, tmp_path):
+    """rollout.agent in fully_async: each sample is the user's openai-SDK agent (tools=, a tool result between
+    two calls) in its own gateway session on the rollout worker's stream, while weights load under it. Every
+    trained row is exactly a session the agent ran (the gateway's prompt, the sampled ids, the tool tokens
+    masked out), each sampled token carries the version that sampled it, every sample stays within the bound,
+    and an agent that raises costs its sample only."""
+    import json
+
+    from test_agent import SDK_AGENT
+
+    log = tmp_path / "agent_log.jsonl"
+    (tmp_path / "sdk_agent.py").write_text(f"LOG = {str(log)!r}\n" + SDK_AGENT)
+    batches = []
+
+    def setup(trainer):
+        update = trainer._update
+
+        def recorded(batch, timing):
+            batches.append(batch)
+            return update(batch, timing)
+
+        trainer._update = recorded
+
+    history, _ = _run(_config(tiny_assets, data_dir, tmp_path / "agent", *FULLY_ASYNC, "trainer.max_staleness=1",
+                              f"rollout.agent={tmp_path / 'sdk_agent.py'}:run", "rollout.max_new_tokens=40",
+                              "data.max_prompt_length=200", "rollout.multi_turn.tool_prompt='You can use tools: {tools}'",
+                              "reward.non_stop_penalty=false", "trainer.total_steps=2", "trainer.val_every=0"),
+                      setup=setup)
+    sessions = [json.loads(line) for line in log.read_text().splitlines()]
+    expected = set()
+    for first, second in sessions:
+        sent = first["prompt"] + first["sampled"]
+        assert second["prompt"][:len(sent)] == sent  # the model's ids continued as sampled
+        tool = second["prompt"][len(sent):]
+        expected.add((tuple(first["prompt"]), tuple(first["sampled"] + tool + second["sampled"])))
+    trained = []
+    for h, batch in zip(history, batches):
+        b = batch.batch
+        rows, width = b["responses"].shape[0], b["prompts"].shape[1]
+        errors = h["rollout/agent_errors"]
+        assert 0 < errors < rows and h["objective/scores"] == pytest.approx(0.5 * (1 - errors / rows))
+        assert h["async/sample_staleness_max"] <= 1 and h["rollout/agent_fallbacks"] == 0
+        for i in range(rows):
+            if b["response_mask"][i].sum() == 0:  # the agent raised: nothing trained
+                assert (b["token_versions"][i] == -1).all()
+                continue
+            prompt = b["prompts"][i][b["attention_mask"][i, :width].bool()].tolist()
+            n = int(b["attention_mask"][i, width:].sum())
+            trained.append((tuple(prompt), tuple(b["responses"][i, :n].tolist())))
+            model = b["response_mask"][i].bool()
+            assert (b["token_versions"][i][model] >= 0).all() and (b["token_versions"][i][~model] == -1).all()
+    print(f"{len(sessions)} sessions, {len(trained)} trained; staleness max "
+          f"{[h['async/staleness_max'] for h in history]}, tokens across an update "
+          f"{[h['async/cross_update_token_frac'] for h in history]}")
+    assert trained and set(trained) <= expected  # token identity: what was trained is what the sessions sampled

@@ -47,6 +47,7 @@ class Trajectory:
     turns: list = field(default_factory=list)  # {"role": "assistant", "text"} / {"role": "tool", "name", ...}
     stats: dict = field(default_factory=lambda: dict.fromkeys(STAT_KEYS, 0.0))
     prompt: Optional[list] = None  # the prompt ids it continues when not its row's (rollout.agent: the agent's own)
+    versions: list = field(default_factory=list)  # rollout.agent: per token, the policy version that sampled it (-1 not)
 
     def add(self, tokens, logprobs=None, model: bool = True) -> None:
         self.tokens += list(tokens)

@@ -1,6 +1,6 @@
 """Cross-key checks on a resolved config. Each failure is one ConfigError line naming the keys and
 the fix. Model shapes come from `<model.path>/config.json` when it exists, else from `model.arch`,
-as parallel/weight_mapping.py's ModelDims (the one description of a model's shapes)."""
+as parallel/model_dims.py's ModelDims (the one description of a model's shapes)."""
 
 from __future__ import annotations
 
@@ -218,8 +218,9 @@ def _check_algorithm(cfg) -> None:
     if fg.enable and cfg.reward.model.enable:
         raise ConfigError("algorithm.filter_groups filters on the rule rewards before the reward model scores; "
                           "turn one of them off")
-    if fg.enable and cfg.trainer.mode != "sync":
-        raise ConfigError("algorithm.filter_groups samples more prompts within the step; use trainer.mode=sync")
+    if fg.enable and cfg.trainer.mode == "async":
+        raise ConfigError("algorithm.filter_groups samples more prompts within the step, which one-step async mode "
+                          "does not; use trainer.mode=sync or fully_async")
     if fg.max_rounds < 1:
         raise ConfigError(f"algorithm.filter_groups.max_rounds={fg.max_rounds} must be >= 1")
     for side in ("clip_ratio_low", "clip_ratio_high"):
@@ -435,13 +436,13 @@ def _check_trainer(cfg, check_paths: bool) -> None:
 
 def _check_fully_async(cfg) -> None:
     """What trainer.mode=fully_async (ppo/fully_async.py) does not do yet, refused before any worker starts."""
-    t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
+    t, r = cfg.trainer, cfg.rollout
     if t.max_staleness < 0:
         raise ConfigError(f"trainer.max_staleness={t.max_staleness} must be >= 0 (0 = on-policy only)")
     unsupported = [
         (r.tp != 1, f"rollout.tp={r.tp}: each rollout worker's engine steps on its own; set rollout.tp=1"),
-        (r.multi_turn.enable or bool(r.agent), "rollout.multi_turn / rollout.agent: use trainer.mode=async"),
-        (a.filter_groups.enable, "algorithm.filter_groups (DAPO's dynamic sampling): use trainer.mode=async or sync"),
+        (r.multi_turn.enable, "rollout.multi_turn (the built-in loop generates a turn for the whole batch at a "
+                              "time): use trainer.mode=async, or write your loop as a rollout.agent"),
     ]
     for bad, what in unsupported:
         if bad:

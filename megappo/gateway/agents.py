@@ -90,39 +90,42 @@ class AgentRunner:
         self.concurrency, self.timeout_s = int(concurrency), float(timeout_s)
 
     def run(self, prompts: list[list[int]], spec, base_seed: int, rows: list[dict]):
-        """One trajectory per prompt (sample k runs rows[k]'s agent)."""
+        """One trajectory per prompt (sample k runs rows[k]'s agent, seeded base_seed + k)."""
         return asyncio.run(self._run_all(prompts, spec, base_seed, rows))
 
     async def _run_all(self, prompts, spec, base_seed, rows):
+        gate = asyncio.Semaphore(self.concurrency)
+        return await asyncio.gather(*(self.sample(prompts[k], spec, None if base_seed is None else base_seed + k,
+                                                  rows[k], gate) for k in range(len(prompts))))
+
+    async def sample(self, prompt: list[int], spec, seed: Optional[int], row: dict, gate: asyncio.Semaphore):
+        """One sample: the agent run on `row` in a session of its own (its requests seeded seed + t * SEED_STRIDE),
+        under `gate` (at most `concurrency` at once), as a trajectory. Also what fully_async's rollout stream
+        starts for each sample of a group (workers/rollout/stream.py)."""
         import openai
 
-        gate = asyncio.Semaphore(self.concurrency)
         sampling = {"temperature": spec.temperature if spec.do_sample else 0.0,
                     "top_p": spec.top_p if spec.do_sample else 1.0}
-
-        async def one(k: int):
-            async with gate:
-                state = self.gateway.open_session(rows[k])
-                state.budget = int(spec.max_new_tokens)
-                state.forced = {**sampling, "seed": None if base_seed is None else base_seed + k, "seed_stride": SEED_STRIDE}
-                client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=state.key, max_retries=0,
-                                            timeout=self.timeout_s)
-                t0, error, timed_out, reward = time.perf_counter(), None, False, None
-                try:
-                    reward = await asyncio.wait_for(self.fn(client, dict(rows[k])), self.timeout_s)
-                except asyncio.TimeoutError:
-                    timed_out = True
-                except Exception as e:  # noqa: BLE001 - a user's agent failing on one sample drops that sample
-                    error = f"{type(e).__name__}: {e}"
-                finally:
-                    await client.close()
-                record = self.gateway.close_session(state.id)
-                if reward is None:
-                    reward = record["reward"]
-                return _trajectory(record, prompts[k], reward, error, timed_out, time.perf_counter() - t0,
-                                   self.gateway.tokenizer)
-
-        return await asyncio.gather(*(one(k) for k in range(len(prompts))))
+        async with gate:
+            state = self.gateway.open_session(row)
+            state.budget = int(spec.max_new_tokens)
+            state.forced = {**sampling, "seed": seed, "seed_stride": SEED_STRIDE}
+            client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=state.key, max_retries=0,
+                                        timeout=self.timeout_s)
+            t0, error, timed_out, reward = time.perf_counter(), None, False, None
+            try:
+                reward = await asyncio.wait_for(self.fn(client, dict(row)), self.timeout_s)
+            except asyncio.TimeoutError:
+                timed_out = True
+            except Exception as e:  # noqa: BLE001 - a user's agent failing on one sample drops that sample
+                error = f"{type(e).__name__}: {e}"
+            finally:
+                await client.close()
+            record = self.gateway.close_session(state.id)
+            if reward is None:
+                reward = record["reward"]
+            return _trajectory(record, prompt, reward, error, timed_out, time.perf_counter() - t0,
+                               self.gateway.tokenizer)
 
     def close(self) -> None:
         self.server.stop()  # the engine stays: it is the LLM's own (AsyncTokenEngine.for_llm)
@@ -144,6 +147,7 @@ def _trajectory(record: dict, prompt: list[int], reward, error: Optional[str], t
         if own_prompt:  # tools= shown, a system prompt added, the row's messages changed: trained as it was sent
             t.prompt = list(first["prompt_ids"])
         t.tokens, t.model_mask, t.logprobs = list(first["tokens"]), list(first["model_mask"]), list(first["logprobs"])
+        t.versions = list(first["versions"])
         t.stats["num_turns"] = float(first["turns"])
         t.turns = [{"role": "assistant", "text": tokenizer.decode(run, skip_special_tokens=True)}
                    for run in _model_runs(t.tokens, t.model_mask)]

@@ -46,11 +46,17 @@ class Segment:
     def ids(self) -> list:
         return self.prompt_ids + self.tokens
 
-    def add(self, ids, logprobs=None, version: int = -1, model: bool = False) -> None:
+    def add(self, ids, logprobs=None, version=-1, model: bool = False) -> None:
+        """`version`: one for every id, or one per id (a request in flight across a weight load)."""
         self.tokens += list(ids)
         self.model_mask += [int(model)] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
-        self.versions += [version if model else -1] * len(ids)
+        if not model:
+            self.versions += [-1] * len(ids)
+        elif isinstance(version, int):
+            self.versions += [version] * len(ids)
+        else:
+            self.versions += list(version)
         self.turns += int(model)
 
     def to_dict(self) -> dict:
@@ -154,9 +160,10 @@ class Session:
         self._history = None  # a chat request after a raw completion starts a new segment
         return self.segments[-1].ids
 
-    def record(self, ids: list[int], logprobs: list[float], version: int, reply: Optional[dict] = None) -> None:
-        """The engine's answer to the last prompt: ids and log-probs as sampled; reply: the assistant
-        message returned to the client (what its next request must repeat to extend)."""
+    def record(self, ids: list[int], logprobs: list[float], version, reply: Optional[dict] = None) -> None:
+        """The engine's answer to the last prompt: ids and log-probs as sampled, the version(s) that sampled
+        them (Segment.add); reply: the assistant message returned to the client (what its next request must
+        repeat to extend)."""
         self.segments[-1].add(ids, logprobs, version, model=True)
         if reply is not None and self._history is not None:
             self._history.append(reply)

@@ -1,6 +1,6 @@
 """ONE source of truth for HuggingFace <-> Megatron-core names and tensor layouts (llama / qwen2 /
-mistral / qwen3 / MoE families; the dims themselves are parallel/model_dims.py's). Pure functions over single tensors, so a converter or a resharder can stream one
-parameter at a time. Used by models/gpt.py (HF load), the checkpoint converter and the resharder.
+mistral / qwen3 / MoE families; the dims themselves are parallel/model_dims.py's). Pure functions over
+single tensors, so a converter or a resharder can stream one parameter at a time. Used by models/gpt.py (HF load), the checkpoint converter and the resharder.
 
 Megatron names use the GLOBAL layer index (`decoder.layers.{L}.`); a pipeline stage that holds layers
 [o, o+n) names its local layer i as global o+i (see `global_param_name`).

@@ -20,6 +20,11 @@ trainer.partial_rollout=false the stream drains first: no sample spans a weight 
 engine step that sampled it (`token_versions`, [rows, R], -1 past a response) and each sample the version
 it started at (`start_version`); the decoupled loss takes the sampler's own log-probs as the behaviour
 policy per token, so a sample that spans versions is corrected token by token.
+
+Your own agent (rollout.agent, gateway/agents.AgentRunner): each sample is the agent run in its own gateway
+session on the same engine (AgentRunner.sample, at most rollout.agent_concurrency at once), its trajectory
+the tokens the engine sampled; a weight load pauses the engine under the agents' requests as under plain
+ones, and each sampled token carries its version through the gateway's capture.
 """
 
 from __future__ import annotations
@@ -44,7 +49,14 @@ class RolloutStream:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="megappo-stream", daemon=True)
         self._thread.start()
-        self._groups: dict = {}  # uid -> (the prompt's row, its SamplingSpec, one future per sample)
+        self._groups: dict = {}  # uid -> (the prompt's row, its SamplingSpec, one future per sample, requests)
+        from megappo.gateway.agents import AgentRunner
+
+        agent = getattr(rollout, "agent", None)
+        if agent is not None and not isinstance(agent, AgentRunner):
+            raise ValueError(f"fully_async streams single-turn samples or rollout.agent, not {type(agent).__name__}")
+        self.agent = agent
+        self._gate = asyncio.Semaphore(agent.concurrency) if agent is not None else None
 
     @property
     def in_flight(self) -> int:
@@ -70,14 +82,20 @@ class RolloutStream:
                                                   prompts.batch["attention_mask"][i:i + 1].cpu().bool(), spec, base)
         row = prompts[i:i + 1]
         row.non_tensor_batch.pop("group_seed", None)
-        return row, spec.with_seed(base), [
-            asyncio.run_coroutine_threadsafe(self.engine.generate(r["prompt_token_ids"], p), self._loop)
-            for r, p in zip(requests, params)]
+        if self.agent is None:
+            runs = [self.engine.generate(r["prompt_token_ids"], p) for r, p in zip(requests, params)]
+        else:  # sample j of the group is the agent on the row, seeded base + j (as the sync rollout seeds it)
+            from megappo.gateway.agents import sample_rows
+
+            rows = sample_rows(row.non_tensor_batch, spec.num_samples)
+            runs = [self.agent.sample(r["prompt_token_ids"], spec, base + j, rows[j], self._gate)
+                    for j, r in enumerate(requests)]
+        return row, spec.with_seed(base), [asyncio.run_coroutine_threadsafe(c, self._loop) for c in runs], requests
 
     def collect(self) -> Optional[DataProto]:
         """The groups whose every sample has finished (removed from the stream), or None. A request the
         engine failed raises here."""
-        done = [uid for uid, (_, _, futures) in self._groups.items() if all(f.done() for f in futures)]
+        done = [uid for uid, (_, _, futures, _) in self._groups.items() if all(f.done() for f in futures)]
         parts = [self._assemble(*self._groups.pop(uid)) for uid in done]
         if not parts:
             return None
@@ -95,22 +113,32 @@ class RolloutStream:
         started = [self._start(prompts, i) for i in range(len(prompts))]  # every request in before any wait
         return DataProto.concat([self._assemble(*group) for group in started])
 
-    def _assemble(self, row: DataProto, spec, futures) -> DataProto:
+    def _assemble(self, row: DataProto, spec, futures, requests) -> DataProto:
         done = [f.result() for f in futures]
         R = spec.max_new_tokens
-        res = self.rollout.response_tensors([(c.ids, c.logprobs, c.finish_reason) for c in done], R)
+        if self.agent is None:
+            res = self.rollout.response_tensors([(c.ids, c.logprobs, c.finish_reason) for c in done], R)
+            per_token, starts = [c.token_versions for c in done], [c.version for c in done]
+        else:  # trajectories (an agent that failed: nothing trained, started at the current version)
+            from megappo.agent.loop import trajectory_tensors
+
+            res = trajectory_tensors(done, R, self.rollout.pad_token_id)
+            per_token = [t.versions for t in done]
+            starts = [min((v for v in t.versions if v >= 0), default=self.engine.version) for t in done]
         versions = torch.full((len(done), R), -1, dtype=torch.long, device="cpu")
-        for k, c in enumerate(done):
-            tv = c.token_versions[:R]
+        for k, tv in enumerate(per_token):
+            tv = tv[:R]
             versions[k, :len(tv)] = torch.tensor(tv, dtype=torch.long, device="cpu")
         res["token_versions"] = versions
-        res["start_version"] = torch.tensor([c.version for c in done], dtype=torch.long, device="cpu")
-        return self.rollout.assemble(row, res, spec)
+        res["start_version"] = torch.tensor(starts, dtype=torch.long, device="cpu")
+        if self.agent is None:
+            return self.rollout.assemble(row, res, spec)
+        return self.rollout.assemble(row, res, spec, done, requests)
 
     def drain(self) -> int:
         """Wait until every sample in flight has finished (the engine keeps stepping; the groups stay here
         for collect). Returns the groups waited for."""
-        for _, _, futures in list(self._groups.values()):
+        for _, _, futures, _ in list(self._groups.values()):
             for f in futures:
                 f.exception()  # waits; a failed request raises in collect, as it would without the drain
         return len(self._groups)
