@@ -131,9 +131,7 @@ class RolloutStream:
             versions[k, :len(tv)] = torch.tensor(tv, dtype=torch.long, device="cpu")
         res["token_versions"] = versions
         res["start_version"] = torch.tensor(starts, dtype=torch.long, device="cpu")
-        if self.agent is None:
-            return self.rollout.assemble(row, res, spec)
-        return self.rollout.assemble(row, res, spec, done, requests)
+        return self.rollout.assemble(row, res, spec, None if self.agent is None else done, requests)
 
     def drain(self) -> int:
         """Wait until every sample in flight has finished (the engine keeps stepping; the groups stay here
