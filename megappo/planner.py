@@ -182,7 +182,8 @@ def lora_rank(cfg) -> int:
 def lora_params(a, lora, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[int, int]:
     """(dense, expert) adapter parameters on one GPU of a pipeline stage (layers / pp of them): A [r, in] and
     B [out, r] per targeted linear, the split one of the two divided by tp. Routed experts carry adapters
-    only with lora.experts (each of the num_experts / ep local experts its fc1 / fc2's, at expert TP 1)."""
+    only with lora.experts (each of the num_experts / ep local experts its fc1 / fc2's, split as a dense MLP's
+    over expert TP = tp)."""
     r = int(lora.rank)
     head_dim = a.head_dim or a.hidden_size // a.num_attention_heads
     h, q = a.hidden_size, a.num_attention_heads * head_dim
@@ -199,7 +200,8 @@ def lora_params(a, lora, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[int, in
     experts = 0.0
     if getattr(lora, "experts", False) and n_moe:
         f = getattr(a, MOE_FAMILIES[a.family].ffn_key)
-        per_expert = sum({"linear_fc1": r * (h + 2 * f), "linear_fc2": r * (f + h)}.get(t, 0) for t in lora.target_modules)
+        per_expert = sum({"linear_fc1": r * (h + 2 * f / tp), "linear_fc2": r * (f / tp + h)}.get(t, 0)
+                         for t in lora.target_modules)
         experts = per_expert * a.num_experts / ep * n_moe / pp
     return int(total), int(experts)
 

@@ -1,6 +1,7 @@
 """LoRA on a MoE model's routed experts (actor.lora.experts; models/lora.py): tiny Mixtral (4 layers, each
 4 routed experts, top-2), fp32, CPU/gloo, megatron's engine (DDP, distributed optimizer), at EP2 x DP2
-(each rank holds 2 of the 4 experts of every layer) and in one process (EP1).
+(each rank holds 2 of the 4 experts of every layer), at TP2 (expert TP 2: each rank holds half of every
+expert's fc1 outputs and fc2 inputs; the dispatcher sums the pair's outputs) and in one process (EP1).
 
 - The same adapter (random, B nonzero; attention and every expert's fc1/fc2) gives the
   log-probs of the HF model with each adapted weight merged (W + alpha/r B@A, written here expert by
@@ -8,6 +9,8 @@
   loads with `peft` and gives them too.
 - One optimizer step at EP2 equals the single-process step (<= 1e-5): an expert adapter's gradient is
   averaged over the expert-data-parallel group, as the expert's weight's is, not over every DP rank.
+  At TP2 too: the replicated A of fc1 and B of fc2 get the whole gradient on both ranks, and the
+  input gradients the dispatcher sums are each rank's part (a factor 2 anywhere fails the check).
 - The step leaves every base weight bit-identical; the exported adapter gives the stepped model's
   log-probs in HF + peft; the EP2 checkpoint (adapters + Adam state) resumes in one process, and the
   export CLI's merged HF model from it gives those log-probs too.
@@ -24,7 +27,7 @@ from megappo.parallel.layout import ParallelLayout
 
 RANK, ALPHA = 4, 8.0
 OPTIM = dict(lr=1e-2, adam_eps=1e-4, clip_grad=1.0)  # eps well above fp32 summation noise in the grads
-LAYOUTS = {1: ParallelLayout(), 2: ParallelLayout(dp=2, ep=2)}
+LAYOUTS = {1: ParallelLayout(), 2: ParallelLayout(dp=2, ep=2), "tp2": ParallelLayout(tp=2)}
 
 
 def random_adapter(path) -> dict:
@@ -86,12 +89,12 @@ def _worker(rank, world, port, path, ep, adapter, out_dir):
     cfg = EngineConfig(optim=OptimConfig(**OPTIM), lora=LoraConfig(rank=RANK, alpha=ALPHA, experts=True))
     init_megatron(layout)
     eng = MegatronEngine(path, layout, cfg)
-    dims = ModelDims.from_hf_config(load_hf_config(path), tp=1)
-    load_hf_lora(eng.inner_chunks(), adapter, dims, 0, 1)
+    dims = ModelDims.from_hf_config(load_hf_config(path), tp=layout.tp)
+    load_hf_lora(eng.inner_chunks(), adapter, dims, mpu.get_tensor_model_parallel_rank(), layout.tp)
     batch = make_batch()
     dp, n = mpu.get_data_parallel_rank(), B // layout.dp
     local = {k: v[dp * n:(dp + 1) * n] for k, v in batch.items()}
-    res = {"dp": dp, "rows": (dp * n, (dp + 1) * n),
+    res = {"dp": dp, "tp": mpu.get_tensor_model_parallel_rank(), "rows": (dp * n, (dp + 1) * n),
            "names": [name for name, _ in iter_lora_modules(eng.inner_chunks())],
            "expert_grad_groups": {p.allreduce for name, m in iter_lora_modules(eng.inner_chunks())
                                   if ".experts." in name for p in (m.lora_A, m.lora_B)}}
@@ -129,11 +132,12 @@ def runs(tiny_assets, tmp_path_factory):
     adapter = random_adapter(path)
     ep2 = spawn_local(_worker, 2, path, 2, adapter, str(tmp), timeout=600)
     (ep1,) = spawn_local(_worker, 1, path, 1, adapter, str(tmp), timeout=600)
-    return path, tmp, adapter, ep1, ep2
+    tp2 = spawn_local(_worker, 2, path, "tp2", adapter, str(tmp), timeout=600)
+    return path, tmp, adapter, ep1, ep2, tp2
 
 
 def _joined(ep2, key):
-    return torch.cat([r[key] for r in sorted(ep2, key=lambda r: r["dp"])])
+    return torch.cat([r[key] for r in sorted(ep2, key=lambda r: r["dp"]) if r.get("tp", 0) == 0])
 
 
 def _hf_logprobs(model):
@@ -158,14 +162,14 @@ def _gap(a, b, mask) -> float:
 
 
 def test_expert_adapters_are_wrapped_and_reduced_over_expert_dp(runs):
-    _, _, _, ep1, ep2 = runs
+    _, _, _, ep1, ep2, tp2 = runs
     experts1 = [n for n in ep1["names"] if ".experts." in n]
     assert len(experts1) == 4 * 4 * 2  # 4 layers x 4 experts x fc1/fc2
     held = [sorted({n.split(".local_experts.")[1].split(".")[0] for n in r["names"] if ".experts." in n})
             for r in sorted(ep2, key=lambda r: r["dp"])]
     assert held == [["0", "1"], ["2", "3"]]  # global expert indices: each rank holds its own 2
     # marked as megatron marks expert weights: reduced over the expert-data-parallel group (DDP's expert buffers)
-    assert all(r["expert_grad_groups"] == {False} for r in [ep1, *ep2])
+    assert all(r["expert_grad_groups"] == {False} for r in [ep1, *ep2, *tp2])
 
 
 def test_logprobs_match_the_merged_hf_model_and_peft(runs):
@@ -174,7 +178,7 @@ def test_logprobs_match_the_merged_hf_model_and_peft(runs):
 
     from megappo.models.lora import LoraConfig, save_peft_adapter
 
-    path, tmp, adapter, ep1, ep2 = runs
+    path, tmp, adapter, ep1, ep2, tp2 = runs
     ref, mask = _hf_logprobs(merged_hf_model(path, adapter))
     base, _ = _hf_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
     save_peft_adapter(adapter, LoraConfig(rank=RANK, alpha=ALPHA, experts=True), path, tmp / "random_peft")
@@ -182,7 +186,7 @@ def test_logprobs_match_the_merged_hf_model_and_peft(runs):
                                            str(tmp / "random_peft")).eval()
     via_peft, _ = _hf_logprobs(peft_model)
     gaps = {"ep1": _gap(ep1["lp0"], ref, mask), "ep2": _gap(_joined(ep2, "lp0"), ref, mask),
-            "peft": _gap(via_peft, ref, mask)}
+            "tp2": _gap(_joined(tp2, "lp0"), ref, mask), "peft": _gap(via_peft, ref, mask)}
     print(f"log-probs vs merged HF: {gaps}; the adapter moves them by {_gap(ref, base, mask):.2f}")
     assert _gap(ref, base, mask) > 0.05  # the adapter (experts included) changes the model: the check has teeth
     assert max(gaps.values()) <= 1e-4
@@ -191,26 +195,28 @@ def test_logprobs_match_the_merged_hf_model_and_peft(runs):
 def test_one_step_at_ep2_equals_the_single_process_step(runs):
     from safetensors.torch import load_file
 
-    _, tmp, _, ep1, ep2 = runs
-    one, two = (load_file(str(tmp / f"peft_ep{ep}" / "adapter_model.safetensors")) for ep in (1, 2))
-    assert one.keys() == two.keys() and any(".mlp.experts." in k for k in one)
-    worst = max((one[k] - two[k]).abs().max().item() for k in one)
+    _, tmp, _, ep1, ep2, tp2 = runs
+    one, two, tp = (load_file(str(tmp / f"peft_ep{ep}" / "adapter_model.safetensors")) for ep in (1, 2, "tp2"))
+    assert one.keys() == two.keys() == tp.keys() and any(".mlp.experts." in k for k in one)
+    worst = {name: max((one[k] - other[k]).abs().max().item() for k in one) for name, other in
+             (("ep2", two), ("tp2", tp))}
     moved = max((one[k] - load_file(str(tmp / "random_peft" / "adapter_model.safetensors"))[k]).abs().max().item()
                 for k in one)
-    lp = (ep1["lp1"] - _joined(ep2, "lp1")).abs().max().item()
-    print(f"EP2 vs single process after one step: adapters {worst:.2e} (the step moved them {moved:.2e}), "
-          f"log-probs {lp:.2e}")
+    lp = {"ep2": (ep1["lp1"] - _joined(ep2, "lp1")).abs().max().item(),
+          "tp2": (ep1["lp1"] - _joined(tp2, "lp1")).abs().max().item()}
+    print(f"vs the single process after one step: adapters {worst} (the step moved them {moved:.2e}), "
+          f"log-probs {lp}")
     # Adam's eps 1e-4: with 1e-6 it divides fp32 summation noise (EP sums in another order) by tiny gradients
     # and the adapters differ by up to 1.5e-5 (6e-7 with 1e-4)
-    assert moved > 1e-3 and worst <= 1e-5 and lp <= 1e-5
-    assert ep1["base_bit_identical"] and all(r["base_bit_identical"] for r in ep2)
+    assert moved > 1e-3 and max(worst.values()) <= 1e-5 and max(lp.values()) <= 1e-5
+    assert ep1["base_bit_identical"] and all(r["base_bit_identical"] for r in ep2 + tp2)
 
 
 def test_exported_adapter_gives_the_stepped_model_in_peft(runs):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    path, tmp, _, _, ep2 = runs
+    path, tmp, _, _, ep2, _ = runs
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
                                       str(tmp / "peft_ep2")).eval()
     got, mask = _hf_logprobs(model)
@@ -219,12 +225,15 @@ def test_exported_adapter_gives_the_stepped_model_in_peft(runs):
     assert gap <= 1e-4
 
 
-def test_ep2_checkpoint_resumes_in_one_process(runs):
+@pytest.mark.parametrize("saved_at", ["ep2", "eptp2"])
+def test_ep2_checkpoint_resumes_in_one_process(runs, saved_at):
     from safetensors.torch import load_file
 
-    path, tmp, _, _, _ = runs
-    (steps,) = spawn_local(_resume_worker, 1, path, str(tmp / "ckpt_ep2"), str(tmp / "resumed"), timeout=300)
-    saved, resumed = (load_file(str(tmp / d / "adapter_model.safetensors")) for d in ("peft_ep2", "resumed"))
+    path, tmp, _, _, _, _ = runs
+    (steps,) = spawn_local(_resume_worker, 1, path, str(tmp / f"ckpt_{saved_at}"), str(tmp / f"resumed_{saved_at}"),
+                           timeout=300)
+    saved, resumed = (load_file(str(tmp / d / "adapter_model.safetensors"))
+                      for d in (f"peft_{saved_at}", f"resumed_{saved_at}"))
     assert steps == 1 and saved.keys() == resumed.keys()
     assert all(torch.equal(saved[k], resumed[k]) for k in saved)
 
@@ -234,7 +243,7 @@ def test_export_cli_merges_the_ep2_checkpoint(runs, tmp_path):
 
     from megappo.export import export_lora
 
-    path, tmp, _, _, ep2 = runs
+    path, tmp, _, _, ep2, _ = runs
     info = export_lora(tmp / "ckpt_ep2", tmp_path / "merged", path)
     assert info["merged_modules"] == 4 * (4 + 4 * 3) and info["adapter"]  # q/k/v/o + 4 experts x w1/w3/w2
     got, mask = _hf_logprobs(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval())
@@ -243,10 +252,12 @@ def test_export_cli_merges_the_ep2_checkpoint(runs, tmp_path):
     assert gap <= 1e-4
 
 
-def test_expert_lora_ppo_through_the_hybrid_engine(ray_session, tiny_assets, data_dir, tmp_path):
-    """configs/ppo_tiny_moe.yaml (tiny Qwen3-MoE, every role at DP2 x EP2) with LoRA on the actor's attention,
-    dense MLP and experts, 2 steps: each sync's merged weights (every expert's W + alpha/r B@A, from the EP
-    rank that trains it) reach both vLLM engines (fingerprints), vLLM's log-probs equal Megatron's
+@pytest.mark.parametrize("actor", ["dp2_ep2", "tp2"])
+def test_expert_lora_ppo_through_the_hybrid_engine(ray_session, tiny_assets, data_dir, tmp_path, actor):
+    """configs/ppo_tiny_moe.yaml (tiny Qwen3-MoE, every role at DP2 x EP2; the actor also at TP2, its experts
+    at expert TP 2) with LoRA on the actor's attention, dense MLP and experts, 2 steps: each sync's merged
+    weights (every expert's W + alpha/r B@A, from the rank that trains it, from both TP halves at TP2) reach
+    both vLLM engines (fingerprints), vLLM's log-probs equal Megatron's
     (fp32, <= 1e-4), the reference is the base (KL to it starts at 0 and grows) and the merged export
     is written; the peft adapter is skipped with its reason (this model's dense layer 0, see above)."""
     from megappo.config.loader import load_config
@@ -256,7 +267,8 @@ def test_expert_lora_ppo_through_the_hybrid_engine(ray_session, tiny_assets, dat
         tiny_assets, data_dir, tmp_path, f"model.path={tiny_assets['tiny-qwen3_moe']}", "trainer.total_steps=2",
         "trainer.val_every=0", "trainer.save_every=2", "trainer.loggers=[jsonl]", "actor.lora.rank=4",
         "actor.lora.alpha=8", "actor.lora.experts=true", "actor.optim.lr=1e-3", "actor.use_kl_loss=true",
-        "algorithm.use_kl_in_reward=false"))
+        "algorithm.use_kl_in_reward=false", *(["actor.parallel.tp=2", "actor.parallel.dp=1", "actor.parallel.ep=1"]
+                                               if actor == "tp2" else [])))
     history, trainer = run(cfg, setup=lambda t: None)
     for h in history:
         assert h["rollout/weights_fingerprint_ok"] == 1.0

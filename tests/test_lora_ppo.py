@@ -34,8 +34,6 @@ def test_bad_lora_config_is_one_line(overrides, expected):
 
 
 MOE_LORA_INVALID = [
-    ("tiny-qwen3_moe", ["actor.lora.experts=true", "actor.parallel.tp=2", "actor.parallel.dp=1",
-                        "actor.parallel.ep=1"], "expert TP > 1 is not supported yet"),
     ("tiny-qwen3_moe", ["actor.lora.experts=true", "actor.lora.target_modules=[linear_qkv]"],
      "add them to actor.lora.target_modules"),
     ("tiny-mixtral", [], "every layer of mixtral is routed; set actor.lora.experts=true"),

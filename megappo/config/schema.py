@@ -128,8 +128,8 @@ class LoraSection:
     dropout: float = 0.0  # on the adapter's input, training only; in [0, 1)
     target_modules: list = field(default_factory=lambda: list(LORA_TARGETS))  # megatron's names (LORA_TARGETS)
     init: str = "kaiming"  # A's init (LORA_INITS): kaiming = peft's default, gaussian = normal(0, 1/r); B = 0
-    # MoE models: also each routed expert's linear_fc1 / linear_fc2 (its own adapter per expert; at tp=1,
-    # split by actor.parallel.ep). false: attention, dense layers and shared experts only
+    # MoE models: also each routed expert's linear_fc1 / linear_fc2 (its own adapter per expert, split as the
+    # expert is: by actor.parallel.ep and tp). false: attention, dense layers and shared experts only
     experts: bool = False
 
 

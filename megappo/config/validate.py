@@ -363,9 +363,6 @@ def _check_lora(cfg, dims: ModelDims) -> None:
     if lo.experts and not mlp:
         raise ConfigError("actor.lora.experts=true adapts the experts' linear_fc1 / linear_fc2: add them to "
                           "actor.lora.target_modules or set experts false")
-    if lo.experts and cfg.actor.parallel.tp > 1:
-        raise ConfigError(f"actor.lora.experts=true at actor.parallel.tp={cfg.actor.parallel.tp}: expert TP > 1 "
-                          "is not supported yet; split the experts with actor.parallel.ep at tp=1")
     if lo.experts and cfg.model.transformer_engine:
         raise ConfigError("actor.lora.experts=true with model.transformer_engine=true (TE's grouped-GEMM experts) "
                           "is not supported yet; set model.transformer_engine=false")

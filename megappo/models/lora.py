@@ -31,8 +31,13 @@ Routed experts (`experts=True`, off by default): each expert's linear_fc1 / line
 SequentialMLP gets its own adapter, the same rule as a dense MLP's; its parameters are marked as the
 expert weights are (`allreduce=False`: gradients averaged over the expert-data-parallel group only), and
 its A is seeded by the GLOBAL expert index, so every EP size starts from the same adapters. The expert
-receives its tokens from the dispatcher (which owns the communication), so at expert TP 1 the adapter
-needs none; expert TP > 1 and TE's grouped GEMM (TEGroupedMLP) are refused in one line. peft adapts
+receives its tokens from the dispatcher, which owns the communication: at expert TP > 1 every rank of the
+expert-TP group gets the same (gathered) tokens, and the dispatcher sums the group's outputs (and, backward,
+the group's input gradients). So an expert's adapter is the dense rule with those sums left to the
+dispatcher: column (fc1): A's gradient is all-reduced over the group (A is replicated) but the input
+gradient stays this rank's part; row (fc2): A's partial sums are all-reduced before B, and B's output is
+divided by the group size forward only (the dispatcher's sum restores it; B's gradient is then the whole
+one on every rank). TE's grouped GEMM (TEGroupedMLP) is refused in one line. peft adapts
 transformers' stacked expert parameters (`mlp.experts.gate_up_proj` / `down_proj`) with
 target_parameters: `peft_expert_tensors` writes that layout (save_peft_adapter).
 """
@@ -115,6 +120,10 @@ def _group_size(g) -> int:
     return 1 if g is None else g.size()
 
 
+def _group_rank(g) -> int:
+    return 0 if g is None else g.rank()
+
+
 class _LoraMixin:
     """Mixed in front of a column- or row-parallel linear class (see _lora_class). forward returns the
     base's (output, bias) with the adapter's delta added to output."""
@@ -124,7 +133,7 @@ class _LoraMixin:
     def _lora_setup(self, cfg: LoraConfig, global_name: str) -> None:
         w = self.weight
         group = _tp_group_of(self)
-        tp, rank = _group_size(group), (group.rank() if group is not None else 0)
+        tp, rank = _group_size(group), _group_rank(group)
         r = cfg.rank
         out_local, in_local = w.shape
         in_full = in_local if self.lora_column else in_local * tp
@@ -139,11 +148,12 @@ class _LoraMixin:
         self.lora_B = torch.nn.Parameter(torch.zeros(out_b, r, device=w.device, dtype=w.dtype))
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
+        self._lora_expert_comm = bool(getattr(self, "explicit_expert_comm", False)) and tp > 1
         if self.lora_column:
             set_tensor_model_parallel_attributes(self.lora_B, is_parallel=True, dim=0, stride=1)
         else:
             set_tensor_model_parallel_attributes(self.lora_A, is_parallel=True, dim=1, stride=1)
-            if getattr(self, "sequence_parallel", False):
+            if getattr(self, "sequence_parallel", False) and not self._lora_expert_comm:
                 self.lora_B.sequence_parallel = True  # sees this rank's tokens: grads summed over TP
         self.lora_scaling = cfg.scaling
         self.lora_dropout_p = float(cfg.dropout)
@@ -157,6 +167,8 @@ class _LoraMixin:
         from megatron.core.tensor_parallel import mappings as mp
 
         g, tp = self._lora_group, self._lora_tp
+        if self._lora_expert_comm:
+            return self._expert_lora_delta(x)
         seq_par = bool(getattr(self, "sequence_parallel", False)) and tp > 1
         if self.lora_column:
             if seq_par:  # x is this rank's tokens; A needs them all (backward: keep our slice of the full grad)
@@ -177,6 +189,19 @@ class _LoraMixin:
             a = mp.reduce_scatter_to_sequence_parallel_region(a, group=g) if seq_par \
                 else mp.reduce_from_tensor_model_parallel_region(a, group=g)
         return F.linear(a, self.lora_B) * self.lora_scaling
+
+    def _expert_lora_delta(self, x: torch.Tensor) -> torch.Tensor:
+        """A routed expert's delta at expert TP > 1, where the dispatcher sums the group's outputs and input
+        gradients (module docstring)."""
+        from megatron.core.tensor_parallel import mappings as mp
+
+        x = F.dropout(x, self.lora_dropout_p, self.training)
+        if self.lora_column:
+            a = _ReplicatedA.apply(x, self.lora_A, self._lora_group)
+            return F.linear(a, self.lora_B) * self.lora_scaling
+        a = mp.reduce_from_tensor_model_parallel_region(F.linear(x, self.lora_A), group=self._lora_group)
+        d = F.linear(a, self.lora_B) * self.lora_scaling
+        return d - (d * (1 - 1 / self._lora_tp)).detach()  # d / tp forward, d's gradient as it is backward
 
     def forward(self, input_, *args, **kwargs):
         out, bias = super().forward(input_, *args, **kwargs)
@@ -216,6 +241,28 @@ class _LoraMixin:
         """This rank's shard of W + scaling * B @ A (no communication: the shards line up with W's)."""
         delta = (self.lora_B.double() @ self.lora_A.double()) * self.lora_scaling
         return (self.weight.double() + delta).to(self.weight.dtype)
+
+
+class _ReplicatedA(torch.autograd.Function):
+    """x @ A^T for a column-parallel expert at expert TP > 1: A (replicated) gets the group's all-reduced
+    gradient, x only this rank's part (the dispatcher sums the input gradients over the group)."""
+
+    @staticmethod
+    def forward(ctx, x, a, group):
+        ctx.save_for_backward(x, a)
+        ctx.group = group
+        return F.linear(x, a)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        x, a = ctx.saved_tensors
+        grad_x = grad @ a
+        whole = grad.contiguous().clone()
+        dist.all_reduce(whole, group=ctx.group)
+        grad_a = whole.reshape(-1, whole.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        return grad_x, grad_a, None
 
 
 _CLASS_CACHE: dict = {}
@@ -295,9 +342,6 @@ def apply_lora(model, cfg: LoraConfig) -> list[str]:
                                           "GEMM) are not supported yet; build with model.transformer_engine=false")
             else:
                 continue
-            if routed and _group_size(_tp_group_of(mod)) > 1:
-                raise NotImplementedError(f"LoRA on {name}: routed experts at expert TP > 1 are not supported yet; "
-                                          "split the experts with actor.parallel.ep at tp=1")
             if getattr(mod, "weight", None) is None:
                 raise ValueError(f"LoRA on {name}: {type(mod).__name__} has no weight of its own")
             gname = name_of(name)
@@ -451,7 +495,7 @@ def gather_hf_lora(model, dims: ModelDims,
     dense_rank0, expert_rank0 = mpu.get_data_parallel_rank() == 0, mpu.get_expert_data_parallel_rank() == 0
     # clone: a param is a view into DDP's whole param buffer, and pickling a view writes its whole storage
     # (on the CPU .cpu() is that view: every adapter tensor sent the buffer, 22 GB for SmolLM2 at rank 16)
-    mine = {name: (mpu.get_tensor_model_parallel_rank(), m.lora_A.detach().cpu().clone(),
+    mine = {name: (_group_rank(m._lora_group), m.lora_A.detach().cpu().clone(),
                    m.lora_B.detach().cpu().clone())
             for name, m in iter_lora_modules(model)
             if (dense_rank0 if getattr(m.lora_A, "allreduce", True) else expert_rank0)}
