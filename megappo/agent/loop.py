@@ -63,6 +63,7 @@ class AgentLoop:
         self.tools = make_tools(TOOLS, config.tool_timeout_s, config.max_tool_output_chars)
         self.observations = Observations(tokenizer)
         self._forced_regex: dict = {}  # tool_choice=required: tool names -> the first turn's regex
+        self.lora_request = None  # rollout.lora_sync=adapter: the adapter every turn samples with (load_adapter)
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="megappo-tool")
 
     def run(self, prompts: list[list[int]], spec, base_seed: int, tools=None) -> list[Trajectory]:
@@ -89,7 +90,7 @@ class AgentLoop:
                                      **({"structured_outputs": StructuredOutputsParams(regex=self._forced(allowed[k]))}
                                         if forced[k] else {}))
                       for k in live]
-            outs = self.llm.generate(requests, params, use_tqdm=False)
+            outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
             last_turn = turn == self.config.max_turns - 1
             calls = {k: self._model_turn(trajs[k], o.outputs[0], budget, last_turn, forced[k])
                      for k, o in zip(live, outs)}

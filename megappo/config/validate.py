@@ -375,7 +375,7 @@ VLLM_MAX_LORA_RANK = 512  # vLLM's largest max_lora_rank
 
 
 def _check_lora_sync(cfg, dims: ModelDims) -> None:
-    """rollout.lora_sync=adapter: wired for the hybrid engine's single-turn generation of a dense model."""
+    """rollout.lora_sync=adapter: wired for the hybrid engine (single-turn, multi-turn and rollout.agent)."""
     r, lo = cfg.rollout, cfg.actor.lora
     if r.lora_sync != "adapter":
         return
@@ -391,8 +391,6 @@ def _check_lora_sync(cfg, dims: ModelDims) -> None:
                "those names as the experts'); target [linear_qkv, linear_proj] only")
     elif cfg.trainer.mode != "sync":
         why = f"is wired for the hybrid engine (trainer.mode=sync), not trainer.mode={cfg.trainer.mode}"
-    elif r.multi_turn.enable or r.agent:
-        why = "is wired for single-turn generation, not rollout.multi_turn / rollout.agent"
     elif cfg.resources.device != "cpu" and r.free_cache_engine and r.sleep_level == 2:
         why = "keeps the base in vLLM between syncs, which sleep level 2 discards: set rollout.sleep_level=1"
     if why:

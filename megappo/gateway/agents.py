@@ -127,6 +127,15 @@ class AgentRunner:
             return _trajectory(record, prompt, reward, error, timed_out, time.perf_counter() - t0,
                                self.gateway.tokenizer)
 
+    @property
+    def lora_request(self):
+        return self.engine.lora_request
+
+    @lora_request.setter
+    def lora_request(self, request) -> None:
+        """rollout.lora_sync=adapter: every request of every session samples with this adapter from now on."""
+        self.engine.lora_request = request
+
     def close(self) -> None:
         self.server.stop()  # the engine stays: it is the LLM's own (AsyncTokenEngine.for_llm)
 

@@ -49,6 +49,7 @@ class AsyncTokenEngine:
         self.version = 0
         self.steps = 0  # engine steps taken
         self.requests = 0  # requests served
+        self.lora_request = None  # rollout.lora_sync=adapter: the adapter each new request samples with
         self._lock = threading.Lock()  # held by a step, by add_request, and by paused()
         self._pending: dict[str, tuple] = {}  # request id -> (loop, future, prompt ids, version, vLLM's id)
         self._token_versions: dict[str, list] = {}  # request id -> the version that sampled each id so far
@@ -83,7 +84,8 @@ class AsyncTokenEngine:
             prompt, params, loop, future = self._inbox.get()
             rid = f"gw-{next(self._ids)}"  # outputs carry this id; vLLM's internal one adds a suffix
             try:
-                internal = self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+                internal = self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params,
+                                                   lora_request=self.lora_request)
             except Exception as e:  # noqa: BLE001 - a request vLLM refuses fails alone
                 loop.call_soon_threadsafe(_set, future, None, e)
                 continue

@@ -233,6 +233,8 @@ class VLLMRollout:
         if self.lora_request is not None:
             self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
         self.lora_request = LoRARequest(f"policy-v{version}", version + 1, str(path))
+        if self.agent is not None:  # the multi-turn loop's / the gateway's requests sample with it too
+            self.agent.lora_request = self.lora_request
         self.llm.reset_prefix_cache()  # cached blocks were computed with the previous adapter
 
     def reset_prefix_cache(self) -> None:
