@@ -19,8 +19,8 @@ LORA_INVALID = [
     (["actor.lora.rank=4", "actor.lora.target_modules=[q_proj]"], "linear_qkv, linear_fc1, linear_proj, linear_fc2"),
     (["actor.lora.rank=4", "actor.lora.init=xavier"], "choose one of: kaiming, gaussian"),
     (["rollout.lora_sync=adapter"], "rollout.lora_sync=adapter needs actor.lora.rank > 0"),
-    (["actor.lora.rank=4", "rollout.lora_sync=adapter", "trainer.mode=async", "resources.rollout_workers=1"],
-     "is wired for the hybrid engine (trainer.mode=sync), not trainer.mode=async"),
+    (["actor.lora.rank=4", "rollout.lora_sync=adapter", "trainer.mode=fully_async", "resources.rollout_workers=1"],
+     "fully_async's partial rollouts do not allow"),
     (["actor.lora.rank=4", "rollout.lora_sync=adapted"], "choose one of: merged, adapter"),
 ]
 
@@ -378,9 +378,10 @@ def test_adapter_sync_ppo_run(ray_session, tiny_assets, data_dir, tmp_path, samp
         agent = ["rollout.max_new_tokens=200", "data.max_prompt_length=300", "rollout.multi_turn.enable=true",
                  "rollout.multi_turn.tool_choice=required", "rollout.multi_turn.tool_prompt='You can use tools: {tools}'",
                  "reward.non_stop_penalty=false", "trainer.export_hf=false"]
-    cfg = config(tiny_assets, data_dir, tmp_path, "actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=1e-2",
-                 "rollout.lora_sync=adapter", "trainer.total_steps=3", "trainer.save_every=0", "trainer.val_every=0",
-                 "actor.use_kl_loss=true", "algorithm.use_kl_in_reward=false", *agent)
+    args = ("actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=1e-2", "rollout.lora_sync=adapter",
+            "trainer.val_every=0", "actor.use_kl_loss=true", "algorithm.use_kl_in_reward=false", *agent)
+    cfg = config(tiny_assets, data_dir, tmp_path, *args, "trainer.total_steps=3",
+                 f"trainer.save_every={3 if sampler == 'single_turn' else 0}")
     from megappo.workers.rollout.hybrid_engine import ADAPTER_DIR_PREFIX
 
     shm = Path("/dev/shm")
@@ -404,3 +405,26 @@ def test_adapter_sync_ppo_run(ray_session, tiny_assets, data_dir, tmp_path, samp
         assert all(h["rollout/agent_requests_mean"] >= 1 for h in history)  # measured 1.5, 1.5, 1.0
     if sampler == "multi_turn":
         assert all(h["rollout/turns_mean"] >= 2 and h["rollout/tool_calls_mean"] == 1.0 for h in history)
+    if sampler == "single_turn":
+        _adapter_sync_in_async_mode(config(tiny_assets, data_dir, tmp_path, *args, "trainer.mode=async",
+                                           "resources.rollout_workers=1", "trainer.total_steps=4",
+                                           "trainer.save_every=0"), history, before)
+
+
+def _adapter_sync_in_async_mode(cfg, sync_history, before):
+    """One-step async mode (a rollout pool of its own, fed over the weight-sync group) resumed from the sync run's
+    step-3 checkpoint, one step: the pool's vLLM loaded the base from model.path and gets only the adapters
+    (actor rank 0 broadcasts them, the worker writes its own peft dir), its base fingerprinted. The first
+    async step samples from the weights it trains from, here adapters 3 steps away from B = 0, so vLLM's
+    log-probs must equal Megatron's (<= 1e-4) only if the pool serves the trained adapter."""
+    from trainer_utils import run
+
+    (h,) = run(cfg)
+    print(f"async step 4: adapter {h['rollout/weight_sync_bytes_received'] / 1e3:.1f} kB, vLLM vs Megatron "
+          f"log-probs max {h['rollout/logprob_diff_max']:.2e}, KL to the base {h['actor/kl_loss']:.2e}")
+    assert h["rollout/weights_fingerprint_ok"] == 1.0 and h["rollout/lora_adapter_version"] >= 1
+    assert h["rollout/weight_sync_bytes_received"] == sync_history[-1]["rollout/weight_sync_bytes_received"]
+    assert h["rollout/logprob_diff_max"] <= 1e-4 and h["actor/kl_loss"] > 0.1
+    from megappo.workers.rollout.adapter_dirs import ADAPTER_DIR_PREFIX
+
+    assert not set(Path("/dev/shm").glob(ADAPTER_DIR_PREFIX + "*")) - before

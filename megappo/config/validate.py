@@ -375,7 +375,7 @@ VLLM_MAX_LORA_RANK = 512  # vLLM's largest max_lora_rank
 
 
 def _check_lora_sync(cfg, dims: ModelDims) -> None:
-    """rollout.lora_sync=adapter: wired for the hybrid engine (single-turn, multi-turn and rollout.agent)."""
+    """rollout.lora_sync=adapter: the hybrid engine and one-step async (single-turn, multi-turn, rollout.agent)."""
     r, lo = cfg.rollout, cfg.actor.lora
     if r.lora_sync != "adapter":
         return
@@ -389,8 +389,9 @@ def _check_lora_sync(cfg, dims: ModelDims) -> None:
     elif dims.num_experts and {"linear_fc1", "linear_fc2"} & set(lo.target_modules):
         why = (f"sends a peft adapter, which cannot hold a {dims.model_type} model's dense MLP adapters (peft reads "
                "those names as the experts'); target [linear_qkv, linear_proj] only")
-    elif cfg.trainer.mode != "sync":
-        why = f"is wired for the hybrid engine (trainer.mode=sync), not trainer.mode={cfg.trainer.mode}"
+    elif cfg.trainer.mode == "fully_async":  # vLLM fixes a request's adapter when it is added
+        why = ("would leave a request in flight across a weight load on the adapter it started with, which "
+               "fully_async's partial rollouts do not allow")
     elif cfg.resources.device != "cpu" and r.free_cache_engine and r.sleep_level == 2:
         why = "keeps the base in vLLM between syncs, which sleep level 2 discards: set rollout.sleep_level=1"
     if why:

@@ -398,12 +398,18 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
             if self.rank == 0:
                 self._sync_group = StatelessGroup(host, port, 0, world, timeout_s=timeout)
             self._sender = WeightSender(self._need(self.actor, "actor"), self._sync_group,
-                                        self.config.rollout.weight_sync_bucket_mb)
+                                        self.config.rollout.weight_sync_bucket_mb,
+                                        adapter=self.config.rollout.lora_sync == "adapter")
         elif self.role == "rollout":
             if self.rollout is None:
                 raise RuntimeError("call init_rollout() before init_weight_sync()")
             self._sync_group = StatelessGroup(host, port, 1 + self.rank, world, timeout_s=timeout)
-            self._receiver = WeightReceiver(self.rollout, self._sync_group)
+            from megappo.workers.megatron_engine import lora_config_from
+
+            lora = lora_config_from(self.config) if self.config.rollout.lora_sync == "adapter" else None
+            self._receiver = WeightReceiver(self.rollout, self._sync_group,
+                                            lora=None if lora is None else (lora, self.config.model.path))
+            self.on_release.append(self._receiver.adapter_dirs.close)
         else:
             raise RuntimeError(f"role {self.role!r} takes no part in the weight sync")
         return {"role": self.role, "sync_rank": None if self._sync_group is None else self._sync_group.rank}

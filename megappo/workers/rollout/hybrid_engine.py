@@ -29,47 +29,21 @@ timing/weight_sync_s, timing/rollout_s.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import os
-import shutil
-import tempfile
 import time
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from megappo.parallel import device
-from megappo.models.lora import base_named_parameters, gather_hf_lora, merged_named_parameters, save_peft_adapter
+from megappo.models.lora import base_named_parameters, gather_hf_lora, merged_named_parameters
 from megappo.parallel.resharding import Resharder
 from megappo.protocol import DataProto
 from megappo.utils.checkpoint import rng_state, set_rng_state
+from megappo.workers.rollout.adapter_dirs import ADAPTER_DIR_PREFIX, AdapterDirs, sweep_adapter_dirs  # noqa: F401
 from megappo.workers.rollout.fingerprint import compare, tensor_fingerprint_on_device, tolerance_for, \
     with_tied_head
-
-
-ADAPTER_DIR_PREFIX = "megappo-lora-"  # + "{pid}-{random}" under /dev/shm: one per process, per run
-
-
-def sweep_adapter_dirs(root: Path, older_than_s: float = 3600.0) -> list[Path]:
-    """Remove the adapter dirs a killed process left in `root` (atexit does not run on SIGKILL or an OOM kill):
-    those whose process is gone and that no sync touched for `older_than_s` (another container sharing
-    /dev/shm has its own pids; a live run writes a new version dir every sync). Returns what was removed."""
-    removed = []
-    for d in root.glob(ADAPTER_DIR_PREFIX + "*-*"):
-        try:
-            pid = int(d.name[len(ADAPTER_DIR_PREFIX):].split("-")[0])
-            if time.time() - d.stat().st_mtime < older_than_s:
-                continue
-            os.kill(pid, 0)
-        except ProcessLookupError:  # no such process: left behind
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-        except (ValueError, OSError):  # another naming, alive under another user, or already gone
-            continue
-    return removed
 
 
 class WeightSyncError(RuntimeError):
@@ -86,8 +60,7 @@ class HybridEngine:
         # rollout.lora_sync=adapter: vLLM keeps the base it loaded from model.path (the actor's frozen base)
         # and samples with the adapters, sent as a peft dir at every sync; else every weight, adapters merged
         self.adapter_sync = getattr(engine, "lora", None) is not None and getattr(cfg, "lora_sync", "") == "adapter"
-        self._adapter_version = 0
-        self._adapter_dir: Optional[Path] = None
+        self.adapter_dirs = AdapterDirs()
         self.resharder = Resharder(engine.inner_chunks(), engine.dims, engine.layout, rollout_tp=rollout.tp,
                                    bucket_bytes=int(mb * (1 << 20)),
                                    fingerprint_fn=tensor_fingerprint_on_device if check_fingerprint else None,
@@ -133,33 +106,22 @@ class HybridEngine:
         and vLLM's copy is fingerprinted against that at every sync."""
         t0 = time.perf_counter()
         with self._resident():  # an offloaded actor's params (adapters too) come back for the sync only
-            if self._adapter_version == 0 and self.check_fingerprint:
+            if self.adapter_dirs.version == 0 and self.check_fingerprint:
                 for _ in self.resharder.buckets():
                     pass  # the base's expected fingerprints, taken on the owners as the buckets are built
             adapter = gather_hf_lora(self.engine.inner_chunks(), self.engine.dims, everywhere=True)
-        if self._adapter_dir is None:
-            shm = Path("/dev/shm")
-            root = shm if shm.is_dir() else Path(tempfile.gettempdir())
-            sweep_adapter_dirs(root)
-            self._adapter_dir = Path(tempfile.mkdtemp(prefix=f"{ADAPTER_DIR_PREFIX}{os.getpid()}-", dir=root))
-            atexit.register(shutil.rmtree, self._adapter_dir, True)  # the group's shutdown calls close
-        self._adapter_version += 1
-        path = self._adapter_dir / f"v{self._adapter_version}"
-        save_peft_adapter(adapter, self.engine.lora, self.engine.model_path, path)
-        self.rollout.load_adapter(path, self._adapter_version)
-        shutil.rmtree(self._adapter_dir / f"v{self._adapter_version - 2}", ignore_errors=True)  # vLLM read it
+        path = self.adapter_dirs.write(adapter, self.engine.lora, self.engine.model_path)
+        self.rollout.load_adapter(path, self.adapter_dirs.version)
         m = {"timing/weight_sync_s": time.perf_counter() - t0,
              "rollout/weight_sync_bytes_received": float(sum(a.nbytes + b.nbytes for a, b in adapter.values())),
-             "rollout/lora_adapter_version": float(self._adapter_version)}
+             "rollout/lora_adapter_version": float(self.adapter_dirs.version)}
         self._check_fingerprints(m)
         self.metrics.update(m)
         return m
 
     def close(self) -> None:
         """Remove this process's adapter dir (rollout.lora_sync=adapter): /dev/shm is memory."""
-        if self._adapter_dir is not None:
-            shutil.rmtree(self._adapter_dir, ignore_errors=True)
-            self._adapter_dir = None
+        self.adapter_dirs.close()
 
     def _check_fingerprints(self, m: dict) -> None:
         """vLLM's weights against the trainer's (the last streamed buckets' fingerprints): a mismatch on any

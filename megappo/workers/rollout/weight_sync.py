@@ -20,6 +20,12 @@ weights are pushed to the rollout pool over ONE extra collective group that span
 
 Bytes on the wire per sync = one copy of the model per rollout worker (a broadcast); the driver never
 touches a weight. Both sides must enter `send` / `receive` concurrently (the driver submits both).
+
+With actor.lora and rollout.lora_sync=adapter only the adapters travel: actor rank 0 gathers them
+(models/lora.gather_hf_lora, peft's layout) and broadcasts one header + one flat tensor; each rollout worker
+writes them as a peft dir (adapter_dirs.py) for its vLLM's own LoRA serving. The base vLLM loaded from
+model.path is fingerprinted against the actor's frozen base at every sync (the base's buckets are walked
+once, at the first sync, for their fingerprints; nothing of the base is sent).
 """
 
 from __future__ import annotations
@@ -84,17 +90,22 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class WeightSender:
     """On every actor rank; `group` is the sync group on actor rank 0 and None elsewhere."""
 
-    def __init__(self, engine, group: Optional[StatelessGroup], bucket_mb: float = 256):
+    def __init__(self, engine, group: Optional[StatelessGroup], bucket_mb: float = 256, adapter: bool = False):
         from megappo.parallel.resharding import Resharder
-        from megappo.models.lora import merged_named_parameters
+        from megappo.models.lora import base_named_parameters, merged_named_parameters
 
         self.engine, self.group = engine, group
+        self.adapter = adapter and getattr(engine, "lora", None) is not None  # rollout.lora_sync=adapter
+        self._base_fingerprints: Optional[dict] = None
         self.resharder = Resharder(engine.inner_chunks(), engine.dims, engine.layout, rollout_tp=1,
                                    bucket_bytes=int(bucket_mb * (1 << 20)),
                                    fingerprint_fn=tensor_fingerprint_on_device,
-                                   named_weights=merged_named_parameters)  # LoRA: the adapted linears merged
+                                   named_weights=base_named_parameters if self.adapter
+                                   else merged_named_parameters)  # LoRA: the adapted linears merged
 
     def send(self) -> dict:
+        if self.adapter:
+            return self._send_adapter()
         t0 = time.perf_counter()
         sent = 0
         with self.engine.resident(parts=["params"]):  # an offloaded actor's weights come back for the send
@@ -114,16 +125,44 @@ class WeightSender:
         return {"timing/weight_send_s": time.perf_counter() - t0,
                 "rollout/weight_sync_bytes_sent": float(sent * (self.group.world - 1 if self.group else 0))}
 
+    def _send_adapter(self) -> dict:
+        from megappo.models.lora import gather_hf_lora
+
+        t0 = time.perf_counter()
+        with self.engine.resident(parts=["params"]):
+            if self._base_fingerprints is None:  # the frozen base's, once (collective: every rank walks them)
+                for _ in self.resharder.buckets():
+                    pass
+                self._base_fingerprints = with_tied_head(self.resharder.expected_fingerprints,
+                                                         self.engine.dims.tied_embeddings)
+            adapter = gather_hf_lora(self.engine.inner_chunks(), self.engine.dims)  # on rank 0 only
+        sent = 0
+        if self.group is not None:
+            names = sorted(adapter)
+            tensors = [t for n in names for t in adapter[n]]
+            self.group.broadcast_json({"adapter": names, "shapes": [list(t.shape) for t in tensors],
+                                       "dtype": str(tensors[0].dtype).removeprefix("torch.")})
+            flat = self.group.broadcast(torch.cat([t.reshape(-1) for t in tensors]))
+            sent = flat.numel() * flat.element_size()
+            self.group.broadcast_json({"end": True, "fingerprints": self._base_fingerprints})
+        return {"timing/weight_send_s": time.perf_counter() - t0,
+                "rollout/weight_sync_bytes_sent": float(sent * (self.group.world - 1 if self.group else 0))}
+
 
 class WeightReceiver:
     """On every rollout worker (sync rank >= 1)."""
 
-    def __init__(self, rollout, group: StatelessGroup):
-        self.rollout, self.group = rollout, group
+    def __init__(self, rollout, group: StatelessGroup, lora=None):
+        """`lora`: (models/lora.LoraConfig, the base model's path) with rollout.lora_sync=adapter."""
+        from megappo.workers.rollout.adapter_dirs import AdapterDirs
+
+        self.rollout, self.group, self.lora = rollout, group, lora
+        self.adapter_dirs = AdapterDirs()
 
     def receive(self) -> dict:
         t0 = time.perf_counter()
         received = 0
+        extra = {}
         while True:
             header = self.group.broadcast_json()
             if header.get("end"):
@@ -134,10 +173,19 @@ class WeightReceiver:
             flat = self.group.broadcast(torch.empty(sum(numels), dtype=dtype, device=self.group.device))
             received += flat.numel() * flat.element_size()
             tensors, off = [], 0
-            for name, shape, k in zip(header["names"], header["shapes"], numels):
-                tensors.append((name, flat[off:off + k].view(shape)))
+            for shape, k in zip(header["shapes"], numels):
+                tensors.append(flat[off:off + k].view(shape))
                 off += k
-            self.rollout.load_weights(tensors, reset_prefix_cache=False)
+            if "adapter" in header:  # rollout.lora_sync=adapter: (A, B) per HF module, in the header's order
+                if self.lora is None:
+                    raise WeightSyncError("rollout worker: the trainer sent LoRA adapters, but this worker was "
+                                          "built without rollout.lora_sync=adapter")
+                adapter = {n: (tensors[2 * i].cpu(), tensors[2 * i + 1].cpu()) for i, n in enumerate(header["adapter"])}
+                path = self.adapter_dirs.write(adapter, *self.lora)
+                self.rollout.load_adapter(path, self.adapter_dirs.version)
+                extra["rollout/lora_adapter_version"] = float(self.adapter_dirs.version)
+                continue
+            self.rollout.load_weights(list(zip(header["names"], tensors)), reset_prefix_cache=False)
         self.rollout.reset_prefix_cache()  # REQUIRED: cached KV blocks were computed with the old weights
         expected = {k: tuple(v) for k, v in header["fingerprints"].items()}
         bad = compare(expected, self.rollout.fingerprint(), tolerance_for(self.rollout.weights_dtype))
@@ -145,4 +193,4 @@ class WeightReceiver:
             raise WeightSyncError(f"rollout worker: weights held by vLLM differ from the trainer's after the "
                                   f"sync ({len(bad)} tensor(s)): " + "; ".join(bad[:5]))
         return {"timing/weight_receive_s": time.perf_counter() - t0, "rollout/weights_fingerprint_ok": 1.0,
-                "rollout/weight_sync_bytes_received": float(received)}
+                "rollout/weight_sync_bytes_received": float(received), **extra}
