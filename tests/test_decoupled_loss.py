@@ -82,3 +82,67 @@ def test_policy_loss_decoupled_from_config_and_refused_combinations():
                       (["actor.policy_loss=dapo"], "policy_loss")):
         with pytest.raises(ConfigError, match=msg):
             load_config(REPO / "configs/grpo_tiny.yaml", over, validate=True)
+
+
+# ----------------------------------------------------------------------------- A-3PO's log-linear proximal (#39)
+
+
+def test_loglinear_alpha_puts_the_proximal_between_behaviour_and_theta():
+    """alpha = (v - v_behav) / (v + 1 - v_behav): 0 for a token sampled by the weights the update starts
+    from (pi_prox = pi_behav exactly), 1/2 one version behind, 2/3 two behind; -1 (no version) gets 0."""
+    versions = T([[5, 4, 3, -1], [5, 5, 0, 5]])
+    alpha = ca.loglinear_proximal_alpha(versions, 5)
+    assert close(alpha, [[0.0, 0.5, 2 / 3, 0.0], [0.0, 0.0, 5 / 6, 0.0]])
+    behav, theta = T([[-1.0, -2.0, -3.0, 0.0]]), T([[-0.5, -1.0, -1.0, -4.0]])
+    prox = ca.loglinear_proximal(behav, theta, alpha[:1])
+    assert close(prox, [[-1.0, -1.5, -3.0 + 2 / 3 * 2.0, 0.0]])
+
+
+def test_loglinear_proximal_loss_by_hand_and_without_a_forward():
+    """actor.proximal=loglinear: the loss clips around the interpolated pi_prox and weights by pi_prox /
+    pi_behav (checked by hand on two tokens), gradients through pi_theta only (the interpolation is
+    detached); the config asks for `prox_alpha` and refuses loglinear without the decoupled loss."""
+    from megappo.config import ConfigError, load_config
+    from megappo.ppo.losses import PolicyLoss
+
+    cfg = load_config(REPO / "configs/grpo_tiny.yaml", ["actor.policy_loss=decoupled", "actor.proximal=loglinear",
+                                                        "actor.use_rollout_log_probs=false"], validate=True)
+    loss = PolicyLoss.from_config(cfg.actor)
+    assert "prox_alpha" in loss.required_keys
+    behav = T([[math.log(0.5), math.log(0.5)]])
+    theta = T([[math.log(0.8), math.log(0.5)]]).requires_grad_()
+    mb = {"old_log_probs": behav, "rollout_log_probs": behav, "prox_alpha": T([[0.5, 0.0]]),
+          "advantages": T([[1.0, 1.0]]), "response_mask": torch.ones(1, 2), "ref_log_prob": theta.detach()}
+    total, metrics = loss({"logprobs": theta}, mb, norm=2.0, n_tokens=2.0)
+    # token 0: log pi_prox = (log .5 + log .8) / 2, pi_prox = sqrt(.4); r = .8 / sqrt(.4) = 1.265 > 1.2: clipped
+    # (A > 0) to 1.2, times w = sqrt(.4) / .5 = 1.265; token 1: on-policy, r = 1, w = 1
+    w0 = math.sqrt(0.4) / 0.5
+    assert close(total, -(w0 * 1.2 + 1.0), tol=1e-5)
+    assert close(metrics["actor/behav_weight_mean"], (w0 + 1.0) / 2, tol=1e-5)
+    total.backward()
+    assert close(theta.grad, [[0.0, -1.0]])  # the clipped token gives none; pi_prox is not differentiated
+    with pytest.raises(ConfigError, match="actor.proximal=loglinear interpolates"):
+        load_config(REPO / "configs/grpo_tiny.yaml", ["actor.proximal=loglinear"], validate=True)
+    with pytest.raises(ConfigError, match="choose one of: recompute, loglinear"):
+        load_config(REPO / "configs/grpo_tiny.yaml", ["actor.proximal=harmonic"], validate=True)
+
+
+def test_token_versions_of_each_mode():
+    """What the loglinear alpha is computed from: fully_async's per-token record as it is; one-step async's
+    batch sampled at the version its rollout was launched with (_Inflight puts it in meta_info); a sync
+    batch at the trainer's current version. Tokens past the response: -1."""
+    from types import SimpleNamespace
+
+    from megappo.ppo.ray_trainer import RayPPOTrainer, _Inflight
+    from megappo.protocol import DataProto
+
+    mask = T([[1, 1, 0], [1, 0, 0]])
+    trainer = SimpleNamespace(global_step=3)
+    sync = DataProto.from_dict({"response_mask": mask})
+    assert RayPPOTrainer._token_versions(trainer, sync).tolist() == [[3, 3, -1], [3, -1, -1]]
+    call = SimpleNamespace(result=lambda: [DataProto.from_dict({"response_mask": mask})])
+    launched = _Inflight(call, step=4, sync_metrics={}, version=2).result()
+    assert RayPPOTrainer._token_versions(trainer, launched).tolist() == [[2, 2, -1], [2, -1, -1]]
+    streamed = DataProto.from_dict({"response_mask": mask, "token_versions": T([[1, 2, -1], [3, -1, -1]])})
+    assert RayPPOTrainer._token_versions(trainer, streamed).tolist() == [[1, 2, -1], [3, -1, -1]]
+    assert ca.loglinear_proximal_alpha(RayPPOTrainer._token_versions(trainer, launched), 3)[0, 0] == 0.5

@@ -99,7 +99,8 @@ def test_stale_groups_within_the_bound_and_a_checkpoint_with_groups_in_flight(
     assert all(prompt[g] == i for step in resumed for g, i in step.items())  # group g is the same prompt
 
 
-PAUSES = {"partial": ["trainer.partial_rollout=true"], "drained": ["trainer.partial_rollout=false"],
+PAUSES = {"partial": ["trainer.partial_rollout=true", "actor.proximal=loglinear"],
+          "drained": ["trainer.partial_rollout=false"],
           "recompute": ["trainer.partial_rollout=true", "trainer.pause_mode=recompute"]}
 
 
@@ -111,7 +112,8 @@ def test_partial_rollouts_cross_weight_updates_within_the_bound(ray_session, tin
     started with (per-token staleness below per-sample). recompute: the same, each sample in flight first
     re-prefilled under the new weights (async/recomputed_samples > 0 at some sync). trainer.partial_rollout=
     false: each sync first waits for them to finish (timing/drain_s), so no token is. Never over
-    max_staleness=2."""
+    max_staleness=2. `partial` also takes pi_prox from A-3PO's interpolation (actor.proximal=loglinear): no
+    forward before the update, and the behaviour weights of its stale tokens move off 1."""
     partial = pause != "drained"
     history = _run(_config(tiny_assets, data_dir, tmp_path / "partial", *FULLY_ASYNC, "trainer.max_staleness=2",
                            "trainer.total_steps=5", "trainer.val_every=0", "actor.policy_loss=decoupled",
@@ -122,6 +124,9 @@ def test_partial_rollouts_cross_weight_updates_within_the_bound(ray_session, tin
             "response_length/mean", "timing/drain_s", "timing/weight_sync_s", "timing/step_s")})
         assert h["async/over_bound"] == 0 and h["async/sample_staleness_max"] <= 2
         assert h["rollout/weights_fingerprint_ok"] == 1.0 and math.isfinite(h["loss/policy_avg"])
+    if pause == "partial":  # loglinear: no pi_old forward; a token alpha > 0 has pi_prox / pi_behav != 1
+        assert all("timing/old_log_prob_s" not in h for h in history)
+        assert max(abs(h["actor/behav_weight_mean"] - 1) for h in history) > 1e-4
     recomputed = [h.get("async/recomputed_samples", 0) for h in history]
     assert (max(recomputed) > 0) == (pause == "recompute"), recomputed
     assert max(h["response_length/mean"] for h in history) > 100  # long enough to be in flight at a sync

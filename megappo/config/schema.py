@@ -164,6 +164,11 @@ class ActorConfig:
     # pi_prox / pi_behav (the policy version that sampled it), truncated at behav_imp_weight_cap (null = not)
     policy_loss: str = "ppo"
     behav_imp_weight_cap: Optional[float] = None
+    # decoupled only: where pi_prox comes from. recompute: a forward over the batch before the update.
+    # loglinear: A-3PO's interpolation, no forward: log pi_prox = log pi_behav + alpha (log pi_theta -
+    # log pi_behav) per token, alpha = (v - v_behav) / (v + 1 - v_behav) for a token sampled at v_behav
+    # and trained from version v (0 for an on-policy token: pi_prox = pi_behav; 1/2 one version behind)
+    proximal: str = "recompute"
     # sequence packing: each micro-batch's rows as one sequence of real tokens (no padding computed;
     # attention kept within each row; equal to the padded path within fp32 rounding). CPU: megatron's
     # local attention with a block-causal mask (memory: tokens^2 per micro-batch). Not yet with TE.
@@ -416,6 +421,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "actor.kl_loss_type": KL_ESTIMATORS,
     "actor.policy_loss": ("ppo", "decoupled"),
+    "actor.proximal": ("recompute", "loglinear"),
     "actor.lora.init": LORA_INITS,
     "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
                                 "remax", "gpg", "opo", "grpo_passk"),

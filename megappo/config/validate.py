@@ -244,6 +244,9 @@ def _check_policy_loss(actor) -> None:
     if cap is not None and not cap >= 1:
         raise ConfigError(f"actor.behav_imp_weight_cap={cap} must be >= 1 (a cap below 1 down-weights on-policy "
                           "tokens); null = not truncated")
+    if actor.proximal == "loglinear" and actor.policy_loss != "decoupled":
+        raise ConfigError("actor.proximal=loglinear interpolates the decoupled loss's proximal policy; set "
+                          "actor.policy_loss=decoupled or actor.proximal=recompute")
     if actor.policy_loss == "decoupled" and actor.use_rollout_log_probs:
         raise ConfigError("actor.policy_loss=decoupled clips around a recomputed proximal policy; "
                           "set actor.use_rollout_log_probs=false")

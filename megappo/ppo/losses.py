@@ -42,6 +42,7 @@ class PolicyLoss:
     kl_loss_type: str = "k3"
     policy_loss: str = "ppo"  # ppo | decoupled (CHOICES["actor.policy_loss"])
     behav_imp_weight_cap: Optional[float] = None
+    proximal: str = "recompute"  # decoupled's pi_prox: recompute (old_log_probs) | loglinear (A-3PO, `prox_alpha`)
     name: str = "actor"  # metric prefix
 
     @classmethod
@@ -50,12 +51,14 @@ class PolicyLoss:
                    clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode,
                    entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss,
                    kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
-                   policy_loss=actor.policy_loss, behav_imp_weight_cap=actor.behav_imp_weight_cap)
+                   policy_loss=actor.policy_loss, behav_imp_weight_cap=actor.behav_imp_weight_cap,
+                   proximal=actor.proximal)
 
     @property
     def required_keys(self) -> list[str]:
         return (["old_log_probs", "advantages", "response_mask"] + (["ref_log_prob"] if self.use_kl_loss else [])
-                + (["rollout_log_probs"] if self.policy_loss == "decoupled" else []))
+                + (["rollout_log_probs"] if self.policy_loss == "decoupled" else [])
+                + (["prox_alpha"] if self.policy_loss == "decoupled" and self.proximal == "loglinear" else []))
 
     optional_keys = ("rollout_log_probs",)
 
@@ -73,8 +76,11 @@ class PolicyLoss:
                    normalizer=1.0, clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high)
         behav = {}
         if self.policy_loss == "decoupled":
+            prox = mb["old_log_probs"]
+            if self.proximal == "loglinear":  # A-3PO: pi_prox interpolated, no forward before the update
+                prox = algos.loglinear_proximal(mb["rollout_log_probs"], outs["logprobs"], mb["prox_alpha"])
             pg, clipfrac, approx_kl, dual, behav = algos.compute_decoupled_policy_loss(
-                mb["old_log_probs"], mb["rollout_log_probs"], outs["logprobs"], mb["advantages"], mask,
+                prox, mb["rollout_log_probs"], outs["logprobs"], mb["advantages"], mask,
                 self.behav_imp_weight_cap, **ppo)
         else:
             weights = None

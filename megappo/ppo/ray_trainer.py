@@ -85,11 +85,14 @@ def _timer(name: str, timing: dict):
 class _Inflight:
     """An async rollout in flight on the rollout pool."""
 
-    def __init__(self, call, step: int, sync_metrics: dict):
+    def __init__(self, call, step: int, sync_metrics: dict, version: int):
         self.call, self.step, self.sync_metrics = call, step, sync_metrics
+        self.version = version  # the actor's updates when its weights were pushed: the policy that samples it
 
     def result(self) -> DataProto:
-        return self.call.result()[0]
+        out = self.call.result()[0]
+        out.meta_info["policy_version"] = self.version
+        return out
 
 
 def prompts_of(batch: DataProto) -> DataProto:
@@ -501,7 +504,7 @@ class RayPPOTrainer(CheckpointingMixin):
         sync = self._sync_rollout_weights()
         prompts = self._next_prompts(step)
         prompts.meta_info["sampling"] = self._sampling_for(step)
-        return _Inflight(self.rollout_wg.submit("generate_sequences", prompts), step, sync)
+        return _Inflight(self.rollout_wg.submit("generate_sequences", prompts), step, sync, self.global_step)
 
     # ---- 2-6. scoring, rewards, advantages, updates --------------------------------------------------
 
@@ -509,6 +512,9 @@ class RayPPOTrainer(CheckpointingMixin):
         model_in = batch.select(batch_keys=_MODEL_IN, non_tensor_keys=[], meta_info_keys=["sampling"])
         if self.config.actor.use_rollout_log_probs:  # pi_old = the sampler's log-probs (no forward)
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+        elif self.config.actor.proximal == "loglinear":  # A-3PO: pi_prox interpolated in the loss, no forward
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]  # pi_behav where pi_old is read
+            batch.batch["prox_alpha"] = algos.loglinear_proximal_alpha(self._token_versions(batch), self.global_step)
         else:
             with self._phase("old_log_prob", timing):
                 batch.batch.update(self.actor_wg.compute_log_prob(model_in).batch)
@@ -522,6 +528,14 @@ class RayPPOTrainer(CheckpointingMixin):
             with self._phase("rm", timing):
                 batch.batch.update(self.rm_wg.compute_rm_score(model_in).batch)
         return batch
+
+    def _token_versions(self, batch: DataProto) -> torch.Tensor:
+        """The policy version that sampled each response token: fully_async's per-token record, else the one
+        version the whole batch was sampled at (async: when its rollout was launched; sync: now)."""
+        if "token_versions" in batch.batch:
+            return batch.batch["token_versions"]
+        version = batch.meta_info.get("policy_version", self.global_step)
+        return torch.where(batch.batch["response_mask"].bool(), version, -1)
 
     def _greedy_baselines(self, prompts: DataProto, batch: DataProto) -> torch.Tensor:
         """ReMax: each row's baseline is the reward of its prompt's greedy response (same weights; fully_async:
