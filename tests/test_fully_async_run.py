@@ -296,3 +296,23 @@ def test_your_own_agent_streams_in_fully_async(ray_session, tiny_assets, data_di
           f"{[h['async/staleness_max'] for h in history]}, tokens across an update "
           f"{[h['async/cross_update_token_frac'] for h in history]}")
     assert trained and set(trained) <= expected  # token identity: what was trained is what the sessions sampled
+
+
+def test_the_built_in_multi_turn_loop_streams_in_fully_async(ray_session, tiny_assets, data_dir, tmp_path):
+    """rollout.multi_turn in fully_async: each sample runs its own turns on the worker's stream (AgentLoop.sample)
+    with a forced calculator call, its tool tokens between the two model turns. max_staleness=0: one batch at a
+    time, each sample seeded as the sync loop seeds it, so 2 steps give the same samples as a sync run of the
+    same config (scores, model and tool token counts; losses within fp32 rounding), with staleness 0."""
+    common = [*FULLY_ASYNC, "rollout.max_new_tokens=200", "data.max_prompt_length=300",
+              "rollout.multi_turn.enable=true", "rollout.multi_turn.tool_choice=required",
+              "rollout.multi_turn.tool_prompt='You can use tools: {tools}'", "reward.non_stop_penalty=false",
+              "trainer.total_steps=2", "trainer.val_every=0"]
+    sync = _run(_config(tiny_assets, data_dir, tmp_path / "sync", *common[1:], "trainer.mode=sync",
+                        "trainer.max_staleness=0"))
+    streamed = _run(_config(tiny_assets, data_dir, tmp_path / "fa", *common, "trainer.max_staleness=0"))
+    for got, want in zip(streamed, sync):
+        assert got["rollout/tool_calls_mean"] == 1.0 and got["rollout/turns_mean"] >= 2
+        assert got["async/sample_staleness_max"] == 0 and got["async/over_bound"] == 0
+        for key in ("objective/scores", "rollout/tokens_tool", "rollout/tokens_model", "response_length/mean"):
+            assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-6), (key, got[key], want[key])
+        assert math.isclose(got["loss/policy_avg"], want["loss/policy_avg"], rel_tol=1e-3, abs_tol=1e-4)

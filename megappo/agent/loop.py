@@ -3,6 +3,8 @@
     loop = AgentLoop(llm, tokenizer, cfg.rollout.multi_turn)
     trajectories = loop.run(prompts, spec, base_seed, tools)   # prompts: token id lists, one per sample;
                                                                # tools: the tool names each may call
+    trajectory = await loop.sample(engine, prompt, spec, seed, tools)   # one sample through an AsyncTokenEngine
+                                                                        # (fully_async's rollout stream)
 
 Every live sample of the call is generated in one batched vLLM call per turn (never one sample at a
 time). A turn ends on EOS / end-of-turn or on `</tool_call>`; a turn that makes a call gets the tool's
@@ -48,11 +50,14 @@ class Trajectory:
     stats: dict = field(default_factory=lambda: dict.fromkeys(STAT_KEYS, 0.0))
     prompt: Optional[list] = None  # the prompt ids it continues when not its row's (rollout.agent: the agent's own)
     versions: list = field(default_factory=list)  # rollout.agent: per token, the policy version that sampled it (-1 not)
+    track_versions: bool = False  # AgentLoop.sample: `versions` kept for every token added
 
-    def add(self, tokens, logprobs=None, model: bool = True) -> None:
+    def add(self, tokens, logprobs=None, model: bool = True, versions=None) -> None:
         self.tokens += list(tokens)
         self.model_mask += [int(model)] * len(tokens)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
+        if self.track_versions:
+            self.versions += list(versions) if versions is not None else [-1] * len(tokens)
 
 
 class AgentLoop:
@@ -69,54 +74,85 @@ class AgentLoop:
     def run(self, prompts: list[list[int]], spec, base_seed: int, tools=None) -> list[Trajectory]:
         """One trajectory per entry of `prompts` (request k is prompts[k]); request k may call the tools
         named in tools[k] (default: rollout.multi_turn.tools), others are invalid calls."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import StructuredOutputsParams
-
         budget = int(spec.max_new_tokens)
         trajs = [Trajectory() for _ in prompts]
         allowed = [tuple(t) for t in tools] if tools is not None else [tuple(self.config.tools)] * len(prompts)
-        required = self.config.tool_choice == "required"
-        kwargs = spec.vllm_kwargs()
         for turn in range(int(self.config.max_turns)):
             live = [k for k, t in enumerate(trajs) if not t.done]
             if not live:
                 break
             requests = [{"prompt_token_ids": prompts[k] + trajs[k].tokens} for k in live]
-            # tool_choice=required: turn 0 is a well-formed call of one of the row's tools (if it has any)
-            forced = {k: required and turn == 0 and bool(allowed[k]) for k in live}
-            params = [SamplingParams(**{**kwargs, "max_tokens": budget - len(trajs[k].tokens)},
-                                     seed=base_seed + k + turn * TURN_SEED_STRIDE, logprobs=0, stop=[CALL_END],
-                                     include_stop_str_in_output=True,
-                                     **({"structured_outputs": StructuredOutputsParams(regex=self._forced(allowed[k]))}
-                                        if forced[k] else {}))
+            forced = {k: self._is_forced(turn, allowed[k]) for k in live}
+            params = [self._params(spec, budget - len(trajs[k].tokens), base_seed + k, turn, allowed[k])
                       for k in live]
             outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
             last_turn = turn == self.config.max_turns - 1
-            calls = {k: self._model_turn(trajs[k], o.outputs[0], budget, last_turn, forced[k])
-                     for k, o in zip(live, outs)}
+            calls = {}
+            for k, o in zip(live, outs):
+                c = o.outputs[0]
+                lps = [float(c.logprobs[i][tok].logprob) for i, tok in enumerate(c.token_ids)] if c.logprobs else None
+                calls[k] = self._model_turn(trajs[k], list(c.token_ids), lps, c.finish_reason, c.stop_reason, budget,
+                                            last_turn, forced[k])
             pending = {k: c for k, c in calls.items() if c is not None}
             results = self.pool.map(self._execute, pending.values(), (allowed[k] for k in pending))
             for (k, call), result in zip(pending.items(), results):
                 self._tool_turn(trajs[k], call, result, budget)
         return trajs
 
+    async def sample(self, engine, prompt: list[int], spec, seed: int, tools=None) -> Trajectory:
+        """One sample's loop through `engine` (gateway/engine.AsyncTokenEngine: its requests batched with every
+        other in flight, weights loaded under them), seeded as `run` seeds request k when seed = base_seed + k,
+        each model token with the policy version that sampled it (Trajectory.versions; -1 for tool tokens)."""
+        import asyncio
+
+        budget = int(spec.max_new_tokens)
+        traj = Trajectory(track_versions=True)
+        allowed = tuple(tools) if tools is not None else tuple(self.config.tools)
+        for turn in range(int(self.config.max_turns)):
+            forced = self._is_forced(turn, allowed)
+            c = await engine.generate(prompt + traj.tokens, self._params(spec, budget - len(traj.tokens), seed, turn,
+                                                                         allowed))
+            call = self._model_turn(traj, c.ids, c.logprobs, c.finish_reason, c.stop_string or None, budget,
+                                    turn == self.config.max_turns - 1, forced, c.token_versions)
+            if call is None:
+                break
+            result = await asyncio.get_running_loop().run_in_executor(self.pool, self._execute, call, allowed)
+            self._tool_turn(traj, call, result, budget)
+            if traj.done:
+                break
+        traj.done = True
+        return traj
+
+    def _is_forced(self, turn: int, allowed: tuple) -> bool:
+        """tool_choice=required: turn 0 is a well-formed call of one of the row's tools (if it has any)."""
+        return self.config.tool_choice == "required" and turn == 0 and bool(allowed)
+
+    def _params(self, spec, max_tokens: int, seed: int, turn: int, allowed: tuple):
+        """A turn's SamplingParams: what is left of the budget, seed + turn * TURN_SEED_STRIDE, stop at a call."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+
+        forced = {"structured_outputs": StructuredOutputsParams(regex=self._forced(allowed))} \
+            if self._is_forced(turn, allowed) else {}
+        return SamplingParams(**{**spec.vllm_kwargs(), "max_tokens": max_tokens}, seed=seed + turn * TURN_SEED_STRIDE,
+                              logprobs=0, stop=[CALL_END], include_stop_str_in_output=True, **forced)
+
     def _forced(self, names: tuple) -> str:
         if names not in self._forced_regex:
             self._forced_regex[names] = forced_call_regex([self.tools[n].schema() for n in names])
         return self._forced_regex[names]
 
-    def _model_turn(self, traj: Trajectory, out, budget: int, last_turn: bool, forced: bool):
+    def _model_turn(self, traj: Trajectory, toks: list, logprobs, finish_reason, stop_reason, budget: int,
+                    last_turn: bool, forced: bool, versions=None):
         """Append the model's tokens (a forced turn's as untrained context); returns the call to run, or
         None when the sample is finished."""
-        toks = list(out.token_ids)
-        lp = out.logprobs or []
-        traj.add(toks, None if forced else [float(lp[i][tok].logprob) for i, tok in enumerate(toks)], model=not forced)
+        traj.add(toks, None if forced else logprobs, model=not forced, versions=versions)
         traj.stats["num_turns"] += 1
         traj.turns.append({"role": "assistant", "text": self.tokenizer.decode(toks, skip_special_tokens=True)})
-        by_call = out.finish_reason == "stop" and out.stop_reason == CALL_END
-        call = parse_call(self.tokenizer.decode(toks)) if out.finish_reason == "stop" else None
+        by_call = finish_reason == "stop" and stop_reason == CALL_END
+        call = parse_call(self.tokenizer.decode(toks)) if finish_reason == "stop" else None
         if call is None:  # an answer (stopped), or the budget ran out mid-turn (not stopped)
-            traj.done, traj.stopped = True, out.finish_reason == "stop"
+            traj.done, traj.stopped = True, finish_reason == "stop"
             return None
         if last_turn or traj.stats["num_tool_calls"] >= self.config.max_tool_calls or len(traj.tokens) >= budget:
             traj.done = True  # wanted a tool it may not have: cut

@@ -440,8 +440,6 @@ def _check_fully_async(cfg) -> None:
         raise ConfigError(f"trainer.max_staleness={t.max_staleness} must be >= 0 (0 = on-policy only)")
     unsupported = [
         (r.tp != 1, f"rollout.tp={r.tp}: each rollout worker's engine steps on its own; set rollout.tp=1"),
-        (r.multi_turn.enable, "rollout.multi_turn (the built-in loop generates a turn for the whole batch at a "
-                              "time): use trainer.mode=async, or write your loop as a rollout.agent"),
     ]
     for bad, what in unsupported:
         if bad:

@@ -24,7 +24,9 @@ policy per token, so a sample that spans versions is corrected token by token.
 Your own agent (rollout.agent, gateway/agents.AgentRunner): each sample is the agent run in its own gateway
 session on the same engine (AgentRunner.sample, at most rollout.agent_concurrency at once), its trajectory
 the tokens the engine sampled; a weight load pauses the engine under the agents' requests as under plain
-ones, and each sampled token carries its version through the gateway's capture.
+ones, and each sampled token carries its version through the gateway's capture. The built-in multi-turn loop
+(rollout.multi_turn, agent/loop.AgentLoop.sample) runs the same way: each sample its own turns on the engine,
+its tools on the loop's threads, its model tokens tagged with the version that sampled them.
 """
 
 from __future__ import annotations
@@ -50,13 +52,15 @@ class RolloutStream:
         self._thread = threading.Thread(target=self._loop.run_forever, name="megappo-stream", daemon=True)
         self._thread.start()
         self._groups: dict = {}  # uid -> (the prompt's row, its SamplingSpec, one future per sample, requests)
+        from megappo.agent.loop import AgentLoop
         from megappo.gateway.agents import AgentRunner
 
         agent = getattr(rollout, "agent", None)
-        if agent is not None and not isinstance(agent, AgentRunner):
-            raise ValueError(f"fully_async streams single-turn samples or rollout.agent, not {type(agent).__name__}")
+        if agent is not None and not isinstance(agent, (AgentRunner, AgentLoop)):
+            raise ValueError(f"fully_async streams single-turn samples, rollout.multi_turn or rollout.agent, not "
+                             f"{type(agent).__name__}")
         self.agent = agent
-        self._gate = asyncio.Semaphore(agent.concurrency) if agent is not None else None
+        self._gate = asyncio.Semaphore(agent.concurrency) if isinstance(agent, AgentRunner) else None
 
     @property
     def in_flight(self) -> int:
@@ -85,11 +89,13 @@ class RolloutStream:
         if self.agent is None:
             runs = [self.engine.generate(r["prompt_token_ids"], p) for r, p in zip(requests, params)]
         else:  # sample j of the group is the agent on the row, seeded base + j (as the sync rollout seeds it)
-            from megappo.gateway.agents import sample_rows
-
-            rows = sample_rows(row.non_tensor_batch, spec.num_samples)
-            runs = [self.agent.sample(r["prompt_token_ids"], spec, base + j, rows[j], self._gate)
-                    for j, r in enumerate(requests)]
+            inputs = self.rollout._agent_input(row.non_tensor_batch, spec.num_samples)  # rows / tool names
+            if self._gate is not None:
+                runs = [self.agent.sample(r["prompt_token_ids"], spec, base + j, inputs[j], self._gate)
+                        for j, r in enumerate(requests)]
+            else:
+                runs = [self.agent.sample(self.engine, r["prompt_token_ids"], spec, base + j,
+                                          None if inputs is None else inputs[j]) for j, r in enumerate(requests)]
         return row, spec.with_seed(base), [asyncio.run_coroutine_threadsafe(c, self._loop) for c in runs], requests
 
     def collect(self) -> Optional[DataProto]:
