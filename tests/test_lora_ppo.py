@@ -20,7 +20,7 @@ LORA_INVALID = [
     (["actor.lora.rank=4", "actor.lora.init=xavier"], "choose one of: kaiming, gaussian"),
     (["rollout.lora_sync=adapter"], "rollout.lora_sync=adapter needs actor.lora.rank > 0"),
     (["actor.lora.rank=4", "rollout.lora_sync=adapter", "trainer.mode=fully_async", "resources.rollout_workers=1"],
-     "fully_async's partial rollouts do not allow"),
+     "is not wired for trainer.mode=fully_async"),
     (["actor.lora.rank=4", "rollout.lora_sync=adapted"], "choose one of: merged, adapter"),
 ]
 

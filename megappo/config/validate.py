@@ -393,8 +393,8 @@ def _check_lora_sync(cfg, dims: ModelDims) -> None:
         why = (f"sends a peft adapter, which cannot hold a {dims.model_type} model's dense MLP adapters (peft reads "
                "those names as the experts'); target [linear_qkv, linear_proj] only")
     elif cfg.trainer.mode == "fully_async":  # vLLM fixes a request's adapter when it is added
-        why = ("would leave a request in flight across a weight load on the adapter it started with, which "
-               "fully_async's partial rollouts do not allow")
+        why = ("is not wired for trainer.mode=fully_async (vLLM fixes a request's adapter when the request is "
+               "added: a sample in flight across a weight load would keep the old one)")
     elif cfg.resources.device != "cpu" and r.free_cache_engine and r.sleep_level == 2:
         why = "keeps the base in vLLM between syncs, which sleep level 2 discards: set rollout.sleep_level=1"
     if why:

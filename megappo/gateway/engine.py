@@ -29,6 +29,7 @@ import queue
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Optional
 
 
 @dataclass
@@ -63,10 +64,16 @@ class AsyncTokenEngine:
     @classmethod
     def for_llm(cls, llm) -> "AsyncTokenEngine":
         """The one asynchronous front of `llm` (two stepping threads on one engine would race)."""
-        engine = getattr(llm, "_megappo_async_engine", None)
-        if engine is None or engine._closed:
+        engine = cls.existing(llm)
+        if engine is None:
             engine = llm._megappo_async_engine = cls(llm)
         return engine
+
+    @classmethod
+    def existing(cls, llm) -> Optional["AsyncTokenEngine"]:
+        """`llm`'s asynchronous front if one runs (for_llm made it and it is not closed), else None."""
+        engine = getattr(llm, "_megappo_async_engine", None)
+        return None if engine is None or engine._closed else engine
 
     async def generate(self, prompt_ids: list[int], params) -> Completion:
         """Never blocks the caller's loop (not even while paused): the stepping thread adds the request."""

@@ -201,7 +201,7 @@ class _LoraMixin:
             return F.linear(a, self.lora_B) * self.lora_scaling
         a = mp.reduce_from_tensor_model_parallel_region(F.linear(x, self.lora_A), group=self._lora_group)
         d = F.linear(a, self.lora_B) * self.lora_scaling
-        return d - (d * (1 - 1 / self._lora_tp)).detach()  # d / tp forward, d's gradient as it is backward
+        return d.detach() / self._lora_tp + (d - d.detach())  # d / tp forward (exact), d's gradient backward
 
     def forward(self, input_, *args, **kwargs):
         out, bias = super().forward(input_, *args, **kwargs)

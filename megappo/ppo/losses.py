@@ -75,10 +75,10 @@ class PolicyLoss:
         ppo = dict(clip_ratio=self.clip_ratio, clip_ratio_c=self.clip_ratio_c, loss_agg_mode=self.loss_agg_mode,
                    normalizer=1.0, clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high)
         behav = {}
+        prox = mb["old_log_probs"]  # what the ratio is clipped around (the metrics below read it too)
+        if self.policy_loss == "decoupled" and self.proximal == "loglinear":  # A-3PO: interpolated, no forward
+            prox = algos.loglinear_proximal(mb["rollout_log_probs"], outs["logprobs"], mb["prox_alpha"])
         if self.policy_loss == "decoupled":
-            prox = mb["old_log_probs"]
-            if self.proximal == "loglinear":  # A-3PO: pi_prox interpolated, no forward before the update
-                prox = algos.loglinear_proximal(mb["rollout_log_probs"], outs["logprobs"], mb["prox_alpha"])
             pg, clipfrac, approx_kl, dual, behav = algos.compute_decoupled_policy_loss(
                 prox, mb["rollout_log_probs"], outs["logprobs"], mb["advantages"], mask,
                 self.behav_imp_weight_cap, **ppo)
@@ -93,7 +93,7 @@ class PolicyLoss:
         p = self.name
         # ppo_kl: k1 = mean(log pi_old - log pi) (verl's actor/ppo_kl); approx_kl: k2 = mean 0.5 (log ratio)^2
         # (open-instruct's policy/approxkl_avg)
-        ppo_kl = algos.masked_mean((mb["old_log_probs"] - outs["logprobs"]).detach(), mask)
+        ppo_kl = algos.masked_mean((prox - outs["logprobs"]).detach(), mask)
         metrics = {f"{p}/pg_loss": pg.detach() / norm, f"{p}/pg_clipfrac": clipfrac * share,
                    f"{p}/ppo_kl": ppo_kl * share, f"{p}/approx_kl": approx_kl.detach() * share,
                    f"{p}/pg_clipfrac_lower": dual * share}
@@ -101,7 +101,7 @@ class PolicyLoss:
         eps_low = self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
         if self.clip_ratio_high is not None and self.clip_ratio_high > eps_low:  # clip-higher: what it let through
             metrics[f"{p}/clip_higher_kept_frac"] = share * algos.clip_higher_kept_frac(
-                mb["old_log_probs"], outs["logprobs"], mb["advantages"], mask, eps_low, self.clip_ratio_high)
+                prox, outs["logprobs"], mb["advantages"], mask, eps_low, self.clip_ratio_high)
         if self.entropy_coeff:
             ent = algos.compute_entropy_loss(outs["entropy"], mask, self.loss_agg_mode, normalizer=1.0)
             loss = loss - self.entropy_coeff * ent

@@ -230,12 +230,17 @@ class VLLMRollout:
         per version, which vLLM loads from the dir at its first use (keep the dir until the next version)."""
         from vllm.lora.request import LoRARequest
 
-        if self.lora_request is not None:
-            self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
-        self.lora_request = LoRARequest(f"policy-v{version}", version + 1, str(path))
-        if self.agent is not None:  # the multi-turn loop's / the gateway's requests sample with it too
-            self.agent.lora_request = self.lora_request
-        self.llm.reset_prefix_cache()  # cached blocks were computed with the previous adapter
+        from megappo.gateway.engine import AsyncTokenEngine
+
+        engine = AsyncTokenEngine.existing(self.llm)  # the gateway's stepping thread, if one runs: not under it
+        with engine.paused() if engine is not None else contextlib.nullcontext():
+            request = LoRARequest(f"policy-v{version}", version + 1, str(path))
+            if self.agent is not None:  # the multi-turn loop's / the gateway's requests sample with it too
+                self.agent.lora_request = request
+            if self.lora_request is not None:
+                self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
+            self.lora_request = request
+            self.llm.reset_prefix_cache()  # cached blocks were computed with the previous adapter
 
     def reset_prefix_cache(self) -> None:
         # REQUIRED after a weight update: cached KV blocks were computed with the old weights

@@ -162,7 +162,7 @@ class WeightReceiver:
     def receive(self) -> dict:
         t0 = time.perf_counter()
         received = 0
-        extra = {}
+        extra, refused = {}, None
         while True:
             header = self.group.broadcast_json()
             if header.get("end"):
@@ -177,9 +177,10 @@ class WeightReceiver:
                 tensors.append(flat[off:off + k].view(shape))
                 off += k
             if "adapter" in header:  # rollout.lora_sync=adapter: (A, B) per HF module, in the header's order
-                if self.lora is None:
-                    raise WeightSyncError("rollout worker: the trainer sent LoRA adapters, but this worker was "
-                                          "built without rollout.lora_sync=adapter")
+                if self.lora is None:  # read on to the end: the sender's broadcasts must all be met
+                    refused = ("rollout worker: the trainer sent LoRA adapters, but this worker was built without "
+                               "rollout.lora_sync=adapter")
+                    continue
                 adapter = {n: (tensors[2 * i].cpu(), tensors[2 * i + 1].cpu()) for i, n in enumerate(header["adapter"])}
                 path = self.adapter_dirs.write(adapter, *self.lora)
                 self.rollout.load_adapter(path, self.adapter_dirs.version)
@@ -187,6 +188,8 @@ class WeightReceiver:
                 continue
             self.rollout.load_weights(list(zip(header["names"], tensors)), reset_prefix_cache=False)
         self.rollout.reset_prefix_cache()  # REQUIRED: cached KV blocks were computed with the old weights
+        if refused:
+            raise WeightSyncError(refused)
         expected = {k: tuple(v) for k, v in header["fingerprints"].items()}
         bad = compare(expected, self.rollout.fingerprint(), tolerance_for(self.rollout.weights_dtype))
         if bad:
