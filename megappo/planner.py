@@ -191,17 +191,19 @@ def lora_params(a, lora, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[int, in
     shapes = {"linear_qkv": (h, (a.num_attention_heads + 2 * a.num_kv_heads) * head_dim, "column"),
               "linear_proj": (q, h, "row"), "linear_fc1": (h, 2 * ffn, "column"), "linear_fc2": (ffn, h, "row")}
     n_moe = moe_layers(a)
+
+    def per_linear(fan_in, fan_out, split) -> float:  # column: B split with the output; row: A with the input
+        return r * (fan_in + fan_out / tp) if split == "column" else r * (fan_in / tp + fan_out)
+
     total = 0.0
     for name in lora.target_modules:
-        fan_in, fan_out, split = shapes[name]
-        per = r * (fan_in + fan_out / tp) if split == "column" else r * (fan_in / tp + fan_out)
         layers = a.num_layers - n_moe if name in ("linear_fc1", "linear_fc2") else a.num_layers
-        total += per * layers / pp
+        total += per_linear(*shapes[name]) * layers / pp
     experts = 0.0
     if getattr(lora, "experts", False) and n_moe:
         f = getattr(a, MOE_FAMILIES[a.family].ffn_key)
-        per_expert = sum({"linear_fc1": r * (h + 2 * f / tp), "linear_fc2": r * (f / tp + h)}.get(t, 0)
-                         for t in lora.target_modules)
+        expert_shapes = {"linear_fc1": (h, 2 * f, "column"), "linear_fc2": (f, h, "row")}
+        per_expert = sum(per_linear(*expert_shapes[t]) for t in lora.target_modules if t in expert_shapes)
         experts = per_expert * a.num_experts / ep * n_moe / pp
     return int(total), int(experts)
 

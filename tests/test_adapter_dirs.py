@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from megappo.workers.rollout.hybrid_engine import ADAPTER_DIR_PREFIX, sweep_adapter_dirs
+from megappo.workers.rollout.adapter_dirs import ADAPTER_DIR_PREFIX, sweep_adapter_dirs
 
 
 def _dead_pid() -> int:

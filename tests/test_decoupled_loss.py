@@ -90,11 +90,13 @@ def test_policy_loss_decoupled_from_config_and_refused_combinations():
 def test_loglinear_alpha_puts_the_proximal_between_behaviour_and_theta():
     """alpha = (v - v_behav) / (v + 1 - v_behav): 0 for a token sampled by the weights the update starts
     from (pi_prox = pi_behav exactly), 1/2 one version behind, 2/3 two behind; -1 (no version) gets 0."""
+    from megappo.ppo.staleness import loglinear_proximal, loglinear_proximal_alpha
+
     versions = T([[5, 4, 3, -1], [5, 5, 0, 5]])
-    alpha = ca.loglinear_proximal_alpha(versions, 5)
+    alpha = loglinear_proximal_alpha(versions, 5)
     assert close(alpha, [[0.0, 0.5, 2 / 3, 0.0], [0.0, 0.0, 5 / 6, 0.0]])
     behav, theta = T([[-1.0, -2.0, -3.0, 0.0]]), T([[-0.5, -1.0, -1.0, -4.0]])
-    prox = ca.loglinear_proximal(behav, theta, alpha[:1])
+    prox = loglinear_proximal(behav, theta, alpha[:1])
     assert close(prox, [[-1.0, -1.5, -3.0 + 2 / 3 * 2.0, 0.0]])
 
 
@@ -133,16 +135,16 @@ def test_token_versions_of_each_mode():
     batch at the trainer's current version. Tokens past the response: -1."""
     from types import SimpleNamespace
 
-    from megappo.ppo.ray_trainer import RayPPOTrainer, _Inflight
+    from megappo.ppo.ray_trainer import _Inflight
+    from megappo.ppo.staleness import batch_token_versions, loglinear_proximal_alpha
     from megappo.protocol import DataProto
 
     mask = T([[1, 1, 0], [1, 0, 0]])
-    trainer = SimpleNamespace(global_step=3)
     sync = DataProto.from_dict({"response_mask": mask})
-    assert RayPPOTrainer._token_versions(trainer, sync).tolist() == [[3, 3, -1], [3, -1, -1]]
+    assert batch_token_versions(sync, 3).tolist() == [[3, 3, -1], [3, -1, -1]]
     call = SimpleNamespace(result=lambda: [DataProto.from_dict({"response_mask": mask})])
     launched = _Inflight(call, step=4, sync_metrics={}, version=2).result()
-    assert RayPPOTrainer._token_versions(trainer, launched).tolist() == [[2, 2, -1], [2, -1, -1]]
+    assert batch_token_versions(launched, 3).tolist() == [[2, 2, -1], [2, -1, -1]]
     streamed = DataProto.from_dict({"response_mask": mask, "token_versions": T([[1, 2, -1], [3, -1, -1]])})
-    assert RayPPOTrainer._token_versions(trainer, streamed).tolist() == [[1, 2, -1], [3, -1, -1]]
-    assert ca.loglinear_proximal_alpha(RayPPOTrainer._token_versions(trainer, launched), 3)[0, 0] == 0.5
+    assert batch_token_versions(streamed, 3).tolist() == [[1, 2, -1], [3, -1, -1]]
+    assert loglinear_proximal_alpha(batch_token_versions(launched, 3), 3)[0, 0] == 0.5

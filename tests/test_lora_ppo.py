@@ -382,7 +382,7 @@ def test_adapter_sync_ppo_run(ray_session, tiny_assets, data_dir, tmp_path, samp
             "trainer.val_every=0", "actor.use_kl_loss=true", "algorithm.use_kl_in_reward=false", *agent)
     cfg = config(tiny_assets, data_dir, tmp_path, *args, "trainer.total_steps=3",
                  f"trainer.save_every={3 if sampler == 'single_turn' else 0}")
-    from megappo.workers.rollout.hybrid_engine import ADAPTER_DIR_PREFIX
+    from megappo.workers.rollout.adapter_dirs import ADAPTER_DIR_PREFIX
 
     shm = Path("/dev/shm")
     before = set(shm.glob(ADAPTER_DIR_PREFIX + "*"))

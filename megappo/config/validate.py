@@ -438,12 +438,9 @@ def _check_fully_async(cfg) -> None:
     t, r = cfg.trainer, cfg.rollout
     if t.max_staleness < 0:
         raise ConfigError(f"trainer.max_staleness={t.max_staleness} must be >= 0 (0 = on-policy only)")
-    unsupported = [
-        (r.tp != 1, f"rollout.tp={r.tp}: each rollout worker's engine steps on its own; set rollout.tp=1"),
-    ]
-    for bad, what in unsupported:
-        if bad:
-            raise ConfigError(f"trainer.mode=fully_async does not support {what}")
+    if r.tp != 1:
+        raise ConfigError(f"trainer.mode=fully_async does not support rollout.tp={r.tp}: each rollout worker's "
+                          "engine steps on its own; set rollout.tp=1")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")

@@ -545,24 +545,6 @@ def compute_decoupled_policy_loss(
     return (*out, metrics)
 
 
-def loglinear_proximal_alpha(token_versions: torch.Tensor, version: int) -> torch.Tensor:
-    """A-3PO (AReaL's proximal log-prob approximation): the weight alpha of log pi_theta in
-    log pi_prox ~= log pi_behav + alpha (log pi_theta - log pi_behav), per token. The proximal policy is the
-    trainer's weights at `version` (before this update) and pi_theta is on its way to version + 1, so a token
-    sampled at v_behav sits v - v_behav of the v + 1 - v_behav versions from pi_behav to pi_theta:
-    alpha = (v - v_behav) / (v + 1 - v_behav), in [0, 1) (0 on-policy, 1/2 one version behind); tokens
-    without a version (-1: prompt, tool, padding) get 0."""
-    v_behav = token_versions.to(torch.float32)
-    alpha = (version - v_behav) / (version + 1 - v_behav)
-    return torch.where(token_versions >= 0, alpha.clamp(0.0, 1.0), torch.zeros_like(alpha))
-
-
-def loglinear_proximal(behaviour_log_prob: torch.Tensor, log_prob: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """log pi_prox ~= log pi_behav + alpha (log pi_theta - log pi_behav), detached (loglinear_proximal_alpha)."""
-    behaviour_log_prob = behaviour_log_prob.detach()
-    return (behaviour_log_prob + alpha * (log_prob.detach() - behaviour_log_prob)).detach()
-
-
 def clip_higher_kept_frac(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                           response_mask: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
     """What DAPO's clip-higher changed: the fraction of tokens that symmetric clipping, [1 - eps_low,

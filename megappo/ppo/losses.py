@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from megappo.ppo import core_algos as algos
+from megappo.ppo.staleness import loglinear_proximal
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class PolicyLoss:
         behav = {}
         prox = mb["old_log_probs"]  # what the ratio is clipped around (the metrics below read it too)
         if self.policy_loss == "decoupled" and self.proximal == "loglinear":  # A-3PO: interpolated, no forward
-            prox = algos.loglinear_proximal(mb["rollout_log_probs"], outs["logprobs"], mb["prox_alpha"])
+            prox = loglinear_proximal(mb["rollout_log_probs"], outs["logprobs"], mb["prox_alpha"])
         if self.policy_loss == "decoupled":
             pg, clipfrac, approx_kl, dual, behav = algos.compute_decoupled_policy_loss(
                 prox, mb["rollout_log_probs"], outs["logprobs"], mb["advantages"], mask,

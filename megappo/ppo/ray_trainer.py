@@ -65,6 +65,7 @@ from megappo.ppo.losses import PolicyLoss, ValueLoss
 from megappo.ppo.metrics import eval_metrics, kl_metrics, step_metrics
 from megappo.ppo.reward_curve import plot_reward_curve
 from megappo.ppo.run_control import PreemptionSignals, StepProgress
+from megappo.ppo.staleness import batch_token_versions, loglinear_proximal_alpha
 from megappo.protocol import DataProto
 from megappo.rewards.manager import RewardManager
 from megappo.rewards.rules import load_rules
@@ -510,11 +511,12 @@ class RayPPOTrainer(CheckpointingMixin):
 
     def _score_tokens(self, batch: DataProto, timing: dict) -> DataProto:
         model_in = batch.select(batch_keys=_MODEL_IN, non_tensor_keys=[], meta_info_keys=["sampling"])
-        if self.config.actor.use_rollout_log_probs:  # pi_old = the sampler's log-probs (no forward)
+        a3po = self.config.actor.proximal == "loglinear"  # A-3PO: pi_prox interpolated in the loss
+        if self.config.actor.use_rollout_log_probs or a3po:  # pi_old = the sampler's log-probs (no forward)
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
-        elif self.config.actor.proximal == "loglinear":  # A-3PO: pi_prox interpolated in the loss, no forward
-            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]  # pi_behav where pi_old is read
-            batch.batch["prox_alpha"] = algos.loglinear_proximal_alpha(self._token_versions(batch), self.global_step)
+            if a3po:
+                versions = batch_token_versions(batch, self.global_step)
+                batch.batch["prox_alpha"] = loglinear_proximal_alpha(versions, self.global_step)
         else:
             with self._phase("old_log_prob", timing):
                 batch.batch.update(self.actor_wg.compute_log_prob(model_in).batch)
@@ -528,14 +530,6 @@ class RayPPOTrainer(CheckpointingMixin):
             with self._phase("rm", timing):
                 batch.batch.update(self.rm_wg.compute_rm_score(model_in).batch)
         return batch
-
-    def _token_versions(self, batch: DataProto) -> torch.Tensor:
-        """The policy version that sampled each response token: fully_async's per-token record, else the one
-        version the whole batch was sampled at (async: when its rollout was launched; sync: now)."""
-        if "token_versions" in batch.batch:
-            return batch.batch["token_versions"]
-        version = batch.meta_info.get("policy_version", self.global_step)
-        return torch.where(batch.batch["response_mask"].bool(), version, -1)
 
     def _greedy_baselines(self, prompts: DataProto, batch: DataProto) -> torch.Tensor:
         """ReMax: each row's baseline is the reward of its prompt's greedy response (same weights; fully_async:

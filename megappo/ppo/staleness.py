@@ -121,3 +121,34 @@ def version_stats(token_versions: torch.Tensor, response_mask: torch.Tensor, ver
             "async/sample_staleness_max": per_sample.max().item(),
             "async/cross_update_token_frac": crossed.sum().item() / mask.sum().item(),
             "async/over_bound": float((per_sample > max_staleness).sum().item())}
+
+
+# ---- A-3PO: the decoupled loss's proximal policy from the versions, without a forward -------------------
+
+
+def batch_token_versions(batch, version: int) -> torch.Tensor:
+    """The policy version that sampled each response token of a batch (a DataProto): fully_async's per-token
+    record (`token_versions`), else the one version the whole batch was sampled at (meta_info
+    "policy_version": a one-step async batch's launch version; none: `version`, sync); -1 past a response."""
+    if "token_versions" in batch.batch:
+        return batch.batch["token_versions"]
+    sampled_at = batch.meta_info.get("policy_version", version)
+    return torch.where(batch.batch["response_mask"].bool(), sampled_at, -1)
+
+
+def loglinear_proximal_alpha(token_versions: torch.Tensor, version: int) -> torch.Tensor:
+    """A-3PO (AReaL's proximal log-prob approximation): the weight alpha of log pi_theta in
+    log pi_prox ~= log pi_behav + alpha (log pi_theta - log pi_behav), per token. The proximal policy is the
+    trainer's weights at `version` (before this update) and pi_theta is on its way to version + 1, so a token
+    sampled at v_behav sits v - v_behav of the v + 1 - v_behav versions from pi_behav to pi_theta:
+    alpha = (v - v_behav) / (v + 1 - v_behav), in [0, 1) (0 on-policy, 1/2 one version behind); tokens
+    without a version (-1: prompt, tool, padding) get 0."""
+    v_behav = token_versions.to(torch.float32)
+    alpha = (version - v_behav) / (version + 1 - v_behav)
+    return torch.where(token_versions >= 0, alpha.clamp(0.0, 1.0), torch.zeros_like(alpha))
+
+
+def loglinear_proximal(behaviour_log_prob: torch.Tensor, log_prob: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """log pi_prox ~= log pi_behav + alpha (log pi_theta - log pi_behav), detached (loglinear_proximal_alpha)."""
+    behaviour_log_prob = behaviour_log_prob.detach()
+    return (behaviour_log_prob + alpha * (log_prob.detach() - behaviour_log_prob)).detach()

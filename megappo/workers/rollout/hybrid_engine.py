@@ -41,7 +41,7 @@ from megappo.models.lora import base_named_parameters, gather_hf_lora, merged_na
 from megappo.parallel.resharding import Resharder
 from megappo.protocol import DataProto
 from megappo.utils.checkpoint import rng_state, set_rng_state
-from megappo.workers.rollout.adapter_dirs import ADAPTER_DIR_PREFIX, AdapterDirs, sweep_adapter_dirs  # noqa: F401
+from megappo.workers.rollout.adapter_dirs import AdapterDirs
 from megappo.workers.rollout.fingerprint import compare, tensor_fingerprint_on_device, tolerance_for, \
     with_tied_head
 
