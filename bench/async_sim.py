@@ -107,8 +107,8 @@ class Result:
 class Engine:
     """Continuous batching: `advance()` runs one decode step over every active sample (at most max_num_seqs)."""
 
-    def __init__(self, costs: Costs, max_num_seqs: int):
-        self.costs, self.max_num_seqs = costs, max_num_seqs
+    def __init__(self, costs: Costs, max_num_seqs: int, engines: int = 1):
+        self.costs, self.max_num_seqs, self.engines = costs, max_num_seqs * engines, engines
         self.active: list[Sample] = []
         self.joining = 0  # samples that joined since the last step (their prefill is paid in the next one)
 
@@ -121,7 +121,8 @@ class Engine:
 
     def advance(self, version: int) -> tuple[float, list[Sample]]:
         """(seconds, the samples that finished in this step)."""
-        dt = self.costs.step_s(len(self.active)) + self.joining * self.costs.prefill_s_per_token * self.costs.prompt_len
+        share = -(-len(self.active) // self.engines)  # pooled engines: an even share each, prefills spread too
+        dt = self.costs.step_s(share) + self.joining * self.costs.prefill_s_per_token * self.costs.prompt_len / self.engines
         self.joining = 0
         finished = []
         for s in self.active:
@@ -146,28 +147,40 @@ def _generate_all(engine: Engine, samples: list[Sample], version: int) -> tuple[
     return t, done
 
 
+def _generate_split(costs: Costs, max_num_seqs: int, engines: int, batch: list[Sample], version: int) -> float:
+    """`batch` in `engines` contiguous parts, each on its own engine at once: the slowest part's seconds."""
+    part = -(-len(batch) // engines)
+    return max(_generate_all(Engine(costs, max_num_seqs), batch[i:i + part], version)[0]
+               for i in range(0, len(batch), part))
+
+
 def _tokens(samples: list[Sample], prompt_len: int) -> int:
     return sum(s.length + prompt_len for s in samples)
 
 
 def simulate(mode: str, costs: Costs, lengths: list[int], steps: int, groups_per_step: int, n: int,
-             max_num_seqs: int, max_staleness: int = 1) -> Result:
-    """Run `steps` updates of `mode`; sample k's response length is lengths[k % len(lengths)] (group g: n of them)."""
+             max_num_seqs: int, max_staleness: int = 1, engines: int = 1) -> Result:
+    """Run `steps` updates of `mode`; sample k's response length is lengths[k % len(lengths)] (group g: n of them).
+    engines: rollout engines working at once. sync and async split each batch in that many contiguous parts (the
+    DP dispatch of megappo's worker groups) and wait for the slowest part; fully_async pools them (a sample goes
+    wherever a slot is free: one engine with engines x max_num_seqs slots whose step costs what one engine's
+    step over an even share of the active samples costs)."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: choose from {', '.join(MODES)}")
+    if engines < 1:
+        raise ValueError(f"engines={engines}: give the number of rollout engines (>= 1)")
     per_step = groups_per_step * n
     counter = iter(range(10**12))
 
     def group(g: int, version: int = 0) -> list[Sample]:
         return [Sample(g, max(1, lengths[(g * n + j) % len(lengths)]), start_version=version) for j in range(n)]
 
-    engine = Engine(costs, max_num_seqs)
     if mode == "sync":
         t = busy_e = busy_t = 0.0
         tokens = 0
         for step in range(steps):
             batch = [s for _ in range(groups_per_step) for s in group(next(counter), step)]
-            gen_s, _ = _generate_all(engine, batch, step)
+            gen_s = _generate_split(costs, max_num_seqs, engines, batch, step)
             train_s = costs.train_s(_tokens(batch, costs.prompt_len))
             t += gen_s + train_s + costs.weight_sync_s
             busy_e, busy_t, tokens = busy_e + gen_s, busy_t + train_s, tokens + _tokens(batch, costs.prompt_len)
@@ -177,19 +190,20 @@ def simulate(mode: str, costs: Costs, lengths: list[int], steps: int, groups_per
             return [s for _ in range(groups_per_step) for s in group(next(counter), step)]
 
         batch = batch_of(0)
-        gen_s, _ = _generate_all(engine, batch, 0)
+        gen_s = _generate_split(costs, max_num_seqs, engines, batch, 0)
         t, busy_e, busy_t, tokens = gen_s, gen_s, 0.0, 0
         for step in range(steps):
             t += costs.weight_sync_s
             train_s = costs.train_s(_tokens(batch, costs.prompt_len))
             nxt, next_gen = (batch_of(step + 1), 0.0) if step + 1 < steps else ([], 0.0)
             if nxt:
-                next_gen, _ = _generate_all(engine, nxt, step)
+                next_gen = _generate_split(costs, max_num_seqs, engines, nxt, step)
             t += max(train_s, next_gen)  # the driver waits for both before the next step
             busy_e, busy_t, tokens = busy_e + next_gen, busy_t + train_s, tokens + _tokens(batch, costs.prompt_len)
             batch = nxt
         return Result(mode, t, tokens, busy_e, busy_t)
-    return _fully_async(costs, lengths, steps, groups_per_step, n, max_staleness, engine, group)
+    return _fully_async(costs, lengths, steps, groups_per_step, n, max_staleness, Engine(costs, max_num_seqs, engines),
+                        group)
 
 
 def _fully_async(costs: Costs, lengths, steps, groups_per_step, n, max_staleness, engine: Engine, group) -> Result:
@@ -261,14 +275,17 @@ DEMO = {"decode_s": {"1": 0.02, "64": 0.03, "256": 0.08}, "prefill_s_per_token":
 
 
 def run(inputs: dict, steps: int, modes=MODES) -> dict:
-    costs = Costs(inputs["decode_s"], float(inputs["update_s_per_token"]), float(inputs.get("update_s_fixed", 0.0)),
-                  float(inputs.get("weight_sync_s", 0.0)), float(inputs.get("prefill_s_per_token", 0.0)),
-                  int(inputs.get("prompt_len", 64)))
-    lengths = lengths_from(inputs["lengths"], int(inputs.get("seed", 0)))
+    """Simulate each mode; inputs["per_mode"][mode] (optional) overrides keys for that mode (each mode's own layout:
+    its engines, its trainer's update costs, its weight sync)."""
     out = {"inputs": inputs, "steps": steps}
     for mode in modes:
-        out[mode] = simulate(mode, costs, lengths, steps, int(inputs["groups_per_step"]), int(inputs["n"]),
-                             int(inputs["max_num_seqs"]), int(inputs.get("max_staleness", 1))).summary()
+        m = {**inputs, **inputs.get("per_mode", {}).get(mode, {})}
+        costs = Costs(m["decode_s"], float(m["update_s_per_token"]), float(m.get("update_s_fixed", 0.0)),
+                      float(m.get("weight_sync_s", 0.0)), float(m.get("prefill_s_per_token", 0.0)),
+                      int(m.get("prompt_len", 64)))
+        out[mode] = simulate(mode, costs, lengths_from(m["lengths"], int(m.get("seed", 0))), steps,
+                             int(m["groups_per_step"]), int(m["n"]), int(m["max_num_seqs"]),
+                             int(m.get("max_staleness", 1)), int(m.get("engines", 1))).summary()
     base = out[modes[0]]["trained_tokens_per_s"]
     for mode in modes:
         out[mode]["speedup_vs_" + modes[0]] = round(out[mode]["trained_tokens_per_s"] / base, 3)

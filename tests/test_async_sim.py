@@ -55,3 +55,26 @@ def test_on_a_long_tail_fully_async_beats_async_beats_sync():
 def test_unknown_mode_is_one_line():
     with pytest.raises(ValueError, match="mode='fast': choose from sync, async, fully_async"):
         sim.simulate("fast", FLAT, **TWO)
+
+
+def test_sync_with_two_engines_waits_for_the_slower_half():
+    # the hybrid engine's DP replicas: samples [3, 5, 3, 5] split [3, 5] | [3, 5], each half on its own engine
+    two = dict(TWO, groups_per_step=2)
+    r = sim.simulate("sync", FLAT, engines=2, **two)
+    assert r.seconds == pytest.approx(2 * (5 + 1.6 + 0.5))
+    # a skewed split: [9, 1] | [1, 1] -> the first engine's 9 steps
+    assert sim.simulate("sync", FLAT, lengths=[9, 1, 1, 1], steps=1, groups_per_step=2, n=2, max_num_seqs=8,
+                        engines=2).seconds == pytest.approx(9 + 1.2 + 0.5)
+    # async splits each batch the same way: batch 1 (5), then sync + max(train, the next batch's slower half)
+    assert sim.simulate("async", FLAT, engines=2, **two).seconds == pytest.approx(5 + (0.5 + 5) + (0.5 + 1.6))
+    # fully_async pools the engines; on-policy it is still the sync schedule
+    assert sim.simulate("fully_async", FLAT, engines=2, max_staleness=0, **two).seconds == pytest.approx(r.seconds)
+    with pytest.raises(ValueError, match="engines=0: give the number of rollout engines"):
+        sim.simulate("sync", FLAT, engines=0, **TWO)
+
+
+def test_each_mode_takes_its_own_layout():
+    inputs = {**sim.DEMO, "per_mode": {"async": {"update_s_per_token": 1e-3}}}
+    out = sim.run(inputs, steps=3)
+    assert out["async"]["trainer_busy_frac"] > sim.run(sim.DEMO, steps=3)["async"]["trainer_busy_frac"]
+    assert out["sync"] == sim.run(sim.DEMO, steps=3)["sync"]
