@@ -78,3 +78,26 @@ def test_each_mode_takes_its_own_layout():
     out = sim.run(inputs, steps=3)
     assert out["async"]["trainer_busy_frac"] > sim.run(sim.DEMO, steps=3)["async"]["trainer_busy_frac"]
     assert out["sync"] == sim.run(sim.DEMO, steps=3)["sync"]
+
+
+def test_bench_async_modes_turns_a_measured_run_into_the_simulators_inputs():
+    """bench/async_modes.py: the trainer's cost is its update phases per trained token over steps 2.. (step 1 warms
+    up), the weight sync the median, the lengths those sampled; sync's layout has two engines."""
+    import types
+
+    import async_modes
+
+    hist = [{"tokens/actor_real": 100, "timing/old_log_prob_s": 50.0, "timing/update_actor_s": 50.0,
+             "timing/weight_sync_s": 9.0},
+            {"tokens/actor_real": 100, "timing/old_log_prob_s": 1.0, "timing/update_actor_s": 3.0,
+             "timing/weight_sync_s": 1.0, "timing/gen_s": 99.0},
+            {"tokens/actor_real": 300, "timing/update_actor_s": 8.0, "timing/reward_adv_s": 0.0,
+             "timing/weight_sync_s": 3.0}]
+    args = types.SimpleNamespace(groups=2, n=2)
+    decode = {"decode_s": {"1": 0.1}, "prefill_s_per_token": 0.0}
+    for mode, engines in (("sync", 2), ("fully_async", 1)):
+        inputs = async_modes.sim_inputs({"mode": mode, "history": hist, "lengths": [5, 7]}, decode, 10, args)
+        assert inputs["update_s_per_token"] == pytest.approx(12 / 400) and inputs["update_s_fixed"] == 0
+        assert inputs["weight_sync_s"] == 2.0 and inputs["engines"] == engines and inputs["lengths"] == [5, 7]
+        out = sim.run(inputs, steps=2, modes=(mode,))
+        assert out[mode]["trained_tokens_per_s"] > 0
