@@ -51,6 +51,7 @@ VARIANTS = {**{m: (m, LAYOUT[m]) for m in LAYOUT},  # name -> (trainer.mode, ove
             "sync+loglinear": ("sync", LAYOUT["sync"] + A3PO),
             "fully_async+loglinear": ("fully_async", LAYOUT["fully_async"] + A3PO)}
 DECODE_BATCHES = (1, 4, 8, 16, 32, 64)
+MAX_NUM_SEQS = 256  # the simulated engine's slots: more than this bench ever has in flight (two batches)
 
 
 def make_data(out: Path, val_size: int) -> Path:
@@ -85,11 +86,14 @@ def _decode_child(model: str, dtype: str, prompt_len: int, path: str) -> None:
     llm = rollout.llm
     prompt = list(range(1000, 1000 + prompt_len))  # ids do not change the cost; the length does
 
-    def run(batch, tokens):
+    calls = iter(range(10**9))
+
+    def run(batch, tokens):  # every call its own prompts: no prefix-cache hit makes a prefill look cheap
         sp = SamplingParams(max_tokens=tokens, min_tokens=tokens, ignore_eos=True, temperature=1.0, seed=0)
+        base = next(calls) * batch
         t = time.perf_counter()
-        llm.generate([{"prompt_token_ids": [(x + i) % 40000 for x in prompt]} for i in range(batch)], sp,
-                     use_tqdm=False)
+        llm.generate([{"prompt_token_ids": [(x + 7 * (base + i)) % 40000 for x in prompt]} for i in range(batch)],
+                     sp, use_tqdm=False)
         return time.perf_counter() - t
 
     run(4, 8)  # warm-up
@@ -130,7 +134,7 @@ def run_mode(name: str, data: Path, out: Path, args) -> dict:
     trainer = RayPPOTrainer(cfg, show_progress=False)
     lengths: list[int] = []
     prompt_lens: list[int] = []
-    update = trainer._update
+    update = trainer._update  # wrapped (a bench, not an API) to see each trained batch
 
     def recorded(b, timing):  # every trained sample's response and prompt length
         resp = b.batch["response_mask"].sum(-1)
@@ -166,12 +170,20 @@ UPDATE_PHASES = ("timing/old_log_prob_s", "timing/ref_s", "timing/values_s", "ti
 def sim_inputs(res: dict, decode: dict, prompt_len: int, args) -> dict:
     """The simulator's inputs for one measured layout: its trainer's phase timers (seconds per token), its weight
     sync, the decode table and the lengths its samples had."""
-    rows = [r for r in res["history"][1:]] or res["history"]  # step 1 warms up
+    rows = res["history"][1:] or res["history"]  # step 1 warms up
     per_token = sum(sum(r.get(k, 0.0) for k in UPDATE_PHASES) for r in rows) / sum(r["tokens/actor_real"] for r in rows)
+    mode, layout = VARIANTS[res["name"]]
     return {**decode, "update_s_per_token": per_token, "update_s_fixed": 0.0,
             "weight_sync_s": statistics.median(r.get("timing/weight_sync_s", 0.0) for r in rows),
             "prompt_len": prompt_len, "lengths": res["lengths"], "groups_per_step": args.groups, "n": args.n,
-            "max_num_seqs": 256, "max_staleness": 1, "engines": 2 if res["mode"] == "sync" else 1}
+            "max_num_seqs": MAX_NUM_SEQS, "max_staleness": int(_override(layout, "trainer.max_staleness", 1)),
+            "engines": int(_override(layout, "resources.workers_per_node" if mode == "sync"
+                                     else "resources.rollout_workers", 1))}
+
+
+def _override(layout: list[str], key: str, default):
+    """The value a layout's `key=value` override gives, else `default`."""
+    return next((o.split("=", 1)[1] for o in layout if o.startswith(key + "=")), default)
 
 
 def plot(report: dict, path: Path) -> None:
@@ -241,11 +253,17 @@ def main(argv=None) -> int:
                            "max_new_tokens": args.max_new_tokens, "steps": args.steps, "prompt_len": prompt_len,
                            "temperature": 1.0, "instruction": INSTRUCTION},
               "decode": decode, "modes": {}}
+    previous = out / "async_modes.json"  # modes run before in this OUT stay in the report
+    if previous.exists() and json.loads(previous.read_text())["workload"] == report["workload"]:
+        report["modes"] = json.loads(previous.read_text())["modes"]
     for mode in args.modes:
         saved = out / f"{mode}_run.json"  # a finished mode is reused (delete it to run the mode again)
         if not saved.exists():
-            saved.write_text(json.dumps(run_mode(mode, data, out, args)))
+            saved.write_text(json.dumps({**run_mode(mode, data, out, args), "workload": report["workload"]}))
         res = json.loads(saved.read_text())
+        if res.get("workload", report["workload"]) != report["workload"]:
+            raise SystemExit(f"{saved} was run with {res['workload']}, not these arguments: delete it or pass "
+                             "another --out")
         lengths = sorted(res["lengths"])
         inputs = sim_inputs(res, decode, round(statistics.fmean(res["prompt_lens"])), args)
         predicted = simulate(inputs, args.steps, modes=(VARIANTS[mode][0],))[VARIANTS[mode][0]]

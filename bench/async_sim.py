@@ -12,7 +12,10 @@ The engine is continuous batching: one decode step advances every active sample 
 `decode_s(active)` (interpolated in the measured table); a sample that joins pays its prefill in that step.
 The trainer costs `update_s_fixed + update_s_per_token * tokens` per batch (pi_old, ref, values and both
 updates together); a weight sync costs `weight_sync_s` and stops the engine (and, in sync mode, is part
-of the step). Nothing else is modelled: no reward time, no driver overhead, no memory limits.
+of the step). Nothing else is modelled: no driver overhead, no memory limits (give reward time, if it matters,
+as part of the trainer's cost). `engines` rollout engines work at once: sync and async split each batch over
+them by whole prompts (megappo's DP dispatch) and wait for the slowest part; fully_async pools them (a sample
+goes wherever a slot is free, its prefill shared out: a lower bound on a real pool's time).
 
     python bench/async_sim.py --inputs costs.json [--steps 20]      # prints one JSON object: per mode
     python bench/async_sim.py --demo                                # made-up costs, to see the shape
@@ -20,12 +23,13 @@ of the step). Nothing else is modelled: no reward time, no driver overhead, no m
 costs.json: {"decode_s": {"1": 0.020, "32": 0.031, "256": 0.090}, "prefill_s_per_token": 2e-5,
 "update_s_per_token": 1e-4, "update_s_fixed": 1.0, "weight_sync_s": 2.0, "prompt_len": 64,
 "lengths": [...] or {"lognormal": {"median": 203, "sigma": 0.9, "min": 7, "max": 512}},
-"groups_per_step": 8, "n": 8, "max_num_seqs": 256, "max_staleness": 1, "seed": 0}
+"groups_per_step": 8, "n": 8, "max_num_seqs": 256, "max_staleness": 1, "seed": 0, "engines": 1,
+"per_mode": {"async": {"engines": 1, "update_s_per_token": 2e-4}}}   # per_mode: a mode's own layout
 
 Per mode: seconds for --steps updates, trained tokens per second, engine and trainer busy fractions, and
 (fully_async) the staleness of trained samples (versions behind, mean/max per sample and per token) and
 the fraction of tokens sampled across an update. The simulator has to predict this machine's measured
-runs (bench/ppo_step.py's modes) within 15% before its predictions for a GPU cluster mean anything.
+runs (bench/async_modes.py) within 15% before its predictions for a GPU cluster mean anything.
 """
 
 from __future__ import annotations
@@ -147,11 +151,13 @@ def _generate_all(engine: Engine, samples: list[Sample], version: int) -> tuple[
     return t, done
 
 
-def _generate_split(costs: Costs, max_num_seqs: int, engines: int, batch: list[Sample], version: int) -> float:
-    """`batch` in `engines` contiguous parts, each on its own engine at once: the slowest part's seconds."""
-    part = -(-len(batch) // engines)
-    return max(_generate_all(Engine(costs, max_num_seqs), batch[i:i + part], version)[0]
-               for i in range(0, len(batch), part))
+def _generate_split(costs: Costs, max_num_seqs: int, engines: int, batch: list[Sample], version: int,
+                    n: int) -> float:
+    """`batch` (groups of n) in `engines` contiguous parts of whole groups, each on its own engine at once: the
+    slowest part's seconds."""
+    part = max(-(-len(batch) // n // engines) * n, n)
+    return max((_generate_all(Engine(costs, max_num_seqs), batch[i:i + part], version)[0]
+                for i in range(0, len(batch), part)), default=0.0)
 
 
 def _tokens(samples: list[Sample], prompt_len: int) -> int:
@@ -180,7 +186,7 @@ def simulate(mode: str, costs: Costs, lengths: list[int], steps: int, groups_per
         tokens = 0
         for step in range(steps):
             batch = [s for _ in range(groups_per_step) for s in group(next(counter), step)]
-            gen_s = _generate_split(costs, max_num_seqs, engines, batch, step)
+            gen_s = _generate_split(costs, max_num_seqs, engines, batch, step, n)
             train_s = costs.train_s(_tokens(batch, costs.prompt_len))
             t += gen_s + train_s + costs.weight_sync_s
             busy_e, busy_t, tokens = busy_e + gen_s, busy_t + train_s, tokens + _tokens(batch, costs.prompt_len)
@@ -190,14 +196,14 @@ def simulate(mode: str, costs: Costs, lengths: list[int], steps: int, groups_per
             return [s for _ in range(groups_per_step) for s in group(next(counter), step)]
 
         batch = batch_of(0)
-        gen_s = _generate_split(costs, max_num_seqs, engines, batch, 0)
+        gen_s = _generate_split(costs, max_num_seqs, engines, batch, 0, n)
         t, busy_e, busy_t, tokens = gen_s, gen_s, 0.0, 0
         for step in range(steps):
             t += costs.weight_sync_s
             train_s = costs.train_s(_tokens(batch, costs.prompt_len))
             nxt, next_gen = (batch_of(step + 1), 0.0) if step + 1 < steps else ([], 0.0)
             if nxt:
-                next_gen = _generate_split(costs, max_num_seqs, engines, nxt, step)
+                next_gen = _generate_split(costs, max_num_seqs, engines, nxt, step, n)
             t += max(train_s, next_gen)  # the driver waits for both before the next step
             busy_e, busy_t, tokens = busy_e + next_gen, busy_t + train_s, tokens + _tokens(batch, costs.prompt_len)
             batch = nxt
@@ -253,7 +259,7 @@ def _fully_async(costs: Costs, lengths, steps, groups_per_step, n, max_staleness
             t = train_until + costs.weight_sync_s
             version, updates, train_until = version + 1, updates + 1, None
         else:
-            raise RuntimeError("fully_async: nothing in flight and no batch to train (groups_per_step * n > max_num_seqs?)")
+            raise RuntimeError("fully_async: nothing in flight and no batch to train (groups_per_step * n > engines * max_num_seqs?)")
     res.seconds, res.engine_busy_s, res.trainer_busy_s = t, busy_e, busy_t
     return res
 
@@ -271,7 +277,8 @@ def lengths_from(spec, seed: int = 0, count: int = 4096) -> list[int]:
 DEMO = {"decode_s": {"1": 0.02, "64": 0.03, "256": 0.08}, "prefill_s_per_token": 2e-5, "update_s_per_token": 2e-4,
         "update_s_fixed": 1.0, "weight_sync_s": 1.0, "prompt_len": 64,
         "lengths": {"lognormal": {"median": 203, "sigma": 0.9, "min": 7, "max": 512}},
-        "groups_per_step": 8, "n": 8, "max_num_seqs": 256, "max_staleness": 1, "seed": 0}
+        "groups_per_step": 8, "n": 8, "max_num_seqs": 256, "max_staleness": 1, "seed": 0, "engines": 1,
+"per_mode": {"async": {"engines": 1, "update_s_per_token": 2e-4}}}   # per_mode: a mode's own layout
 
 
 def run(inputs: dict, steps: int, modes=MODES) -> dict:

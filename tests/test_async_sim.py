@@ -96,8 +96,28 @@ def test_bench_async_modes_turns_a_measured_run_into_the_simulators_inputs():
     args = types.SimpleNamespace(groups=2, n=2)
     decode = {"decode_s": {"1": 0.1}, "prefill_s_per_token": 0.0}
     for mode, engines in (("sync", 2), ("fully_async", 1)):
-        inputs = async_modes.sim_inputs({"mode": mode, "history": hist, "lengths": [5, 7]}, decode, 10, args)
+        inputs = async_modes.sim_inputs({"name": mode, "history": hist, "lengths": [5, 7]}, decode, 10, args)
         assert inputs["update_s_per_token"] == pytest.approx(12 / 400) and inputs["update_s_fixed"] == 0
         assert inputs["weight_sync_s"] == 2.0 and inputs["engines"] == engines and inputs["lengths"] == [5, 7]
         out = sim.run(inputs, steps=2, modes=(mode,))
         assert out[mode]["trained_tokens_per_s"] > 0
+
+
+def test_pooled_engines_share_the_active_samples_and_their_prefills():
+    costs = sim.Costs({1: 1.0, 2: 1.5, 4: 3.0}, update_s_per_token=0.0, prefill_s_per_token=0.25, prompt_len=4)
+    pool = sim.Engine(costs, max_num_seqs=2, engines=2)
+    assert pool.free() == 4
+    for length in (1, 2, 2, 2):
+        pool.add(sim.Sample(0, length))
+    dt, done = pool.advance(0)  # 2 samples per engine (1.5 s) + 4 prefills of 4 tokens shared by 2 engines
+    assert dt == pytest.approx(1.5 + 4 * 0.25 * 4 / 2) and len(done) == 1
+    dt, done = pool.advance(0)  # 3 left: the busier engine has 2
+    assert dt == pytest.approx(1.5) and len(done) == 3
+
+
+def test_a_split_keeps_each_prompts_samples_on_one_engine():
+    # 3 groups of 2 over 2 engines: groups {0, 1} | {2}; the second group's long sample sets the first part's time
+    r = sim.simulate("sync", FLAT, lengths=[1, 1, 1, 9, 2, 2], steps=1, groups_per_step=3, n=2, max_num_seqs=8,
+                     engines=2)
+    assert r.seconds == pytest.approx(9 + 1.6 + 0.5)
+    assert sim._generate_split(FLAT, 8, 2, [], 0, 2) == 0.0
