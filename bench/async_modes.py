@@ -254,8 +254,9 @@ def main(argv=None) -> int:
                            "temperature": 1.0, "instruction": INSTRUCTION},
               "decode": decode, "modes": {}}
     previous = out / "async_modes.json"  # modes run before in this OUT stay in the report
-    if previous.exists() and json.loads(previous.read_text())["workload"] == report["workload"]:
-        report["modes"] = json.loads(previous.read_text())["modes"]
+    earlier = json.loads(previous.read_text()) if previous.exists() else {}
+    if earlier.get("workload") == report["workload"]:
+        report["modes"] = earlier["modes"]
     for mode in args.modes:
         saved = out / f"{mode}_run.json"  # a finished mode is reused (delete it to run the mode again)
         if not saved.exists():
@@ -266,7 +267,8 @@ def main(argv=None) -> int:
                              "another --out")
         lengths = sorted(res["lengths"])
         inputs = sim_inputs(res, decode, round(statistics.fmean(res["prompt_lens"])), args)
-        predicted = simulate(inputs, args.steps, modes=(VARIANTS[mode][0],))[VARIANTS[mode][0]]
+        trainer_mode = VARIANTS[mode][0]
+        predicted = simulate(inputs, args.steps, modes=(trainer_mode,))[trainer_mode]
         report["modes"][mode] = {
             "fit_s": round(res["fit_s"], 1), "val_s": round(res["val_s"], 1), "train_s": round(res["train_s"], 1),
             "trained_tokens": res["trained_tokens"], "trained_tokens_per_s": round(res["trained_tokens_per_s"], 2),

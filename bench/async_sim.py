@@ -277,8 +277,7 @@ def lengths_from(spec, seed: int = 0, count: int = 4096) -> list[int]:
 DEMO = {"decode_s": {"1": 0.02, "64": 0.03, "256": 0.08}, "prefill_s_per_token": 2e-5, "update_s_per_token": 2e-4,
         "update_s_fixed": 1.0, "weight_sync_s": 1.0, "prompt_len": 64,
         "lengths": {"lognormal": {"median": 203, "sigma": 0.9, "min": 7, "max": 512}},
-        "groups_per_step": 8, "n": 8, "max_num_seqs": 256, "max_staleness": 1, "seed": 0, "engines": 1,
-"per_mode": {"async": {"engines": 1, "update_s_per_token": 2e-4}}}   # per_mode: a mode's own layout
+        "groups_per_step": 8, "n": 8, "max_num_seqs": 256, "max_staleness": 1, "seed": 0}
 
 
 def run(inputs: dict, steps: int, modes=MODES) -> dict:
