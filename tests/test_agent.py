@@ -433,3 +433,100 @@ def test_ppo_run_with_your_own_openai_sdk_agent(ray_session, tiny_assets, data_d
     # and the tool result's tokens between them, only the sampled ids trained (response_mask)
     assert sorted(trained) == sorted(expected)
     assert history[0]["rollout/logprob_diff_max"] < 1e-4
+
+
+REWRITING_AGENT = '''
+import json
+
+async def run(client, row):
+    """An agent that rewrites its history on even rows: its second request drops the first reply and asks
+    again (the gateway starts a new segment); on odd rows the second request extends the first."""
+    messages = list(row["messages"])
+    r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=6, temperature=1.0)
+    log = [{"prompt": r.model_extra["prompt_token_ids"], "sampled": r.choices[0].model_extra["token_ids"]}]
+    if row["index"] % 2 == 0:
+        messages = messages + [{"role": "user", "content": "Once more, in one word."}]
+    else:
+        messages = messages + [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "ok?"}]
+    r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=6, temperature=1.0)
+    log.append({"prompt": r.model_extra["prompt_token_ids"], "sampled": r.choices[0].model_extra["token_ids"]})
+    with open(LOG, "a") as f:
+        f.write(json.dumps({"index": row["index"], "log": log}) + "\\n")
+    return float(len(log[1]["sampled"]) % 2)
+'''
+
+
+def rewritten_sessions_rows(sessions: list) -> list:
+    """What REWRITING_AGENT's logged sessions must be trained as: (prompt, response, response_mask) rows."""
+    expected = []
+    for s in sessions:
+        first, second = s["log"]
+        if s["index"] % 2 == 0:  # rewritten: two rows, each its own prompt and sampled ids
+            expected.append((tuple(first["prompt"]), tuple(first["sampled"]), (1,) * len(first["sampled"])))
+            expected.append((tuple(second["prompt"]), tuple(second["sampled"]), (1,) * len(second["sampled"])))
+        else:  # extended: one row, the user message between the turns attended, not trained
+            sent = first["prompt"] + first["sampled"]
+            assert second["prompt"][:len(sent)] == sent
+            between = second["prompt"][len(sent):]
+            expected.append((tuple(first["prompt"]), tuple(first["sampled"] + between + second["sampled"]),
+                             (1,) * len(first["sampled"]) + (0,) * len(between) + (1,) * len(second["sampled"])))
+    return expected
+
+
+def trained_rows(b: dict) -> list:
+    """A batch's rows as (prompt ids, attended response ids, their response_mask)."""
+    width, rows = b["prompts"].shape[1], []
+    for i in range(len(b["responses"])):
+        prompt = b["prompts"][i][b["attention_mask"][i, :width].bool()].tolist()
+        n = int(b["attention_mask"][i, width:].sum())
+        rows.append((tuple(prompt), tuple(b["responses"][i, :n].tolist()), tuple(b["response_mask"][i, :n].tolist())))
+    return rows
+
+
+def test_ppo_run_trains_a_rewritten_history_as_rows_of_its_own(ray_session, tiny_assets, data_dir, tmp_path):
+    """rollout.agent with an agent that rewrites its history on even rows (ppo/segments.py), trained by sync GRPO
+    at DP2 for 2 steps. Each rewritten session is two trained rows, each exactly a prompt the gateway rendered
+    and the ids the engine sampled after it; a later row ends in its sample's score and gets its sample's
+    advantage, while the reward metrics count samples; vLLM and Megatron agree on every row's tokens (fp32);
+    the update keeps its optimizer steps (the rows filled to equal mini-batches)."""
+    from trainer_utils import config, run
+
+    from megappo.ppo.segments import Segments
+
+    log = tmp_path / "agent_log.jsonl"
+    (tmp_path / "rewriting_agent.py").write_text(f"LOG = {str(log)!r}\n" + REWRITING_AGENT)
+    cfg = config(tiny_assets, data_dir, tmp_path / "run", f"rollout.agent={tmp_path / 'rewriting_agent.py'}:run",
+                 "rollout.max_new_tokens=40", "data.max_prompt_length=200", "algorithm.adv_estimator=grpo",
+                 "reward.non_stop_penalty=false", "trainer.total_steps=2", "trainer.save_every=0",
+                 "trainer.val_every=0", "trainer.export_hf=false")
+    batches = []
+
+    def spy_update(trainer):
+        update = trainer._update
+
+        def spy(batch, timing):
+            batches.append(batch)
+            return update(batch, timing)
+
+        trainer._update = spy
+
+    history, _ = run(cfg, setup=spy_update)
+    sessions = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(history) == 2 and len(batches) == 2
+    samples = cfg.data.train_batch_size * cfg.rollout.n
+    trained = []
+    for h, batch in zip(history, batches):
+        b, segments = batch.batch, Segments.of(batch)
+        later = int((b["agent_segment"] > 0).sum())
+        assert later > 0 and segments is not None and segments.later == later == len(b["responses"]) - samples
+        assert h["rollout/agent_segment_rows"] == later and h["rollout/agent_fallbacks"] == later
+        assert h["rollout/agent_requests_mean"] == 2 and h["rollout/agent_segments_mean"] == 1 + later / samples
+        assert h["actor/rows"] >= len(b["responses"])  # + masked copies: equal mini-batches
+        assert h["rollout/logprob_diff_max"] < 1e-4  # every row, later ones included
+        seq_scores, mask = b["token_level_scores"].sum(-1), b["response_mask"].bool()
+        for i, j in enumerate(segments.owner):  # a later row: its sample's score and advantage
+            assert seq_scores[i] == seq_scores[j]
+            assert torch.allclose(b["advantages"][i][mask[i]], b["advantages"][j][mask[j]][0])
+        assert h["objective/scores"] == pytest.approx(float(seq_scores[segments.primary].mean()))  # samples only
+        trained += trained_rows(b)
+    assert sorted(trained) == sorted(rewritten_sessions_rows(sessions))  # token identity, every segment

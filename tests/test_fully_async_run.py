@@ -316,3 +316,42 @@ def test_the_built_in_multi_turn_loop_streams_in_fully_async(ray_session, tiny_a
         for key in ("objective/scores", "rollout/tokens_tool", "rollout/tokens_model", "response_length/mean"):
             assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-6), (key, got[key], want[key])
         assert math.isclose(got["loss/policy_avg"], want["loss/policy_avg"], rel_tol=1e-3, abs_tol=1e-4)
+
+
+def test_a_rewritten_history_streams_in_fully_async(ray_session, tiny_assets, data_dir, tmp_path):
+    """rollout.agent in fully_async with an agent that rewrites its history on even rows (test_agent's
+    REWRITING_AGENT): each later segment is a row of its own in its group, exactly as the gateway rendered and
+    the engine sampled it, its model tokens carrying the versions that sampled them, within the bound."""
+    import json
+
+    from test_agent import REWRITING_AGENT, rewritten_sessions_rows, trained_rows
+
+    log = tmp_path / "agent_log.jsonl"
+    (tmp_path / "rewriting_agent.py").write_text(f"LOG = {str(log)!r}\n" + REWRITING_AGENT)
+    batches = []
+
+    def setup(trainer):
+        update = trainer._update
+
+        def recorded(batch, timing):
+            batches.append(batch)
+            return update(batch, timing)
+
+        trainer._update = recorded
+
+    history, _ = _run(_config(tiny_assets, data_dir, tmp_path / "rewrite", *FULLY_ASYNC, "trainer.max_staleness=1",
+                              f"rollout.agent={tmp_path / 'rewriting_agent.py'}:run", "rollout.max_new_tokens=40",
+                              "data.max_prompt_length=200", "algorithm.adv_estimator=grpo",
+                              "reward.non_stop_penalty=false", "trainer.total_steps=2", "trainer.val_every=0"),
+                      setup=setup)
+    sessions = [json.loads(line) for line in log.read_text().splitlines()]
+    trained = []
+    for h, batch in zip(history, batches):
+        b = batch.batch
+        later = b["agent_segment"] > 0
+        assert later.any() and h["rollout/agent_segment_rows"] == int(later.sum())
+        assert h["async/sample_staleness_max"] <= 1
+        model = b["response_mask"].bool()
+        assert (b["token_versions"][model] >= 0).all() and (b["token_versions"][~model] == -1).all()
+        trained += trained_rows(b)
+    assert trained and set(trained) <= set(rewritten_sessions_rows(sessions))  # groups still in flight: not all

@@ -51,6 +51,8 @@ class Trajectory:
     prompt: Optional[list] = None  # the prompt ids it continues when not its row's (rollout.agent: the agent's own)
     versions: list = field(default_factory=list)  # rollout.agent: per token, the policy version that sampled it (-1 not)
     track_versions: bool = False  # AgentLoop.sample: `versions` kept for every token added
+    later: list = field(default_factory=list)  # rollout.agent: the session's later segments (a rewritten history)
+    segment_of: Optional[int] = None  # a later segment's row: the index of its sample (trajectory_rows)
 
     def add(self, tokens, logprobs=None, model: bool = True, versions=None) -> None:
         self.tokens += list(tokens)
@@ -185,6 +187,17 @@ class AgentLoop:
         s["tool_tokens"] += len(ids)
 
 
+def trajectory_rows(trajs: list[Trajectory]) -> list[Trajectory]:
+    """The rows a rollout trains: one per sample, then every sample's later segments (rollout.agent's
+    rewritten histories, trained as their own sequences: ppo/segments.py), each marked with its sample."""
+    rows = list(trajs)
+    for k, t in enumerate(trajs):
+        for seg in t.later:
+            seg.segment_of = k
+            rows.append(seg)
+    return rows
+
+
 def trajectory_tensors(trajs: list[Trajectory], width: int, pad_id: int) -> dict[str, torch.Tensor]:
     """responses / response_mask (model tokens) / token_mask (every real token) / rollout_log_probs /
     stopped and the STAT_KEYS rows, [len(trajs), width] right-padded."""
@@ -208,11 +221,15 @@ def trajectory_tensors(trajs: list[Trajectory], width: int, pad_id: int) -> dict
 
 
 def agent_metrics(batch: dict) -> dict:
-    """rollout/* of a multi-turn step (empty for a single-turn batch)."""
+    """rollout/* of a multi-turn step (empty for a single-turn batch): per-sample statistics over the samples'
+    rows (a later segment's row, rollout.agent's rewritten history, carries none: its sample's first row
+    has them), the model tokens over every row."""
     if "num_turns" not in batch:
         return {}
-    calls = batch["num_tool_calls"].sum().item()
     model_tokens = batch["response_mask"].sum().item()
+    later = batch["agent_segment"] > 0 if "agent_segment" in batch else torch.zeros_like(batch["num_turns"]).bool()
+    batch = {k: v[~later] for k, v in batch.items() if k in STAT_KEYS or k.startswith("agent_")}
+    calls = batch["num_tool_calls"].sum().item()
     return {
         "rollout/turns_mean": batch["num_turns"].mean().item(),
         "rollout/tool_calls_mean": batch["num_tool_calls"].mean().item(),
@@ -223,16 +240,17 @@ def agent_metrics(batch: dict) -> dict:
         "rollout/tokens_model": model_tokens,
         "rollout/tokens_tool": batch["tool_tokens"].sum().item(),
         "timing/tool_s": batch["tool_s"].sum().item(),
-        **_own_agent_metrics(batch),
+        **_own_agent_metrics(batch, later),
     }
 
 
-def _own_agent_metrics(batch: dict) -> dict:
+def _own_agent_metrics(batch: dict, later: torch.Tensor) -> dict:
     """rollout.agent's rollout/agent_* (gateway/agents.STATS per sample): per-sample means and counted events."""
     if "agent_requests" not in batch:
         return {}
     return {"rollout/agent_requests_mean": batch["agent_requests"].mean().item(),
             "rollout/agent_segments_mean": batch["agent_segments"].mean().item(),
+            "rollout/agent_segment_rows": later.sum().item(),
             "rollout/agent_fallbacks": batch["agent_fallbacks"].sum().item(),
             "rollout/agent_errors": batch["agent_errors"].sum().item(),
             "rollout/agent_timeouts": batch["agent_timeouts"].sum().item(),
@@ -243,4 +261,4 @@ def _own_agent_metrics(batch: dict) -> dict:
             "timing/agent_s_max": batch["agent_s"].max().item()}
 
 
-__all__ = ["AgentLoop", "Trajectory", "trajectory_tensors", "agent_metrics", "STAT_KEYS", "TURN_SEED_STRIDE"]
+__all__ = ["AgentLoop", "Trajectory", "trajectory_rows", "trajectory_tensors", "agent_metrics", "STAT_KEYS", "TURN_SEED_STRIDE"]

@@ -22,7 +22,9 @@ seed; max_tokens capped to what is left of the response budget, spec.max_new_tok
 observation tokens together). Up to `concurrency` agents run at once; the engine batches their requests.
 A trajectory is the session's first segment, which must start from the row's prompt ids (the row's
 messages sent as they are): its tokens after the prompt, model tokens masked in with their sampled
-log-probs. Later segments (a rewritten history) are counted and not trained yet. A sample whose agent
+log-probs. A later segment (the agent rewrote history: gateway/capture.py) is trained as a row of its own,
+its prompt and model tokens as captured (Trajectory.later; ppo/segments.py: the sample's reward and
+advantage). A sample's turns (what its rule scores) are the model turns of all its segments. A sample whose agent
 raises, runs past `timeout_s`, or does not start from the row's prompt is kept empty (nothing trained)
 and counted; the step goes on. The returned reward (or one set over HTTP) rides in the trajectory's
 turns as {"role": "reward", "value": r}, which the row's environment uses instead of its rule.
@@ -39,7 +41,7 @@ from megappo.agent.factory import load_agent  # noqa: F401 (re-exported: one loa
 
 SEED_STRIDE = 1_000_003  # request t of sample k is seeded base_seed + k + t * SEED_STRIDE (as agent/loop.py)
 STATS = ("agent_requests", "agent_segments", "agent_fallbacks", "agent_errors", "agent_timeouts",
-         "agent_own_prompt", "agent_s")
+         "agent_own_prompt", "agent_s", "agent_segment")  # agent_segment: a row's place in its session (0: first)
 
 
 def agent_builder(rollout) -> Optional[Callable]:
@@ -150,22 +152,35 @@ def _trajectory(record: dict, prompt: list[int], reward, error: Optional[str], t
     own_prompt = first is not None and first["prompt_ids"] != list(prompt)
     stats = {"agent_requests": record["requests"], "agent_segments": len(segments), "agent_fallbacks": record["fallbacks"],
              "agent_errors": float(error is not None), "agent_timeouts": float(timed_out),
-             "agent_own_prompt": float(own_prompt), "agent_s": seconds}
+             "agent_own_prompt": float(own_prompt), "agent_s": seconds, "agent_segment": 0.0}
     t.stats.update(stats)
     if first is not None and error is None and not timed_out:
         if own_prompt:  # tools= shown, a system prompt added, the row's messages changed: trained as it was sent
             t.prompt = list(first["prompt_ids"])
-        t.tokens, t.model_mask, t.logprobs = list(first["tokens"]), list(first["model_mask"]), list(first["logprobs"])
-        t.versions = list(first["versions"])
-        t.stats["num_turns"] = float(first["turns"])
-        t.turns = [{"role": "assistant", "text": tokenizer.decode(run, skip_special_tokens=True)}
-                   for run in _model_runs(t.tokens, t.model_mask)]
-        t.stopped = bool(t.tokens) and t.tokens[-1] in set(tokenizer.all_special_ids)
+        _fill(t, first, tokenizer)
+        for j, seg in enumerate(segments[1:], 1):  # a rewritten history: a row of its own, its prompt as rendered
+            later = Trajectory(prompt=list(seg["prompt_ids"]), stats={**dict.fromkeys(t.stats, 0.0), "agent_segment": j})
+            _fill(later, seg, tokenizer)  # its statistics 0: the sample's are on its first row
+            t.later.append(later)
+        t.stats["num_turns"] = float(sum(seg["turns"] for seg in segments))
+        t.turns = [turn for row in (t, *t.later) for turn in row.turns]  # what the sample's rule scores
     if error:
         t.turns.append({"role": "error", "text": error})
     t.turns.append({"role": "reward", "value": None if reward is None else float(reward)})  # last: environment.py
     t.done = True
+    for later in t.later:  # every row of the sample reads as the sample (DAPO's filter scores rows)
+        later.turns = t.turns
     return t
+
+
+def _fill(t, segment: dict, tokenizer) -> None:
+    """A trajectory row from a captured segment: its tokens as sampled, its model turns as text."""
+    t.tokens, t.model_mask, t.logprobs = list(segment["tokens"]), list(segment["model_mask"]), list(segment["logprobs"])
+    t.versions = list(segment["versions"])
+    t.turns = [{"role": "assistant", "text": tokenizer.decode(run, skip_special_tokens=True)}
+               for run in _model_runs(t.tokens, t.model_mask)]
+    t.stopped = bool(t.tokens) and t.tokens[-1] in set(tokenizer.all_special_ids)
+    t.done = True
 
 
 def _model_runs(tokens: list, mask: list) -> list[list]:

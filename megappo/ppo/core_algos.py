@@ -254,6 +254,11 @@ ADV_ESTIMATORS = {
 }
 
 
+# the estimators whose advantages depend on each row's own tokens (a critic's values, discounted returns); the
+# others give every response one advantage from its group (ppo/segments.py relies on the difference)
+TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_plus_plus")
+
+
 def algorithm_name(adv_estimator: str) -> str:
     """What a run is called in logs: PPO (GAE with a critic), GRPO, RLOO, REINFORCE++, ..."""
     return {"gae": "PPO", "reinforce_plus_plus": "REINFORCE++", "reinforce_plus_plus_baseline": "REINFORCE++-baseline",

@@ -65,6 +65,7 @@ from megappo.ppo.losses import PolicyLoss, ValueLoss
 from megappo.ppo.metrics import eval_metrics, kl_metrics, step_metrics
 from megappo.ppo.reward_curve import plot_reward_curve
 from megappo.ppo.run_control import PreemptionSignals, StepProgress
+from megappo.ppo.segments import Segments
 from megappo.ppo.staleness import batch_token_versions, loglinear_proximal_alpha
 from megappo.protocol import DataProto
 from megappo.rewards.manager import RewardManager
@@ -427,8 +428,9 @@ class RayPPOTrainer(CheckpointingMixin):
         batch = self._score_tokens(batch, timing)
         # 4-5. rewards (+ KL penalty) and advantages, here on the driver
         with self._phase("reward_adv", timing):
-            scores, reward_metrics = self.reward_fn(batch)
-            kl = self._advantages(batch, scores, baselines)
+            segments = Segments.of(batch)  # rollout.agent's rewritten histories: rows of their own
+            scores, reward_metrics = self._rewards(batch, segments)
+            kl = self._advantages(batch, scores, baselines, segments)
         # 6. critic and actor updates
         critic_metrics, actor_metrics = self._update(batch, timing)
         if self.stream is not None:  # 6b. the new weights to the rollout pool, its generation in flight
@@ -541,7 +543,15 @@ class RayPPOTrainer(CheckpointingMixin):
         by_uid = dict(zip(greedy.non_tensor_batch["uid"], scores.sum(-1).tolist()))
         return torch.tensor([by_uid[u] for u in batch.non_tensor_batch["uid"]], dtype=torch.float32, device="cpu")
 
-    def _advantages(self, batch: DataProto, scores: torch.Tensor, baselines: Optional[torch.Tensor] = None) -> dict:
+    def _rewards(self, batch: DataProto, segments: Optional[Segments]) -> tuple[torch.Tensor, dict]:
+        """Token-level scores: each sample scored once (a later segment's row: its sample's score, segments.py)."""
+        if segments is None:
+            return self.reward_fn(batch)
+        scores, metrics = self.reward_fn(batch[segments.primary])
+        return segments.scores(scores, batch.batch["response_mask"]), metrics
+
+    def _advantages(self, batch: DataProto, scores: torch.Tensor, baselines: Optional[torch.Tensor] = None,
+                    segments: Optional[Segments] = None) -> dict:
         a, b = self.config.algorithm, batch.batch
         mask = b["response_mask"]
         kl = {}
@@ -552,38 +562,47 @@ class RayPPOTrainer(CheckpointingMixin):
             rewards = scores
             if "ref_log_prob" in b:
                 kl = kl_metrics(b["old_log_probs"], b["ref_log_prob"], mask.float(), 0.0, a.kl_penalty)
-        adv, ret = algos.compute_advantages(rewards, mask, a, values=b.get("values"),
-                                            index=batch.non_tensor_batch.get("uid"), baselines=baselines)
+        if segments is None or a.adv_estimator in algos.TOKEN_LEVEL_ESTIMATORS:
+            adv, ret = algos.compute_advantages(rewards, mask, a, values=b.get("values"),
+                                                index=batch.non_tensor_batch.get("uid"), baselines=baselines)
+        else:  # an outcome estimator: its groups count samples; every segment gets its sample's advantage
+            p = segments.primary
+            adv, ret = algos.compute_advantages(rewards[p], mask[p], a, index=batch.non_tensor_batch["uid"][p],
+                                                baselines=None if baselines is None else baselines[p])
+            adv = ret = segments.spread(adv, mask[p], mask)
         b["token_level_scores"], b["token_level_rewards"], b["advantages"], b["returns"] = scores, rewards, adv, ret
         return kl
 
     def _update(self, batch: DataProto, timing: dict) -> tuple[dict, dict]:
-        b = batch.batch
+        b, segments = batch.batch, Segments.of(batch)
         meta = {"sampling": batch.meta_info["sampling"]}  # the actor's log-probs at the sampling temperature
         critic_metrics = {}
         if self.critic_wg is not None:
             keys = _MODEL_IN + list(self.value_loss.required_keys)
+            data = self._update_data(b, keys, meta, self.config.critic, segments)
             with self._phase("update_critic", timing):
-                critic_metrics = self.critic_wg.update_critic(self._update_data(b, keys, meta, self.config.critic),
-                                                              self.value_loss)[0]
+                critic_metrics = self.critic_wg.update_critic(data, self.value_loss)[0]
         keys = _MODEL_IN + self.policy_loss.required_keys + [k for k in self.policy_loss.optional_keys if k in b]
+        data = self._update_data(b, keys, meta, self.config.actor, segments)
         with self._phase("update_actor", timing):
-            actor_metrics = self.actor_wg.update_actor(self._update_data(b, keys, meta, self.config.actor),
-                                                       self.policy_loss)[0]
+            actor_metrics = self.actor_wg.update_actor(data, self.policy_loss)[0]
         return critic_metrics, actor_metrics
 
     @staticmethod
-    def _update_data(b: dict, keys: list, meta: dict, role_cfg) -> DataProto:
+    def _update_data(b: dict, keys: list, meta: dict, role_cfg, segments: Optional[Segments] = None) -> DataProto:
         """The update's rows; with a token budget, dealt to the DP ranks by token count (each global
         mini-batch keeps its rows: workers/packing.balance_across_dp)."""
         data = DataProto({k: b[k] for k in keys}, {}, meta)
+        mini = role_cfg.ppo_mini_batch_size
+        if segments is not None:  # later segments join their samples' mini-batches, filled to equal shares
+            data = segments.update_batch(data, role_cfg.ppo_mini_batch_size, role_cfg.parallel.dp,
+                                         role_cfg.micro_batch_size)
+            mini = data.meta_info["mini_batch_rows"]
         if role_cfg.max_tokens_per_micro_batch is None:
             return data
         from megappo.workers.packing import balance_across_dp
 
-        order = balance_across_dp(b["attention_mask"].sum(-1).tolist(), role_cfg.parallel.dp,
-                                  role_cfg.ppo_mini_batch_size)
-        return data[order]
+        return data[balance_across_dp(data.batch["attention_mask"].sum(-1).tolist(), role_cfg.parallel.dp, mini)]
 
     # ---- 7. validation and checkpoints ---------------------------------------------------------------
 
@@ -600,6 +619,9 @@ class RayPPOTrainer(CheckpointingMixin):
             parts.append(self._generate(prompts, self.sampling.greedy()))
         out = DataProto.concat(parts)
         out.meta_info.pop("metrics", None)
+        segments = Segments.of(out)
+        if segments is not None:  # rollout.agent's rewritten histories: each sample scored once
+            out = out[segments.primary]
         _, reward_metrics = self.val_reward_fn(out)
         tools = {k.replace("rollout/", "eval/"): v for k, v in agent_metrics(out.batch).items() if k.startswith("rollout/")}
         return {**eval_metrics(out, reward_metrics), **tools, "timing/validate_s": time.perf_counter() - t0}

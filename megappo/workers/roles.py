@@ -147,7 +147,9 @@ def _train(engine, data: DataProto, loss, role_cfg, dp: int, temperature: float 
     history = defaultdict(list)
     tokens = [0.0, 0.0, 0.0]  # real, computed (after right_align), in the padded batch
     empty = 0  # mini-batches with no trained token on any DP rank (every row's agent failed): no step
-    minis = _mini_batches(data.select(batch_keys=keys), role_cfg.ppo_mini_batch_size, dp, loss.name)
+    # mini_batch_rows: a batch with rows of rewritten histories (ppo/segments.py), filled to equal mini-batches
+    mini_batch_size = data.meta_info.get("mini_batch_rows", role_cfg.ppo_mini_batch_size)
+    minis = _mini_batches(data.select(batch_keys=keys), mini_batch_size, dp, loss.name)
     with engine.resident():  # offload=true: one reload / offload for the whole update
         for mini in minis * role_cfg.ppo_epochs:
             mask = mini.batch["response_mask"]

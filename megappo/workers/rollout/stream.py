@@ -126,8 +126,9 @@ class RolloutStream:
             res = self.rollout.response_tensors([(c.ids, c.logprobs, c.finish_reason) for c in done], R)
             per_token, starts = [c.token_versions for c in done], [c.version for c in done]
         else:  # trajectories (an agent that failed: nothing trained, started at the current version)
-            from megappo.agent.loop import trajectory_tensors
+            from megappo.agent.loop import trajectory_rows, trajectory_tensors
 
+            done = trajectory_rows(done)  # + rollout.agent's rewritten histories, rows of their own
             res = trajectory_tensors(done, R, self.rollout.pad_token_id)
             per_token = [t.versions for t in done]
             starts = [min((v for v in t.versions if v >= 0), default=self.engine.version) for t in done]

@@ -288,16 +288,18 @@ class VLLMRollout:
                 res = self.response_tensors([(o.outputs[0].token_ids, sampled_logprobs(o.outputs[0]),
                                               o.outputs[0].finish_reason) for o in outs], R)
             else:
-                from megappo.agent.loop import trajectory_tensors
+                from megappo.agent.loop import trajectory_rows, trajectory_tensors
 
-                trajs = self.agent.run([r["prompt_token_ids"] for r in requests], spec, base_seed,
-                                       self._agent_input(prompts.non_tensor_batch, n))
+                trajs = trajectory_rows(self.agent.run([r["prompt_token_ids"] for r in requests], spec, base_seed,
+                                                       self._agent_input(prompts.non_tensor_batch, n)))
                 res = trajectory_tensors(trajs, R, self.pad_token_id)
         return self.assemble(prompts, res, spec.with_seed(base_seed), trajs, requests)
 
     def assemble(self, prompts: DataProto, res: dict, spec: SamplingSpec, trajs=None, requests=None) -> DataProto:
         """The rollout's DataProto: `prompts` (one row per prompt) each repeated spec.num_samples times, beside
-        the samples' tensors `res` (response_tensors', or the agent loop's trajectory_tensors)."""
+        the samples' tensors `res` (response_tensors', or the agent loop's trajectory_tensors of `trajs`, which
+        may end in later segments' rows: agent/loop.trajectory_rows; each gets its sample's prompt row and a
+        non_tensor "agent_session" naming the sample)."""
         meta, n, R = dict(prompts.meta_info), spec.num_samples, spec.max_new_tokens
         attn = prompts.batch["attention_mask"].cpu()
         ids = prompts.batch["input_ids"].cpu()
@@ -307,11 +309,13 @@ class VLLMRollout:
                                                                         "rollout_log_probs", "stopped"))
         token_mask = res.pop("token_mask", response_mask)  # multi-turn: tool tokens are attended, not trained
 
-        rep = lambda t: t.repeat_interleave(n, dim=0)  # noqa: E731
+        source = list(range(len(ids) * n)) if trajs is None else \
+            [k if t.segment_of is None else t.segment_of for k, t in enumerate(trajs)]  # each row's sample
+        rep = lambda t: t.repeat_interleave(n, dim=0)[source]  # noqa: E731
         p_ids, p_mask, p_pos = rep(ids), rep(attn.long()), rep(pos.long())
         if trajs is not None and any(t.prompt is not None for t in trajs):  # rollout.agent sent its own prompt
-            own = left_pad([t.prompt if t.prompt is not None else r["prompt_token_ids"] for t, r in zip(trajs, requests)],
-                           self.pad_token_id)
+            own = left_pad([t.prompt if t.prompt is not None else requests[k]["prompt_token_ids"]
+                            for t, k in zip(trajs, source)], self.pad_token_id)
             p_ids, p_mask, p_pos = own["input_ids"], own["attention_mask"], own["position_ids"]
         r_pos = p_pos[:, -1:] + torch.arange(1, R + 1, dtype=torch.long, device="cpu").unsqueeze(0)
         batch = {  # CPU tensors, whatever the prompts' device: this leaves the worker
@@ -325,9 +329,11 @@ class VLLMRollout:
             "stopped": stopped,
             **res,  # multi-turn: agent/loop.STAT_KEYS per row
         }
-        non_tensor = {k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()}
+        non_tensor = {k: np.repeat(v, n, axis=0)[source] for k, v in prompts.non_tensor_batch.items()}
         if trajs is not None:  # what each row's environment scores (agent/environment.py); DataProto makes
             non_tensor["agent_turns"] = [t.turns for t in trajs]  # it a 1-D object array (one row per sample)
+            uids = np.repeat(prompts.non_tensor_batch.get("uid", np.arange(len(ids))), n)  # the sample each row is
+            non_tensor["agent_session"] = np.array([f"{uids[k]}:{k % n}" for k in source], dtype=object)  # of
         meta.update(sampling=spec, response_length=R)
         return DataProto(batch, non_tensor, meta)
 

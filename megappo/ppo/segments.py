@@ -1,0 +1,114 @@
+"""A rewritten history trained as its own rows: how a session's later segments ride through a PPO step.
+
+Your own agent (rollout.agent, gateway/agents.py) may send a request that does not extend its conversation
+(it rewrote history, dropped old thinking, changed its tools): the gateway starts a new **segment**, a
+sequence of its own. The rollout gives every segment after a sample's first its own row, after the
+samples' rows, with `agent_segment` (its position in the session: 0 for the first) and non_tensor
+`agent_session` (the sample it belongs to). A step with such rows treats them this way:
+
+- **rewards**: the rule / reward model / agent scores each *sample* once (its first row, which carries the
+  session's turns); a later row gets its session's score at its own last model token, so every segment
+  ends in the session's outcome (the reward metrics count samples, not rows).
+- **advantages**: an outcome estimator (GRPO, RLOO, ReMax, ...) computes each group's statistics over the
+  samples (one row each), and every segment of a sample gets the sample's advantage; a token-level one (GAE,
+  REINFORCE++) runs on every row as a sequence of its own (core_algos.TOKEN_LEVEL_ESTIMATORS).
+- **updates**: the optimizer steps per update stay sequences / ppo_mini_batch_size (the LR schedule counts
+  them). A later row joins its sample's mini-batch on its sample's DP rank; every rank's share of every
+  mini-batch is filled up to the same row count with masked copies (response_mask 0: no loss, no
+  normaliser count), so the workers cut equal mini-batches (meta_info["mini_batch_rows"]).
+
+`Segments.of(batch)` is None for a batch without later rows: every step without them runs as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class Segments:
+    primary: list  # the rows that are a sample's first segment, in batch order
+    owner: list  # every row -> the row of its sample's first segment
+
+    @classmethod
+    def of(cls, batch) -> Optional["Segments"]:
+        """The batch's later-segment rows and their samples, or None when it has none."""
+        seg = batch.batch.get("agent_segment")
+        if seg is None or not bool((seg > 0).any()):
+            return None
+        sessions = [str(s) for s in batch.non_tensor_batch["agent_session"]]
+        first = {s: i for i, (s, k) in enumerate(zip(sessions, seg.tolist())) if k == 0}
+        missing = sorted({s for s in sessions if s not in first})
+        if missing:
+            raise ValueError(f"later segments without their sample's first row (sessions {missing[:3]}): a batch "
+                             "must keep a sample's rows together")
+        return cls([i for i, k in enumerate(seg.tolist()) if k == 0], [first[s] for s in sessions])
+
+    @property
+    def later(self) -> int:
+        return len(self.owner) - len(self.primary)
+
+    def scores(self, primary_scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+        """[B, R] token-level scores: the samples' rows as scored, a later row its sample's summed score at its
+        own last model token."""
+        out = torch.zeros(response_mask.shape, dtype=primary_scores.dtype)
+        out[self.primary] = primary_scores
+        total = out.sum(-1)
+        for i, j in enumerate(self.owner):
+            if i != j:
+                idx = torch.nonzero(response_mask[i]).flatten()
+                if len(idx):
+                    out[i, idx[-1]] = total[j]
+        return out
+
+    def spread(self, primary_advantages: torch.Tensor, primary_mask: torch.Tensor,
+               response_mask: torch.Tensor) -> torch.Tensor:
+        """[B, R]: an outcome estimator's advantages of the samples' rows (constant over each row's model
+        tokens) given to every row of the sample, over that row's own model tokens."""
+        m = primary_mask.to(primary_advantages.dtype)
+        per_sample = (primary_advantages * m).sum(-1) / m.sum(-1).clamp(min=1)
+        at = {row: k for k, row in enumerate(self.primary)}
+        value = per_sample[[at[j] for j in self.owner]]
+        return value.unsqueeze(-1) * response_mask.to(value.dtype)
+
+    def update_order(self, mini_batch_size: int, dp: int, multiple: int = 1) -> tuple[list, int]:
+        """(row order, rows per mini-batch) for an update whose rows the group cuts into `dp` contiguous
+        shards, each read as consecutive mini-batches: the samples' rows keep the mini-batch and rank they
+        have without later rows (workers/packing.balance_across_dp's layout), a later row joins its
+        sample's, and every rank's share is filled to the same count (a multiple of `multiple`, the
+        micro-batch size) with -1: a masked copy goes there."""
+        n = len(self.primary)
+        if n % mini_batch_size or mini_batch_size % dp:
+            raise ValueError(f"{n} samples do not split into mini-batches of {mini_batch_size} over dp={dp}")
+        shard, per_rank, minis = n // dp, mini_batch_size // dp, n // mini_batch_size
+        place = {row: (pos // shard, (pos % shard) // per_rank) for pos, row in enumerate(self.primary)}
+        cells: dict = {(d, k): [] for d in range(dp) for k in range(minis)}
+        for i, j in enumerate(self.owner):
+            cells[place[j]].append(i)
+        rows = max(len(c) for c in cells.values())
+        rows = -(-rows // multiple) * multiple
+        order = [r for d in range(dp) for k in range(minis)
+                 for r in cells[(d, k)] + [-1] * (rows - len(cells[(d, k)]))]
+        return order, rows * dp
+
+    def update_batch(self, data, mini_batch_size: int, dp: int, micro_batch_size: int):
+        """`data` (this batch's update rows, a DataProto) in `update_order`, each -1 a copy of the shortest
+        row with response_mask 0; meta_info["mini_batch_rows"] tells the workers the mini-batch size."""
+        order, rows = self.update_order(mini_batch_size, dp, micro_batch_size)
+        b = data.batch
+        fill = int(b["attention_mask"].sum(-1).argmin())
+        pads = order.count(-1)
+        if pads:
+            pad = data[[fill] * pads]
+            pad.batch["response_mask"] = torch.zeros_like(pad.batch["response_mask"])
+            data = type(data).concat([data, pad])
+        n, k = len(b["response_mask"]), iter(range(pads))
+        out = data[[i if i >= 0 else n + next(k) for i in order]]
+        out.meta_info["mini_batch_rows"] = rows
+        return out
+
+
+__all__ = ["Segments"]
