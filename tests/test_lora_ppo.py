@@ -19,8 +19,6 @@ LORA_INVALID = [
     (["actor.lora.rank=4", "actor.lora.target_modules=[q_proj]"], "linear_qkv, linear_fc1, linear_proj, linear_fc2"),
     (["actor.lora.rank=4", "actor.lora.init=xavier"], "choose one of: kaiming, gaussian"),
     (["rollout.lora_sync=adapter"], "rollout.lora_sync=adapter needs actor.lora.rank > 0"),
-    (["actor.lora.rank=4", "rollout.lora_sync=adapter", "trainer.mode=fully_async", "resources.rollout_workers=1"],
-     "is not wired for trainer.mode=fully_async"),
     (["actor.lora.rank=4", "rollout.lora_sync=adapted"], "choose one of: merged, adapter"),
 ]
 
@@ -428,3 +426,50 @@ def _adapter_sync_in_async_mode(cfg, sync_history, before):
     from megappo.workers.rollout.adapter_dirs import ADAPTER_DIR_PREFIX
 
     assert not set(Path("/dev/shm").glob(ADAPTER_DIR_PREFIX + "*")) - before
+
+
+def test_adapter_sync_in_fully_async_resubmits_the_samples_in_flight(ray_session, tiny_assets, data_dir, tmp_path):
+    """rollout.lora_sync=adapter with trainer.mode=fully_async: responses of up to 200 tokens, so each update's
+    adapter reaches the pool while samples are mid-generation. vLLM fixes a request's adapter when it is added,
+    so every request in flight is aborted and added again under the new adapter, its ids so far re-prefilled
+    (async/recomputed_samples > 0). The check that it then samples with the new adapter: on the samples that
+    crossed an update, the tokens sampled by the version the trainer holds have vLLM's log-probs equal to
+    Megatron's pi_old (fp32, <= 1e-4; the old adapter's would be off by the update), and the sample's ids,
+    log-probs and versions are joined in order (each token's version never decreases along a sample)."""
+    from trainer_utils import config, run
+
+    batches = []
+
+    def setup(trainer):
+        update = trainer._update
+
+        def recorded(batch, timing):
+            batches.append((trainer._step, batch))
+            return update(batch, timing)
+
+        trainer._update = recorded
+
+    cfg = config(tiny_assets, data_dir, tmp_path, "actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=1e-2",
+                 "rollout.lora_sync=adapter", "trainer.mode=fully_async", "resources.rollout_workers=1",
+                 "trainer.max_staleness=2", "actor.policy_loss=decoupled", "rollout.max_new_tokens=200",
+                 "trainer.total_steps=4", "trainer.val_every=0", "trainer.save_every=0", "trainer.export_hf=false")
+    history, _ = run(cfg, setup=setup)
+    fresh_crossed, gaps = 0, []
+    for (step, batch), h in zip(batches, history):
+        assert h["rollout/weights_fingerprint_ok"] == 1.0 and h["async/sample_staleness_max"] <= 2
+        b = batch.batch
+        model = b["response_mask"].bool()
+        v = b["token_versions"]
+        for i in range(len(v)):
+            vi = v[i][model[i]]
+            assert (vi[1:] >= vi[:-1]).all()  # joined in order
+            if len(vi) and vi.min() < vi.max():  # crossed an update: resubmitted under the new adapter
+                fresh = model[i] & (v[i] == step - 1)  # sampled by the weights the trainer holds at this step
+                fresh_crossed += int(fresh.sum())
+                if fresh.any():
+                    gaps.append(float((b["rollout_log_probs"][i] - b["old_log_probs"][i])[fresh].abs().max()))
+    resubmitted = [h.get("async/recomputed_samples", 0) for h in history]
+    print(f"resubmitted {resubmitted}; fresh tokens on crossing samples {fresh_crossed}, gap max "
+          f"{max(gaps, default=float('nan')):.2e}; adapter versions {[h['rollout/lora_adapter_version'] for h in history]}")
+    assert max(resubmitted) > 0 and fresh_crossed > 0
+    assert max(gaps) <= 1e-4

@@ -378,7 +378,7 @@ VLLM_MAX_LORA_RANK = 512  # vLLM's largest max_lora_rank
 
 
 def _check_lora_sync(cfg, dims: ModelDims) -> None:
-    """rollout.lora_sync=adapter: the hybrid engine and one-step async (single-turn, multi-turn, rollout.agent)."""
+    """rollout.lora_sync=adapter: every mode (fully_async re-prefills the samples in flight under each new adapter)."""
     r, lo = cfg.rollout, cfg.actor.lora
     if r.lora_sync != "adapter":
         return
@@ -392,9 +392,6 @@ def _check_lora_sync(cfg, dims: ModelDims) -> None:
     elif dims.num_experts and {"linear_fc1", "linear_fc2"} & set(lo.target_modules):
         why = (f"sends a peft adapter, which cannot hold a {dims.model_type} model's dense MLP adapters (peft reads "
                "those names as the experts'); target [linear_qkv, linear_proj] only")
-    elif cfg.trainer.mode == "fully_async":  # vLLM fixes a request's adapter when it is added
-        why = ("is not wired for trainer.mode=fully_async (vLLM fixes a request's adapter when the request is "
-               "added: a sample in flight across a weight load would keep the old one)")
     elif cfg.resources.device != "cpu" and r.free_cache_engine and r.sleep_level == 2:
         why = "keeps the base in vLLM between syncs, which sleep level 2 discards: set rollout.sleep_level=1"
     if why:

@@ -17,7 +17,9 @@ KV cache and continue after it (vLLM's "keep" pause mode), new ones queue; the p
 `bump_version` last set when the request entered the engine, and each sampled token's is the version
 current at the step that sampled it (`Completion.token_versions`): a request in flight across a weight
 load continues from its tokens so far under the new weights (a partial rollout, trainer.mode=fully_async)
-and its later tokens carry the new version. Per-token versions need vLLM's default CUMULATIVE output kind
+and its later tokens carry the new version. A new LoRA adapter (rollout.lora_sync=adapter) cannot reach a
+request vLLM already holds: `resubmit_running` aborts each and adds it again as prompt + ids so far under
+the new adapter (abort and re-prefill), its completion joining both parts. Per-token versions need vLLM's default CUMULATIVE output kind
 (with FINAL_ONLY every token gets the version of its last step).
 """
 
@@ -51,9 +53,13 @@ class AsyncTokenEngine:
         self.steps = 0  # engine steps taken
         self.requests = 0  # requests served
         self.lora_request = None  # rollout.lora_sync=adapter: the adapter each new request samples with
-        self._lock = threading.Lock()  # held by a step, by add_request, and by paused()
+        # held by a step, by add_request, and by paused() (reentrant: a weight load inside a pause may resubmit)
+        self._lock = threading.RLock()
         self._pending: dict[str, tuple] = {}  # request id -> (loop, future, prompt ids, version, vLLM's id)
         self._token_versions: dict[str, list] = {}  # request id -> the version that sampled each id so far
+        self._params: dict[str, object] = {}  # request id -> its SamplingParams (resubmit_running)
+        self._latest: dict[str, object] = {}  # request id -> its CompletionOutput so far (cumulative)
+        self._before: dict[str, tuple] = {}  # a resubmitted request's id -> (ids, log-probs) sampled before
         self._wake = threading.Event()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (prompt ids, params, loop, future)
         self._closed = False
@@ -97,7 +103,7 @@ class AsyncTokenEngine:
                 loop.call_soon_threadsafe(_set, future, None, e)
                 continue
             self._pending[rid] = (loop, future, prompt, self.version, internal)
-            self._token_versions[rid] = []
+            self._token_versions[rid], self._params[rid] = [], params
 
     def _loop(self) -> None:
         from megappo.parallel import cpu_compat
@@ -118,21 +124,26 @@ class AsyncTokenEngine:
                     self.engine.abort_request([self._pending[rid][4] for rid in failed], internal=True)
                     for rid in failed:
                         loop, future, *_ = self._pending.pop(rid)
-                        self._token_versions.pop(rid, None)
+                        self._forget(rid)
                         loop.call_soon_threadsafe(_set, future, None, e)
                     continue
                 self.steps += 1
                 stepped_at = self.version  # bump_version runs under the lock (paused()), never inside a step
             for out in outputs:
-                if out.request_id not in self._pending:
+                rid = out.request_id
+                if rid not in self._pending:
                     continue
-                tv = self._token_versions[out.request_id]
-                tv.extend([stepped_at] * (len(out.outputs[0].token_ids) - len(tv)))
+                before_ids, before_lps = self._before.get(rid, ((), ()))
+                tv = self._token_versions[rid]
+                tv.extend([stepped_at] * (len(before_ids) + len(out.outputs[0].token_ids) - len(tv)))
+                self._latest[rid] = out.outputs[0]
                 if out.finished:
-                    loop, future, prompt, version, _ = self._pending.pop(out.request_id)
+                    loop, future, prompt, version, _ = self._pending.pop(rid)
                     self.requests += 1
                     done = _completion(out, prompt, version)
-                    done.token_versions = self._token_versions.pop(out.request_id)[:len(done.ids)]
+                    done.ids, done.logprobs = list(before_ids) + done.ids, list(before_lps) + done.logprobs
+                    done.token_versions = self._token_versions[rid][:len(done.ids)]
+                    self._forget(rid)
                     loop.call_soon_threadsafe(_set, future, done, None)
 
     @contextmanager
@@ -155,9 +166,53 @@ class AsyncTokenEngine:
                 futures.append((loop, future))
             for loop, future in futures:
                 loop.call_soon_threadsafe(future.cancel)
+            for rid in list(self._pending):
+                self._forget(rid)
             self._pending.clear()
-            self._token_versions.clear()
         return len(futures)
+
+    def resubmit_running(self) -> int:
+        """Inside `paused()`, after a new adapter (rollout.lora_sync=adapter; vLLM fixes a request's adapter when
+        the request is added): abort every request in flight and add it again under `lora_request`, its prompt
+        + the ids sampled so far (re-prefilled with the new adapter), for what is left of its max_tokens. Its
+        completion is both parts: the ids, log-probs and per-id versions as sampled. The continuation is seeded
+        seed + ids so far; a stop string that would span the two parts is not seen. Returns how many."""
+        from vllm.inputs import TokensPrompt
+
+        with self._lock:
+            moved = list(self._pending)  # also one not stepped yet: it was added under the old adapter
+            if not moved:
+                return 0
+            self.engine.abort_request([self._pending[rid][4] for rid in moved], internal=True)
+            for rid in moved:
+                loop, future, prompt, version, _ = self._pending.pop(rid)
+                part = self._latest.pop(rid, None)
+                new_ids = list(part.token_ids) if part is not None else []
+                ids, lps = self._before.pop(rid, ((), ()))
+                ids, lps = list(ids) + new_ids, list(lps) + (sampled_logprobs(part) if new_ids else [])
+                params = self._params.pop(rid).clone()
+                done = len(new_ids)
+                if params.max_tokens is not None:
+                    params.max_tokens -= done
+                params.min_tokens = max(0, params.min_tokens - done)
+                if params.seed is not None:
+                    params.seed += len(ids)
+                new = f"gw-{next(self._ids)}"
+                try:
+                    internal = self.engine.add_request(new, TokensPrompt(prompt_token_ids=list(prompt) + ids), params,
+                                                       lora_request=self.lora_request)
+                except Exception as e:  # noqa: BLE001 - a request vLLM refuses fails alone
+                    self._forget(rid)
+                    loop.call_soon_threadsafe(_set, future, None, e)
+                    continue
+                self._pending[new] = (loop, future, prompt, version, internal)
+                self._token_versions[new] = self._token_versions.pop(rid)
+                self._params[new], self._before[new] = params, (ids, lps)
+        return len(moved)
+
+    def _forget(self, rid: str) -> None:
+        for d in (self._token_versions, self._params, self._latest, self._before):
+            d.pop(rid, None)
 
     def recompute_running(self) -> int:
         """Inside `paused()`, after a weight load: preempt every running request, so vLLM re-prefills its prompt

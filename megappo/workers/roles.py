@@ -371,10 +371,12 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
     def stream_receive_weights(self, bump: bool = True) -> dict:
         """receive_weights between two engine steps (the actor's send_weights runs at the same time): the
         groups in flight wait with their KV cache and continue under the new weights (trainer.pause_mode=
-        recompute: re-prefilled under them first); then version + 1."""
+        recompute: re-prefilled under them first; rollout.lora_sync=adapter: always, as vLLM fixes a request's
+        adapter when it is added, so each is aborted and added again, AsyncTokenEngine.resubmit_running); then
+        version + 1."""
         with self._stream.paused():
             out = self.receive_weights()
-            if self.config.trainer.pause_mode == "recompute":
+            if self.config.trainer.pause_mode == "recompute" and self.config.rollout.lora_sync != "adapter":
                 out["async/recomputed_samples"] = float(self._stream.recompute())
             if bump:
                 self._stream.bump_version()

@@ -225,22 +225,29 @@ class VLLMRollout:
         if reset_prefix_cache:
             self.reset_prefix_cache()
 
-    def load_adapter(self, path, version: int) -> None:
+    def load_adapter(self, path, version: int) -> int:
         """Sample with the peft adapter dir `path` from now on (rollout.lora_sync=adapter): a new LoRARequest
-        per version, which vLLM loads from the dir at its first use (keep the dir until the next version)."""
+        per version, which vLLM loads from the dir at its first use (keep the dir until the next version).
+        Requests in flight on the asynchronous engine (fully_async's stream) are aborted and added again under
+        it, their ids so far re-prefilled (AsyncTokenEngine.resubmit_running); returns how many."""
         from vllm.lora.request import LoRARequest
 
         from megappo.gateway.engine import AsyncTokenEngine
 
         engine = AsyncTokenEngine.existing(self.llm)  # the gateway's stepping thread, if one runs: not under it
+        moved = 0
         with engine.paused() if engine is not None else contextlib.nullcontext():
             request = LoRARequest(f"policy-v{version}", version + 1, str(path))
             if self.agent is not None:  # the multi-turn loop's / the gateway's requests sample with it too
                 self.agent.lora_request = request
+            if engine is not None:
+                engine.lora_request = request
+                moved = engine.resubmit_running()  # before the old adapter goes: no request holds it now
             if self.lora_request is not None:
                 self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
             self.lora_request = request
             self.llm.reset_prefix_cache()  # cached blocks were computed with the previous adapter
+        return moved
 
     def reset_prefix_cache(self) -> None:
         # REQUIRED after a weight update: cached KV blocks were computed with the old weights
