@@ -6,6 +6,7 @@ through parallel/weight_mapping.py (`hf_names`, `megatron_shards_to_hf`, `tp_spl
     for bucket in rs.buckets():          # COLLECTIVE: every rank iterates the same buckets in lockstep
         vllm_load(bucket.tensors)        # [(hf_name, tensor), ...]: fused groups kept together
     rs.expected_fingerprints             # {hf_name: (fp, scale)} of the trainer's weights (all ranks)
+    rs.fingerprints()                    # the same, the buckets built and dropped (a sampler holding them)
     rs.stats                             # bytes received per rank, buckets, seconds
 
 Plan (computed once from metadata all-gathered over the pipeline group):
@@ -341,6 +342,13 @@ class Resharder:
     def _shipped_numel(self, p: _Param) -> int:
         """What the owning stage broadcasts for this param: full HF tensors, or (sliced) the shard."""
         return sum(_numel(s) for s in p.hf_shapes) if self._ships_full(p) else _numel(p.shape)
+
+    def fingerprints(self) -> dict:
+        """Every bucket built and dropped (collective): the fingerprints of the weights as they are now, for a
+        sampler that holds them already (rollout.lora_sync=adapter: vLLM's base, loaded from model.path)."""
+        for _ in self.buckets():
+            pass
+        return self.expected_fingerprints
 
     @torch.no_grad()
     def buckets(self, corrupt: Optional[Callable[[Bucket], None]] = None) -> Iterator[Bucket]:

@@ -107,8 +107,7 @@ class HybridEngine:
         t0 = time.perf_counter()
         with self._resident():  # an offloaded actor's params (adapters too) come back for the sync only
             if self.adapter_dirs.version == 0 and self.check_fingerprint:
-                for _ in self.resharder.buckets():
-                    pass  # the base's expected fingerprints, taken on the owners as the buckets are built
+                self.resharder.fingerprints()  # the base's, kept as expected_fingerprints for every later check
             adapter = gather_hf_lora(self.engine.inner_chunks(), self.engine.dims, everywhere=True)
         path = self.adapter_dirs.write(adapter, self.engine.lora, self.engine.model_path)
         self.rollout.load_adapter(path, self.adapter_dirs.version)

@@ -131,10 +131,7 @@ class WeightSender:
         t0 = time.perf_counter()
         with self.engine.resident(parts=["params"]):
             if self._base_fingerprints is None:  # the frozen base's, once (collective: every rank walks them)
-                for _ in self.resharder.buckets():
-                    pass
-                self._base_fingerprints = with_tied_head(self.resharder.expected_fingerprints,
-                                                         self.engine.dims.tied_embeddings)
+                self._base_fingerprints = with_tied_head(self.resharder.fingerprints(), self.engine.dims.tied_embeddings)
             adapter = gather_hf_lora(self.engine.inner_chunks(), self.engine.dims)  # on rank 0 only
         sent = 0
         if self.group is not None:
