@@ -110,11 +110,9 @@ def _decode_child(model: str, dtype: str, prompt_len: int, path: str) -> None:
 def run_mode(name: str, data: Path, out: Path, args) -> dict:
     """`args.steps` PPO steps of variant `name`, then greedy validation; the history and every trained sample's
     length."""
-    import ray
+    from ppo_step import train
 
     from megappo.config.loader import load_config
-    from megappo.ppo.ray_trainer import RayPPOTrainer
-    from megappo.train import start_ray
 
     batch = args.groups * args.n
     mode, layout = VARIANTS[name]
@@ -130,33 +128,25 @@ def run_mode(name: str, data: Path, out: Path, args) -> dict:
         "actor.log_prob_micro_batch_size=8", "actor.pack_sequences=true",
         "actor.max_tokens_per_micro_batch=1024", *layout, *args.overrides]
     cfg = load_config(REPO / "configs/grpo_smollm2_135m.yaml", overrides, check_paths=True)
-    started = start_ray(cfg)
-    trainer = RayPPOTrainer(cfg, show_progress=False)
     lengths: list[int] = []
     prompt_lens: list[int] = []
-    update = trainer._update  # wrapped (a bench, not an API) to see each trained batch
 
-    def recorded(b, timing):  # every trained sample's response and prompt length
-        resp = b.batch["response_mask"].sum(-1)
-        lengths.extend(int(x) for x in resp)
-        prompt_lens.extend(int(x) for x in b.batch["attention_mask"].sum(-1) - resp)
-        return update(b, timing)
+    def setup(trainer):
+        update = trainer._update  # wrapped (a bench, not an API) to see each trained batch
 
-    trainer._update = recorded
-    t0 = time.perf_counter()
-    try:
-        trainer.init_workers()
-        t_fit = time.perf_counter()
-        history = trainer.fit()
-        fit_s = time.perf_counter() - t_fit
-    finally:
-        trainer.shutdown()
-        if started:
-            ray.shutdown()
+        def recorded(b, timing):  # every trained sample's response and prompt length
+            resp = b.batch["response_mask"].sum(-1)
+            lengths.extend(int(x) for x in resp)
+            prompt_lens.extend(int(x) for x in b.batch["attention_mask"].sum(-1) - resp)
+            return update(b, timing)
+
+        trainer._update = recorded
+
+    history, init_s, fit_s = train(cfg, setup)
     val_s = sum(r.get("timing/validate_s", 0.0) for r in history)
     train_tokens = sum(r["tokens/actor_real"] for r in history)
     return {"mode": mode, "name": name, "history": history, "lengths": lengths, "prompt_lens": prompt_lens,
-            "init_s": t_fit - t0, "fit_s": fit_s,
+            "init_s": init_s, "fit_s": fit_s,
             "val_s": val_s, "train_s": fit_s - val_s, "trained_tokens": train_tokens,
             "trained_tokens_per_s": train_tokens / max(fit_s - val_s, 1e-9),
             "eval_accuracy": next((r[k] for r in reversed(history) for k in r if k.startswith("eval/")

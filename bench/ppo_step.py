@@ -34,12 +34,36 @@ KEYS = {"step_s": "timing/step_s", "old_log_prob_s": "timing/old_log_prob_s", "r
         "rollout_s": "timing/rollout_s", "weight_sync_s": "timing/weight_sync_s"}
 
 
-def run_mode(mode: str, config: str, steps: int, overrides: list[str]) -> dict:
+def train(cfg, setup=None) -> tuple[list, float, float]:
+    """One training run in this process on Ray (started here unless one runs): (history, seconds to bring the
+    workers up, seconds of fit). `setup(trainer)` runs before the workers start (a bench's hooks). Also
+    bench/async_modes.py's."""
+    import time
+
     import ray
 
-    from megappo.config.loader import load_config
     from megappo.ppo.ray_trainer import RayPPOTrainer
     from megappo.train import start_ray
+
+    started = start_ray(cfg)
+    trainer = RayPPOTrainer(cfg, show_progress=False)
+    if setup is not None:
+        setup(trainer)
+    t0 = time.perf_counter()
+    try:
+        trainer.init_workers()
+        t_fit = time.perf_counter()
+        history = trainer.fit()
+        fit_s = time.perf_counter() - t_fit
+    finally:
+        trainer.shutdown()
+        if started:
+            ray.shutdown()
+    return history, t_fit - t0, fit_s
+
+
+def run_mode(mode: str, config: str, steps: int, overrides: list[str]) -> dict:
+    from megappo.config.loader import load_config
 
     out = tempfile.mkdtemp(prefix=f"megappo-bench-{mode}-")
     extra = [f"trainer.mode={mode}", f"trainer.total_steps={steps}", f"trainer.output_dir={out}",
@@ -47,16 +71,7 @@ def run_mode(mode: str, config: str, steps: int, overrides: list[str]) -> dict:
              "trainer.resume=never"]
     if mode == "async":
         extra.append("resources.rollout_workers=1")
-    cfg = load_config(config, extra + overrides, check_paths=True)
-    started = start_ray(cfg)
-    trainer = RayPPOTrainer(cfg, show_progress=False)
-    try:
-        trainer.init_workers()
-        history = trainer.fit()
-    finally:
-        trainer.shutdown()
-        if started:
-            ray.shutdown()
+    history, _, _ = train(load_config(config, extra + overrides, check_paths=True))
     rows = history[1:] or history
 
     def med(key):
