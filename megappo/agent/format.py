@@ -111,27 +111,32 @@ def strip_calls(text: str) -> str:
     return _CALL.sub("", text).strip()
 
 
+def between_turns(tokenizer, messages: list[dict], closing: Optional[str] = None) -> str:
+    """The chat template's text after an assistant turn up to the next assistant header, given the messages
+    that came after it (tool results, a user message): the end of the turn, their turns, the header. `closing`:
+    the text of the model's own last token when it closed the turn itself (EOS / end-of-turn): not repeated.
+    The one rendering of what comes between two model turns: the built-in loop's tool results (Observations)
+    and the gateway's extended conversations (gateway/capture.ChatRenderer.delta_ids)."""
+    msgs = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}] + list(messages)
+    full = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    tail = full[full.index(_MARK) + len(_MARK):]
+    return tail[len(closing):] if closing and tail.startswith(closing) else tail
+
+
 class Observations:
     """Token ids of a tool result as the chat template renders it between two assistant turns."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        probe = "\u2063megappo-observation\u2063"
-        msgs = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK},
-                {"role": "tool", "content": probe}]
-        full = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        tail = full[full.index(_MARK) + len(_MARK):]
-        self.before, self.after = tail.split(probe)  # end of the assistant turn + tool header / footer + next header
         self.eos_text = tokenizer.eos_token or ""
 
     def ids(self, result: str, model_ended_turn: bool) -> list[int]:
         """model_ended_turn: the model's tokens already close its turn (it emitted EOS / end-of-turn):
         that text is not repeated."""
-        before = self.before
-        if model_ended_turn and self.eos_text and before.startswith(self.eos_text):
-            before = before[len(self.eos_text):]
-        return self.tokenizer.encode(before + result + self.after, add_special_tokens=False)
+        text = between_turns(self.tokenizer, [{"role": "tool", "content": result}],
+                             self.eos_text if model_ended_turn else None)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
 
-__all__ = ["CALL_START", "CALL_END", "Call", "parse_call", "parse_calls", "strip_calls", "Observations", "with_tools",
+__all__ = ["CALL_START", "CALL_END", "Call", "parse_call", "parse_calls", "strip_calls", "Observations", "between_turns", "with_tools",
            "tool_prompt_mode", "template_has_tools"]

@@ -28,9 +28,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megappo.agent.format import with_tools
+from megappo.agent.format import between_turns, with_tools
 
-_MARK = "\u2063megappo-turn\u2063"  # a string no template alters
 
 
 @dataclass
@@ -80,13 +79,8 @@ class ChatRenderer:
     def delta_ids(self, new_messages: list[dict], last_sampled: Optional[int]) -> list[int]:
         """The template's tokens between the model's turn and its next one, given the messages that came
         after it; the model's own closing token (EOS / end-of-turn, last_sampled) is not repeated."""
-        msgs = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}] + _plain(new_messages)
-        full = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        tail = full[full.index(_MARK) + len(_MARK):]
-        if last_sampled in self.special_ids:
-            closing = self.tokenizer.decode([last_sampled])
-            if tail.startswith(closing):
-                tail = tail[len(closing):]
+        closing = self.tokenizer.decode([last_sampled]) if last_sampled in self.special_ids else None
+        tail = between_turns(self.tokenizer, _plain(new_messages), closing)
         return self.tokenizer.encode(tail, add_special_tokens=False)
 
 
