@@ -489,7 +489,7 @@ def test_ppo_run_trains_a_rewritten_history_as_rows_of_its_own(ray_session, tiny
     and the ids the engine sampled after it; a later row ends in its sample's score and gets its sample's
     advantage, while the reward metrics count samples; vLLM and Megatron agree on every row's tokens (fp32);
     the update keeps its optimizer steps (the rows filled to equal mini-batches)."""
-    from trainer_utils import config, run
+    from trainer_utils import config, recording_updates, run
 
     from megappo.ppo.segments import Segments
 
@@ -500,17 +500,7 @@ def test_ppo_run_trains_a_rewritten_history_as_rows_of_its_own(ray_session, tiny
                  "reward.non_stop_penalty=false", "trainer.total_steps=2", "trainer.save_every=0",
                  "trainer.val_every=0", "trainer.export_hf=false")
     batches = []
-
-    def spy_update(trainer):
-        update = trainer._update
-
-        def spy(batch, timing):
-            batches.append(batch)
-            return update(batch, timing)
-
-        trainer._update = spy
-
-    history, _ = run(cfg, setup=spy_update)
+    history, _ = run(cfg, setup=recording_updates(batches))
     sessions = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(history) == 2 and len(batches) == 2
     samples = cfg.data.train_batch_size * cfg.rollout.n

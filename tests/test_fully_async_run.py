@@ -9,7 +9,7 @@ import math
 import pytest
 
 from megappo.config.loader import ConfigError
-from trainer_utils import config as _config, run as _run
+from trainer_utils import config as _config, recording_updates, run as _run
 
 FULLY_ASYNC = ["trainer.mode=fully_async", "resources.rollout_workers=1", "trainer.save_every=0",
                "trainer.export_hf=false"]
@@ -255,20 +255,11 @@ def test_your_own_agent_streams_in_fully_async(ray_session, tiny_assets, data_di
     (tmp_path / "sdk_agent.py").write_text(f"LOG = {str(log)!r}\n" + SDK_AGENT)
     batches = []
 
-    def setup(trainer):
-        update = trainer._update
-
-        def recorded(batch, timing):
-            batches.append(batch)
-            return update(batch, timing)
-
-        trainer._update = recorded
-
     history, _ = _run(_config(tiny_assets, data_dir, tmp_path / "agent", *FULLY_ASYNC, "trainer.max_staleness=1",
                               f"rollout.agent={tmp_path / 'sdk_agent.py'}:run", "rollout.max_new_tokens=40",
                               "data.max_prompt_length=200", "rollout.multi_turn.tool_prompt='You can use tools: {tools}'",
                               "reward.non_stop_penalty=false", "trainer.total_steps=2", "trainer.val_every=0"),
-                      setup=setup)
+                      setup=recording_updates(batches))
     sessions = [json.loads(line) for line in log.read_text().splitlines()]
     expected = set()
     for first, second in sessions:
@@ -330,20 +321,11 @@ def test_a_rewritten_history_streams_in_fully_async(ray_session, tiny_assets, da
     (tmp_path / "rewriting_agent.py").write_text(f"LOG = {str(log)!r}\n" + REWRITING_AGENT)
     batches = []
 
-    def setup(trainer):
-        update = trainer._update
-
-        def recorded(batch, timing):
-            batches.append(batch)
-            return update(batch, timing)
-
-        trainer._update = recorded
-
     history, _ = _run(_config(tiny_assets, data_dir, tmp_path / "rewrite", *FULLY_ASYNC, "trainer.max_staleness=1",
                               f"rollout.agent={tmp_path / 'rewriting_agent.py'}:run", "rollout.max_new_tokens=40",
                               "data.max_prompt_length=200", "algorithm.adv_estimator=grpo",
                               "reward.non_stop_penalty=false", "trainer.total_steps=2", "trainer.val_every=0"),
-                      setup=setup)
+                      setup=recording_updates(batches))
     sessions = [json.loads(line) for line in log.read_text().splitlines()]
     trained = []
     for h, batch in zip(history, batches):

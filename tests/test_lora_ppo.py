@@ -436,26 +436,16 @@ def test_adapter_sync_in_fully_async_resubmits_the_samples_in_flight(ray_session
     crossed an update, the tokens sampled by the version the trainer holds have vLLM's log-probs equal to
     Megatron's pi_old (fp32, <= 1e-4; the old adapter's would be off by the update), and the sample's ids,
     log-probs and versions are joined in order (each token's version never decreases along a sample)."""
-    from trainer_utils import config, run
+    from trainer_utils import config, recording_updates, run
 
     batches = []
-
-    def setup(trainer):
-        update = trainer._update
-
-        def recorded(batch, timing):
-            batches.append((trainer._step, batch))
-            return update(batch, timing)
-
-        trainer._update = recorded
-
     cfg = config(tiny_assets, data_dir, tmp_path, "actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=1e-2",
                  "rollout.lora_sync=adapter", "trainer.mode=fully_async", "resources.rollout_workers=1",
                  "trainer.max_staleness=2", "actor.policy_loss=decoupled", "rollout.max_new_tokens=200",
                  "trainer.total_steps=4", "trainer.val_every=0", "trainer.save_every=0", "trainer.export_hf=false")
-    history, _ = run(cfg, setup=setup)
+    history, _ = run(cfg, setup=recording_updates(batches))
     fresh_crossed, gaps = 0, []
-    for (step, batch), h in zip(batches, history):
+    for step, (batch, h) in enumerate(zip(batches, history), 1):
         assert h["rollout/weights_fingerprint_ok"] == 1.0 and h["async/sample_staleness_max"] <= 2
         b = batch.batch
         model = b["response_mask"].bool()

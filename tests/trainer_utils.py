@@ -57,6 +57,19 @@ def run(cfg, fault_hook=None, setup=None):
     return (history, trainer) if fault_hook is not None or setup is not None else history
 
 
+def recording_updates(batches: list):
+    """A run's setup hook: every batch the trainer updates on (after rewards and advantages) -> batches."""
+    def setup(trainer):
+        update = trainer._update
+
+        def recorded(batch, timing):
+            batches.append(batch)
+            return update(batch, timing)
+
+        trainer._update = recorded
+    return setup
+
+
 def comparable(row: dict) -> dict:
     return {k: v for k, v in row.items() if not nondeterministic(k)}
 
