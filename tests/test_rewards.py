@@ -194,3 +194,17 @@ def test_rule_results_kept_by_a_first_scoring_are_reused_not_recomputed(tokenize
     before = len(calls)
     mgr(chosen)
     assert len(calls) == before + 2
+
+
+def test_manager_places_a_multi_turn_score_on_the_last_model_token(tokenizer):
+    """A multi-turn response (model tokens, a tool result masked out, model tokens) is scored at its last model
+    token, not at (model tokens - 1), which would fall in the tool result, where GAE's rewards * mask drops it."""
+    data = make_batch(tokenizer, ["#### 7"], ["arithmetic"], ["7"], extra={"rm_scores": torch.tensor([2.0])})
+    n = int(data.batch["response_mask"][0].sum())
+    mask = torch.zeros_like(data.batch["response_mask"])
+    mask[0, :2] = 1  # the model's call ...
+    mask[0, 6:6 + n - 2] = 1  # ... a tool result in 2..5, then the model's answer
+    data.batch["response_mask"] = mask
+    scores, _ = RewardManager(tokenizer, num_examine=0, non_stop_penalty=False)(data)
+    last = int(torch.nonzero(mask[0]).max())
+    assert last > n - 1 and scores[0, last] == scores.sum() != 0

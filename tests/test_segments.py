@@ -95,3 +95,19 @@ def test_update_batch_fills_with_masked_copies():
             assert out.batch["response_mask"][r].sum() == 0
             assert torch.equal(out.batch["attention_mask"][r, :2], b.batch["attention_mask"][4, :2])
     assert out.batch["response_mask"].sum() == b.batch["response_mask"].sum()  # every real token once
+
+
+def test_a_later_rows_kl_penalty_reaches_its_samples_outcome():
+    """use_kl_in_reward: a later row's penalty (rewards - its copy of the score) is added to its sample's row at
+    the sample's last model token, so an outcome estimator counts every segment's penalty once."""
+    b = batch_with_later_rows()
+    seg = Segments.of(b)
+    mask = b.batch["response_mask"]
+    scores = torch.zeros(7, 5)
+    scores[:, 0] = 1.0
+    rewards = scores - 0.1 * mask  # a KL penalty of 0.1 per model token
+    out = seg.sample_rewards(rewards, scores, mask)
+    lengths = mask.sum(-1)
+    # sample 1 has later rows 4 and 5 (1 and 2 model tokens), sample 2 has row 6 (5 tokens)
+    assert torch.allclose(out.sum(-1), rewards[:4].sum(-1) - 0.1 * torch.tensor([0.0, 3.0, 5.0, 0.0]))
+    assert float(out[1, lengths[1] - 1]) == pytest.approx(float(rewards[1, lengths[1] - 1]) - 0.3)

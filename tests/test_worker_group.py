@@ -21,7 +21,7 @@ from megappo.protocol import DataProto
 from megappo.controller.worker import Worker
 from megappo.controller.dispatch import Dispatch, MegatronTopology, plan_call, register, registered_methods
 from megappo.controller.resource_pool import RayResourcePool, ResourcePoolManager, WorkerError
-from megappo.ppo.ray_trainer import Role
+from megappo.workers.roles import Role
 from megappo.controller.worker_group import NVMegatronRayWorkerGroup, RayWorkerGroup
 
 

@@ -144,7 +144,7 @@ def _check_layouts(cfg, dims: ModelDims) -> None:
 
 def _check_ep_of_shared_roles(cfg) -> None:
     """A role with the actor's tp/pp/dp/vpp runs in the actor's processes (the ref always, the critic with
-    resources.colocate: ppo/ray_trainer.py), under one megatron parallel_state: its ep must be the actor's."""
+    resources.colocate: ppo/workers.py), under one megatron parallel_state: its ep must be the actor's."""
     a = cfg.actor.parallel
     for role, shares in (("critic", cfg.resources.colocate), ("ref", True)):
         p = cfg[role].parallel

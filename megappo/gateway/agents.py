@@ -163,6 +163,8 @@ def _trajectory(record: dict, prompt: list[int], reward, error: Optional[str], t
             _fill(later, seg, tokenizer)  # its statistics 0: the sample's are on its first row
             t.later.append(later)
         t.stats["num_turns"] = float(sum(seg["turns"] for seg in segments))
+        if t.later:  # the sample stopped (or not) where its last segment did (the non-stop penalty reads it)
+            t.stopped = t.later[-1].stopped
         t.turns = [turn for row in (t, *t.later) for turn in row.turns]  # what the sample's rule scores
     if error:
         t.turns.append({"role": "error", "text": error})

@@ -129,22 +129,27 @@ class AsyncTokenEngine:
                     continue
                 self.steps += 1
                 stepped_at = self.version  # bump_version runs under the lock (paused()), never inside a step
-            for out in outputs:
-                rid = out.request_id
-                if rid not in self._pending:
-                    continue
-                before_ids, before_lps = self._before.get(rid, ((), ()))
-                tv = self._token_versions[rid]
-                tv.extend([stepped_at] * (len(before_ids) + len(out.outputs[0].token_ids) - len(tv)))
-                self._latest[rid] = out.outputs[0]
-                if out.finished:
-                    loop, future, prompt, version, _ = self._pending.pop(rid)
-                    self.requests += 1
-                    done = _completion(out, prompt, version)
-                    done.ids, done.logprobs = list(before_ids) + done.ids, list(before_lps) + done.logprobs
-                    done.token_versions = self._token_versions[rid][:len(done.ids)]
-                    self._forget(rid)
-                    loop.call_soon_threadsafe(_set, future, done, None)
+                self._record(outputs, stepped_at)  # under the lock: resubmit_running moves these entries
+
+    def _record(self, outputs, stepped_at: int) -> None:
+        """A step's outputs: each id's version, the output so far; a finished request's completion (both parts
+        of a resubmitted one) to its caller."""
+        for out in outputs:
+            rid = out.request_id
+            if rid not in self._pending:
+                continue
+            before_ids, before_lps = self._before.get(rid, ((), ()))
+            tv = self._token_versions[rid]
+            tv.extend([stepped_at] * (len(before_ids) + len(out.outputs[0].token_ids) - len(tv)))
+            self._latest[rid] = out.outputs[0]
+            if out.finished:
+                loop, future, prompt, version, _ = self._pending.pop(rid)
+                self.requests += 1
+                done = _completion(out, prompt, version)
+                done.ids, done.logprobs = list(before_ids) + done.ids, list(before_lps) + done.logprobs
+                done.token_versions = self._token_versions[rid][:len(done.ids)]
+                self._forget(rid)
+                loop.call_soon_threadsafe(_set, future, done, None)
 
     @contextmanager
     def paused(self):
@@ -175,8 +180,9 @@ class AsyncTokenEngine:
         """Inside `paused()`, after a new adapter (rollout.lora_sync=adapter; vLLM fixes a request's adapter when
         the request is added): abort every request in flight and add it again under `lora_request`, its prompt
         + the ids sampled so far (re-prefilled with the new adapter), for what is left of its max_tokens. Its
-        completion is both parts: the ids, log-probs and per-id versions as sampled. The continuation is seeded
-        seed + ids so far; a stop string that would span the two parts is not seen. Returns how many."""
+        completion is both parts: the ids, log-probs and per-id versions as sampled. The continuation's seed is
+        its previous seed + the ids sampled so far (a new stream); a stop string that would span the two parts
+        is not seen. Returns how many."""
         from vllm.inputs import TokensPrompt
 
         with self._lock:

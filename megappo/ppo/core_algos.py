@@ -254,9 +254,9 @@ ADV_ESTIMATORS = {
 }
 
 
-# the estimators whose advantages depend on each row's own tokens (a critic's values, discounted returns); the
-# others give every response one advantage from its group (ppo/segments.py relies on the difference)
-TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_plus_plus")
+# the estimators whose advantages depend on each row's own tokens (a critic's values, discounted returns, ReMax's
+# reward-to-go); the others give every response one advantage from its group (ppo/segments.py relies on it)
+TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_plus_plus", "remax")
 
 
 def algorithm_name(adv_estimator: str) -> str:

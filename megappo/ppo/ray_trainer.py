@@ -392,8 +392,8 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
         recv = self.rollout_wg.submit(receive, *args)
         sent, everyone = send.result()[0], recv.result()
         received = dict(everyone[0])
-        if "async/recomputed_samples" in received:  # trainer.pause_mode=recompute: over the pool
-            received["async/recomputed_samples"] = sum(r["async/recomputed_samples"] for r in everyone)
+        if any("async/recomputed_samples" in r for r in everyone):  # re-prefilled samples, over the pool
+            received["async/recomputed_samples"] = sum(r.get("async/recomputed_samples", 0.0) for r in everyone)
         return {"timing/weight_sync_s": time.perf_counter() - t0, **sent, **received}
 
     def _launch_rollout(self, step: int) -> _Inflight:
@@ -433,6 +433,9 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
         baseline that depends on the prompt only leaves the policy gradient unbiased either way)."""
         greedy = self._generate(prompts.select(meta_info_keys=[]), self.sampling.greedy())
         greedy.meta_info.pop("metrics", None)
+        segments = Segments.of(greedy)
+        if segments is not None:  # rollout.agent rewrote its history: the greedy sample's first row is the sample
+            greedy = greedy[segments.primary]
         scores, _ = self.val_reward_fn(greedy)  # the training rules, no samples printed
         by_uid = dict(zip(greedy.non_tensor_batch["uid"], scores.sum(-1).tolist()))
         return torch.tensor([by_uid[u] for u in batch.non_tensor_batch["uid"]], dtype=torch.float32, device="cpu")
@@ -461,8 +464,8 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
                                                 index=batch.non_tensor_batch.get("uid"), baselines=baselines)
         else:  # an outcome estimator: its groups count samples; every segment gets its sample's advantage
             p = segments.primary
-            adv, ret = algos.compute_advantages(rewards[p], mask[p], a, index=batch.non_tensor_batch["uid"][p],
-                                                baselines=None if baselines is None else baselines[p])
+            adv, ret = algos.compute_advantages(segments.sample_rewards(rewards, scores, mask), mask[p], a,
+                                                index=batch.non_tensor_batch["uid"][p])
             adv = ret = segments.spread(adv, mask[p], mask)
         b["token_level_scores"], b["token_level_rewards"], b["advantages"], b["returns"] = scores, rewards, adv, ret
         return kl

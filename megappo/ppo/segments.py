@@ -9,13 +9,16 @@ samples' rows, with `agent_segment` (its position in the session: 0 for the firs
 - **rewards**: the rule / reward model / agent scores each *sample* once (its first row, which carries the
   session's turns); a later row gets its session's score at its own last model token, so every segment
   ends in the session's outcome (the reward metrics count samples, not rows).
-- **advantages**: an outcome estimator (GRPO, RLOO, ReMax, ...) computes each group's statistics over the
-  samples (one row each), and every segment of a sample gets the sample's advantage; a token-level one (GAE,
-  REINFORCE++) runs on every row as a sequence of its own (core_algos.TOKEN_LEVEL_ESTIMATORS).
+- **advantages**: an outcome estimator (GRPO, RLOO, ...) computes each group's statistics over the samples
+  (one row each; with the KL penalty in the reward, each later row's penalty is added to its sample's), and
+  every later segment gets its sample's advantage; a token-level one (GAE, REINFORCE++, ReMax's
+  reward-to-go) runs on every row as a sequence of its own (core_algos.TOKEN_LEVEL_ESTIMATORS).
 - **updates**: the optimizer steps per update stay sequences / ppo_mini_batch_size (the LR schedule counts
   them). A later row joins its sample's mini-batch on its sample's DP rank; every rank's share of every
   mini-batch is filled up to the same row count with masked copies (response_mask 0: no loss, no
-  normaliser count), so the workers cut equal mini-batches (meta_info["mini_batch_rows"]).
+  normaliser count; their tokens are computed, and counted in tokens/*), so the workers cut equal
+  mini-batches (meta_info["mini_batch_rows"]). With a token budget, workers/packing.balance_across_dp then
+  deals each mini-batch's rows over the ranks by length (the mini-batch keeps its rows, a row may change rank).
 
 `Segments.of(batch)` is None for a batch without later rows: every step without them runs as before.
 """
@@ -64,6 +67,19 @@ class Segments:
                     out[i, idx[-1]] = total[j]
         return out
 
+    def sample_rewards(self, rewards: torch.Tensor, scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+        """[P, R]: the samples' rows' token rewards, each plus what its later rows add to their copy of the
+        sample's score (the KL penalty in the reward, algorithm.use_kl_in_reward), at the sample row's last
+        model token: an outcome estimator then sees every segment's penalty once."""
+        out = rewards[self.primary].clone()
+        extra = (rewards - scores).sum(-1)
+        at = {row: k for k, row in enumerate(self.primary)}
+        for i, j in enumerate(self.owner):
+            idx = torch.nonzero(response_mask[j]).flatten()
+            if i != j and len(idx):
+                out[at[j], idx[-1]] += extra[i]
+        return out
+
     def spread(self, primary_advantages: torch.Tensor, primary_mask: torch.Tensor,
                response_mask: torch.Tensor) -> torch.Tensor:
         """[B, R]: an outcome estimator's advantages of the samples' rows (constant over each row's model
@@ -72,7 +88,9 @@ class Segments:
         per_sample = (primary_advantages * m).sum(-1) / m.sum(-1).clamp(min=1)
         at = {row: k for k, row in enumerate(self.primary)}
         value = per_sample[[at[j] for j in self.owner]]
-        return value.unsqueeze(-1) * response_mask.to(value.dtype)
+        out = value.unsqueeze(-1) * response_mask.to(value.dtype)
+        out[self.primary] = primary_advantages.to(out.dtype)  # the samples' rows as the estimator gave them
+        return out
 
     def update_order(self, mini_batch_size: int, dp: int, multiple: int = 1) -> tuple[list, int]:
         """(row order, rows per mini-batch) for an update whose rows the group cuts into `dp` contiguous

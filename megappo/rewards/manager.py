@@ -216,9 +216,12 @@ class RewardManager:
         the step's reward metrics."""
         batch_size, resp_len = data.batch["responses"].shape
         token_level_scores = torch.zeros(batch_size, resp_len, dtype=torch.float32, device="cpu")
+        # the last model token: after a multi-turn response's tool tokens too (response_mask is not contiguous)
+        cols = torch.arange(resp_len, device="cpu")
+        last = torch.where(self._response_mask(data).cpu().bool(), cols, -1).max(-1).values.clamp(min=0).tolist()
         per_source: dict[str, list[bool]] = defaultdict(list)
         for i, r in enumerate(rows):
-            token_level_scores[i, max(r.length - 1, 0)] = r.final
+            token_level_scores[i, last[i]] = r.final
             per_source[r.source].append(r.correct)
         n = max(batch_size, 1)
         metrics = {

@@ -33,6 +33,7 @@ import contextlib
 import time
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -226,6 +227,8 @@ def replicated_generate(rollout, prompts: DataProto, gather: bool = True) -> Dat
     world, rank = dist.get_world_size(), dist.get_rank()
     num_replicas, replica = world // rollout.tp, rank // rollout.tp
     padded, pad = prompts.pad_to_divisor(num_replicas)
+    if pad:  # a padding prompt's rows (later segments' too: assemble repeats every non-tensor) are dropped below
+        padded.non_tensor_batch["_padding"] = np.arange(len(padded)) >= len(prompts)
     mine = padded.chunk(num_replicas)[replica]
     spec = prompts.meta_info.get("sampling") or rollout.default_sampling
     if spec.seed is not None:
@@ -238,6 +241,7 @@ def replicated_generate(rollout, prompts: DataProto, gather: bool = True) -> Dat
 
         # replicas' prompt widths differ where an agent sent its own prompt (rollout.agent): to the widest
         out = DataProto.concat(left_pad_prompts([p for p in parts if p is not None], rollout.pad_token_id))
-        if pad:
-            out = out.unpad(pad * spec.num_samples)
+    if pad:
+        keep = ~np.asarray(out.non_tensor_batch.pop("_padding"), dtype=bool)
+        out = out[np.nonzero(keep)[0]]
     return out

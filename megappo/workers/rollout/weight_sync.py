@@ -182,8 +182,7 @@ class WeightReceiver:
                 path = self.adapter_dirs.write(adapter, *self.lora)
                 moved = self.rollout.load_adapter(path, self.adapter_dirs.version)  # > 0: fully_async's samples
                 extra["rollout/lora_adapter_version"] = float(self.adapter_dirs.version)
-                if moved:  # in flight, re-prefilled under the new adapter
-                    extra["async/recomputed_samples"] = float(moved)
+                extra["async/recomputed_samples"] = float(moved)  # in flight, re-prefilled under the new adapter
                 continue
             self.rollout.load_weights(list(zip(header["names"], tensors)), reset_prefix_cache=False)
         self.rollout.reset_prefix_cache()  # REQUIRED: cached KV blocks were computed with the old weights
