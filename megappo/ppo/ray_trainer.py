@@ -322,9 +322,8 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
         batch = self._score_tokens(batch, timing)
         # 4-5. rewards (+ KL penalty) and advantages, here on the driver
         with self._phase("reward_adv", timing):
-            segments = Segments.of(batch)  # rollout.agent's rewritten histories: rows of their own
-            scores, reward_metrics = self._rewards(batch, segments)
-            kl = self._advantages(batch, scores, baselines, segments)
+            scores, reward_metrics = self._rewards(batch)
+            kl = self._advantages(batch, scores, baselines)
         # 6. critic and actor updates
         critic_metrics, actor_metrics = self._update(batch, timing)
         if self.stream is not None:  # 6b. the new weights to the rollout pool, its generation in flight
@@ -440,16 +439,16 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
         by_uid = dict(zip(greedy.non_tensor_batch["uid"], scores.sum(-1).tolist()))
         return torch.tensor([by_uid[u] for u in batch.non_tensor_batch["uid"]], dtype=torch.float32, device="cpu")
 
-    def _rewards(self, batch: DataProto, segments: Optional[Segments]) -> tuple[torch.Tensor, dict]:
+    def _rewards(self, batch: DataProto) -> tuple[torch.Tensor, dict]:
         """Token-level scores: each sample scored once (a later segment's row: its sample's score, segments.py)."""
+        segments = Segments.of(batch)  # rollout.agent's rewritten histories: rows of their own
         if segments is None:
             return self.reward_fn(batch)
         scores, metrics = self.reward_fn(batch[segments.primary])
         return segments.scores(scores, batch.batch["response_mask"]), metrics
 
-    def _advantages(self, batch: DataProto, scores: torch.Tensor, baselines: Optional[torch.Tensor] = None,
-                    segments: Optional[Segments] = None) -> dict:
-        a, b = self.config.algorithm, batch.batch
+    def _advantages(self, batch: DataProto, scores: torch.Tensor, baselines: Optional[torch.Tensor] = None) -> dict:
+        a, b, segments = self.config.algorithm, batch.batch, Segments.of(batch)
         mask = b["response_mask"]
         kl = {}
         if "ref_log_prob" in b and a.use_kl_in_reward:
