@@ -26,9 +26,12 @@ samples' rows, with `agent_segment` (its position in the session: 0 for the firs
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional
 
 import torch
+
+from megappo.rewards.manager import last_model_token
 
 
 @dataclass(frozen=True)
@@ -54,17 +57,20 @@ class Segments:
     def later(self) -> int:
         return len(self.owner) - len(self.primary)
 
+    @cached_property
+    def _position(self) -> dict:
+        """A sample's first row -> its position among the samples' rows."""
+        return {row: k for k, row in enumerate(self.primary)}
+
     def scores(self, primary_scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
         """[B, R] token-level scores: the samples' rows as scored, a later row its sample's summed score at its
         own last model token."""
         out = torch.zeros(response_mask.shape, dtype=primary_scores.dtype)
         out[self.primary] = primary_scores
-        total = out.sum(-1)
+        total, last = out.sum(-1), last_model_token(response_mask).tolist()
         for i, j in enumerate(self.owner):
-            if i != j:
-                idx = torch.nonzero(response_mask[i]).flatten()
-                if len(idx):
-                    out[i, idx[-1]] = total[j]
+            if i != j and last[i] >= 0:
+                out[i, last[i]] = total[j]
         return out
 
     def sample_rewards(self, rewards: torch.Tensor, scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -72,12 +78,10 @@ class Segments:
         sample's score (the KL penalty in the reward, algorithm.use_kl_in_reward), at the sample row's last
         model token: an outcome estimator then sees every segment's penalty once."""
         out = rewards[self.primary].clone()
-        extra = (rewards - scores).sum(-1)
-        at = {row: k for k, row in enumerate(self.primary)}
+        extra, last = (rewards - scores).sum(-1), last_model_token(response_mask).tolist()
         for i, j in enumerate(self.owner):
-            idx = torch.nonzero(response_mask[j]).flatten()
-            if i != j and len(idx):
-                out[at[j], idx[-1]] += extra[i]
+            if i != j and last[j] >= 0:
+                out[self._position[j], last[j]] += extra[i]
         return out
 
     def spread(self, primary_advantages: torch.Tensor, primary_mask: torch.Tensor,
@@ -86,8 +90,7 @@ class Segments:
         tokens) given to every row of the sample, over that row's own model tokens."""
         m = primary_mask.to(primary_advantages.dtype)
         per_sample = (primary_advantages * m).sum(-1) / m.sum(-1).clamp(min=1)
-        at = {row: k for k, row in enumerate(self.primary)}
-        value = per_sample[[at[j] for j in self.owner]]
+        value = per_sample[[self._position[j] for j in self.owner]]
         out = value.unsqueeze(-1) * response_mask.to(value.dtype)
         out[self.primary] = primary_advantages.to(out.dtype)  # the samples' rows as the estimator gave them
         return out

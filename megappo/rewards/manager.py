@@ -54,6 +54,13 @@ class RowScore:
     extras: dict = field(default_factory=dict)  # the rule's extra metrics, logged as reward/<source>/<key>
 
 
+def last_model_token(response_mask: torch.Tensor) -> torch.Tensor:
+    """[B]: each row's last model-token column, where its outcome reward sits (-1 for a row with none). After a
+    multi-turn response's tool tokens too: the mask is not contiguous there. Also ppo/segments.py's."""
+    cols = torch.arange(response_mask.shape[-1], device=response_mask.device)
+    return torch.where(response_mask.bool(), cols, -1).max(-1).values.cpu()
+
+
 def overlong_penalty(length: int, max_length: int, buffer_len: int, factor: float = 1.0) -> float:
     """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), verl's form: 0 up to max_length - buffer_len
     tokens, then falling linearly to -factor at max_length: min(-(length - (max_length - buffer_len)) /
@@ -212,13 +219,11 @@ class RewardManager:
         return scored
 
     def aggregate(self, rows: list[RowScore], data: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
-        """Row scores -> token-level scores [B, T] (the final score on each response's last token) and
+        """Row scores -> token-level scores [B, T] (the final score on each response's last model token) and
         the step's reward metrics."""
         batch_size, resp_len = data.batch["responses"].shape
         token_level_scores = torch.zeros(batch_size, resp_len, dtype=torch.float32, device="cpu")
-        # the last model token: after a multi-turn response's tool tokens too (response_mask is not contiguous)
-        cols = torch.arange(resp_len, device="cpu")
-        last = torch.where(self._response_mask(data).cpu().bool(), cols, -1).max(-1).values.clamp(min=0).tolist()
+        last = last_model_token(self._response_mask(data)).clamp(min=0).tolist()
         per_source: dict[str, list[bool]] = defaultdict(list)
         for i, r in enumerate(rows):
             token_level_scores[i, last[i]] = r.final

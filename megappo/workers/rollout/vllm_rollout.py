@@ -339,8 +339,8 @@ class VLLMRollout:
         non_tensor = {k: np.repeat(v, n, axis=0)[source] for k, v in prompts.non_tensor_batch.items()}
         if trajs is not None:  # what each row's environment scores (agent/environment.py); DataProto makes
             non_tensor["agent_turns"] = [t.turns for t in trajs]  # it a 1-D object array (one row per sample)
-            uids = np.repeat(prompts.non_tensor_batch.get("uid", np.arange(len(ids))), n)  # the sample each row is
-            non_tensor["agent_session"] = np.array([f"{uids[k]}:{k % n}" for k in source], dtype=object)  # of
+            uids = non_tensor["uid"] if "uid" in non_tensor else [k // n for k in source]  # the sample each row is of
+            non_tensor["agent_session"] = np.array([f"{u}:{k % n}" for u, k in zip(uids, source)], dtype=object)
         meta.update(sampling=spec, response_length=R)
         return DataProto(batch, non_tensor, meta)
 
