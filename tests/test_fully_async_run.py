@@ -241,26 +241,32 @@ def test_dapo_filter_drops_groups_whose_responses_agree(ray_session, tiny_assets
     assert sum(h["dynamic_sampling/groups_dropped"] for h in history) > 0  # the filter had something to drop
 
 
+def _agent_run(tiny_assets, data_dir, tmp_path, agent_source: str, *extra) -> tuple[list, list, list]:
+    """2 fully_async steps at max_staleness=1 whose samples are `agent_source`'s `run` (an agent module that
+    appends each session to LOG): (history, each update's batch, the sessions the agent logged)."""
+    import json
+
+    log = tmp_path / "agent_log.jsonl"
+    (tmp_path / "agent.py").write_text(f"LOG = {str(log)!r}\n" + agent_source)
+    batches = []
+    history, _ = _run(_config(tiny_assets, data_dir, tmp_path / "run", *FULLY_ASYNC, "trainer.max_staleness=1",
+                              f"rollout.agent={tmp_path / 'agent.py'}:run", "rollout.max_new_tokens=40",
+                              "data.max_prompt_length=200", "reward.non_stop_penalty=false", "trainer.total_steps=2",
+                              "trainer.val_every=0", *extra),
+                      setup=recording_updates(batches))
+    return history, batches, [json.loads(line) for line in log.read_text().splitlines()]
+
+
 def test_your_own_agent_streams_in_fully_async(ray_session, tiny_assets, data_dir, tmp_path):
     """rollout.agent in fully_async: each sample is the user's openai-SDK agent (tools=, a tool result between
     two calls) in its own gateway session on the rollout worker's stream, while weights load under it. Every
     trained row is exactly a session the agent ran (the gateway's prompt, the sampled ids, the tool tokens
     masked out), each sampled token carries the version that sampled it, every sample stays within the bound,
     and an agent that raises costs its sample only."""
-    import json
-
     from test_agent import SDK_AGENT
 
-    log = tmp_path / "agent_log.jsonl"
-    (tmp_path / "sdk_agent.py").write_text(f"LOG = {str(log)!r}\n" + SDK_AGENT)
-    batches = []
-
-    history, _ = _run(_config(tiny_assets, data_dir, tmp_path / "agent", *FULLY_ASYNC, "trainer.max_staleness=1",
-                              f"rollout.agent={tmp_path / 'sdk_agent.py'}:run", "rollout.max_new_tokens=40",
-                              "data.max_prompt_length=200", "rollout.multi_turn.tool_prompt='You can use tools: {tools}'",
-                              "reward.non_stop_penalty=false", "trainer.total_steps=2", "trainer.val_every=0"),
-                      setup=recording_updates(batches))
-    sessions = [json.loads(line) for line in log.read_text().splitlines()]
+    history, batches, sessions = _agent_run(tiny_assets, data_dir, tmp_path, SDK_AGENT,
+                                            "rollout.multi_turn.tool_prompt='You can use tools: {tools}'")
     expected = set()
     for first, second in sessions:
         sent = first["prompt"] + first["sampled"]
@@ -313,20 +319,10 @@ def test_a_rewritten_history_streams_in_fully_async(ray_session, tiny_assets, da
     """rollout.agent in fully_async with an agent that rewrites its history on even rows (test_agent's
     REWRITING_AGENT): each later segment is a row of its own in its group, exactly as the gateway rendered and
     the engine sampled it, its model tokens carrying the versions that sampled them, within the bound."""
-    import json
-
     from test_agent import REWRITING_AGENT, rewritten_sessions_rows, trained_rows
 
-    log = tmp_path / "agent_log.jsonl"
-    (tmp_path / "rewriting_agent.py").write_text(f"LOG = {str(log)!r}\n" + REWRITING_AGENT)
-    batches = []
-
-    history, _ = _run(_config(tiny_assets, data_dir, tmp_path / "rewrite", *FULLY_ASYNC, "trainer.max_staleness=1",
-                              f"rollout.agent={tmp_path / 'rewriting_agent.py'}:run", "rollout.max_new_tokens=40",
-                              "data.max_prompt_length=200", "algorithm.adv_estimator=grpo",
-                              "reward.non_stop_penalty=false", "trainer.total_steps=2", "trainer.val_every=0"),
-                      setup=recording_updates(batches))
-    sessions = [json.loads(line) for line in log.read_text().splitlines()]
+    history, batches, sessions = _agent_run(tiny_assets, data_dir, tmp_path, REWRITING_AGENT,
+                                            "algorithm.adv_estimator=grpo")
     trained = []
     for h, batch in zip(history, batches):
         b = batch.batch
