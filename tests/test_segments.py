@@ -111,3 +111,21 @@ def test_a_later_rows_kl_penalty_reaches_its_samples_outcome():
     # sample 1 has later rows 4 and 5 (1 and 2 model tokens), sample 2 has row 6 (5 tokens)
     assert torch.allclose(out.sum(-1), rewards[:4].sum(-1) - 0.1 * torch.tensor([0.0, 3.0, 5.0, 0.0]))
     assert float(out[1, lengths[1] - 1]) == pytest.approx(float(rewards[1, lengths[1] - 1]) - 0.3)
+
+
+def test_dapo_judges_a_group_by_its_samples_not_its_later_rows():
+    """algorithm.filter_groups: sample a:1's later rows (4, 5) were cut short (a non-stop penalty in their
+    final score); judged as rows, group a looks varied, judged by its samples it is flat."""
+    from megappo.ppo.dynamic_sampling import judge_groups
+    from megappo.rewards.manager import RowScore
+
+    part = batch_with_later_rows()
+    final = [1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.0]
+    scored = [RowScore("s", f, f, f == 1.0, True, 3, u) for f, u in zip(final, part.non_tensor_batch["uid"])]
+    uids = list(part.non_tensor_batch["uid"])
+    assert algos.groups_to_keep(uids, [r.correct for r in scored], final, "score")[0] == ["a", "b"]  # rows: wrong
+    for metric in ("score", "acc"):
+        varied, flat = judge_groups(part, scored, metric)
+        assert (varied, flat) == (["b"], ["a"]), metric
+    plain = part[[0, 1, 2, 3]]  # without later rows: every row is a sample
+    assert judge_groups(plain, scored[:4], "score") == (["b"], ["a"])

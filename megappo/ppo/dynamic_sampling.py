@@ -4,6 +4,8 @@ A group whose responses are all right or all wrong (metric=acc, the rule's corre
 same shaped reward) has zero advantage under GRPO and only dilutes the batch. `filter_groups` keeps drawing
 and generating prompts until `want` varied groups are in hand (at most `max_rounds` generations; then the
 batch is topped up with the dropped groups) and keeps exactly `want` groups, each group's rows together.
+A group is judged by its samples: a rewritten history's later rows (ppo/segments.py) are kept or dropped with
+their sample, never judged as responses of their own (`judge_groups`; fully_async's filter uses it too).
 """
 
 from __future__ import annotations
@@ -11,7 +13,19 @@ from __future__ import annotations
 from typing import Callable
 
 from megappo.ppo.core_algos import groups_to_keep
+from megappo.ppo.segments import Segments
 from megappo.protocol import DataProto
+
+
+def judge_groups(part: DataProto, scored: list, metric: str) -> tuple[list, list]:
+    """(varied, flat) group uids of `part` by `metric` over its samples' rows only, `scored` being every row's
+    RowScore (RewardManager.score_rows): a later segment's row carries its sample's uid and the sample's
+    outcome, so its own non-stop or length penalty must not make a flat group look varied."""
+    seg = Segments.of(part)
+    rows = seg.primary if seg is not None else range(len(part))
+    uids = part.non_tensor_batch["uid"]
+    return groups_to_keep([uids[i] for i in rows], [scored[i].correct for i in rows], [scored[i].final for i in rows],
+                          metric)
 
 
 def filter_groups(first: DataProto, want: int, fg, draw_more: Callable[[int], DataProto], score_rows: Callable,
@@ -23,9 +37,7 @@ def filter_groups(first: DataProto, want: int, fg, draw_more: Callable[[int], Da
     for rnd in range(fg.max_rounds):
         if rnd:
             parts.append(draw_more(rnd))
-        rows = score_rows(parts[-1])
-        varied, same = groups_to_keep(parts[-1].non_tensor_batch["uid"], [r.correct for r in rows],
-                                      [r.final for r in rows], fg.metric)
+        varied, same = judge_groups(parts[-1], score_rows(parts[-1]), fg.metric)
         kept += varied
         flat += same
         if len(kept) >= want:

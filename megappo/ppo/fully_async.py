@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megappo.ppo.core_algos import groups_to_keep
+from megappo.ppo.dynamic_sampling import judge_groups
 from megappo.ppo.staleness import StalenessManager, select_batch, version_stats
 from megappo.protocol import DataProto
 
@@ -161,8 +161,7 @@ class GroupStream:
         """DAPO: whether this finished group's responses all agree (algorithm.filter_groups.metric) and the batch's
         drop budget has room. Its rule results stay on the rows for the reward phase (a rule runs once)."""
         scored = self.trainer.reward_fn.score_rows(rows, keep=True, examine=False)  # printed by the reward phase
-        varied, _ = groups_to_keep(rows.non_tensor_batch["uid"], [r.correct for r in scored],
-                                   [r.final for r in scored], self.filter.metric)
+        varied, _ = judge_groups(rows, scored, self.filter.metric)
         kind = "varied" if varied else "dropped" if self.filtered["dropped"] < self.drop_budget else "kept_flat"
         self.filtered[kind] += 1
         return kind == "dropped"
