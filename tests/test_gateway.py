@@ -40,7 +40,7 @@ def tokenizer(tiny_assets):
 
 def naive_ids(tokenizer, messages) -> list[int]:
     """What a trainer that re-tokenises the agent's conversation would train on."""
-    from megappo.gateway.capture import _plain
+    from megappo.agent.capture import _plain
 
     text = tokenizer.apply_chat_template(_plain(messages), tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
@@ -54,7 +54,7 @@ def run_turn(session, tokenizer, messages, sampled: list[int], reply: dict) -> l
 
 
 def test_capture_keeps_the_sampled_ids_where_naive_retokenisation_drifts(tokenizer):
-    from megappo.gateway.capture import ChatRenderer, Session
+    from megappo.agent.capture import ChatRenderer, Session
 
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
@@ -89,7 +89,7 @@ def test_capture_keeps_the_sampled_ids_where_naive_retokenisation_drifts(tokeniz
 
 
 def test_a_rewritten_history_starts_a_new_segment(tokenizer):
-    from megappo.gateway.capture import ChatRenderer, Session
+    from megappo.agent.capture import ChatRenderer, Session
 
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
     session = Session(ChatRenderer(tokenizer))

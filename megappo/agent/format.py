@@ -116,7 +116,7 @@ def between_turns(tokenizer, messages: list[dict], closing: Optional[str] = None
     that came after it (tool results, a user message): the end of the turn, their turns, the header. `closing`:
     the text of the model's own last token when it closed the turn itself (EOS / end-of-turn): not repeated.
     The one rendering of what comes between two model turns: the built-in loop's tool results (Observations)
-    and the gateway's extended conversations (gateway/capture.ChatRenderer.delta_ids)."""
+    and the gateway's extended conversations (agent/capture.ChatRenderer.delta_ids)."""
     msgs = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}] + list(messages)
     full = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     tail = full[full.index(_MARK) + len(_MARK):]

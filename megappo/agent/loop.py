@@ -14,7 +14,9 @@ model turns or `max_tool_calls` calls, or when its response reaches the token bu
 max_new_tokens: model and tool tokens together; a tool result that does not fit is cut and ends the
 sample). Tool calls of one turn run concurrently (threads: the python tool's work is a child process).
 
-A Trajectory's tokens are the model's exactly as sampled, with the tool tokens between them;
+Each sample's tokens are recorded by the same token record as your own agent's requests through the
+gateway (agent/capture.Session: one segment, each model turn recorded as sampled, each tool result
+observed as rendered). A Trajectory's tokens are the model's exactly as sampled, with the tool tokens between them;
 `model_mask` says which is which: the trainer computes no loss, KL or value target on tool tokens
 (response_mask 0) but the model attends to them (attention_mask 1). Seeds: turn t of request k is
 sampled with base_seed + k + t * TURN_SEED_STRIDE (turn 0 is the single-turn seed). `turns` records
@@ -30,6 +32,7 @@ from typing import Optional
 
 import torch
 
+from megappo.agent.capture import Segment, Session
 from megappo.agent.format import CALL_END, Observations, forced_call_regex, parse_call
 from megappo.agent.tools import TOOLS, ToolResult, make_tools
 
@@ -49,17 +52,38 @@ class Trajectory:
     turns: list = field(default_factory=list)  # {"role": "assistant", "text"} / {"role": "tool", "name", ...}
     stats: dict = field(default_factory=lambda: dict.fromkeys(STAT_KEYS, 0.0))
     prompt: Optional[list] = None  # the prompt ids it continues when not its row's (rollout.agent: the agent's own)
-    versions: list = field(default_factory=list)  # rollout.agent: per token, the policy version that sampled it (-1 not)
-    track_versions: bool = False  # AgentLoop.sample: `versions` kept for every token added
+    versions: list = field(default_factory=list)  # per token, the policy version that sampled it (-1: not, or unknown)
     later: list = field(default_factory=list)  # rollout.agent: the session's later segments (a rewritten history)
     segment_of: Optional[int] = None  # a later segment's row: the index of its sample (trajectory_rows)
 
-    def add(self, tokens, logprobs=None, model: bool = True, versions=None) -> None:
-        self.tokens += list(tokens)
-        self.model_mask += [int(model)] * len(tokens)
-        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
-        if self.track_versions:
-            self.versions += list(versions) if versions is not None else [-1] * len(tokens)
+    def take(self, segment: Segment) -> "Trajectory":
+        """Its tokens from a session's captured segment (agent/capture.py), as sampled and observed."""
+        self.tokens, self.model_mask = list(segment.tokens), list(segment.model_mask)
+        self.logprobs, self.versions = list(segment.logprobs), list(segment.versions)
+        return self
+
+
+class _Sample:
+    """A built-in loop's sample while it runs: its session (the token record) and its trajectory (turns as
+    text, statistics, how it ended)."""
+
+    def __init__(self, prompt: list[int]):
+        self.session = Session(renderer=None)  # token-level requests only: the loop renders tool results itself
+        self.session.completion_prompt(list(prompt))  # the row's prompt opens the sample's one segment
+        self.traj = Trajectory()
+
+    @property
+    def ids(self) -> list:
+        """What the engine continues next: the prompt, then every model and tool token so far."""
+        return self.session.segments[-1].ids
+
+    @property
+    def used(self) -> int:
+        """Response tokens so far (model and tool), against the rollout's budget."""
+        return len(self.session.segments[-1].tokens)
+
+    def trajectory(self) -> Trajectory:
+        return self.traj.take(self.session.segments[-1])
 
 
 class AgentLoop:
@@ -77,29 +101,28 @@ class AgentLoop:
         """One trajectory per entry of `prompts` (request k is prompts[k]); request k may call the tools
         named in tools[k] (default: rollout.multi_turn.tools), others are invalid calls."""
         budget = int(spec.max_new_tokens)
-        trajs = [Trajectory() for _ in prompts]
+        samples = [_Sample(p) for p in prompts]
         allowed = [tuple(t) for t in tools] if tools is not None else [tuple(self.config.tools)] * len(prompts)
         for turn in range(int(self.config.max_turns)):
-            live = [k for k, t in enumerate(trajs) if not t.done]
+            live = [k for k, x in enumerate(samples) if not x.traj.done]
             if not live:
                 break
-            requests = [{"prompt_token_ids": prompts[k] + trajs[k].tokens} for k in live]
+            requests = [{"prompt_token_ids": samples[k].ids} for k in live]
             forced = {k: self._is_forced(turn, allowed[k]) for k in live}
-            params = [self._params(spec, budget - len(trajs[k].tokens), base_seed + k, turn, allowed[k])
-                      for k in live]
+            params = [self._params(spec, budget - samples[k].used, base_seed + k, turn, allowed[k]) for k in live]
             outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
             last_turn = turn == self.config.max_turns - 1
             calls = {}
             for k, o in zip(live, outs):
                 c = o.outputs[0]
                 lps = [float(c.logprobs[i][tok].logprob) for i, tok in enumerate(c.token_ids)] if c.logprobs else None
-                calls[k] = self._model_turn(trajs[k], list(c.token_ids), lps, c.finish_reason, c.stop_reason, budget,
-                                            last_turn, forced[k])
+                calls[k] = self._model_turn(samples[k], list(c.token_ids), lps, c.finish_reason, c.stop_reason,
+                                            budget, last_turn, forced[k])
             pending = {k: c for k, c in calls.items() if c is not None}
             results = self.pool.map(self._execute, pending.values(), (allowed[k] for k in pending))
             for (k, call), result in zip(pending.items(), results):
-                self._tool_turn(trajs[k], call, result, budget)
-        return trajs
+                self._tool_turn(samples[k], call, result, budget)
+        return [x.trajectory() for x in samples]
 
     async def sample(self, engine, prompt: list[int], spec, seed: int, tools=None) -> Trajectory:
         """One sample's loop through `engine` (gateway/engine.AsyncTokenEngine: its requests batched with every
@@ -108,22 +131,21 @@ class AgentLoop:
         import asyncio
 
         budget = int(spec.max_new_tokens)
-        traj = Trajectory(track_versions=True)
+        x = _Sample(prompt)
         allowed = tuple(tools) if tools is not None else tuple(self.config.tools)
         for turn in range(int(self.config.max_turns)):
             forced = self._is_forced(turn, allowed)
-            c = await engine.generate(prompt + traj.tokens, self._params(spec, budget - len(traj.tokens), seed, turn,
-                                                                         allowed))
-            call = self._model_turn(traj, c.ids, c.logprobs, c.finish_reason, c.stop_string or None, budget,
-                                    turn == self.config.max_turns - 1, forced, c.token_versions)
+            c = await engine.generate(x.ids, self._params(spec, budget - x.used, seed, turn, allowed))
+            call = self._model_turn(x, c.ids, c.logprobs, c.finish_reason, c.stop_string or None, budget,
+                                    turn == self.config.max_turns - 1, forced, c.versions)
             if call is None:
                 break
             result = await asyncio.get_running_loop().run_in_executor(self.pool, self._execute, call, allowed)
-            self._tool_turn(traj, call, result, budget)
-            if traj.done:
+            self._tool_turn(x, call, result, budget)
+            if x.traj.done:
                 break
-        traj.done = True
-        return traj
+        x.traj.done = True
+        return x.trajectory()
 
     def _is_forced(self, turn: int, allowed: tuple) -> bool:
         """tool_choice=required: turn 0 is a well-formed call of one of the row's tools (if it has any)."""
@@ -144,11 +166,12 @@ class AgentLoop:
             self._forced_regex[names] = forced_call_regex([self.tools[n].schema() for n in names])
         return self._forced_regex[names]
 
-    def _model_turn(self, traj: Trajectory, toks: list, logprobs, finish_reason, stop_reason, budget: int,
-                    last_turn: bool, forced: bool, versions=None):
-        """Append the model's tokens (a forced turn's as untrained context); returns the call to run, or
-        None when the sample is finished."""
-        traj.add(toks, None if forced else logprobs, model=not forced, versions=versions)
+    def _model_turn(self, x: _Sample, toks: list, logprobs, finish_reason, stop_reason, budget: int,
+                    last_turn: bool, forced: bool, versions=-1):
+        """Record the model's tokens (a forced turn's as untrained context); returns the call to run, or
+        None when the sample is finished. `versions`: the engine's per-token versions (-1: not tracked)."""
+        x.session.record(toks, None if forced else logprobs, versions, model=not forced)
+        traj = x.traj
         traj.stats["num_turns"] += 1
         traj.turns.append({"role": "assistant", "text": self.tokenizer.decode(toks, skip_special_tokens=True)})
         by_call = finish_reason == "stop" and stop_reason == CALL_END
@@ -156,7 +179,7 @@ class AgentLoop:
         if call is None:  # an answer (stopped), or the budget ran out mid-turn (not stopped)
             traj.done, traj.stopped = True, finish_reason == "stop"
             return None
-        if last_turn or traj.stats["num_tool_calls"] >= self.config.max_tool_calls or len(traj.tokens) >= budget:
+        if last_turn or traj.stats["num_tool_calls"] >= self.config.max_tool_calls or x.used >= budget:
             traj.done = True  # wanted a tool it may not have: cut
             return None
         call.ended_turn = not by_call  # the turn closed with EOS after the call
@@ -170,8 +193,8 @@ class AgentLoop:
                               invalid=True)
         return self.tools[call.name].call(call.arguments)
 
-    def _tool_turn(self, traj: Trajectory, call, result: ToolResult, budget: int) -> None:
-        s = traj.stats
+    def _tool_turn(self, x: _Sample, call, result: ToolResult, budget: int) -> None:
+        traj, s = x.traj, x.traj.stats
         s["num_tool_calls"] += 1
         s["num_invalid_calls"] += float(result.invalid)
         s["num_tool_errors"] += float(result.error and not result.invalid)
@@ -180,10 +203,10 @@ class AgentLoop:
         traj.turns.append({"role": "tool", "name": call.name, "arguments": call.arguments, "text": result.text,
                            "error": result.error})
         ids = self.observations.ids(result.text, model_ended_turn=call.ended_turn)
-        room = budget - len(traj.tokens)
+        room = budget - x.used
         if len(ids) >= room:  # no room left for the model to answer
             ids, traj.done = ids[:room], True
-        traj.add(ids, model=False)
+        x.session.observe(ids)
         s["tool_tokens"] += len(ids)
 
 

@@ -22,7 +22,7 @@ seed; max_tokens capped to what is left of the response budget, spec.max_new_tok
 observation tokens together). Up to `concurrency` agents run at once; the engine batches their requests.
 A trajectory is the session's first segment, which must start from the row's prompt ids (the row's
 messages sent as they are): its tokens after the prompt, model tokens masked in with their sampled
-log-probs. A later segment (the agent rewrote history: gateway/capture.py) is trained as a row of its own,
+log-probs. A later segment (the agent rewrote history: agent/capture.py) is trained as a row of its own,
 its prompt and model tokens as captured (Trajectory.later; ppo/segments.py: the sample's reward and
 advantage). A sample's turns (what its rule scores) are the model turns of all its segments. A sample whose agent
 raises, runs past `timeout_s`, or does not start from the row's prompt is kept empty (nothing trained)

@@ -38,7 +38,7 @@ from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from megappo.agent.format import parse_calls, strip_calls
-from megappo.gateway.capture import ChatRenderer, Session
+from megappo.agent.capture import ChatRenderer, Session
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -154,7 +154,7 @@ class Gateway:
         if calls:
             reply["tool_calls"] = [{"id": f"call_{secrets.token_hex(6)}", "type": "function",
                                     "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
-        session.record(out.ids, out.logprobs, _versions(out), reply)
+        session.record(out.ids, out.logprobs, out.versions, reply)
         finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
         choice = {"index": 0, "message": reply, "finish_reason": finish, "token_ids": out.ids,
                   "logprobs": self._logprobs(out) if body.get("logprobs") else None}
@@ -177,7 +177,7 @@ class Gateway:
         except BaseException:
             session.restore(saved)
             raise
-        session.record(out.ids, out.logprobs, _versions(out))
+        session.record(out.ids, out.logprobs, out.versions)
         choice = {"index": 0, "text": self.tokenizer.decode(out.ids, skip_special_tokens=True),
                   "finish_reason": out.finish_reason, "token_ids": out.ids, "logprobs": None}
         return self._envelope("text_completion", choice, out)
@@ -382,8 +382,3 @@ def make_app(gateway: Gateway):
         return gateway.stats()
 
     return app
-
-
-def _versions(out) -> "int | list":
-    """The policy version of each sampled id (a request in flight across a weight load spans two), else one."""
-    return list(out.token_versions) if len(out.token_versions) == len(out.ids) else out.version

@@ -44,6 +44,12 @@ class Completion:
     stop_string: str = ""  # the stop string that ended it (its tokens are in ids)
     token_versions: list = field(default_factory=list)  # per id: the version of the step that sampled it
 
+    @property
+    def versions(self) -> "int | list":
+        """The policy version of each sampled id (a request in flight across a weight load spans two), else one
+        for all (what agent/capture.Segment.add records)."""
+        return list(self.token_versions) if len(self.token_versions) == len(self.ids) else self.version
+
 
 class AsyncTokenEngine:
     def __init__(self, llm):

@@ -1,10 +1,12 @@
-"""Token in, token out: what a session of the rollout gateway records, so the trainer trains on exactly
-the ids the engine sampled and never on a re-tokenisation of the agent's text.
+"""Token in, token out: what a session records, so the trainer trains on exactly the ids the engine sampled
+and never on a re-tokenisation of the agent's text. The one token record of every multi-turn sample: the
+rollout gateway's sessions (your own agent, gateway/app.py) and the built-in loop (agent/loop.py) alike.
 
     renderer = ChatRenderer(tokenizer)
     session = Session(renderer)
     ids = session.chat_prompt(messages, tools)        # what the engine is asked to continue
-    session.record(sampled_ids, logprobs, "stop", version, reply)   # reply: the assistant message returned
+    session.record(sampled_ids, logprobs, version, reply)   # reply: the assistant message returned
+    session.observe(tool_ids)                         # the built-in loop: a tool result's tokens, as rendered
 
 A request **extends** the session's conversation when its messages start with the previous request's
 messages followed by the assistant message the gateway returned (compared by role, content and the
@@ -46,16 +48,13 @@ class Segment:
         return self.prompt_ids + self.tokens
 
     def add(self, ids, logprobs=None, version=-1, model: bool = False) -> None:
-        """`version`: one for every id, or one per id (a request in flight across a weight load)."""
+        """`version`: one for every id, or one per id (a request in flight across a weight load); -1 for tokens
+        no engine sampled. `model`: trained (model_mask 1); a sampled turn kept as untrained context (the
+        built-in loop's forced first call) is model=False with its version."""
         self.tokens += list(ids)
         self.model_mask += [int(model)] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
-        if not model:
-            self.versions += [-1] * len(ids)
-        elif isinstance(version, int):
-            self.versions += [version] * len(ids)
-        else:
-            self.versions += list(version)
+        self.versions += [version] * len(ids) if isinstance(version, int) else list(version)
         self.turns += int(model)
 
     def to_dict(self) -> dict:
@@ -154,13 +153,18 @@ class Session:
         self._history = None  # a chat request after a raw completion starts a new segment
         return self.segments[-1].ids
 
-    def record(self, ids: list[int], logprobs: list[float], version, reply: Optional[dict] = None) -> None:
+    def record(self, ids: list[int], logprobs, version, reply: Optional[dict] = None, model: bool = True) -> None:
         """The engine's answer to the last prompt: ids and log-probs as sampled, the version(s) that sampled
         them (Segment.add); reply: the assistant message returned to the client (what its next request must
         repeat to extend)."""
-        self.segments[-1].add(ids, logprobs, version, model=True)
+        self.segments[-1].add(ids, logprobs, version, model=model)
         if reply is not None and self._history is not None:
             self._history.append(reply)
+
+    def observe(self, ids: list[int]) -> None:
+        """Tokens that follow the model's turn in the live segment and that no engine sampled (a tool result
+        rendered by the chat template: agent/format.Observations), untrained."""
+        self.segments[-1].add(ids)
 
     def snapshot(self) -> tuple:
         """What restore() needs to undo a request that was refused or failed after its prompt was built."""
