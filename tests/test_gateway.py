@@ -346,6 +346,13 @@ def test_bad_input_is_a_4xx_with_one_line_and_loses_nothing(served):
                                          mine.key, 400, "stream_options must be an object"),
         "bad messages": ("/v1/chat/completions", {"messages": [{"content": "x"}]}, mine.key, 400, "role"),
         "another model": ("/v1/chat/completions", {**ok, "model": "gpt-4"}, mine.key, 404, "not served here"),
+        "max_tokens 0": ("/v1/chat/completions", {**ok, "max_tokens": 0}, mine.key, 400, "positive integer"),
+        "token ids out of the vocabulary": ("/v1/completions", {"prompt": [10**9], "max_tokens": 2}, mine.key, 400,
+                                            "out of vocabulary"),
+        "a reward that is not finite": (f"/megappo/v1/sessions/{mine.id}/reward", '{"reward": NaN}', mine.key, 400,
+                                        "finite number"),
+        "an unknown route": ("/v1/nothing", ok, mine.key, 404, "Not Found: POST /v1/nothing"),
+        "a wrong method": ("/v1/models", ok, mine.key, 405, "Method Not Allowed"),
     }
     for name, (path, body, key, status, says) in cases.items():
         got, err = post(url, path, body, key)
@@ -421,6 +428,10 @@ async def other_prompt(client, row):
     await client.chat.completions.create(model="policy", messages=[{"role": "system", "content": "be brief"}]
                                          + list(row["messages"]), max_tokens=3)
 
+async def bad_reward(client, row):
+    await client.chat.completions.create(model="policy", messages=row["messages"], max_tokens=3)
+    return "great"
+
 async def by_mode(client, row):
     return await globals()[row["mode"]](client, row)
 
@@ -439,7 +450,7 @@ async def spends(client, row):
 
 def test_bring_your_own_agent_trajectories(served, tmp_path):
     """AgentRunner (rollout.agent): the user's async function per sample; its trajectories are exactly the
-    sampled ids, under the rollout's budget and seeds; a failing / hanging agent's sample is kept empty and
+    sampled ids, under the rollout's budget and seeds; a failing / hanging agent's sample (or one returning a reward that is no number) is kept empty and
     counted; one that sends other messages than the row's is trained on the prompt it sent (counted); the
     agent's reward reaches the environment's score."""
     from megappo.agent.environment import Environments
@@ -450,7 +461,7 @@ def test_bring_your_own_agent_trajectories(served, tmp_path):
 
     rollout, engine, gateway, url = served
     (tmp_path / "agents.py").write_text(AGENTS)
-    modes = ["good", "good", "raises", "hangs", "other_prompt", "spends"]
+    modes = ["good", "good", "raises", "hangs", "other_prompt", "spends", "bad_reward"]
     rows = [{"messages": [{"role": "user", "content": f"What is {k} + 3?"}], "log": str(tmp_path / f"log{k}.json"),
              "mode": mode} for k, mode in enumerate(modes)]
     prompts = [gateway.renderer.prompt_ids(r["messages"]) for r in rows]
@@ -458,7 +469,7 @@ def test_bring_your_own_agent_trajectories(served, tmp_path):
     runner = AgentRunner(rollout.llm, rollout.tokenizer, f"{tmp_path / 'agents.py'}:by_mode", max_model_len=MAX_LEN,
                          max_tokens=MAX_TOKENS, concurrency=8, timeout_s=3)
     try:
-        trajs = runner.run(prompts, spec, 11, rows)  # all six at once: the engine batches them
+        trajs = runner.run(prompts, spec, 11, rows)  # all seven at once: the engine batches them
         again = runner.run(prompts[:2], spec, 11, rows[:2])
     finally:
         runner.close()
@@ -470,12 +481,13 @@ def test_bring_your_own_agent_trajectories(served, tmp_path):
         assert t.tokens == again[k].tokens and t.stats["agent_requests"] == 2 and t.turns[-1]["value"] == 2.5
         assert [x["role"] for x in t.turns] == ["assistant", "assistant", "reward"]
         assert all(lp < 0 for lp, m in zip(t.logprobs, t.model_mask) if m) and len(t.tokens) <= 64
-    for t, stat in zip(trajs[2:4], ("agent_errors", "agent_timeouts")):
+    for t, stat in zip(trajs[2:4] + trajs[6:], ("agent_errors", "agent_timeouts", "agent_errors")):
         assert t.stats[stat] == 1.0 and t.tokens == [] and t.turns[-1] == {"role": "reward", "value": None}, stat
     own = trajs[4]  # a system prompt added to the row's messages: trained on the prompt it sent, as sampled
     assert own.stats["agent_own_prompt"] == 1.0 and own.prompt == gateway.renderer.prompt_ids(
         [{"role": "system", "content": "be brief"}] + rows[4]["messages"]) and 0 < sum(own.model_mask) <= 3
     assert all(t.prompt is None for t in good)  # the row's own prompt: the dataset's ids
+    assert "returned 'great'" in trajs[6].turns[0]["text"]  # a reward that is not a number drops its sample only
     spent = trajs[5]
     assert spent.turns[-1]["value"] == -1.0 and len(spent.tokens) <= 64  # refused once the budget was spent
     envs = Environments(MultiTurnConfig(enable=True, tools=["calculator"]), DEFAULT_SCORERS)

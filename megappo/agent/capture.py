@@ -33,7 +33,6 @@ from typing import Optional
 from megappo.agent.format import between_turns, with_tools
 
 
-
 @dataclass
 class Segment:
     prompt_ids: list

@@ -25,14 +25,15 @@ messages sent as they are): its tokens after the prompt, model tokens masked in 
 log-probs. A later segment (the agent rewrote history: agent/capture.py) is trained as a row of its own,
 its prompt and model tokens as captured (Trajectory.later; ppo/segments.py: the sample's reward and
 advantage). A sample's turns (what its rule scores) are the model turns of all its segments. A sample whose agent
-raises, runs past `timeout_s`, or does not start from the row's prompt is kept empty (nothing trained)
-and counted; the step goes on. The returned reward (or one set over HTTP) rides in the trajectory's
+raises, runs past `timeout_s` or returns something other than a finite number or None is kept empty
+(nothing trained) and counted in agent_errors / agent_timeouts; the step goes on. The returned reward (or one set over HTTP) rides in the trajectory's
 turns as {"role": "reward", "value": r}, which the row's environment uses instead of its rule.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from functools import partial
 from typing import Callable, Optional
@@ -116,9 +117,13 @@ class AgentRunner:
                                         timeout=self.timeout_s)
             t0, error, timed_out, reward = time.perf_counter(), None, False, None
             try:
-                reward = await asyncio.wait_for(self.fn(client, dict(row)), self.timeout_s)
+                reward = _reward(await asyncio.wait_for(self.fn(client, dict(row)), self.timeout_s))
             except asyncio.TimeoutError:
                 timed_out = True
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():  # the rollout itself is being cancelled
+                    raise
+                error = "CancelledError: the agent cancelled its own run"
             except Exception as e:  # noqa: BLE001 - a user's agent failing on one sample drops that sample
                 error = f"{type(e).__name__}: {e}"
             finally:
@@ -140,6 +145,16 @@ class AgentRunner:
 
     def close(self) -> None:
         self.server.stop()  # the engine stays: it is the LLM's own (AsyncTokenEngine.for_llm)
+
+
+def _reward(value):
+    """What an agent returned, as its sample's reward: None (the row's rule scores it) or a finite number."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"the agent returned {value!r}: return a finite number, or None to leave the score to "
+                         "the row's rule")
+    return float(value)
 
 
 def _trajectory(record: dict, prompt: list[int], reward, error: Optional[str], timed_out: bool, seconds: float,

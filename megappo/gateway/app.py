@@ -17,7 +17,9 @@ admin), `GET /megappo/v1/sessions/{id}`, `POST /megappo/v1/sessions/{id}/close`,
 A key reaches its own session only (401 for an unknown key, 403 for another session's); `open_key`
 (for `megappo serve`) is a key whose requests are served and not recorded. Every bad input is a 4xx
 whose body is OpenAI's error object with one line: malformed JSON, an unknown key, `n` > 1,
-max_tokens past the server's budget, a prompt past max_model_len. Loopback by default (serve.py).
+max_tokens < 1 or past the server's budget, a prompt past max_model_len, a request the engine refuses
+(token ids out of the vocabulary), a reward that is not a finite number, an unknown route or method; an
+unexpected failure is a 500 with one line. Loopback by default (serve.py).
 
 `stream=true` (chat and completions) answers with OpenAI's server-sent chunks once the reply is sampled,
 not token by token: the role, the text in one delta, each tool call, the finish reason, the usage when
@@ -28,6 +30,7 @@ not token by token: the role, the text in one delta, each tool call, the finish 
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import statistics
 import time
@@ -36,6 +39,7 @@ from typing import Optional
 
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megappo.agent.format import parse_calls, strip_calls
 from megappo.agent.capture import ChatRenderer, Session
@@ -188,8 +192,13 @@ class Gateway:
 
     async def _generate(self, prompt: list[int], body: dict, state: Optional[SessionState]):
         params = self._sampling(self._within_session(body, state), len(prompt))
+        from vllm.exceptions import VLLMClientError
+
         t0 = time.perf_counter()
-        out = await self.engine.generate(prompt, params)
+        try:
+            out = await self.engine.generate(prompt, params)
+        except (VLLMClientError, ValueError, TypeError) as e:  # refused by vLLM's input checks (e.g. unknown ids)
+            raise GatewayError(400, f"the engine refused this request: {_one_line(e)}") from None
         dt = time.perf_counter() - t0
         self.latencies.append(dt)
         if state is not None:
@@ -212,7 +221,7 @@ class Gateway:
             if left <= 0:
                 raise GatewayError(400, f"this session's response budget ({state.budget} tokens, model and tool "
                                         "tokens together) is spent: end the episode")
-            asked = body.get("max_completion_tokens") or body.get("max_tokens") or left
+            asked = _max_tokens(body, left)
             body["max_tokens"], body["max_completion_tokens"] = min(asked, left) if isinstance(asked, int) else asked, None
         return body
 
@@ -226,7 +235,7 @@ class Gateway:
         if body.get("model") not in (None, self.model_name):
             raise GatewayError(404, f"model {body.get('model')!r} is not served here; use {self.model_name!r}",
                                "not_found_error")
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.max_tokens
+        max_tokens = _max_tokens(body, self.max_tokens)
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise GatewayError(400, f"max_tokens={max_tokens!r} must be a positive integer")
         if max_tokens > self.max_tokens:
@@ -286,6 +295,18 @@ def _streamed(response: dict, body: dict) -> StreamingResponse:
     return StreamingResponse(iter(events), media_type="text/event-stream")
 
 
+def _max_tokens(body: dict, default: int):
+    """What the request asks for (max_completion_tokens, else max_tokens; 0 is an ask, refused later), else default."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        if body.get(key) is not None:
+            return body[key]
+    return default
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 def _bearer(authorization: Optional[str]) -> str:
     """The key of an `Authorization: Bearer <key>` header ('' when there is none)."""
     return (authorization or "").removeprefix("Bearer ").strip()
@@ -325,6 +346,17 @@ def make_app(gateway: Gateway):
         gateway.errors += 1
         return JSONResponse({"error": {"message": e.message, "type": e.kind, "code": e.status}}, status_code=e.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _route(request: Request, e: StarletteHTTPException):  # an unknown route or method, as OpenAI's error
+        return await _error(request, GatewayError(e.status_code, f"{e.detail}: {request.method} {request.url.path} (served: "
+                                                  "/v1/chat/completions, /v1/completions, /v1/models, /megappo/v1/...)",
+                                                  "not_found_error" if e.status_code == 404 else "invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):  # a bug of ours: still one line, as OpenAI's error
+        return await _error(request, GatewayError(500, f"internal error: {type(e).__name__}: {_one_line(e)}",
+                                                  "server_error"))
+
     async def body_of(request: Request) -> dict:
         try:
             body = json.loads(await request.body())
@@ -362,8 +394,8 @@ def make_app(gateway: Gateway):
     async def reward(sid: str, request: Request, authorization: Optional[str] = Header(None)):
         state = gateway._own(authorization, sid)
         value = (await body_of(request)).get("reward")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise GatewayError(400, 'send {"reward": <a number>}')
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise GatewayError(400, f'reward={value!r}: send {{"reward": <a finite number>}}')
         state.reward = float(value)
         return {"session_id": sid, "reward": state.reward}
 
