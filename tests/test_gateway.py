@@ -257,6 +257,9 @@ def test_a_raw_http_agent_opens_a_session_rewards_it_and_closes_it(served):
     assert status == 200 and record["reward"] == 1.5 and record["row"] == {"id": 7}
     assert [t for t, m in zip(record["segments"][0]["tokens"], record["segments"][0]["model_mask"]) if m] \
         == r["choices"][0]["token_ids"]
+    # per model turn: why it ended (here 5 tokens: "length" unless it stopped first), and each request's latency
+    assert record["segments"][0]["finish_reasons"] == [r["choices"][0]["finish_reason"]]
+    assert record["segments"][0]["finish_reasons"][0] in ("stop", "length") and len(record["latencies"]) == 1
 
 
 def test_stream_chunks_rebuild_the_reply_as_the_sdk_reads_them():
@@ -432,6 +435,18 @@ async def bad_reward(client, row):
     await client.chat.completions.create(model="policy", messages=row["messages"], max_tokens=3)
     return "great"
 
+async def curl(client, row):
+    """A non-Python agent (curl) under a shim: the session's address, key and id; its reward posted over HTTP."""
+    base, key = str(client.base_url).rstrip("/"), client.api_key
+    async def sh(url, body):
+        p = await asyncio.create_subprocess_exec("curl", "-s", url, "-H", f"Authorization: Bearer {key}", "-H",
+                                                 "Content-Type: application/json", "-d", json.dumps(body),
+                                                 stdout=asyncio.subprocess.PIPE)
+        return json.loads((await p.communicate())[0])
+    r = await sh(base + "/chat/completions", {"messages": row["messages"], "max_tokens": 4})
+    open(row["log"], "w").write(json.dumps(r["choices"][0]["token_ids"]))
+    await sh(base.removesuffix("/v1") + f"/megappo/v1/sessions/{row['session_id']}/reward", {"reward": 0.25})
+
 async def by_mode(client, row):
     return await globals()[row["mode"]](client, row)
 
@@ -461,7 +476,7 @@ def test_bring_your_own_agent_trajectories(served, tmp_path):
 
     rollout, engine, gateway, url = served
     (tmp_path / "agents.py").write_text(AGENTS)
-    modes = ["good", "good", "raises", "hangs", "other_prompt", "spends", "bad_reward"]
+    modes = ["good", "good", "raises", "hangs", "other_prompt", "spends", "bad_reward", "curl"]
     rows = [{"messages": [{"role": "user", "content": f"What is {k} + 3?"}], "log": str(tmp_path / f"log{k}.json"),
              "mode": mode} for k, mode in enumerate(modes)]
     prompts = [gateway.renderer.prompt_ids(r["messages"]) for r in rows]
@@ -469,7 +484,7 @@ def test_bring_your_own_agent_trajectories(served, tmp_path):
     runner = AgentRunner(rollout.llm, rollout.tokenizer, f"{tmp_path / 'agents.py'}:by_mode", max_model_len=MAX_LEN,
                          max_tokens=MAX_TOKENS, concurrency=8, timeout_s=3)
     try:
-        trajs = runner.run(prompts, spec, 11, rows)  # all seven at once: the engine batches them
+        trajs = runner.run(prompts, spec, 11, rows)  # all eight at once: the engine batches them
         again = runner.run(prompts[:2], spec, 11, rows[:2])
     finally:
         runner.close()
@@ -481,13 +496,16 @@ def test_bring_your_own_agent_trajectories(served, tmp_path):
         assert t.tokens == again[k].tokens and t.stats["agent_requests"] == 2 and t.turns[-1]["value"] == 2.5
         assert [x["role"] for x in t.turns] == ["assistant", "assistant", "reward"]
         assert all(lp < 0 for lp, m in zip(t.logprobs, t.model_mask) if m) and len(t.tokens) <= 64
-    for t, stat in zip(trajs[2:4] + trajs[6:], ("agent_errors", "agent_timeouts", "agent_errors")):
+    for t, stat in zip(trajs[2:4] + trajs[6:7], ("agent_errors", "agent_timeouts", "agent_errors")):
         assert t.stats[stat] == 1.0 and t.tokens == [] and t.turns[-1] == {"role": "reward", "value": None}, stat
     own = trajs[4]  # a system prompt added to the row's messages: trained on the prompt it sent, as sampled
     assert own.stats["agent_own_prompt"] == 1.0 and own.prompt == gateway.renderer.prompt_ids(
         [{"role": "system", "content": "be brief"}] + rows[4]["messages"]) and 0 < sum(own.model_mask) <= 3
     assert all(t.prompt is None for t in good)  # the row's own prompt: the dataset's ids
     assert "returned 'great'" in trajs[6].turns[0]["text"]  # a reward that is not a number drops its sample only
+    shell = trajs[7]  # curl: trained on what it was sent, its reward the one it posted
+    assert [tok for tok, m in zip(shell.tokens, shell.model_mask) if m] == json.loads(open(rows[7]["log"]).read())
+    assert shell.turns[-1] == {"role": "reward", "value": 0.25} and shell.stats["agent_errors"] == 0
     spent = trajs[5]
     assert spent.turns[-1]["value"] == -1.0 and len(spent.tokens) <= 64  # refused once the budget was spent
     envs = Environments(MultiTurnConfig(enable=True, tools=["calculator"]), DEFAULT_SCORERS)

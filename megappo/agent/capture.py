@@ -41,6 +41,7 @@ class Segment:
     logprobs: list = field(default_factory=list)
     versions: list = field(default_factory=list)  # per token: the policy version that sampled it (-1: not sampled)
     turns: int = 0
+    finish_reasons: list = field(default_factory=list)  # per model turn: the engine's ("stop", "length", "abort")
 
     @property
     def ids(self) -> list:
@@ -58,7 +59,8 @@ class Segment:
 
     def to_dict(self) -> dict:
         return {"prompt_ids": self.prompt_ids, "tokens": self.tokens, "model_mask": self.model_mask,
-                "logprobs": self.logprobs, "versions": self.versions, "turns": self.turns}
+                "logprobs": self.logprobs, "versions": self.versions, "turns": self.turns,
+                "finish_reasons": self.finish_reasons}
 
 
 class ChatRenderer:
@@ -152,11 +154,13 @@ class Session:
         self._history = None  # a chat request after a raw completion starts a new segment
         return self.segments[-1].ids
 
-    def record(self, ids: list[int], logprobs, version, reply: Optional[dict] = None, model: bool = True) -> None:
+    def record(self, ids: list[int], logprobs, version, reply: Optional[dict] = None, model: bool = True,
+               finish_reason: Optional[str] = None) -> None:
         """The engine's answer to the last prompt: ids and log-probs as sampled, the version(s) that sampled
-        them (Segment.add); reply: the assistant message returned to the client (what its next request must
-        repeat to extend)."""
+        them (Segment.add), why it ended; reply: the assistant message returned to the client (what its next
+        request must repeat to extend)."""
         self.segments[-1].add(ids, logprobs, version, model=model)
+        self.segments[-1].finish_reasons.append(finish_reason)
         if reply is not None and self._history is not None:
             self._history.append(reply)
 

@@ -55,6 +55,7 @@ class Trajectory:
     versions: list = field(default_factory=list)  # per token, the policy version that sampled it (-1: not, or unknown)
     later: list = field(default_factory=list)  # rollout.agent: the session's later segments (a rewritten history)
     segment_of: Optional[int] = None  # a later segment's row: the index of its sample (trajectory_rows)
+    request_s: list = field(default_factory=list)  # rollout.agent: each of its session's requests' latency (seconds)
 
     def take(self, segment: Segment) -> "Trajectory":
         """Its tokens from a session's captured segment (agent/capture.py), as sampled and observed."""
@@ -170,7 +171,7 @@ class AgentLoop:
                     last_turn: bool, forced: bool, versions=-1):
         """Record the model's tokens (a forced turn's as untrained context); returns the call to run, or
         None when the sample is finished. `versions`: the engine's per-token versions (-1: not tracked)."""
-        x.session.record(toks, None if forced else logprobs, versions, model=not forced)
+        x.session.record(toks, None if forced else logprobs, versions, model=not forced, finish_reason=finish_reason)
         traj = x.traj
         traj.stats["num_turns"] += 1
         traj.turns.append({"role": "assistant", "text": self.tokenizer.decode(toks, skip_special_tokens=True)})
@@ -267,6 +268,17 @@ def agent_metrics(batch: dict) -> dict:
     }
 
 
+def request_latency_metrics(non_tensor: dict) -> dict:
+    """timing/agent_request_s_{p50,p95,max}: the latency of every request the step's agents sent (rollout.agent;
+    non_tensor "agent_request_s": each sample's first row lists its session's), empty without."""
+    per_row = non_tensor.get("agent_request_s")
+    lat = torch.tensor([s for row in per_row for s in row], dtype=torch.float64) if per_row is not None else None
+    if lat is None or not len(lat):
+        return {}
+    return {"timing/agent_request_s_p50": lat.quantile(0.5).item(), "timing/agent_request_s_p95": lat.quantile(0.95).item(),
+            "timing/agent_request_s_max": lat.max().item()}
+
+
 def _own_agent_metrics(batch: dict, later: torch.Tensor) -> dict:
     """rollout.agent's rollout/agent_* (gateway/agents.STATS per sample): per-sample means and counted events."""
     if "agent_requests" not in batch:
@@ -274,6 +286,7 @@ def _own_agent_metrics(batch: dict, later: torch.Tensor) -> dict:
     return {"rollout/agent_requests_mean": batch["agent_requests"].mean().item(),
             "rollout/agent_segments_mean": batch["agent_segments"].mean().item(),
             "rollout/agent_segment_rows": later.sum().item(),
+            "rollout/agent_sessions": float(len(batch["agent_requests"])),
             "rollout/agent_fallbacks": batch["agent_fallbacks"].sum().item(),
             "rollout/agent_errors": batch["agent_errors"].sum().item(),
             "rollout/agent_timeouts": batch["agent_timeouts"].sum().item(),
@@ -284,4 +297,4 @@ def _own_agent_metrics(batch: dict, later: torch.Tensor) -> dict:
             "timing/agent_s_max": batch["agent_s"].max().item()}
 
 
-__all__ = ["AgentLoop", "Trajectory", "trajectory_rows", "trajectory_tensors", "agent_metrics", "STAT_KEYS", "TURN_SEED_STRIDE"]
+__all__ = ["AgentLoop", "Trajectory", "trajectory_rows", "trajectory_tensors", "agent_metrics", "request_latency_metrics", "STAT_KEYS", "TURN_SEED_STRIDE"]

@@ -28,6 +28,10 @@ advantage). A sample's turns (what its rule scores) are the model turns of all i
 raises, runs past `timeout_s` or returns something other than a finite number or None is kept empty
 (nothing trained) and counted in agent_errors / agent_timeouts; the step goes on. The returned reward (or one set over HTTP) rides in the trajectory's
 turns as {"role": "reward", "value": r}, which the row's environment uses instead of its rule.
+
+An agent that is not Python runs under a small async shim that starts it with the session's address and key
+(`client.base_url`, `client.api_key`) and `row["session_id"]`: it calls `/v1/chat/completions` and may post
+its reward to `/megappo/v1/sessions/{session_id}/reward` with the same key (tests/test_gateway.py drives curl).
 """
 
 from __future__ import annotations
@@ -117,7 +121,8 @@ class AgentRunner:
                                         timeout=self.timeout_s)
             t0, error, timed_out, reward = time.perf_counter(), None, False, None
             try:
-                reward = _reward(await asyncio.wait_for(self.fn(client, dict(row)), self.timeout_s))
+                reward = _reward(await asyncio.wait_for(self.fn(client, {**row, "session_id": state.id}),
+                                                        self.timeout_s))
             except asyncio.TimeoutError:
                 timed_out = True
             except asyncio.CancelledError:
@@ -169,6 +174,7 @@ def _trajectory(record: dict, prompt: list[int], reward, error: Optional[str], t
              "agent_errors": float(error is not None), "agent_timeouts": float(timed_out),
              "agent_own_prompt": float(own_prompt), "agent_s": seconds, "agent_segment": 0.0}
     t.stats.update(stats)
+    t.request_s = list(record.get("latencies", []))
     if first is not None and error is None and not timed_out:
         if own_prompt:  # tools= shown, a system prompt added, the row's messages changed: trained as it was sent
             t.prompt = list(first["prompt_ids"])

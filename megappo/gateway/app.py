@@ -69,7 +69,8 @@ class SessionState:
     def record(self) -> dict:
         s = self.session
         return {"session_id": self.id, "row": self.row, "reward": self.reward, "requests": s.requests,
-                "fallbacks": s.fallbacks, "segments": [seg.to_dict() for seg in s.segments]}
+                "fallbacks": s.fallbacks, "latencies": list(self.latencies),
+                "segments": [seg.to_dict() for seg in s.segments]}
 
 
 class Gateway:
@@ -158,7 +159,7 @@ class Gateway:
         if calls:
             reply["tool_calls"] = [{"id": f"call_{secrets.token_hex(6)}", "type": "function",
                                     "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
-        session.record(out.ids, out.logprobs, out.versions, reply)
+        session.record(out.ids, out.logprobs, out.versions, reply, finish_reason=out.finish_reason)
         finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
         choice = {"index": 0, "message": reply, "finish_reason": finish, "token_ids": out.ids,
                   "logprobs": self._logprobs(out) if body.get("logprobs") else None}
@@ -181,7 +182,7 @@ class Gateway:
         except BaseException:
             session.restore(saved)
             raise
-        session.record(out.ids, out.logprobs, out.versions)
+        session.record(out.ids, out.logprobs, out.versions, finish_reason=out.finish_reason)
         choice = {"index": 0, "text": self.tokenizer.decode(out.ids, skip_special_tokens=True),
                   "finish_reason": out.finish_reason, "token_ids": out.ids, "logprobs": None}
         return self._envelope("text_completion", choice, out)

@@ -44,6 +44,10 @@ and rollout/*:
   multi-turn (agent/loop.agent_metrics): rollout/turns_mean, tool_calls_mean, tool_call_rate (share of
   samples that called a tool), tool_call_valid_rate, tool_errors, tool_timeouts, tokens_model,
   tokens_tool; timing/tool_s (summed over calls; calls of a turn run concurrently)
+  your own agent (rollout.agent, agent/loop._own_agent_metrics): rollout/agent_sessions, agent_requests_mean,
+  agent_segments_mean, agent_segment_rows, agent_fallbacks (re-rendered requests), agent_errors,
+  agent_timeouts, agent_own_prompt; timing/agent_s_{mean,p50,p95,max} (a session's wall time) and
+  timing/agent_request_s_{p50,p95,max} (each request's latency: agent/loop.request_latency_metrics)
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from typing import Mapping
 
 import torch
 
-from megappo.agent.loop import agent_metrics
+from megappo.agent.loop import agent_metrics, request_latency_metrics
 from megappo.ppo import core_algos as algos
 
 OPEN_INSTRUCT_KEYS = (
@@ -122,7 +126,8 @@ def step_metrics(*, step: int, batch, reward_metrics: Mapping, kl: Mapping, acto
                  prompts_per_step: int, responses_per_step: int, dataset_size: int, step_s: float,
                  since_start_s: float) -> dict:
     """The open-instruct set for one step (+ data/parity metrics and the workers' update metrics)."""
-    m = {**data_metrics(batch), **rollout_parity_metrics(batch), **agent_metrics(batch.batch), **dict(reward_metrics), **dict(kl),
+    m = {**data_metrics(batch), **rollout_parity_metrics(batch), **agent_metrics(batch.batch),
+         **request_latency_metrics(batch.non_tensor_batch), **dict(reward_metrics), **dict(kl),
          **dict(actor), **dict(critic)}
     scores = m["objective/scores"]
     m.setdefault("objective/kl", 0.0)

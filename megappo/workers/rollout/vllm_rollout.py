@@ -341,6 +341,8 @@ class VLLMRollout:
             non_tensor["agent_turns"] = [t.turns for t in trajs]  # it a 1-D object array (one row per sample)
             uids = non_tensor["uid"] if "uid" in non_tensor else [k // n for k in source]  # the sample each row is of
             non_tensor["agent_session"] = np.array([f"{u}:{k % n}" for u, k in zip(uids, source)], dtype=object)
+            if trajs and "agent_requests" in trajs[0].stats:  # rollout.agent: its requests' latencies (seconds)
+                non_tensor["agent_request_s"] = [t.request_s for t in trajs]
         meta.update(sampling=spec, response_length=R)
         return DataProto(batch, non_tensor, meta)
 
