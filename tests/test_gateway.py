@@ -514,3 +514,52 @@ def test_bring_your_own_agent_trajectories(served, tmp_path):
     assert envs.score("arithmetic", no_reward, "3", True) == envs.score("arithmetic", no_reward[:1], "3", True)
     with pytest.raises(ValueError, match="not an async function"):
         load_agent("json:dumps")
+
+
+def test_chat_replies_parse_the_models_tool_calls(tokenizer):
+    """Gateway.chat's reply as OpenAI's: Hermes <tool_call> blocks become `tool_calls` (arguments a JSON string),
+    the content loses them, finish_reason is "tool_calls"; a plain answer loses the stop string that ended it.
+    The engine here is a script that returns fixed text (this tests the gateway's reply, not vLLM); the
+    capture still records exactly the scripted ids, and the next request, repeating the reply with its
+    tool_calls re-serialised, extends the session."""
+    import asyncio
+
+    from megappo.gateway.app import Gateway, GatewayError
+    from megappo.gateway.engine import Completion
+
+    turns = ['Let me add.<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>',
+             "It is 5.\n\n"]
+    stops = ["</tool_call>", "\n\n"]
+
+    class Scripted:
+        version = requests = steps = 0
+
+        async def generate(self, prompt, params):
+            text, stop = turns.pop(0), stops.pop(0)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            return Completion(list(prompt), ids, [-0.5] * len(ids), "stop", 0, stop_string=stop)
+
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "2 + 3?"}]
+    plain = Gateway(Scripted(), tokenizer, model_name="tiny", max_model_len=256, max_tokens=64)
+    with pytest.raises(GatewayError, match="no tools section"):  # a 400 naming the fix, not a 500
+        asyncio.run(plain.chat({"messages": msgs, "tools": tools}, f"Bearer {plain.open_session().key}"))
+    gw = Gateway(Scripted(), tokenizer, model_name="tiny", max_model_len=256, max_tokens=64, tool_prompt="Tools: {tools}")
+    s = gw.open_session()
+    auth = f"Bearer {s.key}"
+    first = asyncio.run(gw.chat({"messages": msgs, "tools": tools}, auth))
+    choice = first["choices"][0]
+    call = choice["message"]["tool_calls"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me add."
+    assert call["function"]["name"] == "calculator" and json.loads(call["function"]["arguments"]) == {"expression": "2 + 3"}
+    sent_back = dict(choice["message"], tool_calls=[{**call, "function": {**call["function"], "arguments":
+                                                                          '{"expression":"2 + 3"}'}}])  # re-serialised
+    msgs += [sent_back, {"role": "tool", "tool_call_id": call["id"], "content": "5"}]
+    second = asyncio.run(gw.chat({"messages": msgs, "tools": tools}, auth))["choices"][0]
+    assert second["finish_reason"] == "stop" and second["message"]["content"] == "It is 5."  # no stop string
+    assert "tool_calls" not in second["message"]
+    record = gw.close_session(s.id)
+    assert record["fallbacks"] == 0 and len(record["segments"]) == 1  # the re-serialised call still extends
+    seg = record["segments"][0]
+    assert [t for t, m in zip(seg["tokens"], seg["model_mask"]) if m] == choice["token_ids"] + second["token_ids"]
+    assert seg["finish_reasons"] == ["stop", "stop"]

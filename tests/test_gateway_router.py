@@ -85,3 +85,38 @@ def test_keys_are_checked_by_the_router_and_by_the_worker(routed):
     (_, a), (_, b) = (_post(url, "/megappo/v1/sessions", {}, admin) for _ in range(2))
     status, body = _post(url, f"/megappo/v1/sessions/{b['session_id']}/reward", {"reward": 1.0}, a["api_key"])
     assert status in (403, 404) and "\n" not in body["error"]["message"]  # the worker's own refusal, one line
+
+
+def test_32_concurrent_sessions_over_two_workers_are_batched(routed):
+    """The issue's load: 32 agents at once through the router, two requests each; the sessions split 16/16 over
+    the workers, every request reaches its session's worker, and the engine batches them (a step samples for
+    many requests: far fewer steps than sampled tokens)."""
+    import asyncio
+
+    import openai
+
+    gateways, url, admin = routed
+    engine = gateways[0].engine
+    opened = [_post(url, "/megappo/v1/sessions", {}, admin)[1] for _ in range(32)]
+    assert sorted(o["worker"] for o in opened).count(0) == 16
+    steps0, requests0 = engine.steps, engine.requests
+
+    async def agent(o, k):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=o["api_key"], max_retries=0)
+        msgs = [{"role": "user", "content": f"count to {k}"}]
+        for _ in range(2):
+            r = await client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, seed=k)
+            msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
+        await client.close()
+
+    async def main():
+        await asyncio.gather(*(agent(o, k) for k, o in enumerate(opened)))
+
+    asyncio.run(main())
+    steps, requests = engine.steps - steps0, engine.requests - requests0
+    records = [_post(url, f"/megappo/v1/sessions/{o['session_id']}/close", {}, admin)[1] for o in opened]
+    assert all(r["requests"] == 2 and r["fallbacks"] == 0 for r in records), records[0]
+    for o in opened:  # each session lived on its own worker only
+        assert o["session_id"] not in gateways[1 - o["worker"]].sessions
+    sampled = sum(sum(seg["model_mask"]) for r in records for seg in r["segments"])
+    assert requests == 64 and steps * 8 < sampled, (steps, sampled)

@@ -147,7 +147,10 @@ class Gateway:
         session = state.session if state else Session(self.renderer)
         saved = session.snapshot()
         try:
-            prompt = session.chat_prompt(messages, tools)
+            try:
+                prompt = session.chat_prompt(messages, tools)
+            except ValueError as e:  # tools= for a template without a tools section and no tool_prompt
+                raise GatewayError(400, _one_line(e)) from None
             out = await self._generate(prompt, body, state)
         except BaseException:
             session.restore(saved)  # a refused or failed request leaves the session as it was
