@@ -199,40 +199,73 @@ def test_concurrent_sessions_are_batched_by_the_engine(served):
 
 
 def test_a_weight_load_while_requests_are_in_flight(served):
-    """Requests in flight wait while the weights load (no engine step runs: nothing is sampled from
-    half-loaded weights), keep their KV cache and finish after; requests sampled later carry version+1."""
+    """Requests in flight wait while new weights load (no engine step runs: nothing is sampled from half-loaded
+    weights), keep their KV cache and finish after. Checked against HF transformers: every token sampled before
+    the load has the old model's log-prob, a request sampled after has the new model's (< 1e-4, fp32), and the
+    two models differ on those tokens. A session takes one request at a time (a second one in flight: 409)."""
     import openai
+    import torch
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     rollout, engine, gateway, url = served
-    weights = load_file(os.path.join(rollout.model_path, "model.safetensors"))
-    s = gateway.open_session()
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=s.key)
+    old = load_file(os.path.join(rollout.model_path, "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    new = {k: v * (1 + 0.2 * torch.randn(v.shape, generator=g)) if v.is_floating_point() else v for k, v in old.items()}
+    sessions = [gateway.open_session() for _ in range(8)]
+    clients = [openai.AsyncOpenAI(base_url=url + "/v1", api_key=s.key, max_retries=0) for s in sessions]
     seen = {}
 
     async def main():
-        tasks = [asyncio.create_task(client.completions.create(model="tiny", prompt=f"{k} plus", max_tokens=MAX_TOKENS,
-                                                               temperature=1.0, seed=k)) for k in range(8)]
+        tasks = [asyncio.create_task(c.completions.create(model="tiny", prompt=f"{k} plus", max_tokens=MAX_TOKENS,
+                                                          temperature=1.0, seed=k)) for k, c in enumerate(clients)]
         while engine.steps == seen.setdefault("steps0", engine.steps):
             await asyncio.sleep(0.005)
+        with pytest.raises(openai.ConflictError, match="one request at a time"):  # same session, one in flight
+            await clients[0].completions.create(model="tiny", prompt="meanwhile", max_tokens=2)
         with engine.paused():
             seen["in_flight"] = sum(not t.done() for t in tasks)
             before = engine.steps
-            rollout.load_weights(iter(weights.items()))
+            rollout.load_weights(iter(new.items()))
             await asyncio.sleep(0.2)
             seen["steps_during_load"] = engine.steps - before
             seen["version"] = engine.bump_version()
         done = await asyncio.gather(*tasks)
-        after = await client.completions.create(model="tiny", prompt="again", max_tokens=4)
-        await client.close()
+        after = await clients[0].completions.create(model="tiny", prompt="again", max_tokens=4, seed=3)
+        for c in clients:
+            await c.close()
         return done, after
 
-    done, after = asyncio.run(main())
+    try:
+        done, after = asyncio.run(main())
+    finally:
+        with engine.paused():
+            rollout.load_weights(iter(old.items()))  # the module's other tests use the original weights
     assert seen["in_flight"] > 0 and seen["steps_during_load"] == 0 and all(d.choices[0].model_extra["token_ids"] for d in done)
-    record = gateway.close_session(s.id)
-    versions = [v for seg in record["segments"] for v, m in zip(seg["versions"], seg["model_mask"]) if m]
-    assert versions[-len(after.choices[0].model_extra["token_ids"]):] == [seen["version"]] * len(
-        after.choices[0].model_extra["token_ids"])
+    records = [gateway.close_session(s.id) for s in sessions]
+    hf = AutoModelForCausalLM.from_pretrained(rollout.model_path, torch_dtype=torch.float32).eval()
+
+    def logprobs(weights, prompt, tokens):
+        hf.load_state_dict(weights, strict=False)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+        return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+    gaps, spread = {"old": [], "new": []}, []
+    for r in records:
+        for seg in r["segments"]:
+            lp, v = torch.tensor(seg["logprobs"]), torch.tensor(seg["versions"])
+            ref_old, ref_new = logprobs(old, seg["prompt_ids"], seg["tokens"]), logprobs(new, seg["prompt_ids"], seg["tokens"])
+            if (v == 0).any():  # sampled before the load: the old weights, whole
+                gaps["old"].append((lp - ref_old)[v == 0].abs().max())
+                spread.append((ref_new - ref_old)[v == 0].abs().max())
+            if (v == seen["version"]).all():  # the request sent after the load: the new weights, whole
+                gaps["new"].append((lp - ref_new).abs().max())
+    assert gaps["old"] and gaps["new"], gaps
+    assert max(gaps["old"]) < 1e-4 and max(gaps["new"]) < 1e-4, gaps
+    assert min(spread) > 1e-2, spread  # the two weight sets disagree: a token from the wrong one would show
+    tail = [v for v, m in zip(records[0]["segments"][-1]["versions"], records[0]["segments"][-1]["model_mask"]) if m]
+    assert tail == [seen["version"]] * len(after.choices[0].model_extra["token_ids"])
 
 
 def post(url: str, path: str, body, key: str | None = None) -> tuple[int, dict]:

@@ -34,6 +34,7 @@ import math
 import secrets
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -65,6 +66,7 @@ class SessionState:
     # per request: seed + t * seed_stride) and the response budget (tokens after the first prompt)
     forced: dict = field(default_factory=dict)
     budget: Optional[int] = None
+    busy: bool = False  # a request in flight (_one_at_a_time)
 
     def record(self) -> dict:
         s = self.session
@@ -145,24 +147,25 @@ class Gateway:
         state = self._caller(authorization)
         messages, tools = _messages(body.get("messages")), _tools(body.get("tools"))
         session = state.session if state else Session(self.renderer)
-        saved = session.snapshot()
-        try:
+        with _one_at_a_time(state):
+            saved = session.snapshot()
             try:
-                prompt = session.chat_prompt(messages, tools)
-            except ValueError as e:  # tools= for a template without a tools section and no tool_prompt
-                raise GatewayError(400, _one_line(e)) from None
-            out = await self._generate(prompt, body, state)
-        except BaseException:
-            session.restore(saved)  # a refused or failed request leaves the session as it was
-            raise
-        full = self.tokenizer.decode(out.ids, skip_special_tokens=True)
-        calls = [c for c in parse_calls(full) if c.error is None]  # stop="</tool_call>" ends a call: parse it whole
-        text = full[:-len(out.stop_string)] if out.stop_string and full.endswith(out.stop_string) else full
-        reply = {"role": "assistant", "content": strip_calls(full) if calls else text}  # as OpenAI: no stop string
-        if calls:
-            reply["tool_calls"] = [{"id": f"call_{secrets.token_hex(6)}", "type": "function",
-                                    "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
-        session.record(out.ids, out.logprobs, out.versions, reply, finish_reason=out.finish_reason)
+                try:
+                    prompt = session.chat_prompt(messages, tools)
+                except ValueError as e:  # tools= for a template without a tools section and no tool_prompt
+                    raise GatewayError(400, _one_line(e)) from None
+                out = await self._generate(prompt, body, state)
+            except BaseException:
+                session.restore(saved)  # a refused or failed request leaves the session as it was
+                raise
+            full = self.tokenizer.decode(out.ids, skip_special_tokens=True)
+            calls = [c for c in parse_calls(full) if c.error is None]  # stop="</tool_call>" ends a call: parse it whole
+            text = full[:-len(out.stop_string)] if out.stop_string and full.endswith(out.stop_string) else full
+            reply = {"role": "assistant", "content": strip_calls(full) if calls else text}  # as OpenAI: no stop string
+            if calls:
+                reply["tool_calls"] = [{"id": f"call_{secrets.token_hex(6)}", "type": "function",
+                                        "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
+            session.record(out.ids, out.logprobs, out.versions, reply, finish_reason=out.finish_reason)
         finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
         choice = {"index": 0, "message": reply, "finish_reason": finish, "token_ids": out.ids,
                   "logprobs": self._logprobs(out) if body.get("logprobs") else None}
@@ -178,14 +181,15 @@ class Gateway:
         else:
             raise GatewayError(400, "prompt must be a non-empty string or a list of token ids")
         session = state.session if state else Session(self.renderer)
-        saved = session.snapshot()
-        try:
-            full = session.completion_prompt(ids)
-            out = await self._generate(full, body, state)
-        except BaseException:
-            session.restore(saved)
-            raise
-        session.record(out.ids, out.logprobs, out.versions, finish_reason=out.finish_reason)
+        with _one_at_a_time(state):
+            saved = session.snapshot()
+            try:
+                full = session.completion_prompt(ids)
+                out = await self._generate(full, body, state)
+            except BaseException:
+                session.restore(saved)
+                raise
+            session.record(out.ids, out.logprobs, out.versions, finish_reason=out.finish_reason)
         choice = {"index": 0, "text": self.tokenizer.decode(out.ids, skip_special_tokens=True),
                   "finish_reason": out.finish_reason, "token_ids": out.ids, "logprobs": None}
         return self._envelope("text_completion", choice, out)
@@ -297,6 +301,23 @@ def _streamed(response: dict, body: dict) -> StreamingResponse:
     chunks = stream_chunks(response, bool((body.get("stream_options") or {}).get("include_usage")))
     events = [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
     return StreamingResponse(iter(events), media_type="text/event-stream")
+
+
+@contextmanager
+def _one_at_a_time(state: Optional[SessionState]):
+    """A session's requests one at a time: each continues (or restarts) the conversation the previous one left,
+    so a second request while one is in flight is refused (409), never recorded against the wrong segment."""
+    if state is None:  # megappo serve's open key: nothing is recorded
+        yield
+        return
+    if state.busy:
+        raise GatewayError(409, "this session has a request in flight: a session is one conversation, one request "
+                                "at a time; open one session per parallel branch", "conflict_error")
+    state.busy = True
+    try:
+        yield
+    finally:
+        state.busy = False
 
 
 def _max_tokens(body: dict, default: int):
