@@ -6,7 +6,7 @@ policy can be tried or evaluated with any OpenAI-compatible client or harness.
          -d '{"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 32}'
 
 Binds 127.0.0.1 unless --host says otherwise (then the key is all that guards it: a warning says so).
-The key is --api-key, else $MEGAPPO_API_KEY, else a new one printed at start. Requests under it are served
+The key is --api-key, else $MEGAPPO_API_KEY (neither is ever printed), else a new one printed at start. Requests under it are served
 and not recorded (sessions, for RL, are opened in process by the trainer: app.Gateway.open_session).
 gateway/serve.py's `GatewayServer` runs the same app in a thread (tests, the trainer).
 """
@@ -74,6 +74,16 @@ def main(args: argparse.Namespace) -> int:
                       max_model_len=args.max_model_len, max_tokens=args.max_tokens, tool_prompt=args.tool_prompt,
                       open_key=key)
     print(f"serve: {hf} as {gateway.model_name!r} on http://{args.host}:{args.port}/v1 "
-          f"(OpenAI API; key: {key if not args.api_key else '<--api-key>'})", flush=True)
+          f"(OpenAI API; key: {_shown_key(key, args.api_key)})", flush=True)
     uvicorn.run(make_app(gateway), host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def _shown_key(key: str, given: str | None) -> str:
+    """What the start line says of the key: a new one whole (the only place it is shown), a key the user gave
+    (--api-key or $MEGAPPO_API_KEY) never, so it does not land in logs."""
+    if given:
+        return "<--api-key>"
+    if os.environ.get("MEGAPPO_API_KEY"):
+        return "<$MEGAPPO_API_KEY>"
+    return key

@@ -437,6 +437,8 @@ def test_megappo_serve_answers_curl_with_its_key_only(tiny_assets, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    log = proc.stdout.read()
+    assert "k-test-123" not in log and "<$MEGAPPO_API_KEY>" in log, log  # a key the user set is never printed
 
 
 AGENTS = '''
