@@ -115,17 +115,29 @@ def test_a_later_rows_kl_penalty_reaches_its_samples_outcome():
 
 def test_dapo_judges_a_group_by_its_samples_not_its_later_rows():
     """algorithm.filter_groups: sample a:1's later rows (4, 5) were cut short (a non-stop penalty in their
-    final score); judged as rows, group a looks varied, judged by its samples it is flat."""
+    final score); judged as rows, group a looks varied, judged by its samples it is flat. Only the samples'
+    rows are scored (a rule runs once per sample), and their kept rule results land on those rows."""
     from megappo.ppo.dynamic_sampling import judge_groups
-    from megappo.rewards.manager import RowScore
+    from megappo.rewards.manager import RULE_SCORES, RowScore
+
+    final = [1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.0]
+    calls = []
+
+    def score_rows(part):  # what RewardManager.score_rows(keep=True) does, by the rows' lengths
+        rows = [int(n) for n in part.batch["response_mask"].sum(-1)]
+        calls.append(rows)
+        by_len = {3: 0, 5: 1, 2: 2, 4: 3}  # batch_with_later_rows' sample rows have these lengths
+        out = [RowScore("s", final[by_len[n]], final[by_len[n]], final[by_len[n]] == 1.0, True, n, None) for n in rows]
+        part.non_tensor_batch[RULE_SCORES] = np.array([f"rule{n}" for n in rows], dtype=object)
+        return out
 
     part = batch_with_later_rows()
-    final = [1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.0]
-    scored = [RowScore("s", f, f, f == 1.0, True, 3, u) for f, u in zip(final, part.non_tensor_batch["uid"])]
     uids = list(part.non_tensor_batch["uid"])
-    assert algos.groups_to_keep(uids, [r.correct for r in scored], final, "score")[0] == ["a", "b"]  # rows: wrong
+    assert algos.groups_to_keep(uids, [f == 1.0 for f in final], final, "score")[0] == ["a", "b"]  # rows: wrong
     for metric in ("score", "acc"):
-        varied, flat = judge_groups(part, scored, metric)
-        assert (varied, flat) == (["b"], ["a"]), metric
-    plain = part[[0, 1, 2, 3]]  # without later rows: every row is a sample
-    assert judge_groups(plain, scored[:4], "score") == (["b"], ["a"])
+        part = batch_with_later_rows()
+        assert judge_groups(part, score_rows, metric) == (["b"], ["a"]), metric
+        assert calls[-1] == [3, 5, 2, 4]  # the samples' rows only
+        assert list(part.non_tensor_batch[RULE_SCORES]) == ["rule3", "rule5", "rule2", "rule4", None, None, None]
+    plain = batch_with_later_rows()[[0, 1, 2, 3]]  # without later rows: every row is a sample
+    assert judge_groups(plain, score_rows, "score") == (["b"], ["a"])

@@ -12,20 +12,33 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
+
 from megappo.ppo.core_algos import groups_to_keep
 from megappo.ppo.segments import Segments
 from megappo.protocol import DataProto
+from megappo.rewards.manager import RULE_SCORES
 
 
-def judge_groups(part: DataProto, scored: list, metric: str) -> tuple[list, list]:
-    """(varied, flat) group uids of `part` by `metric` over its samples' rows only, `scored` being every row's
-    RowScore (RewardManager.score_rows): a later segment's row carries its sample's uid and the sample's
-    outcome, so its own non-stop or length penalty must not make a flat group look varied."""
+def judge_groups(part: DataProto, score_rows: Callable, metric: str) -> tuple[list, list]:
+    """(varied, flat) group uids of `part` by `metric`, scoring its samples' rows only (`score_rows`:
+    RewardManager.score_rows(keep=True)): a later segment's row carries its sample's uid and outcome, so it is
+    neither scored (a rule runs once per sample, as in the reward phase, which scores the samples' rows) nor
+    judged (its own non-stop or length penalty must not make a flat group look varied). The rule results
+    kept for the reward phase go back onto `part`'s sample rows (None on later rows, which it never reads)."""
     seg = Segments.of(part)
-    rows = seg.primary if seg is not None else range(len(part))
+    if seg is None:
+        samples, rows = part, list(range(len(part)))
+    else:
+        samples, rows = part[seg.primary], seg.primary
+    scored = score_rows(samples)
+    if seg is not None and RULE_SCORES in samples.non_tensor_batch:
+        kept = np.empty(len(part), dtype=object)
+        for i, r in zip(rows, samples.non_tensor_batch[RULE_SCORES]):
+            kept[i] = r
+        part.non_tensor_batch[RULE_SCORES] = kept
     uids = part.non_tensor_batch["uid"]
-    return groups_to_keep([uids[i] for i in rows], [scored[i].correct for i in rows], [scored[i].final for i in rows],
-                          metric)
+    return groups_to_keep([uids[i] for i in rows], [s.correct for s in scored], [s.final for s in scored], metric)
 
 
 def filter_groups(first: DataProto, want: int, fg, draw_more: Callable[[int], DataProto], score_rows: Callable,
@@ -37,7 +50,7 @@ def filter_groups(first: DataProto, want: int, fg, draw_more: Callable[[int], Da
     for rnd in range(fg.max_rounds):
         if rnd:
             parts.append(draw_more(rnd))
-        varied, same = judge_groups(parts[-1], score_rows(parts[-1]), fg.metric)
+        varied, same = judge_groups(parts[-1], score_rows, fg.metric)
         kept += varied
         flat += same
         if len(kept) >= want:

@@ -160,8 +160,8 @@ class GroupStream:
     def _drop(self, rows: DataProto) -> bool:
         """DAPO: whether this finished group's responses all agree (algorithm.filter_groups.metric) and the batch's
         drop budget has room. Its rule results stay on the rows for the reward phase (a rule runs once)."""
-        scored = self.trainer.reward_fn.score_rows(rows, keep=True, examine=False)  # printed by the reward phase
-        varied, _ = judge_groups(rows, scored, self.filter.metric)
+        score = self.trainer.reward_fn.score_rows  # its samples printed by the reward phase
+        varied, _ = judge_groups(rows, lambda part: score(part, keep=True, examine=False), self.filter.metric)
         kind = "varied" if varied else "dropped" if self.filtered["dropped"] < self.drop_budget else "kept_flat"
         self.filtered[kind] += 1
         return kind == "dropped"
