@@ -414,7 +414,8 @@ def test_ppo_run_with_your_own_openai_sdk_agent(ray_session, tiny_assets, data_d
         assert h["rollout/agent_fallbacks"] == 0 and h["rollout/agent_timeouts"] == 0
         assert h["rollout/weights_fingerprint_ok"] == 1.0
         assert 0 < h["timing/agent_s_p50"] <= h["timing/agent_s_p95"] <= h["timing/agent_s_max"]  # session latency
-        assert h["rollout/agent_sessions"] == rows  # request latency: every request the agents sent, no more
+        assert h["rollout/agent_sessions"] == rows  # one session per sample
+        # request latency: every request the agents sent, no more (a request is within its session's time)
         assert 0 < h["timing/agent_request_s_p50"] <= h["timing/agent_request_s_p95"] <= h["timing/agent_request_s_max"] \
             <= h["timing/agent_s_max"]
         assert [len(x) for x in batch.non_tensor_batch["agent_request_s"]] == b["agent_requests"].int().tolist()

@@ -256,9 +256,10 @@ def test_a_weight_load_while_requests_are_in_flight(served):
         for seg in r["segments"]:
             lp, v = torch.tensor(seg["logprobs"]), torch.tensor(seg["versions"])
             ref_old, ref_new = logprobs(old, seg["prompt_ids"], seg["tokens"]), logprobs(new, seg["prompt_ids"], seg["tokens"])
-            if (v == 0).any():  # sampled before the load: the old weights, whole
-                gaps["old"].append((lp - ref_old)[v == 0].abs().max())
-                spread.append((ref_new - ref_old)[v == 0].abs().max())
+            before = v == seen["version"] - 1
+            if before.any():  # sampled before the load: the old weights, whole
+                gaps["old"].append((lp - ref_old)[before].abs().max())
+                spread.append((ref_new - ref_old)[before].abs().max())
             if (v == seen["version"]).all():  # the request sent after the load: the new weights, whole
                 gaps["new"].append((lp - ref_new).abs().max())
     assert gaps["old"] and gaps["new"], gaps
@@ -387,6 +388,8 @@ def test_bad_input_is_a_4xx_with_one_line_and_loses_nothing(served):
                                             "out of vocabulary"),
         "a reward that is not finite": (f"/megappo/v1/sessions/{mine.id}/reward", '{"reward": NaN}', mine.key, 400,
                                         "finite number"),
+        "a reward past a float": (f"/megappo/v1/sessions/{mine.id}/reward", '{"reward": 1%s}' % ("0" * 400), mine.key,
+                                  400, "finite number"),
         "an unknown route": ("/v1/nothing", ok, mine.key, 404, "Not Found: POST /v1/nothing"),
         "a wrong method": ("/v1/models", ok, mine.key, 405, "Method Not Allowed"),
     }
@@ -482,6 +485,11 @@ async def curl(client, row):
     open(row["log"], "w").write(json.dumps(r["choices"][0]["token_ids"]))
     await sh(base.removesuffix("/v1") + f"/megappo/v1/sessions/{row['session_id']}/reward", {"reward": 0.25})
 
+async def cancels(client, row):
+    """Cancels its own task: its sample is dropped, not the rollout."""
+    asyncio.current_task().cancel()
+    await asyncio.sleep(1)
+
 async def by_mode(client, row):
     return await globals()[row["mode"]](client, row)
 
@@ -511,7 +519,7 @@ def test_bring_your_own_agent_trajectories(served, tmp_path):
 
     rollout, engine, gateway, url = served
     (tmp_path / "agents.py").write_text(AGENTS)
-    modes = ["good", "good", "raises", "hangs", "other_prompt", "spends", "bad_reward", "curl"]
+    modes = ["good", "good", "raises", "hangs", "other_prompt", "spends", "bad_reward", "curl", "cancels"]
     rows = [{"messages": [{"role": "user", "content": f"What is {k} + 3?"}], "log": str(tmp_path / f"log{k}.json"),
              "mode": mode} for k, mode in enumerate(modes)]
     prompts = [gateway.renderer.prompt_ids(r["messages"]) for r in rows]
@@ -519,7 +527,7 @@ def test_bring_your_own_agent_trajectories(served, tmp_path):
     runner = AgentRunner(rollout.llm, rollout.tokenizer, f"{tmp_path / 'agents.py'}:by_mode", max_model_len=MAX_LEN,
                          max_tokens=MAX_TOKENS, concurrency=8, timeout_s=3)
     try:
-        trajs = runner.run(prompts, spec, 11, rows)  # all eight at once: the engine batches them
+        trajs = runner.run(prompts, spec, 11, rows)  # all nine at once: the engine batches them
         again = runner.run(prompts[:2], spec, 11, rows[:2])
     finally:
         runner.close()
@@ -537,7 +545,8 @@ def test_bring_your_own_agent_trajectories(served, tmp_path):
     assert own.stats["agent_own_prompt"] == 1.0 and own.prompt == gateway.renderer.prompt_ids(
         [{"role": "system", "content": "be brief"}] + rows[4]["messages"]) and 0 < sum(own.model_mask) <= 3
     assert all(t.prompt is None for t in good)  # the row's own prompt: the dataset's ids
-    assert "returned 'great'" in trajs[6].turns[0]["text"]  # a reward that is not a number drops its sample only
+    assert "'great' is not a finite number" in trajs[6].turns[0]["text"]  # a bad reward drops its sample only
+    assert trajs[8].stats["agent_errors"] == 1 and "cancelled its own run" in trajs[8].turns[0]["text"]
     shell = trajs[7]  # curl: trained on what it was sent, its reward the one it posted
     assert [tok for tok, m in zip(shell.tokens, shell.model_mask) if m] == json.loads(open(rows[7]["log"]).read())
     assert shell.turns[-1] == {"role": "reward", "value": 0.25} and shell.stats["agent_errors"] == 0

@@ -37,7 +37,6 @@ its reward to `/megappo/v1/sessions/{session_id}/reward` with the same key (test
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from functools import partial
 from typing import Callable, Optional
@@ -111,6 +110,8 @@ class AgentRunner:
         starts for each sample of a group (workers/rollout/stream.py)."""
         import openai
 
+        from megappo.gateway.app import as_reward
+
         sampling = {"temperature": spec.temperature if spec.do_sample else 0.0,
                     "top_p": spec.top_p if spec.do_sample else 1.0}
         async with gate:
@@ -119,10 +120,11 @@ class AgentRunner:
             state.forced = {**sampling, "seed": seed, "seed_stride": SEED_STRIDE}
             client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=state.key, max_retries=0,
                                         timeout=self.timeout_s)
-            t0, error, timed_out, reward = time.perf_counter(), None, False, None
+            t0, error, timed_out, returned = time.perf_counter(), None, False, None
             try:
-                reward = _reward(await asyncio.wait_for(self.fn(client, {**row, "session_id": state.id}),
-                                                        self.timeout_s))
+                # its own task: an agent that cancels itself cancels that task, not the rollout's
+                run = asyncio.ensure_future(self.fn(client, {**row, "session_id": state.id}))
+                returned = await asyncio.wait_for(run, self.timeout_s)
             except asyncio.TimeoutError:
                 timed_out = True
             except asyncio.CancelledError:
@@ -133,6 +135,12 @@ class AgentRunner:
                 error = f"{type(e).__name__}: {e}"
             finally:
                 await client.close()
+            reward = None
+            if returned is not None and error is None:
+                try:
+                    reward = as_reward(returned)
+                except ValueError as e:  # the sample is dropped and counted, as an agent that raises
+                    error = f"the agent's return value: {e}"
             record = self.gateway.close_session(state.id)
             if reward is None:
                 reward = record["reward"]
@@ -150,16 +158,6 @@ class AgentRunner:
 
     def close(self) -> None:
         self.server.stop()  # the engine stays: it is the LLM's own (AsyncTokenEngine.for_llm)
-
-
-def _reward(value):
-    """What an agent returned, as its sample's reward: None (the row's rule scores it) or a finite number."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"the agent returned {value!r}: return a finite number, or None to leave the score to "
-                         "the row's rule")
-    return float(value)
 
 
 def _trajectory(record: dict, prompt: list[int], reward, error: Optional[str], timed_out: bool, seconds: float,

@@ -49,9 +49,25 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 class GatewayError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", headers: Optional[dict] = None):
         super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
+        self.status, self.message, self.kind, self.headers = status, message, kind, headers
+
+
+def as_reward(value) -> float:
+    """A sample's reward as a float: a finite real number (a Python, numpy or 0-d torch number; not a bool or a
+    string), else ValueError naming the fix. One rule for a reward an agent returns and one posted over HTTP."""
+    if value is None or isinstance(value, (str, bytes)) or type(value).__name__ in ("bool", "bool_"):
+        ok = False
+    else:
+        try:
+            value, ok = float(value), True
+        except (TypeError, ValueError, OverflowError):
+            ok = False
+    if not ok or not math.isfinite(value):
+        raise ValueError(f"reward {str(value)[:40]!r} is not a finite number: send one (or None from an agent, to "
+                         "leave the score to the row's rule)")
+    return value
 
 
 @dataclass
@@ -205,7 +221,8 @@ class Gateway:
         t0 = time.perf_counter()
         try:
             out = await self.engine.generate(prompt, params)
-        except (VLLMClientError, ValueError, TypeError) as e:  # refused by vLLM's input checks (e.g. unknown ids)
+        except VLLMClientError as e:  # refused by vLLM's input checks (e.g. ids out of the vocabulary); an engine-
+            # wide failure (any other exception a step raises for every request in flight) stays a 500
             raise GatewayError(400, f"the engine refused this request: {_one_line(e)}") from None
         dt = time.perf_counter() - t0
         self.latencies.append(dt)
@@ -312,7 +329,8 @@ def _one_at_a_time(state: Optional[SessionState]):
         return
     if state.busy:
         raise GatewayError(409, "this session has a request in flight: a session is one conversation, one request "
-                                "at a time; open one session per parallel branch", "conflict_error")
+                                "at a time; open one session per parallel branch", "conflict_error",
+                           {"x-should-retry": "false"})  # the OpenAI SDK retries a 409 unless told not to
     state.busy = True
     try:
         yield
@@ -369,13 +387,15 @@ def make_app(gateway: Gateway):
     @app.exception_handler(GatewayError)
     async def _error(_, e: GatewayError):
         gateway.errors += 1
-        return JSONResponse({"error": {"message": e.message, "type": e.kind, "code": e.status}}, status_code=e.status)
+        return JSONResponse({"error": {"message": e.message, "type": e.kind, "code": e.status}}, status_code=e.status,
+                            headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _route(request: Request, e: StarletteHTTPException):  # an unknown route or method, as OpenAI's error
         return await _error(request, GatewayError(e.status_code, f"{e.detail}: {request.method} {request.url.path} (served: "
                                                   "/v1/chat/completions, /v1/completions, /v1/models, /megappo/v1/...)",
-                                                  "not_found_error" if e.status_code == 404 else "invalid_request_error"))
+                                                  "not_found_error" if e.status_code == 404 else "invalid_request_error",
+                                                  getattr(e, "headers", None)))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):  # a bug of ours: still one line, as OpenAI's error
@@ -418,10 +438,10 @@ def make_app(gateway: Gateway):
     @app.post("/megappo/v1/sessions/{sid}/reward")
     async def reward(sid: str, request: Request, authorization: Optional[str] = Header(None)):
         state = gateway._own(authorization, sid)
-        value = (await body_of(request)).get("reward")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise GatewayError(400, f'reward={value!r}: send {{"reward": <a finite number>}}')
-        state.reward = float(value)
+        try:
+            state.reward = as_reward((await body_of(request)).get("reward"))
+        except ValueError as e:
+            raise GatewayError(400, f'{e}; as {{"reward": <a number>}}') from None
         return {"session_id": sid, "reward": state.reward}
 
     @app.get("/megappo/v1/sessions/{sid}")
