@@ -170,24 +170,13 @@ def test_an_openai_sdk_agent_is_trained_on_exactly_the_sampled_ids(served):
 
 
 def test_concurrent_sessions_are_batched_by_the_engine(served):
-    import openai
+    from sdk_agents import run_two_turn_agents
 
     _, engine, gateway, url = served
     sessions = [gateway.open_session() for _ in range(32)]
     steps0, requests0 = engine.steps, engine.requests
 
-    async def agent(s, k):
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=s.key)
-        msgs = [{"role": "user", "content": f"count to {k}"}]
-        for _ in range(2):
-            r = await client.chat.completions.create(model="tiny", messages=msgs, max_tokens=MAX_TOKENS, seed=k)
-            msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
-        await client.close()
-
-    async def main():
-        await asyncio.gather(*(agent(s, k) for k, s in enumerate(sessions)))
-
-    asyncio.run(main())
+    run_two_turn_agents(url, [s.key for s in sessions], "tiny", MAX_TOKENS)
     requests, steps = engine.requests - requests0, engine.steps - steps0
     records = [gateway.close_session(s.id) for s in sessions]
     assert all(r["fallbacks"] == 0 and len(r["segments"]) == 1 and r["requests"] == 2 for r in records)

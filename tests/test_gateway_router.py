@@ -91,9 +91,7 @@ def test_32_concurrent_sessions_over_two_workers_are_batched(routed):
     """The issue's load: 32 agents at once through the router, two requests each; the sessions spread evenly over
     the workers, every request reaches its session's worker, and the engine batches them (a step samples for
     many requests: far fewer steps than sampled tokens)."""
-    import asyncio
-
-    import openai
+    from sdk_agents import run_two_turn_agents
 
     gateways, url, admin = routed
     engine = gateways[0].engine
@@ -102,18 +100,7 @@ def test_32_concurrent_sessions_over_two_workers_are_batched(routed):
     assert abs(per_worker[0] - per_worker[1]) <= 1 and min(o["worker"] for o in opened) == 0 < max(o["worker"] for o in opened)
     steps0, requests0 = engine.steps, engine.requests
 
-    async def agent(o, k):
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=o["api_key"], max_retries=0)
-        msgs = [{"role": "user", "content": f"count to {k}"}]
-        for _ in range(2):
-            r = await client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, seed=k)
-            msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
-        await client.close()
-
-    async def main():
-        await asyncio.gather(*(agent(o, k) for k, o in enumerate(opened)))
-
-    asyncio.run(main())
+    run_two_turn_agents(url, [o["api_key"] for o in opened], "tiny", 8)
     steps, requests = engine.steps - steps0, engine.requests - requests0
     records = [_post(url, f"/megappo/v1/sessions/{o['session_id']}/close", {}, admin)[1] for o in opened]
     assert all(r["requests"] == 2 and r["fallbacks"] == 0 for r in records), records[0]
