@@ -377,6 +377,8 @@ def test_bad_input_is_a_4xx_with_one_line_and_loses_nothing(served):
                                             "out of vocabulary"),
         "a reward that is not finite": (f"/megappo/v1/sessions/{mine.id}/reward", '{"reward": NaN}', mine.key, 400,
                                         "finite number"),
+        "an integer past Python's digit limit": ("/v1/chat/completions", '{"max_tokens": 1%s}' % ("0" * 5000),
+                                                  mine.key, 400, "not valid JSON"),
         "a reward past a float": (f"/megappo/v1/sessions/{mine.id}/reward", '{"reward": 1%s}' % ("0" * 400), mine.key,
                                   400, "finite number"),
         "an unknown route": ("/v1/nothing", ok, mine.key, 404, "Not Found: POST /v1/nothing"),

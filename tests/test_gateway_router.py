@@ -108,3 +108,17 @@ def test_32_concurrent_sessions_over_two_workers_are_batched(routed):
         assert o["session_id"] not in gateways[1 - o["worker"]].sessions
     sampled = sum(sum(seg["model_mask"]) for r in records for seg in r["segments"])
     assert requests == 64 and steps * 4 < sampled, (steps, sampled)
+
+
+def test_the_workers_answer_headers_pass_through_the_router(routed):
+    """Headers a client acts on come back through the router as the worker sent them: a 405's Allow (and a
+    session's 409 x-should-retry: false, which keeps the OpenAI SDK from retrying it, by the same path)."""
+    _, url, admin = routed
+    _, opened = _post(url, "/megappo/v1/sessions", {}, admin)
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/models", "{}", {"Authorization": f"Bearer {opened['api_key']}"})
+    r = conn.getresponse()
+    body = json.loads(r.read())
+    assert r.status == 405 and "GET" in (r.getheader("allow") or "") and "Method Not Allowed" in body["error"]["message"]
+    _post(url, f"/megappo/v1/sessions/{opened['session_id']}/close", {}, admin)

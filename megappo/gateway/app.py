@@ -57,7 +57,8 @@ class GatewayError(Exception):
 def as_reward(value) -> float:
     """A sample's reward as a float: a finite real number (a Python, numpy or 0-d torch number; not a bool or a
     string), else ValueError naming the fix. One rule for a reward an agent returns and one posted over HTTP."""
-    if value is None or isinstance(value, (str, bytes)) or type(value).__name__ in ("bool", "bool_"):
+    if value is None or isinstance(value, (str, bytes, bytearray)) or type(value).__name__ in ("bool", "bool_") \
+            or getattr(value, "ndim", 0) != 0:  # an array of more than a number
         ok = False
     else:
         try:
@@ -65,7 +66,7 @@ def as_reward(value) -> float:
         except (TypeError, ValueError, OverflowError):
             ok = False
     if not ok or not math.isfinite(value):
-        raise ValueError(f"reward {str(value)[:40]!r} is not a finite number: send one (or None from an agent, to "
+        raise ValueError(f"reward {_shown(value)!r} is not a finite number: send one (or None from an agent, to "
                          "leave the score to the row's rule)")
     return value
 
@@ -338,6 +339,13 @@ def _one_at_a_time(state: Optional[SessionState]):
         state.busy = False
 
 
+def _shown(value) -> str:
+    try:
+        return str(value)[:40]
+    except ValueError:  # an integer past Python's str() digit limit
+        return f"<{type(value).__name__}>"
+
+
 def _max_tokens(body: dict, default: int):
     """What the request asks for (max_completion_tokens, else max_tokens; 0 is an ask, refused later), else default."""
     for key in ("max_completion_tokens", "max_tokens"):
@@ -405,8 +413,8 @@ def make_app(gateway: Gateway):
     async def body_of(request: Request) -> dict:
         try:
             body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise GatewayError(400, f"the request body is not valid JSON ({e})") from None
+        except ValueError as e:  # not JSON, not UTF-8, or an integer past Python's digit limit
+            raise GatewayError(400, f"the request body is not valid JSON ({_one_line(e)})") from None
         if not isinstance(body, dict):
             raise GatewayError(400, "the request body must be a JSON object")
         return body

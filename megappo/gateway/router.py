@@ -25,6 +25,10 @@ from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 
 
+# a worker's answer headers that a client acts on: the OpenAI SDK's retry switch (a session's 409) and a 405's Allow
+PASSED_HEADERS = ("x-should-retry", "allow")
+
+
 class Router:
     def __init__(self, backends: list[str], admin_key: str, timeout_s: float = 600.0):
         if not backends:
@@ -78,10 +82,12 @@ class Router:
             self.open[k] -= 1
 
     async def forward(self, k: int, method: str, path: str, body: bytes,
-                      authorization: str) -> tuple[int, bytes, str]:
+                      authorization: str) -> tuple[int, bytes, str, dict]:
+        """The worker's status, body, content type and the headers a client acts on (PASSED_HEADERS)."""
         r = await self.client().request(method, self.backends[k] + path, content=body,
                                         headers={"Authorization": authorization, "Content-Type": "application/json"})
-        return r.status_code, r.content, r.headers.get("content-type", "application/json")
+        passed = {h: r.headers[h] for h in PASSED_HEADERS if h in r.headers}
+        return r.status_code, r.content, r.headers.get("content-type", "application/json"), passed
 
     async def stats(self) -> dict:
         per = []
@@ -134,9 +140,10 @@ def make_router_app(router: Router):
         if k is None:
             return _error(401, "unknown API key or session: open a session (POST /megappo/v1/sessions) and send "
                                "its api_key as Authorization: Bearer <key>")
-        status, content, kind = await router.forward(k, request.method, "/" + path, await request.body(), authorization)
+        status, content, kind, headers = await router.forward(k, request.method, "/" + path, await request.body(),
+                                                              authorization)
         if status == 200 and session is not None and parts[-1] == "close":
             router.closed(session)
-        return Response(content, status_code=status, media_type=kind)
+        return Response(content, status_code=status, media_type=kind, headers=headers)
 
     return app
