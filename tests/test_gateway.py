@@ -191,7 +191,7 @@ def test_a_weight_load_while_requests_are_in_flight(served):
     """Requests in flight wait while new weights load (no engine step runs: nothing is sampled from half-loaded
     weights), keep their KV cache and finish after. Checked against HF transformers: every token sampled before
     the load has the old model's log-prob, a request sampled after has the new model's (< 1e-4, fp32), and the
-    two models differ on those tokens. A session takes one request at a time (a second one in flight: 409)."""
+    two models differ on those tokens (median > 1e-2; > 1e-4, the tolerance, on 90% of them). A session takes one request at a time (a second one in flight: 409)."""
     import openai
     import torch
     from safetensors.torch import load_file
@@ -248,12 +248,13 @@ def test_a_weight_load_while_requests_are_in_flight(served):
             before = v == seen["version"] - 1
             if before.any():  # sampled before the load: the old weights, whole
                 gaps["old"].append((lp - ref_old)[before].abs().max())
-                spread.append((ref_new - ref_old)[before].abs().max())
+                spread.append((ref_new - ref_old)[before].abs())
             if (v == seen["version"]).all():  # the request sent after the load: the new weights, whole
                 gaps["new"].append((lp - ref_new).abs().max())
     assert gaps["old"] and gaps["new"], gaps
     assert max(gaps["old"]) < 1e-4 and max(gaps["new"]) < 1e-4, gaps
-    assert min(spread) > 1e-2, spread  # the two weight sets disagree: a token from the wrong one would show
+    spread = torch.cat(spread)  # the two weight sets disagree: a token from the wrong one would show
+    assert spread.median() > 1e-2 and (spread > 1e-4).float().mean() > 0.9, spread
     tail = [v for v, m in zip(records[0]["segments"][-1]["versions"], records[0]["segments"][-1]["model_mask"]) if m]
     assert tail == [seen["version"]] * len(after.choices[0].model_extra["token_ids"])
 
