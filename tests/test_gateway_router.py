@@ -91,7 +91,7 @@ def test_32_concurrent_sessions_over_two_workers_are_batched(routed):
     """The issue's load: 32 agents at once through the router, two requests each; the sessions spread evenly over
     the workers, every request reaches its session's worker, and the engine batches them (a step samples for
     many requests: far fewer steps than sampled tokens)."""
-    from sdk_agents import run_two_turn_agents
+    from gateway_helpers import run_two_turn_agents
 
     gateways, url, admin = routed
     engine = gateways[0].engine

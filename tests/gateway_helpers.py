@@ -1,6 +1,12 @@
-"""Agents the gateway tests run against a real server with the unmodified openai SDK."""
+"""What the gateway tests share: the chat template they render with, and the agents they run against a real
+server with the unmodified openai SDK."""
 
 import asyncio
+
+# a template that trims assistant text (as Qwen's do) and knows nothing of tool_calls
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
+            "{% if m.role == 'assistant' %}{{ m.content | trim }}{% else %}{{ m.content }}{% endif %}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def run_two_turn_agents(url: str, keys: list[str], model: str, max_tokens: int) -> None:

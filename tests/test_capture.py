@@ -1,0 +1,169 @@
+"""Token capture without an engine (megappo/agent/capture.py, gateway/app.py's reply): the drift corpus on the
+tiny tokenizer with scripted sampled ids (tool-call JSON re-serialised by the client, a sample that is not the
+tokenizer's own encoding of its text, a turn cut at max_tokens ending in whitespace that the template trims, a
+stop string the reply drops, a rewritten history): naive re-tokenisation of the conversation differs from what
+was sampled, the capture keeps the sampled ids, and a rewritten history starts a counted new segment. Also
+the reply the gateway builds from the sampled text (tool calls, stream chunks). The same against a real vLLM
+engine and the openai SDK: tests/test_gateway.py."""
+
+import json
+
+import pytest
+
+from gateway_helpers import TEMPLATE
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_assets):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_assets["tiny-llama"]))
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def naive_ids(tokenizer, messages) -> list[int]:
+    """What a trainer that re-tokenises the agent's conversation would train on."""
+    from megappo.agent.capture import _plain
+
+    text = tokenizer.apply_chat_template(_plain(messages), tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def run_turn(session, tokenizer, messages, sampled: list[int], reply: dict) -> list[int]:
+    """One request of an agent: the prompt the gateway builds, then the sampled ids recorded."""
+    prompt = session.chat_prompt(messages)
+    session.record(sampled, [-0.5] * len(sampled), version=0, reply=reply)
+    return prompt
+
+
+def test_capture_keeps_the_sampled_ids_where_naive_retokenisation_drifts(tokenizer):
+    from megappo.agent.capture import ChatRenderer, Session
+
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    word = next(w for w in ("question", "answer", "compute", "number", "people") if len(enc(w)) < len(w))
+    cases = {
+        # the model wrote compact JSON; the client's echo is re-serialised by json.dumps in any re-render
+        "tool-call JSON": (enc('<tool_call>{"name":"calculator","arguments":{"expression":"2+2"}}</tool_call>')
+                           + [im_end], {"content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+                               "name": "calculator", "arguments": '{"expression": "2+2"}'}}]}),
+        # sampled letter by letter: not the tokenizer's own encoding of the same text
+        "non-canonical BPE": ([t for c in word for t in enc(c)] + [im_end], {"content": word}),
+        # cut at max_tokens after a space: the template trims it away on re-render
+        "max_tokens cut": (enc("the result is "), {"content": "the result is "}),
+        # ended by a stop string that OpenAI's reply leaves out of the content
+        "stop string": (enc("Action: add\nObservation:"), {"content": "Action: add"}),
+    }
+    for name, (sampled, reply) in cases.items():
+        session = Session(ChatRenderer(tokenizer))
+        msgs = [{"role": "user", "content": "what is 2+2?"}]
+        first = run_turn(session, tokenizer, msgs, sampled, {"role": "assistant", **reply})
+        msgs2 = msgs + [{"role": "assistant", **reply}, {"role": "tool" if "tool_calls" in reply else "user",
+                                                          "content": "4"}]
+        second_sampled = enc("four") + [im_end]
+        second = run_turn(session, tokenizer, msgs2, second_sampled, {"role": "assistant", "content": "four"})
+        seg, = session.segments
+        assert session.fallbacks == 0 and seg.prompt_ids == first, name
+        assert second[:len(first) + len(sampled)] == first + sampled, name  # the model's tokens, not re-tokenised
+        model = [t for t, m in zip(seg.tokens, seg.model_mask) if m]
+        assert model == sampled + second_sampled and seg.ids == second + second_sampled, name
+        naive = naive_ids(tokenizer, msgs2 + [{"role": "assistant", "content": "four"}])
+        assert naive[:len(first) + len(sampled)] != first + sampled, (name, "naive re-tokenisation should drift here")
+
+
+def test_a_rewritten_history_starts_a_new_segment(tokenizer):
+    from megappo.agent.capture import ChatRenderer, Session
+
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    session = Session(ChatRenderer(tokenizer))
+    msgs = [{"role": "user", "content": "say one"}]
+    run_turn(session, tokenizer, msgs, enc("one"), {"role": "assistant", "content": "one"})
+    edited = [{"role": "user", "content": "say one"}, {"role": "assistant", "content": "ONE (edited)"},
+              {"role": "user", "content": "and two"}]
+    run_turn(session, tokenizer, edited, enc("two"), {"role": "assistant", "content": "two"})
+    assert session.fallbacks == 1 and len(session.segments) == 2
+    assert session.segments[1].prompt_ids == naive_ids(tokenizer, edited) + enc("<|im_start|>assistant\n")
+    for seg, want in zip(session.segments, ("one", "two")):
+        assert [t for t, m in zip(seg.tokens, seg.model_mask) if m] == enc(want)
+
+
+# ---- the reply built from the sampled text -------------------------------------------------------------
+
+def test_stream_chunks_rebuild_the_reply_as_the_sdk_reads_them():
+    """stream_chunks is what stream=true sends: each chunk is a valid ChatCompletionChunk / Completion for the
+    openai SDK's own models, and joining the deltas gives back the reply, its tool calls and finish reason."""
+    from openai.types.chat import ChatCompletionChunk
+
+    from megappo.gateway.app import stream_chunks
+
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "calculator",
+                                                                  "arguments": json.dumps({"expression": e})}}
+             for i, e in enumerate(("2+3", "4*5"))]
+    usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    chat = {"id": "mp-1", "object": "chat.completion", "created": 1, "model": "tiny", "prompt_token_ids": [1, 2, 3, 4, 5],
+            "usage": usage, "choices": [{"index": 0, "finish_reason": "tool_calls", "token_ids": [7, 8, 9],
+                                         "logprobs": None, "message": {"role": "assistant", "content": "Let me add.",
+                                                                       "tool_calls": calls}}]}
+    chunks = [ChatCompletionChunk.model_validate(c) for c in stream_chunks(chat, include_usage=True)]
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant" and "".join(d.content or "" for d in deltas) == "Let me add."
+    got = [t.model_dump(exclude_none=True) for d in deltas for t in d.tool_calls or []]
+    assert [{k: v for k, v in t.items() if k != "index"} for t in got] == calls and [t["index"] for t in got] == [0, 1]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert chunks[-1].usage.total_tokens == 8 and chunks[0].model_extra["prompt_token_ids"] == [1, 2, 3, 4, 5]
+    assert sum((c.choices[0].model_extra.get("token_ids", []) for c in chunks if c.choices), []) == [7, 8, 9]
+    text = {**chat, "object": "text_completion",
+            "choices": [{"index": 0, "text": " five", "finish_reason": "stop", "token_ids": [7], "logprobs": None}]}
+    parts = stream_chunks(text)  # (the SDK's Completion model rejects the null finish_reason every stream sends)
+    assert "".join(p["choices"][0]["text"] for p in parts) == " five" and parts[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all(p["object"] == "text_completion" for p in parts)
+
+
+def test_chat_replies_parse_the_models_tool_calls(tokenizer):
+    """Gateway.chat's reply as OpenAI's: Hermes <tool_call> blocks become `tool_calls` (arguments a JSON string),
+    the content loses them, finish_reason is "tool_calls"; a plain answer loses the stop string that ended it.
+    The engine here is a script that returns fixed text (this tests the gateway's reply, not vLLM); the
+    capture still records exactly the scripted ids, and the next request, repeating the reply with its
+    tool_calls re-serialised, extends the session."""
+    import asyncio
+
+    from megappo.gateway.app import Gateway, GatewayError
+    from megappo.gateway.engine import Completion
+
+    turns = ['Let me add.<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>',
+             "It is 5.\n\n"]
+    stops = ["</tool_call>", "\n\n"]
+
+    class Scripted:
+        version = requests = steps = 0
+
+        async def generate(self, prompt, params):
+            text, stop = turns.pop(0), stops.pop(0)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            return Completion(list(prompt), ids, [-0.5] * len(ids), "stop", 0, stop_string=stop)
+
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "2 + 3?"}]
+    plain = Gateway(Scripted(), tokenizer, model_name="tiny", max_model_len=256, max_tokens=64)
+    with pytest.raises(GatewayError, match="no tools section"):  # a 400 naming the fix, not a 500
+        asyncio.run(plain.chat({"messages": msgs, "tools": tools}, f"Bearer {plain.open_session().key}"))
+    gw = Gateway(Scripted(), tokenizer, model_name="tiny", max_model_len=256, max_tokens=64, tool_prompt="Tools: {tools}")
+    s = gw.open_session()
+    auth = f"Bearer {s.key}"
+    first = asyncio.run(gw.chat({"messages": msgs, "tools": tools}, auth))
+    choice = first["choices"][0]
+    call = choice["message"]["tool_calls"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me add."
+    assert call["function"]["name"] == "calculator" and json.loads(call["function"]["arguments"]) == {"expression": "2 + 3"}
+    sent_back = dict(choice["message"], tool_calls=[{**call, "function": {**call["function"], "arguments":
+                                                                          '{"expression":"2 + 3"}'}}])  # re-serialised
+    msgs += [sent_back, {"role": "tool", "tool_call_id": call["id"], "content": "5"}]
+    second = asyncio.run(gw.chat({"messages": msgs, "tools": tools}, auth))["choices"][0]
+    assert second["finish_reason"] == "stop" and second["message"]["content"] == "It is 5."  # no stop string
+    assert "tool_calls" not in second["message"]
+    record = gw.close_session(s.id)
+    assert record["fallbacks"] == 0 and len(record["segments"]) == 1  # the re-serialised call still extends
+    seg = record["segments"][0]
+    assert [t for t, m in zip(seg["tokens"], seg["model_mask"]) if m] == choice["token_ids"] + second["token_ids"]
+    assert seg["finish_reasons"] == ["stop", "stop"]
