@@ -271,9 +271,8 @@ def agent_metrics(batch: dict) -> dict:
 def request_latency_metrics(non_tensor: dict) -> dict:
     """timing/agent_request_s_{p50,p95,max}: the latency of every request the step's agents sent (rollout.agent;
     non_tensor "agent_request_s": each sample's first row lists its session's), empty without."""
-    per_row = non_tensor.get("agent_request_s")
-    lat = torch.tensor([s for row in per_row for s in row], dtype=torch.float64) if per_row is not None else None
-    if lat is None or not len(lat):
+    lat = torch.tensor([s for row in non_tensor.get("agent_request_s", []) for s in row], dtype=torch.float64)
+    if not len(lat):
         return {}
     return {"timing/agent_request_s_p50": lat.quantile(0.5).item(), "timing/agent_request_s_p95": lat.quantile(0.95).item(),
             "timing/agent_request_s_max": lat.max().item()}

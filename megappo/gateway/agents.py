@@ -195,9 +195,10 @@ def _trajectory(record: dict, prompt: list[int], reward, error: Optional[str], t
 
 
 def _fill(t, segment: dict, tokenizer) -> None:
-    """A trajectory row from a captured segment: its tokens as sampled, its model turns as text."""
-    t.tokens, t.model_mask, t.logprobs = list(segment["tokens"]), list(segment["model_mask"]), list(segment["logprobs"])
-    t.versions = list(segment["versions"])
+    """A trajectory row from a captured segment (Segment.to_dict): its tokens as sampled, its model turns as text."""
+    from megappo.agent.capture import Segment
+
+    t.take(Segment(**segment))
     t.turns = [{"role": "assistant", "text": tokenizer.decode(run, skip_special_tokens=True)}
                for run in _model_runs(t.tokens, t.model_mask)]
     t.stopped = bool(t.tokens) and t.tokens[-1] in set(tokenizer.all_special_ids)

@@ -57,18 +57,17 @@ class GatewayError(Exception):
 def as_reward(value) -> float:
     """A sample's reward as a float: a finite real number (a Python, numpy or 0-d torch number; not a bool or a
     string), else ValueError naming the fix. One rule for a reward an agent returns and one posted over HTTP."""
-    if value is None or isinstance(value, (str, bytes, bytearray)) or type(value).__name__ in ("bool", "bool_") \
-            or getattr(value, "ndim", 0) != 0:  # an array of more than a number
-        ok = False
-    else:
+    number = None
+    if not (value is None or isinstance(value, (str, bytes, bytearray)) or type(value).__name__ in ("bool", "bool_")
+            or getattr(value, "ndim", 0) != 0):  # not a bool, a string or an array of more than a number
         try:
-            value, ok = float(value), True
+            number = float(value)
         except (TypeError, ValueError, OverflowError):
-            ok = False
-    if not ok or not math.isfinite(value):
+            pass
+    if number is None or not math.isfinite(number):
         raise ValueError(f"reward {_shown(value)!r} is not a finite number: send one (or None from an agent, to "
                          "leave the score to the row's rule)")
-    return value
+    return number
 
 
 @dataclass
