@@ -25,7 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="the key clients send (default: $MEGAPPO_API_KEY or a new one)")
-    p.add_argument("--name", default=None, help="the model name /v1/models reports (default: the dir's name)")
+    p.add_argument("--name", default=None, help="the model name /v1/models reports (default: the dir's name; "
+                   "<run>/step_N for a checkpoint)")
+    p.add_argument("--export-dir", default=None,
+                   help="a checkpoint: where its policy is exported as a HF dir (default: <checkpoint>/hf_served)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=512, help="the most tokens one request may ask for")
     p.add_argument("--dtype", default=None, help="vLLM dtype (default: bfloat16 on GPU, float32 on CPU)")
@@ -34,22 +37,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-mb", type=int, default=256, help="CPU: vLLM's KV cache size")
 
 
-def _hf_dir(model: Path) -> Path:
-    """A HF dir as it is; a megappo checkpoint exported to one first (megappo export)."""
+def _hf_dir(model: Path, export_dir) -> tuple[Path, str]:
+    """(the HF dir to serve, the name /v1/models reports): a HF dir as it is; a megappo checkpoint's policy
+    exported once (megappo export) into `export_dir` (default <checkpoint>/hf_served, reused on the next
+    start), written beside it and renamed into place so an interrupted export is never served."""
     if (model / "config.json").is_file():
-        return model
+        return model, model.name
     from megappo.utils.checkpoint import MANIFEST
 
-    if (model / MANIFEST).is_file():
-        from megappo.export import export_checkpoint
+    if not (model / MANIFEST).is_file():
+        raise SystemExit(f"serve: {model} is neither a HF model dir (config.json) nor a megappo checkpoint "
+                         f"({MANIFEST}): pass --model a model dir or outputs/<run>/checkpoints/step_N")
+    name = f"{model.resolve().parent.parent.name}/{model.name}"  # outputs/<run>/checkpoints/step_N -> <run>/step_N
+    out = Path(export_dir) if export_dir else model / "hf_served"
+    if (out / "config.json").is_file():
+        return out, name
+    import shutil
 
-        out = model / "hf_served"
-        if not (out / "config.json").is_file():
-            print(f"serve: exporting the checkpoint's policy to {out}", flush=True)
-            export_checkpoint(model, out)
-        return out
-    raise SystemExit(f"serve: {model} is neither a HF model dir (config.json) nor a megappo checkpoint "
-                     f"({MANIFEST}): pass --model a model dir or outputs/<run>/checkpoints/step_N")
+    from megappo.export import ExportError, export_checkpoint
+
+    part = out.with_name(out.name + ".part")
+    print(f"serve: exporting the checkpoint's policy to {out}", flush=True)
+    try:
+        export_checkpoint(model, part, overwrite=True)
+    except ExportError as e:
+        raise SystemExit(f"serve: {e}") from None
+    except PermissionError:
+        raise SystemExit(f"serve: cannot write {part} (a read-only checkpoint?): pass --export-dir a writable "
+                         "dir for the exported model") from None
+    shutil.rmtree(out, ignore_errors=True)
+    part.rename(out)
+    return out, name
 
 
 def main(args: argparse.Namespace) -> int:
@@ -63,14 +81,14 @@ def main(args: argparse.Namespace) -> int:
     model = Path(args.model)
     if not model.exists():
         raise SystemExit(f"serve: --model {model} does not exist")
-    hf = _hf_dir(model)
+    hf, name = _hf_dir(model, args.export_dir)
     key = args.api_key or os.environ.get("MEGAPPO_API_KEY") or "mp-" + secrets.token_urlsafe(24)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"serve: WARNING: binding {args.host}: anyone who can reach it and knows the key can use the model",
               file=sys.stderr)
     rollout = VLLMRollout(hf, RolloutConfig(max_new_tokens=args.max_tokens, kv_cache_memory_mb=args.kv_cache_mb),
                           dtype=args.dtype, max_model_len=args.max_model_len)
-    gateway = Gateway(AsyncTokenEngine.for_llm(rollout.llm), rollout.tokenizer, model_name=args.name or hf.name,
+    gateway = Gateway(AsyncTokenEngine.for_llm(rollout.llm), rollout.tokenizer, model_name=args.name or name,
                       max_model_len=args.max_model_len, max_tokens=args.max_tokens, tool_prompt=args.tool_prompt,
                       open_key=key)
     print(f"serve: {hf} as {gateway.model_name!r} on http://{args.host}:{args.port}/v1 "

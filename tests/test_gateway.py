@@ -19,7 +19,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import pytest  # noqa: E402
 
-from gateway_helpers import TEMPLATE  # noqa: E402
+from gateway_helpers import TEMPLATE, serve_process  # noqa: E402
 
 MAX_TOKENS, MAX_LEN = 24, 512
 
@@ -281,44 +281,23 @@ def test_bad_input_is_a_4xx_with_one_line_and_loses_nothing(served):
 def test_megappo_serve_answers_curl_with_its_key_only(tiny_assets, tmp_path):
     """`megappo serve` in its own process (loopback, a key), driven with curl as a shell agent would."""
     import shutil
-    import socket
     import subprocess
-    import sys
-    import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MEGAPPO_API_KEY": "k-test-123"}
-    proc = subprocess.Popen([sys.executable, "-m", "megappo.cli", "serve", "--model", str(tiny_assets["tiny-llama"]),
-                             "--port", str(port), "--max-model-len", "256", "--max-tokens", "8", "--kv-cache-mb", "32"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert proc.poll() is None, proc.stdout.read()
-                time.sleep(0.5)
+    curl = shutil.which("curl")
+    assert curl, "curl is needed to play the non-Python agent"
+    with serve_process(tiny_assets["tiny-llama"], "--max-model-len", "256", "--max-tokens", "8", "--kv-cache-mb",
+                       "32") as (proc, url):
         body = json.dumps({"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 8})
-        curl = shutil.which("curl")
-        assert curl, "curl is needed to play the non-Python agent"
-        out = subprocess.run([curl, "-s", f"http://127.0.0.1:{port}/v1/chat/completions", "-H",
-                              "Authorization: Bearer k-test-123", "-H", "Content-Type: application/json", "-d", body],
+        out = subprocess.run([curl, "-s", f"{url}/v1/chat/completions", "-H", "Authorization: Bearer k-test-123",
+                              "-H", "Content-Type: application/json", "-d", body],
                              capture_output=True, text=True, timeout=60).stdout
         r = json.loads(out)
         assert r["model"] == "tiny-llama" and r["choices"][0]["message"]["role"] == "assistant", r
         assert 0 < len(r["choices"][0]["token_ids"]) <= 8
-        denied = json.loads(subprocess.run([curl, "-s", f"http://127.0.0.1:{port}/v1/models", "-H",
-                                            "Authorization: Bearer wrong"], capture_output=True, text=True).stdout)
+        denied = json.loads(subprocess.run([curl, "-s", f"{url}/v1/models", "-H", "Authorization: Bearer wrong"],
+                                           capture_output=True, text=True).stdout)
         assert "unknown API key" in denied["error"]["message"]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    log = proc.stdout.read()
-    assert "k-test-123" not in log and "<$MEGAPPO_API_KEY>" in log, log  # a key the user set is never printed
+    assert "k-test-123" not in proc.log and "<$MEGAPPO_API_KEY>" in proc.log, proc.log  # a set key is never printed
 
 
 AGENTS = '''

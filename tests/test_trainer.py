@@ -116,6 +116,36 @@ def _check_export_and_eval(out, ckpt, last):
         assert report[key] == pytest.approx(last[key], abs=1e-9), (key, report[key], last[key])
     _check_export_cli(out, ckpt, rows)
     _check_eval_files_and_pass_at_k(out, hf)
+    _check_serve_checkpoint(out, ckpt)
+
+
+def _check_serve_checkpoint(out, ckpt):
+    """`megappo serve --model <checkpoint>` serves the trained policy: it exports the checkpoint once, names the
+    model <run>/step_N, and the log-probs of what it samples are transformers' on hf_final (fp32, 1e-4), not the
+    base model's."""
+    import json
+    import urllib.request
+
+    import torch
+    from gateway_helpers import serve_process
+    from megappo.assets import hf_response_logprobs
+
+    base = json.loads((out / "config.json").read_text())["model"]["path"]
+    with serve_process(ckpt, "--max-model-len", "256", "--max-tokens", "16", "--kv-cache-mb", "32") as (proc, url):
+        body = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 16, "seed": 3,
+                "logprobs": True}
+        req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Authorization": "Bearer k-test-123", "Content-Type": "application/json"})
+        r = json.loads(urllib.request.urlopen(req, timeout=60).read())
+    assert r["model"] == f"{out.name}/{ckpt.name}", r["model"]
+    assert f"exporting the checkpoint's policy to {ckpt / 'hf_served'}" in proc.log, proc.log
+    assert (ckpt / "hf_served" / "config.json").is_file() and not (ckpt / "hf_served.part").exists()
+    ids = r["choices"][0]["token_ids"]
+    served = torch.tensor([t["logprob"] for t in r["choices"][0]["logprobs"]["content"]])
+    row = [{"input_ids": r["prompt_token_ids"] + ids, "response_start": len(r["prompt_token_ids"])}]
+    trained, untrained = hf_response_logprobs(out / "hf_final", row)[0], hf_response_logprobs(base, row)[0]
+    assert len(ids) > 0 and (served - trained).abs().max() < 1e-4, (served, trained)
+    assert (served - untrained).abs().max() > 1e-3, (served, untrained)  # the trained policy, not the base
 
 
 def _check_export_cli(out, ckpt, rows):
