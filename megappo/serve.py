@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="vLLM dtype (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--tool-prompt", default=None,
                    help="for a chat template without a tools section: a system prompt with {tools}")
+    p.add_argument("--tool-parser", default=None,
+                   help="read tool calls with this vLLM parser (as vllm serve --tool-call-parser: llama3_json, mistral, "
+                        "...); default: Hermes <tool_call> blocks")
     p.add_argument("--kv-cache-mb", type=int, default=256, help="CPU: vLLM's KV cache size")
 
 
@@ -81,6 +84,12 @@ def main(args: argparse.Namespace) -> int:
     model = Path(args.model)
     if not model.exists():
         raise SystemExit(f"serve: --model {model} does not exist")
+    from megappo.gateway.tool_calls import check_tool_parser
+
+    try:
+        check_tool_parser(args.tool_parser)
+    except ValueError as e:
+        raise SystemExit(f"serve: --tool-parser: {e}") from None
     hf, name = _hf_dir(model, args.export_dir)
     key = args.api_key or os.environ.get("MEGAPPO_API_KEY") or "mp-" + secrets.token_urlsafe(24)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -90,6 +99,7 @@ def main(args: argparse.Namespace) -> int:
                           dtype=args.dtype, max_model_len=args.max_model_len)
     gateway = Gateway(AsyncTokenEngine.for_llm(rollout.llm), rollout.tokenizer, model_name=args.name or name,
                       max_model_len=args.max_model_len, max_tokens=args.max_tokens, tool_prompt=args.tool_prompt,
+                      tool_parser=args.tool_parser,
                       open_key=key)
     print(f"serve: {hf} as {gateway.model_name!r} on http://{args.host}:{args.port}/v1 "
           f"(OpenAI API; key: {_shown_key(key, args.api_key)})", flush=True)

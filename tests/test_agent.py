@@ -245,6 +245,24 @@ def test_each_row_calls_only_its_environments_tools(agent_rollout, tokenizer):
     assert wrong.invalid and "unknown tool 'calculator'; available: python" in wrong.text
 
 
+def test_rollout_agent_config_errors(tiny_assets, tmp_path):
+    """rollout.agent's bad settings: one line naming the fix, from load_config (before any worker starts)."""
+    from megappo.config import ConfigError, load_config
+
+    (tmp_path / "agent.py").write_text("async def run(client, row):\n    return 1.0\n")
+    agent = f"rollout.agent={tmp_path / 'agent.py'}:run"
+    base = [f"model.path={tiny_assets['tiny-llama']}"]
+    for extra, match in (([agent, "rollout.multi_turn.enable=true"], "both make the samples"),
+                         ([agent, "rollout.agent_concurrency=0"], "must be >= 1"),
+                         ([agent, "data.apply_chat_template=false"], "set data.apply_chat_template=true"),
+                         ([agent, "rollout.agent_tool_parser=hermez"], "^rollout.agent_tool_parser: tool parser "
+                                                                      "'hermez' is not one of vLLM's: choose one of"),
+                         (["rollout.agent_tool_parser=llama3_json"], "set rollout.agent or remove it"),
+                         ([f"rollout.agent={tmp_path / 'agent.py'}:walk"], "walk")):
+        with pytest.raises(ConfigError, match=match):
+            load_config("configs/ppo_tiny.yaml", base + extra)
+    assert load_config("configs/ppo_tiny.yaml", base + [agent, "rollout.agent_tool_parser=llama3_json"])
+
 def test_multi_turn_config_errors(tiny_assets, data_dir, tmp_path):
     from megappo.config import ConfigError, load_config
     from megappo.ppo.ray_trainer import RayPPOTrainer

@@ -167,3 +167,68 @@ def test_chat_replies_parse_the_models_tool_calls(tokenizer):
     seg = record["segments"][0]
     assert [t for t, m in zip(seg["tokens"], seg["model_mask"]) if m] == choice["token_ids"] + second["token_ids"]
     assert seg["finish_reasons"] == ["stop", "stop"]
+
+
+def _scripted_reply(tokenizer, text: str, parser, tools, stop=None) -> dict:
+    """Gateway.chat's reply to one request whose sampled text is `text` (a scripted engine), read with `parser`."""
+    import asyncio
+
+    from megappo.gateway.app import Gateway
+    from megappo.gateway.engine import Completion
+
+    class Scripted:
+        version = requests = steps = 0
+
+        async def generate(self, prompt, params):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            return Completion(list(prompt), ids, [-0.5] * len(ids), "stop", 0, stop_string=stop)
+
+    gw = Gateway(Scripted(), tokenizer, model_name="tiny", max_model_len=256, max_tokens=64,
+                 tool_prompt="Tools: {tools}", tool_parser=parser)
+    s = gw.open_session()
+    out = asyncio.run(gw.chat({"messages": [{"role": "user", "content": "2 + 3?"}], "tools": tools},
+                              f"Bearer {s.key}"))["choices"][0]
+    record = gw.close_session(s.id)
+    assert [t for t, m in zip(record["segments"][0]["tokens"], record["segments"][0]["model_mask"]) if m] == \
+        out["token_ids"] == tokenizer.encode(text, add_special_tokens=False)  # trained on the sampled ids, whoever reads
+    return out
+
+
+def test_tool_calls_read_in_the_models_format_with_vllms_parsers(tokenizer):
+    """rollout.agent_tool_parser / serve --tool-parser: vLLM's parser by name reads the reply. Its `hermes` reads
+    megappo's default format as megappo's own reader does; `llama3_json` reads Llama 3's JSON calls (the
+    tokenizer given Llama 3's <|python_tag|> marker); a name vLLM lacks, or a parser whose marker token the
+    model's vocabulary lacks, is one line naming the fix."""
+    from transformers import AutoTokenizer
+
+    from megappo.gateway.tool_calls import ToolCallReader, check_tool_parser, vllm_tool_parsers
+
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+    hermes = ('Let me add.<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
+              '<tool_call>\n{"name": "calculator", "arguments": {"expression": "4 * 5"}}\n</tool_call>')
+    ours, theirs = (_scripted_reply(tokenizer, hermes, p, tools, stop="</tool_call>") for p in (None, "hermes"))
+    for r in (ours, theirs):
+        assert r["finish_reason"] == "tool_calls" and r["message"]["content"].strip() == "Let me add."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in ours["message"]["tool_calls"]] \
+        == [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in theirs["message"]["tool_calls"]] \
+        == [("calculator", {"expression": "2 + 3"}), ("calculator", {"expression": "4 * 5"})]
+    plain = _scripted_reply(tokenizer, "It is 5.\n\n", "hermes", tools, stop="\n\n")
+    assert plain["message"] == {"role": "assistant", "content": "It is 5."} and plain["finish_reason"] == "stop"
+
+    llama = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    llama.chat_template = tokenizer.chat_template
+    llama.add_special_tokens({"additional_special_tokens": ["<|python_tag|>"]})
+    text = '<|python_tag|>{"name": "calculator", "parameters": {"expression": "7 - 2"}}'
+    r = _scripted_reply(llama, text, "llama3_json", tools)
+    (call,) = r["message"]["tool_calls"]
+    assert r["finish_reason"] == "tool_calls" and call["function"]["name"] == "calculator"
+    assert json.loads(call["function"]["arguments"]) == {"expression": "7 - 2"}
+    assert not r["message"]["content"]
+    # megappo's own reader does not know Llama 3's format: the same reply is plain content
+    assert "tool_calls" not in _scripted_reply(llama, text, None, tools)["message"]
+
+    assert "llama3_json" in vllm_tool_parsers() and "mistral" in vllm_tool_parsers()
+    with pytest.raises(ValueError, match="not one of vLLM's: choose one of .*hermes"):
+        check_tool_parser("hermez")
+    with pytest.raises(ValueError, match="does not fit this model's tokenizer"):
+        ToolCallReader(tokenizer, "llama3_json")  # no <|python_tag|> in tiny-llama's vocabulary

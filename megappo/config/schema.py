@@ -272,6 +272,10 @@ class RolloutConfig:
     agent: Optional[str] = None
     agent_concurrency: int = 32  # agents running at once per rollout worker (the engine batches their requests)
     agent_timeout_s: float = 60.0  # one sample's agent longer than this: its sample is dropped (counted)
+    # how the gateway reads the model's tool calls into tool_calls: unset = Hermes <tool_call> blocks (Qwen,
+    # SmolLM2, the built-in loop's format); else one of vLLM's parsers by name (as vllm serve
+    # --tool-call-parser: llama3_json, mistral, ...) for a model trained on that format
+    agent_tool_parser: Optional[str] = None
 
 
 @dataclass

@@ -256,6 +256,9 @@ def _check_agent(cfg) -> None:
     """rollout.agent: the function loads and takes (client, row); what it cannot run with."""
     r = cfg.rollout
     if r.agent is None:
+        if r.agent_tool_parser is not None:
+            raise ConfigError("rollout.agent_tool_parser reads the tool calls of rollout.agent's requests; set "
+                              "rollout.agent or remove it (the built-in loop reads Hermes <tool_call> blocks)")
         return
     if r.multi_turn.enable:
         raise ConfigError("rollout.agent and rollout.multi_turn.enable=true both make the samples; set "
@@ -263,6 +266,12 @@ def _check_agent(cfg) -> None:
     if r.agent_concurrency < 1 or r.agent_timeout_s <= 0:
         raise ConfigError(f"rollout.agent_concurrency={r.agent_concurrency} must be >= 1 and rollout.agent_timeout_s="
                           f"{r.agent_timeout_s} > 0")
+    from megappo.gateway.tool_calls import check_tool_parser
+
+    try:
+        check_tool_parser(r.agent_tool_parser)
+    except ValueError as e:
+        raise ConfigError(f"rollout.agent_tool_parser: {e}") from None
     if not cfg.data.apply_chat_template:
         raise ConfigError("rollout.agent sends chat messages, rendered with the chat template; set "
                           "data.apply_chat_template=true")

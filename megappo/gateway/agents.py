@@ -62,7 +62,8 @@ def agent_builder(rollout) -> Optional[Callable]:
 def _runner_for(llm, tokenizer, rollout) -> "AgentRunner":
     return AgentRunner(llm, tokenizer, rollout.agent, max_model_len=llm.llm_engine.model_config.max_model_len,
                        max_tokens=rollout.max_new_tokens, concurrency=rollout.agent_concurrency,
-                       timeout_s=rollout.agent_timeout_s, tool_prompt=rollout.multi_turn.tool_prompt)
+                       timeout_s=rollout.agent_timeout_s, tool_prompt=rollout.multi_turn.tool_prompt,
+                       tool_parser=rollout.agent_tool_parser)
 
 
 def sample_rows(non_tensor: dict, n: int) -> list[dict]:
@@ -82,7 +83,8 @@ def sample_rows(non_tensor: dict, n: int) -> list[dict]:
 
 class AgentRunner:
     def __init__(self, llm, tokenizer, agent: str | Callable, *, max_model_len: int, max_tokens: int,
-                 concurrency: int = 32, timeout_s: float = 60.0, tool_prompt: Optional[str] = None):
+                 concurrency: int = 32, timeout_s: float = 60.0, tool_prompt: Optional[str] = None,
+                 tool_parser: Optional[str] = None):
         from megappo.gateway.app import Gateway, make_app
         from megappo.gateway.engine import AsyncTokenEngine
         from megappo.gateway.serve import GatewayServer
@@ -90,7 +92,7 @@ class AgentRunner:
         self.fn = load_agent(agent) if isinstance(agent, str) else agent
         self.engine = AsyncTokenEngine.for_llm(llm)
         self.gateway = Gateway(self.engine, tokenizer, model_name="policy", max_model_len=max_model_len,
-                               max_tokens=max_tokens, tool_prompt=tool_prompt)
+                               max_tokens=max_tokens, tool_prompt=tool_prompt, tool_parser=tool_parser)
         self.server = GatewayServer(make_app(self.gateway))
         self.url = self.server.start()
         self.concurrency, self.timeout_s = int(concurrency), float(timeout_s)

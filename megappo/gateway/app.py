@@ -7,8 +7,8 @@
     record = gw.close_session(s.id)              # segments: the ids as sampled, masks, log-probs, versions
 
 OpenAI endpoints (a session's key in `Authorization: Bearer`): `POST /v1/chat/completions` (messages,
-`tools` shown through the chat template, tool calls parsed from the model's Hermes `<tool_call>` blocks
-into `tool_calls`; finish_reason `tool_calls` / `stop` / `length`), `POST /v1/completions` (a string or
+`tools` shown through the chat template, tool calls read into `tool_calls` in the model's format:
+Hermes `<tool_call>` blocks, or `tool_parser`, one of vLLM's parsers by name (tool_calls.py); finish_reason `tool_calls` / `stop` / `length`), `POST /v1/completions` (a string or
 token ids), `GET /v1/models`. Every answer carries vLLM's extra fields `prompt_token_ids` and
 `choices[i].token_ids`. megappo's endpoints for RL (the admin key): `POST /megappo/v1/sessions` (open
 one for a row: its id and key), `POST /megappo/v1/sessions/{id}/reward` (the session's own key, or
@@ -42,8 +42,8 @@ from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from megappo.agent.format import parse_calls, strip_calls
 from megappo.agent.capture import ChatRenderer, Session
+from megappo.gateway.tool_calls import ToolCallReader
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -93,9 +93,11 @@ class SessionState:
 
 class Gateway:
     def __init__(self, engine, tokenizer, *, model_name: str, max_model_len: int, max_tokens: int,
-                 tool_prompt: Optional[str] = None, admin_key: Optional[str] = None, open_key: Optional[str] = None):
+                 tool_prompt: Optional[str] = None, tool_parser: Optional[str] = None, admin_key: Optional[str] = None,
+                 open_key: Optional[str] = None):
         self.engine, self.tokenizer = engine, tokenizer
         self.renderer = ChatRenderer(tokenizer, tool_prompt)
+        self.tool_calls = ToolCallReader(tokenizer, tool_parser)
         self.model_name, self.max_model_len, self.max_tokens = model_name, int(max_model_len), int(max_tokens)
         self.admin_key = admin_key or "mp-admin-" + secrets.token_urlsafe(24)
         self.open_key = open_key
@@ -174,13 +176,11 @@ class Gateway:
             except BaseException:
                 session.restore(saved)  # a refused or failed request leaves the session as it was
                 raise
-            full = self.tokenizer.decode(out.ids, skip_special_tokens=True)
-            calls = [c for c in parse_calls(full) if c.error is None]  # stop="</tool_call>" ends a call: parse it whole
-            text = full[:-len(out.stop_string)] if out.stop_string and full.endswith(out.stop_string) else full
-            reply = {"role": "assistant", "content": strip_calls(full) if calls else text}  # as OpenAI: no stop string
+            content, calls = self.tool_calls.read(out.ids, tools, out.stop_string)
+            reply = {"role": "assistant", "content": content}
             if calls:
                 reply["tool_calls"] = [{"id": f"call_{secrets.token_hex(6)}", "type": "function",
-                                        "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
+                                        "function": {"name": name, "arguments": args}} for name, args in calls]
             session.record(out.ids, out.logprobs, out.versions, reply, finish_reason=out.finish_reason)
         finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
         choice = {"index": 0, "message": reply, "finish_reason": finish, "token_ids": out.ids,
