@@ -1,7 +1,7 @@
 """Hybrid engine on CPU for real: a Megatron actor (TP2 x PP2, fp32, 4 gloo ranks) and one vLLM engine
 per rank (external_launcher). Each spawned job runs several checks in the same processes:
 
-- three train -> sync -> generate rounds after REAL optimizer steps: vLLM's greedy tokens equal a HF
+- two train -> sync -> generate rounds, the second after a REAL optimizer step: vLLM's greedy tokens equal a HF
   forward on the trainer's new weights (gathered independently of the resharder), vLLM log-probs vs
   HF <= 1e-4 and rollout/logprob_diff_max (vs Megatron) <= 1e-4 every round; the weights really change;
 - sampled rollouts (temperature 0.8): parity with Megatron at that temperature;
@@ -139,7 +139,7 @@ def _job(rank, world, port, model_dir, layout_name, rollout_tp, weight_load, cpu
               "chunks": len(engine.inner_chunks()),
               "transport": hybrid.resharder.transport}
     prev_state = None
-    for step in range(3):
+    for step in range(2):  # the initial weights, then after a real optimizer step
         # a real optimizer step on the last rollout (round 0: on the prompts' greedy continuation)
         if step > 0:
             _train_on(engine, last)

@@ -149,25 +149,11 @@ def _moe_worker(rank, world, port, path, layout, ckpt=None, resume=None):
     return out
 
 
-def _vllm_greedy(rank, world, port, model_dir, prompt):
-    """vLLM (CPU) serving a HF dir: greedy tokens and their log-probs."""
-    import os
-
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model_dir, dtype="float32", max_model_len=128, enforce_eager=True, seed=0,
-              kv_cache_memory_bytes=16 << 20)
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=4, temperature=0, logprobs=0))[0]
-    tokens = list(out.outputs[0].token_ids)
-    return tokens, [lp[t].logprob for t, lp in zip(tokens, out.outputs[0].logprobs)]
-
-
 def test_moe_step_with_expert_parallel_equals_single_process(tiny_assets, tmp_path):
     """Qwen3-MoE (4 experts, top-2, a dense first layer): one PPO-style step at TP2xPP2xDP2xEP2 (experts
     split over 2 expert-parallel ranks and over TP, megatron's alltoall dispatcher over gloo, sequence
     parallel) equals the single-process step: loss, grad norm and every weight after the update. Its
-    checkpoint (model + optimizer) exports to HF bit for bit (vLLM serves the export like transformers), and resumes in one process (EP 2 -> 1,
+    checkpoint (model + optimizer) exports to HF bit for bit (vLLM serving Qwen3-MoE like transformers: test_hybrid_engine), and resumes in one process (EP 2 -> 1,
     TP 2 -> 1, PP 2 -> 1): the next step equals the uninterrupted TP2xPP2xDP2xEP2 one."""
     from megappo.models.gpt import SafetensorsReader
     from tools.convert_ckpt import mcore_to_hf
@@ -197,19 +183,6 @@ def test_moe_step_with_expert_parallel_equals_single_process(tiny_assets, tmp_pa
 
     exported = {k: v for f in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(str(f)).items()}
     assert exported.keys() == b.keys() and all(torch.equal(exported[k], b[k]) for k in b)
-    # ... which vLLM serves: its greedy tokens and log-probs are transformers' on the export
-    from transformers import AutoModelForCausalLM
-
-    prompt = [5, 17, 300, 42, 9, 77]
-    tokens, vllm_lp = spawn_local(_vllm_greedy, 1, str(tmp_path / "hf"), prompt, timeout=300)[0]
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
-    ref = torch.log_softmax(logits, -1)
-    assert tokens == logits.argmax(-1).tolist()
-    gap = max(abs(ref[i, t].item() - v) for i, (t, v) in enumerate(zip(tokens, vllm_lp)))
-    print(f"vLLM serving the EP2 export vs transformers: max |d logp| {gap:.2e}")
-    assert gap <= 1e-4
     # resumed at EP1 in one process: the second step equals the uninterrupted one
     a2, b2 = to_hf([r["step2"] for r in single], path, 1), to_hf([r["step2"] for r in dist8], path, 2)
     l1, l8 = single[0]["step2"]["metrics"]["loss"], dist8[0]["step2"]["metrics"]["loss"]

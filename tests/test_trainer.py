@@ -403,12 +403,12 @@ def test_smollm2_grpo_recipe_as_shipped(ray_session, smollm2_model, smollm2_data
 @pytest.mark.slow
 def test_smollm2_ppo_recipe_as_shipped(ray_session, smollm2_model, smollm2_data, tmp_path):
     """configs/ppo_smollm2_135m.yaml: GAE with a bf16 critic colocated with the actor; a checkpoint and the
-    export at the end (a plain HF dir: weights, config, tokenizer). One step of 8 responses: bf16 training
-    without AVX512-BF16 runs ~10x slower than fp32 (140 s for the actor's update of 16 responses)."""
+    export at the end (a plain HF dir: weights, config, tokenizer). One step of 4 responses (one prompt): bf16
+    training without AVX512-BF16 runs ~10x slower than fp32 (140 s for the actor's update of 16 responses)."""
     cfg, history = _smollm2_recipe("ppo_smollm2_135m.yaml", smollm2_model, smollm2_data, tmp_path / "run",
-                                   "data.train_batch_size=2", "actor.ppo_mini_batch_size=8",
-                                   "critic.ppo_mini_batch_size=8", "actor.micro_batch_size=4",
-                                   "critic.micro_batch_size=4", "trainer.save_every=1", steps=1)
+                                   "data.train_batch_size=1", "actor.ppo_mini_batch_size=4",
+                                   "critic.ppo_mini_batch_size=4", "actor.micro_batch_size=2",
+                                   "critic.micro_batch_size=2", "trainer.save_every=1", steps=1)
     assert cfg.critic.enable and all(h["timing/update_critic_s"] > 0 for h in history)
     final = tmp_path / "run" / "hf_final"
     assert (final / "config.json").is_file() and list(final.glob("*.safetensors"))
