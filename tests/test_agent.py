@@ -245,9 +245,10 @@ def test_each_row_calls_only_its_environments_tools(agent_rollout, tokenizer):
     assert wrong.invalid and "unknown tool 'calculator'; available: python" in wrong.text
 
 
-def test_rollout_agent_config_errors(tiny_assets, tmp_path):
+def test_rollout_agent_config_errors(tiny_assets, data_dir, tmp_path):
     """rollout.agent's bad settings: one line naming the fix, from load_config (before any worker starts)."""
     from megappo.config import ConfigError, load_config
+    from trainer_utils import overrides
 
     (tmp_path / "agent.py").write_text("async def run(client, row):\n    return 1.0\n")
     agent = f"rollout.agent={tmp_path / 'agent.py'}:run"
@@ -262,6 +263,13 @@ def test_rollout_agent_config_errors(tiny_assets, tmp_path):
         with pytest.raises(ConfigError, match=match):
             load_config("configs/ppo_tiny.yaml", base + extra)
     assert load_config("configs/ppo_tiny.yaml", base + [agent, "rollout.agent_tool_parser=llama3_json"])
+    # with the paths checked (megappo train): the parser's marker tokens in the model's vocabulary
+    with pytest.raises(ConfigError, match="^rollout.agent_tool_parser: vLLM's 'llama3_json' tool parser does not fit"):
+        load_config("configs/ppo_tiny.yaml", overrides(tiny_assets, data_dir, tmp_path / "run", agent,
+                                                        "rollout.agent_tool_parser=llama3_json"), check_paths=True)
+    assert load_config("configs/ppo_tiny.yaml", overrides(tiny_assets, data_dir, tmp_path / "run", agent,
+                                                          "rollout.agent_tool_parser=hermes"), check_paths=True)
+
 
 def test_multi_turn_config_errors(tiny_assets, data_dir, tmp_path):
     from megappo.config import ConfigError, load_config

@@ -169,38 +169,44 @@ def test_chat_replies_parse_the_models_tool_calls(tokenizer):
     assert seg["finish_reasons"] == ["stop", "stop"]
 
 
-def _scripted_reply(tokenizer, text: str, parser, tools, stop=None) -> dict:
-    """Gateway.chat's reply to one request whose sampled text is `text` (a scripted engine), read with `parser`."""
+def _scripted_reply(tokenizer, text: str, parser, tools, stop=None, *, eos=False, **body) -> dict:
+    """Gateway.chat's reply to one request whose sampled text is `text` (+ EOS: the turn ended on it), read with
+    `parser`, from a scripted engine."""
     import asyncio
 
     from megappo.gateway.app import Gateway
     from megappo.gateway.engine import Completion
 
+    sampled = tokenizer.encode(text, add_special_tokens=False) + ([tokenizer.eos_token_id] if eos else [])
+
     class Scripted:
         version = requests = steps = 0
 
         async def generate(self, prompt, params):
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            return Completion(list(prompt), ids, [-0.5] * len(ids), "stop", 0, stop_string=stop)
+            return Completion(list(prompt), sampled, [-0.5] * len(sampled), "stop", 0, stop_string=stop or "")
 
     gw = Gateway(Scripted(), tokenizer, model_name="tiny", max_model_len=256, max_tokens=64,
                  tool_prompt="Tools: {tools}", tool_parser=parser)
     s = gw.open_session()
-    out = asyncio.run(gw.chat({"messages": [{"role": "user", "content": "2 + 3?"}], "tools": tools},
+    out = asyncio.run(gw.chat({"messages": [{"role": "user", "content": "2 + 3?"}], "tools": tools, **body},
                               f"Bearer {s.key}"))["choices"][0]
-    record = gw.close_session(s.id)
-    assert [t for t, m in zip(record["segments"][0]["tokens"], record["segments"][0]["model_mask"]) if m] == \
-        out["token_ids"] == tokenizer.encode(text, add_special_tokens=False)  # trained on the sampled ids, whoever reads
+    seg = gw.close_session(s.id)["segments"][0]
+    assert [t for t, m in zip(seg["tokens"], seg["model_mask"]) if m] == out["token_ids"] == sampled  # EOS too
     return out
 
 
 def test_tool_calls_read_in_the_models_format_with_vllms_parsers(tokenizer):
-    """rollout.agent_tool_parser / serve --tool-parser: vLLM's parser by name reads the reply. Its `hermes` reads
-    megappo's default format as megappo's own reader does; `llama3_json` reads Llama 3's JSON calls (the
-    tokenizer given Llama 3's <|python_tag|> marker); a name vLLM lacks, or a parser whose marker token the
-    model's vocabulary lacks, is one line naming the fix."""
+    """rollout.agent_tool_parser / serve --tool-parser: the reply read as vLLM's server reads it with that parser.
+    vLLM's `hermes` reads megappo's default format as megappo's own reader does; `llama3_json` reads Llama 3's
+    JSON calls (the tokenizer given Llama 3's <|python_tag|> marker), which megappo's reader leaves as content.
+    The token that stopped the reply is not content, special or not; tool_choice "none" or no tools: no calls.
+    A tool vLLM's schema refuses is a 400 before anything is sampled; a name vLLM lacks, or a parser whose
+    marker token the model's vocabulary lacks, is one line naming the fix."""
+    import asyncio
+
     from transformers import AutoTokenizer
 
+    from megappo.gateway.app import Gateway, GatewayError
     from megappo.gateway.tool_calls import ToolCallReader, check_tool_parser, vllm_tool_parsers
 
     tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
@@ -212,21 +218,31 @@ def test_tool_calls_read_in_the_models_format_with_vllms_parsers(tokenizer):
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in ours["message"]["tool_calls"]] \
         == [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in theirs["message"]["tool_calls"]] \
         == [("calculator", {"expression": "2 + 3"}), ("calculator", {"expression": "4 * 5"})]
-    plain = _scripted_reply(tokenizer, "It is 5.\n\n", "hermes", tools, stop="\n\n")
-    assert plain["message"] == {"role": "assistant", "content": "It is 5."} and plain["finish_reason"] == "stop"
+    for parser in (None, "hermes"):  # the stop string, or the EOS that ended the turn, is not content
+        assert _scripted_reply(tokenizer, "It is 5.\n\n", parser, tools, stop="\n\n")["message"] == \
+            {"role": "assistant", "content": "It is 5."}
+        assert _scripted_reply(tokenizer, "It is 5.", parser, tools, eos=True)["message"]["content"] == "It is 5."
+    for listed, extra in ((tools, {"tool_choice": "none"}), (None, {})):  # vLLM's server reads no calls then
+        r = _scripted_reply(tokenizer, hermes, "hermes", listed, stop="</tool_call>", **extra)
+        assert "tool_calls" not in r["message"] and "<tool_call>" in r["message"]["content"]
 
     llama = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
     llama.chat_template = tokenizer.chat_template
-    llama.add_special_tokens({"additional_special_tokens": ["<|python_tag|>"]})
-    text = '<|python_tag|>{"name": "calculator", "parameters": {"expression": "7 - 2"}}'
-    r = _scripted_reply(llama, text, "llama3_json", tools)
+    llama.add_special_tokens({"additional_special_tokens": ["<|python_tag|>", "<|eom_id|>"]})
+    text = '<|python_tag|>{"name": "calculator", "parameters": {"expression": "7 - 2"}}<|eom_id|>'
+    r = _scripted_reply(llama, text, "llama3_json", tools)  # a stop token that is not EOS ends the turn
     (call,) = r["message"]["tool_calls"]
     assert r["finish_reason"] == "tool_calls" and call["function"]["name"] == "calculator"
     assert json.loads(call["function"]["arguments"]) == {"expression": "7 - 2"}
     assert not r["message"]["content"]
-    # megappo's own reader does not know Llama 3's format: the same reply is plain content
-    assert "tool_calls" not in _scripted_reply(llama, text, None, tools)["message"]
+    assert "tool_calls" not in _scripted_reply(llama, text, None, tools)["message"]  # not megappo's format
 
+    gw = Gateway(None, tokenizer, model_name="tiny", max_model_len=256, max_tokens=64, tool_prompt="T: {tools}",
+                 tool_parser="hermes")
+    bad = [{"type": "function", "function": {"name": 123}}]
+    with pytest.raises(GatewayError, match="^tools: .*name"):  # before sampling: the engine is None here
+        asyncio.run(gw.chat({"messages": [{"role": "user", "content": "hi"}], "tools": bad},
+                            f"Bearer {gw.open_session().key}"))
     assert "llama3_json" in vllm_tool_parsers() and "mistral" in vllm_tool_parsers()
     with pytest.raises(ValueError, match="not one of vLLM's: choose one of .*hermes"):
         check_tool_parser("hermez")

@@ -472,6 +472,15 @@ def _check_paths(cfg) -> None:
     if not any((Path(tok) / f).is_file() for f in TOKENIZER_FILES):
         raise ConfigError(f"{tok_key}={tok} has no tokenizer ({' / '.join(TOKENIZER_FILES)}); copy the tokenizer "
                           "files of the model there, or set model.tokenizer")
+    if cfg.rollout.agent_tool_parser is not None:  # its marker tokens in this vocabulary
+        from transformers import AutoTokenizer
+
+        from megappo.gateway.tool_calls import check_tool_parser
+
+        try:
+            check_tool_parser(cfg.rollout.agent_tool_parser, AutoTokenizer.from_pretrained(tok))
+        except ValueError as e:
+            raise ConfigError(f"rollout.agent_tool_parser: {e}") from None
     for key in ("train_files", "val_files"):
         for f in cfg.data[key]:
             if not Path(f).is_file():

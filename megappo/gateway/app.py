@@ -169,14 +169,15 @@ class Gateway:
             saved = session.snapshot()
             try:
                 try:
+                    parsing = self.tool_calls.request(body)  # a tool vLLM's parser would refuse: before sampling
                     prompt = session.chat_prompt(messages, tools)
-                except ValueError as e:  # tools= for a template without a tools section and no tool_prompt
+                except ValueError as e:  # or tools= for a template without a tools section and no tool_prompt
                     raise GatewayError(400, _one_line(e)) from None
                 out = await self._generate(prompt, body, state)
+                content, calls = self.tool_calls.read(parsing, out.ids, out.finish_reason, out.stop_string)
             except BaseException:
                 session.restore(saved)  # a refused or failed request leaves the session as it was
                 raise
-            content, calls = self.tool_calls.read(out.ids, tools, out.stop_string)
             reply = {"role": "assistant", "content": content}
             if calls:
                 reply["tool_calls"] = [{"id": f"call_{secrets.token_hex(6)}", "type": "function",
