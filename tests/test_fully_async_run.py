@@ -34,7 +34,8 @@ def _recording_groups(trained: list, steps: list = None):
 
 @pytest.mark.parametrize("overrides, expected", [
     (["trainer.max_staleness=-1"], "trainer.max_staleness=-1 must be >= 0"),
-    (["resources.rollout_workers=2", "rollout.tp=2"], "set rollout.tp=1"),
+    (["resources.rollout_workers=2", "rollout.tp=2", "actor.lora.rank=4", "rollout.lora_sync=adapter"],
+     "takes merged LoRA weights only .*set rollout.lora_sync=merged or rollout.tp=1"),
     (["trainer.mode=async", "trainer.partial_rollout=false"], "applies to trainer.mode=fully_async only"),
     (["trainer.mode=async", "algorithm.filter_groups.enable=true", "algorithm.adv_estimator=grpo",
       "critic.enable=false"], "which one-step async mode does not; use trainer.mode=sync or fully_async"),
@@ -45,14 +46,21 @@ def test_what_fully_async_does_not_do_yet_is_one_line(tiny_assets, data_dir, tmp
     assert "\n" not in str(e.value)
 
 
-def test_max_staleness_0_trains_the_sync_runs_batches(sync_baseline, tiny_assets, data_dir, tmp_path):
+@pytest.mark.parametrize("pool", [
+    # 65 s; CI keeps tp2 (the same driver, each group on one replica) and tp1 rollout workers in the tests below
+    pytest.param([], marks=pytest.mark.long, id="tp1"),
+    pytest.param(["resources.rollout_workers=2", "rollout.tp=2"], id="tp2")])
+def test_max_staleness_0_trains_the_sync_runs_batches(sync_baseline, tiny_assets, data_dir, tmp_path, pool):
     """One batch admitted at a time, each group seeded as the sync run seeds it, trained on-policy: the
     sync baseline's first two steps (same prompts, same samples, same losses) within fp32 rounding; the
-    weights reach the rollout worker over the sync group (fingerprint-checked), not the hybrid engine."""
+    weights reach the rollout worker over the sync group (fingerprint-checked), not the hybrid engine.
+    tp2: one vLLM replica over two rollout workers, the second replaying the first's engine calls
+    (rollout/lockstep.py): the same batches."""
     history = _run(_config(tiny_assets, data_dir, tmp_path / "fa0", *FULLY_ASYNC, "trainer.max_staleness=0",
-                           "trainer.total_steps=2"))
+                           "trainer.total_steps=2", *pool))
     base = sync_baseline[0]
     for got, want in zip(history, base[:2]):
+        assert got["async/rollout_replicas"] == 1.0  # tp2: the two workers are one replica (checked: vLLM at TP2)
         assert got["async/sample_staleness_max"] == 0 and got["async/over_bound"] == 0
         assert got["rollout/weights_fingerprint_ok"] == 1.0
         assert got["objective/scores"] == pytest.approx(want["objective/scores"], abs=1e-6)  # the same samples
@@ -101,7 +109,10 @@ def test_stale_groups_within_the_bound_and_a_checkpoint_with_groups_in_flight(
 
 PAUSES = {"partial": ["trainer.partial_rollout=true", "actor.proximal=loglinear"],
           "drained": ["trainer.partial_rollout=false"],
-          "recompute": ["trainer.partial_rollout=true", "trainer.pause_mode=recompute"]}
+          # and one vLLM replica over two rollout workers (rollout.tp=2, rollout/lockstep.py): the second rank
+          # replays the first's engine calls, loads each update's weights with it mid-sample, and re-prefills
+          "recompute": ["trainer.partial_rollout=true", "trainer.pause_mode=recompute", "resources.rollout_workers=2",
+                        "rollout.tp=2"]}
 
 
 @pytest.mark.parametrize("pause", list(PAUSES))
@@ -111,7 +122,8 @@ def test_partial_rollouts_cross_weight_updates_within_the_bound(ray_session, tin
     new weights (keep-KV pause): some trained tokens were sampled by a later version than their sample
     started with (per-token staleness below per-sample). recompute: the same, each sample in flight first
     re-prefilled under the new weights (async/recomputed_samples > 0 at some sync). trainer.partial_rollout=
-    false: each sync first waits for them to finish (timing/drain_s), so no token is. Never over
+    false: each sync first waits for them to finish (timing/drain_s), so no token is. recompute runs one vLLM
+    replica over two rollout workers at rollout.tp=2 (the second replaying the first). Never over
     max_staleness=2. `partial` also takes pi_prox from A-3PO's interpolation (actor.proximal=loglinear): no
     forward before the update, and the behaviour weights of its stale tokens move off 1."""
     partial = pause != "drained"
@@ -122,6 +134,7 @@ def test_partial_rollouts_cross_weight_updates_within_the_bound(ray_session, tin
     for h in history:
         print({k: round(v, 4) for k, v in h.items() if k.startswith("async/") or k in (
             "response_length/mean", "timing/drain_s", "timing/weight_sync_s", "timing/step_s")})
+        assert h["async/rollout_replicas"] == 1.0  # recompute: two workers at rollout.tp=2
         assert h["async/over_bound"] == 0 and h["async/sample_staleness_max"] <= 2
         assert h["rollout/weights_fingerprint_ok"] == 1.0 and math.isfinite(h["loss/policy_avg"])
     if pause == "partial":  # loglinear: no pi_old forward; a token alpha > 0 has pi_prox / pi_behav != 1

@@ -445,9 +445,9 @@ def _check_fully_async(cfg) -> None:
     t, r = cfg.trainer, cfg.rollout
     if t.max_staleness < 0:
         raise ConfigError(f"trainer.max_staleness={t.max_staleness} must be >= 0 (0 = on-policy only)")
-    if r.tp != 1:
-        raise ConfigError(f"trainer.mode=fully_async does not support rollout.tp={r.tp}: each rollout worker's "
-                          "engine steps on its own; set rollout.tp=1")
+    if r.tp > 1 and r.lora_sync == "adapter":
+        raise ConfigError(f"trainer.mode=fully_async with rollout.tp={r.tp} takes merged LoRA weights only (each "
+                          "rank's adapter dir is its own): set rollout.lora_sync=merged or rollout.tp=1")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")

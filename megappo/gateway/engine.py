@@ -87,6 +87,11 @@ class AsyncTokenEngine:
         engine = getattr(llm, "_megappo_async_engine", None)
         return None if engine is None or engine._closed else engine
 
+    def use(self, engine) -> None:
+        """Drive `engine` (a wrapper of this LLM's engine: rollout/lockstep.LockstepLeader) from the next step on."""
+        with self._lock:
+            self.engine = engine
+
     async def generate(self, prompt_ids: list[int], params) -> Completion:
         """Never blocks the caller's loop (not even while paused): the stepping thread adds the request."""
         loop = asyncio.get_running_loop()

@@ -60,11 +60,16 @@ class GroupStream:
         self.pending: dict = {}  # uid -> (group index, start version, worker rank)
         self.done: dict = {}  # uid -> (group index, start version, DataProto rows)
         self.load = [0] * self.pool.world_size  # groups in flight per rollout worker
+        # each rollout replica's first rank takes groups (rollout.tp > 1: the others step with it, lockstep.py)
+        self.leaders = list(range(0, self.pool.world_size, cfg.rollout.tp))
         fg = cfg.algorithm.filter_groups
         self.filter = fg if fg.enable else None  # DAPO: drop finished groups whose responses all agree
         self.drop_budget = (fg.max_rounds - 1) * self.B  # per batch, as a sync step's extra rounds
         self.filtered = {"varied": 0, "dropped": 0, "kept_flat": 0}  # since the last batch
-        self.pool.submit("stream_start", self.mgr.version).result()
+        engines_tp = set(self.pool.submit("stream_start", self.mgr.version).result())
+        if engines_tp != {cfg.rollout.tp}:
+            raise RuntimeError(f"fully_async: the rollout pool's vLLM engines run at TP {sorted(engines_tp)}, not "
+                               f"rollout.tp={cfg.rollout.tp}")
         trainer._sync_rollout_weights("stream_receive_weights", False)  # the trainer's weights (resumed too), checked
 
     # ---- 1. admit, collect, choose --------------------------------------------------------------------
@@ -102,7 +107,8 @@ class GroupStream:
                             "dynamic_sampling/groups_dropped": float(f["dropped"]),
                             "dynamic_sampling/groups_topped_up": float(f["kept_flat"])})
             self.filtered = dict.fromkeys(f, 0)
-        metrics.update({"async/groups_in_flight": float(len(self.pending)),
+        metrics.update({"async/rollout_replicas": float(len(self.leaders)),
+                        "async/groups_in_flight": float(len(self.pending)),
                         "async/groups_waiting": float(len(self.done)),
                         "async/policy_version": float(self.mgr.version)})
         batch.meta_info["metrics"] = metrics
@@ -124,7 +130,7 @@ class GroupStream:
         for g, row in start:
             step, i = g // self.B + 1, g % self.B
             seeds.append(self.trainer._sampling_for(step).seed + i * self.trainer.sampling.num_samples)
-            rank = min(range(len(self.load)), key=self.load.__getitem__)
+            rank = min(self.leaders, key=self.load.__getitem__)
             self.load[rank] += 1
             self.pending[row.non_tensor_batch["uid"][0]] = (g, self.mgr.version, rank)
             row.non_tensor_batch["group"] = np.array([g])

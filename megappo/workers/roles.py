@@ -241,6 +241,7 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
         self._sender = None
         self._receiver = None
         self._stream = None  # fully_async: RolloutStream, continuous generation on this rollout worker
+        self._replica = None  # fully_async with rollout.tp > 1: (this rank's replica group, its first rank)
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
@@ -343,13 +344,26 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
     # ---- fully asynchronous rollout (trainer.mode=fully_async, rollout/stream.py) ------------------
 
     @register(Dispatch.ONE_TO_ALL)
-    def stream_start(self, version: int) -> None:
-        """(Re)start this rollout worker's stream at policy `version`; what was in flight is aborted."""
+    def stream_start(self, version: int) -> int:
+        """(Re)start this rollout worker's stream at policy `version`; what was in flight is aborted. With
+        rollout.tp > 1 each replica's first rank runs the stream, its other ranks replay the first's engine
+        calls (rollout/lockstep.py). Returns the TP size of this rank's vLLM engine."""
+        from megappo.workers.rollout import lockstep
         from megappo.workers.rollout.stream import RolloutStream
 
+        rollout, tp = self._need(self.rollout, "rollout"), self.config.rollout.tp
         if self._stream is not None:
             self._stream.close()
-        self._stream = RolloutStream(self._need(self.rollout, "rollout"), version)
+        if tp > 1 and self._replica is None:  # every rank of the rollout world, together
+            self._replica = lockstep.replica_groups(tp)
+        if tp > 1 and self.rank % tp:
+            if not isinstance(self._stream, lockstep.FollowerStream):  # one replay for the worker's life
+                self._stream = lockstep.FollowerStream(rollout, *self._replica)
+        else:
+            self._stream = RolloutStream(rollout, version)
+            if tp > 1 and not isinstance(self._stream.engine.engine, lockstep.LockstepLeader):
+                self._stream.engine.use(lockstep.LockstepLeader(rollout.llm.llm_engine, *self._replica))
+        return rollout.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
 
     @register(Dispatch.ONE_TO_ALL)
     def stream_submit(self, prompts: DataProto, ranks: list) -> int:

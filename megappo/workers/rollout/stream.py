@@ -2,7 +2,7 @@
 driver admits them, finished groups come out, and new weights load between two engine steps while the rest
 keep generating.
 
-    stream = RolloutStream(rollout, version=0)   # the worker's VLLMRollout (its own engine, rollout.tp=1)
+    stream = RolloutStream(rollout, version=0)   # the worker's VLLMRollout (rollout.tp > 1: lockstep.py)
     stream.submit(prompts)                       # one row per prompt (a group of spec.num_samples samples)
     done = stream.collect()                      # the finished groups as one DataProto, or None
     stream.drain()                               # trainer.partial_rollout=false only: nothing in flight
@@ -151,8 +151,12 @@ class RolloutStream:
     @contextmanager
     def paused(self):
         """No engine step runs inside; the requests in flight keep their KV cache and continue after (unless
-        `recompute` is called inside, after the weights load)."""
+        `recompute` is called inside, after the weights load). rollout.tp > 1: the replica's other ranks are
+        told, and load theirs (lockstep.py)."""
         with self.engine.paused():
+            announce = getattr(self.engine.engine, "announce_pause", None)
+            if announce is not None:
+                announce()
             yield
 
     def recompute(self) -> int:
