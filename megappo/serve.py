@@ -14,6 +14,7 @@ gateway/serve.py's `GatewayServer` runs the same app in a thread (tests, the tra
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import sys
@@ -40,21 +41,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-mb", type=int, default=256, help="CPU: vLLM's KV cache size")
 
 
+SOURCE = "megappo_served_from.json"  # in an export dir: the checkpoint it was exported from
+
+
 def _hf_dir(model: Path, export_dir) -> tuple[Path, str]:
     """(the HF dir to serve, the name /v1/models reports): a HF dir as it is; a megappo checkpoint's policy
-    exported once (megappo export) into `export_dir` (default <checkpoint>/hf_served, reused on the next
-    start), written beside it and renamed into place so an interrupted export is never served."""
+    exported once (megappo export) into `export_dir` (default <checkpoint>/hf_served) and reused on the next
+    start if it says it came from this checkpoint (SOURCE); written beside it and renamed into place, so an
+    interrupted export is never served. A dir that is not such an export is never written over."""
     if (model / "config.json").is_file():
-        return model, model.name
+        return model, model.resolve().name
     from megappo.utils.checkpoint import MANIFEST
 
     if not (model / MANIFEST).is_file():
         raise SystemExit(f"serve: {model} is neither a HF model dir (config.json) nor a megappo checkpoint "
                          f"({MANIFEST}): pass --model a model dir or outputs/<run>/checkpoints/step_N")
-    name = f"{model.resolve().parent.parent.name}/{model.name}"  # outputs/<run>/checkpoints/step_N -> <run>/step_N
-    out = Path(export_dir) if export_dir else model / "hf_served"
-    if (out / "config.json").is_file():
-        return out, name
+    ckpt = model.resolve()
+    name = f"{ckpt.parent.parent.name}/{ckpt.name}"  # outputs/<run>/checkpoints/step_N -> <run>/step_N
+    out = (Path(export_dir) if export_dir else ckpt / "hf_served").resolve()
+    source = {"checkpoint": str(ckpt), "manifest": (ckpt / MANIFEST).read_text()}
+    if out.exists() and any(out.iterdir()):
+        try:
+            if json.loads((out / SOURCE).read_text()) == source:
+                return out, name
+        except (OSError, ValueError):
+            pass
+        raise SystemExit(f"serve: {out} exists and is not an export of {ckpt}; pass --export-dir an empty or new dir")
     import shutil
 
     from megappo.export import ExportError, export_checkpoint
@@ -62,14 +74,18 @@ def _hf_dir(model: Path, export_dir) -> tuple[Path, str]:
     part = out.with_name(out.name + ".part")
     print(f"serve: exporting the checkpoint's policy to {out}", flush=True)
     try:
-        export_checkpoint(model, part, overwrite=True)
+        export_checkpoint(ckpt, part, overwrite=True)
+        (part / SOURCE).write_text(json.dumps(source))
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        part.rename(out)
     except ExportError as e:
         raise SystemExit(f"serve: {e}") from None
     except PermissionError:
         raise SystemExit(f"serve: cannot write {part} (a read-only checkpoint?): pass --export-dir a writable "
                          "dir for the exported model") from None
-    shutil.rmtree(out, ignore_errors=True)
-    part.rename(out)
+    finally:
+        shutil.rmtree(part, ignore_errors=True)
     return out, name
 
 
@@ -84,13 +100,16 @@ def main(args: argparse.Namespace) -> int:
     model = Path(args.model)
     if not model.exists():
         raise SystemExit(f"serve: --model {model} does not exist")
+    from transformers import AutoTokenizer
+
     from megappo.gateway.tool_calls import check_tool_parser
 
     try:
-        check_tool_parser(args.tool_parser)
+        check_tool_parser(args.tool_parser)  # the name, before an export
+        hf, name = _hf_dir(model, args.export_dir)
+        check_tool_parser(args.tool_parser, AutoTokenizer.from_pretrained(hf))  # its tokens, before vLLM loads
     except ValueError as e:
         raise SystemExit(f"serve: --tool-parser: {e}") from None
-    hf, name = _hf_dir(model, args.export_dir)
     key = args.api_key or os.environ.get("MEGAPPO_API_KEY") or "mp-" + secrets.token_urlsafe(24)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"serve: WARNING: binding {args.host}: anyone who can reach it and knows the key can use the model",

@@ -32,32 +32,39 @@ def run_two_turn_agents(url: str, keys: list[str], model: str, max_tokens: int) 
 @contextlib.contextmanager
 def serve_process(model, *args: str, key: str = "k-test-123", timeout: float = 180):
     """`megappo serve --model MODEL ARGS` in its own process on a free loopback port, its key in
-    $MEGAPPO_API_KEY, as a user starts it; yields (the process, its base URL) once the port answers. The
-    process's output is read after it stops: `proc.log`."""
+    $MEGAPPO_API_KEY, as a user starts it; yields (the process, its base URL) once the port answers. Its output
+    goes to a file (a pipe nobody reads would fill and block it), read into `proc.log` after it stops."""
     import os
     import socket
     import subprocess
     import sys
+    import tempfile
     import time
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "megappo.cli", "serve", "--model", str(model), "--port", str(port),
-                             *args], env={**os.environ, "MEGAPPO_API_KEY": key}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.time() + timeout
-        while True:
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "megappo.cli", "serve", "--model", str(model), "--port",
+                                 str(port), *args], env={**os.environ, "MEGAPPO_API_KEY": key}, stdout=log,
+                                stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.time() + timeout
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    assert proc.poll() is None, (log.seek(0), log.read())[1]
+                    assert time.time() < deadline, f"megappo serve did not answer in {timeout} s"
+                    time.sleep(0.5)
+            yield proc, f"http://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
             try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert proc.poll() is None, proc.stdout.read()
-                assert time.time() < deadline, f"megappo serve did not answer in {timeout} s"
-                time.sleep(0.5)
-        yield proc, f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        proc.log = proc.stdout.read()
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.seek(0)
+            proc.log = log.read()

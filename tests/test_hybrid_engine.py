@@ -243,6 +243,7 @@ def _check(reports, layout_name, rollout_tp, repack):
     assert r0["buckets"] >= 6, r0["buckets"]
     assert r0["sliced"] == (rollout_tp == train_tp > 1)
     assert r0["chunks"] == (LAYOUTS[layout_name].get("vpp") or 1)
+    assert len(r0["rounds"]) == 2
     for i, rnd in enumerate(r0["rounds"]):
         m = rnd["metrics"]
         assert m["rollout/weights_fingerprint_ok"] == 1.0

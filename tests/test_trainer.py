@@ -146,6 +146,16 @@ def _check_serve_checkpoint(out, ckpt):
     trained, untrained = hf_response_logprobs(out / "hf_final", row)[0], hf_response_logprobs(base, row)[0]
     assert len(ids) > 0 and (served - trained).abs().max() < 1e-4, (served, trained)
     assert (served - untrained).abs().max() > 1e-3, (served, untrained)  # the trained policy, not the base
+    # the export is reused on the next start; a dir that is not its export is never written over
+    from megappo.serve import _hf_dir
+
+    mtime = (ckpt / "hf_served" / "config.json").stat().st_mtime_ns
+    assert _hf_dir(ckpt, None) == ((ckpt / "hf_served").resolve(), f"{out.name}/{ckpt.name}")
+    assert (ckpt / "hf_served" / "config.json").stat().st_mtime_ns == mtime
+    for foreign in (out / "hf_final", out):  # another model dir; the run dir itself
+        with pytest.raises(SystemExit, match="exists and is not an export of .*pass --export-dir an empty or new dir"):
+            _hf_dir(ckpt, str(foreign))
+    assert (out / "hf_final" / "config.json").is_file()
 
 
 def _check_export_cli(out, ckpt, rows):
