@@ -13,10 +13,12 @@ every rank samples the same tokens; unseeded ones draw from the engines' generat
 
 A weight load: every rank of the rollout pool receives the weights (weight_sync.py) inside its stream's
 `paused()`. The leader's takes its engine's step lock (a step it has begun, the followers finish with it),
-then tells the followers it has paused; a follower's `paused()` waits for that word before it takes the lock
+then tells the followers it has paused, with the calls made since its last step (so a prefix-cache reset
+in the pause finds the same blocks in use on every rank); a follower's `paused()` waits for that word before it takes the lock
 its replay steps under, so no rank loads while its replica steps and no follower holds back a step the
 leader has begun. What the leader does inside the pause (recompute: reset_prefix_cache(
-reset_running_requests=True)) reaches the followers with the next step, before it.
+reset_running_requests=True)) reaches the followers with the next step, before it. A step that fails on the
+leader ends the replica (its followers ran or hang in it): every later call raises, and the run restarts.
 
 This is how megappo differs from AReaL / verl's fully-async rollouts, which run vLLM's own server (its
 multiprocess executor broadcasts the scheduler's output to the TP workers): here the engines stay in the
@@ -57,6 +59,7 @@ class LockstepLeader:
     def __init__(self, engine, group, src: int):
         self._engine, self._group, self._src = engine, group, src
         self._calls: list = []
+        self.failed = None  # a step that raised: every later call raises (the followers' engines differ now)
         self._internal: dict = {}  # a request's id -> vLLM's internal id for it
         self._external: dict = {}  # and back
 
@@ -81,17 +84,29 @@ class LockstepLeader:
         return out
 
     def announce_pause(self) -> None:
-        """Inside the stream's paused() (no step runs): the followers may load weights now."""
-        dist.broadcast_object_list(["pause"], src=self._src, group=self._group)
+        """Inside the stream's paused() (no step runs): the followers apply the calls made since the last step
+        (e.g. aborts: a prefix-cache reset inside the pause must find the same blocks in use on every rank),
+        then may load weights."""
+        self._send(("pause", self._calls))
 
     def step(self):
-        calls, self._calls = self._calls, []
-        dist.broadcast_object_list([calls], src=self._src, group=self._group)
-        outputs = self._engine.step()
+        self._send(("step", self._calls))
+        try:
+            outputs = self._engine.step()
+        except Exception as e:  # the followers ran (or hang in) this step: the replica cannot go on
+            self.failed = e
+            raise
         for out in outputs:
             if out.finished:
                 self._external.pop(self._internal.pop(out.request_id, None), None)
         return outputs
+
+    def _send(self, message) -> None:
+        if self.failed is not None:
+            raise RuntimeError(f"this rollout replica's engines diverged at a failed step ({self.failed}); the "
+                               "run restarts its workers")
+        dist.broadcast_object_list([message], src=self._src, group=self._group)
+        self._calls = []  # sent
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -122,14 +137,16 @@ class FollowerStream:
             while True:
                 box = [None]
                 dist.broadcast_object_list(box, src=self._src, group=self._group)
-                if box[0] == "pause":
+                kind, calls = box[0]
+                with self._lock:
+                    for call in calls:
+                        self._apply(call)
+                if kind == "pause":
                     with self._leader_paused:
                         self._pauses[0] += 1
                         self._leader_paused.notify_all()
                     continue
                 with self._lock:
-                    for call in box[0]:
-                        self._apply(call)
                     with preserved_rng(), cpu_compat.suspended():
                         outputs = self.engine.step()
                 for out in outputs:
@@ -175,8 +192,12 @@ class FollowerStream:
             while self._pauses[0] < self._pauses[1]:
                 self._check()
                 self._leader_paused.wait(timeout=1.0)
-        with self._lock:
+        while not self._lock.acquire(timeout=1.0):  # a replayed step the leader abandoned would hold it
+            self._check()
+        try:
             yield
+        finally:
+            self._lock.release()
 
     def recompute(self) -> int:
         return 0  # the leader's reset reaches this engine before its next step
