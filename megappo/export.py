@@ -154,7 +154,7 @@ def export_lora(role_dir, out, base, dtype: Optional[str] = None, overwrite: boo
             if name.endswith(".weight") and mod in adapter:
                 a, b = adapter[mod]
                 w = tensors[name]
-                tensors[name] = (w.double() + cfg.scaling * (b.double() @ a.double())).to(w.dtype)
+                tensors[name] = (w.double() + cfg.scaling * (b.double() @ a.double())).to(cast)
                 merged += 1
             if tensors[name].is_floating_point():
                 tensors[name] = tensors[name].to(cast)
@@ -193,6 +193,12 @@ def main(args: argparse.Namespace) -> int:
     except ExportError as e:
         print(f"megappo export: {e}", file=sys.stderr)
         return 1
-    print(f"exported {args.role} of {args.ckpt} -> {args.out}: {info['tensors']} tensors, "
-          f"{info['bytes'] / 2**20:.1f} MiB, {info['architecture']}")
+    if info.get("direction") == "lora-to-hf":
+        adapter = f"the peft adapter in {info['adapter']}" if info["adapter"] else \
+            f"no peft adapter ({info['adapter_skipped']})"
+        print(f"exported {args.role} of {args.ckpt} -> {args.out}: {info['merged_modules']} adapted weights merged "
+              f"into {info['base']}; {adapter}")
+    else:
+        print(f"exported {args.role} of {args.ckpt} -> {args.out}: {info['tensors']} tensors, "
+              f"{info['bytes'] / 2**20:.1f} MiB, {info['architecture']}")
     return 0

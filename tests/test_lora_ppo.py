@@ -211,25 +211,32 @@ def test_adapter_checkpoint_resumes_at_another_tp(engine_runs):
     assert worst <= 5e-5 and gap <= 1e-5
 
 
-def _hf_gap(model, want) -> float:
-    """max |HF model's log-probs - `want`| over make_batch's rows whose response is all real, each row alone."""
+def _hf_logprobs(model, r: int = 6):
+    """The HF model's log-probs of the last `r` tokens of each make_batch row whose response is all real, each
+    row alone (unpadded); zeros for the other rows."""
     import torch
 
     from test_megatron_engine import make_batch
 
     b = make_batch()
     ids, mask = b["input_ids"], b["attention_mask"]
-    r = want.shape[1]
-    worst, rows = 0.0, 0
+    out = torch.zeros(ids.shape[0], r)
     with torch.no_grad():
         for i in range(ids.shape[0]):
-            if not mask[i, -r:].all():
-                continue
-            row = ids[i][mask[i].bool()][None]
-            lp = torch.log_softmax(model(input_ids=row).logits.float(), -1)[0, :-1].gather(-1, row[0, 1:, None])[:, 0]
-            worst, rows = max(worst, (want[i] - lp[-r:]).abs().max().item()), rows + 1
-    assert rows >= 4
-    return worst
+            if mask[i, -r:].all():
+                row = ids[i][mask[i].bool()][None]
+                lp = torch.log_softmax(model(input_ids=row).logits.float(), -1)[0, :-1].gather(-1, row[0, 1:, None])
+                out[i] = lp[-r:, 0]
+    return out
+
+
+def _hf_gap(model, want) -> float:
+    """max |HF model's log-probs - `want`| over make_batch's rows whose response is all real, each row alone."""
+    from test_megatron_engine import make_batch
+
+    real = make_batch()["attention_mask"][:, -want.shape[1]:].all(-1)
+    assert real.sum() >= 4
+    return (want[real] - _hf_logprobs(model, want.shape[1])[real]).abs().max().item()
 
 
 def test_exported_peft_adapter_loads_onto_the_hf_base(engine_runs):
@@ -337,12 +344,19 @@ def test_adapter_checkpoint_exports_merged_hf_and_peft(engine_runs):
     shutil.copytree(path, bf16)
     for f in bf16.glob("*.safetensors"):
         save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(f)).items()}, str(f), metadata={"format": "pt"})
+    on_bf16 = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32),
+                                        str(tmp / "merged" / "adapter")).eval()
+    gaps = {}
     for dtype, tag, name in ((None, "F32", "float32"), ("bfloat16", "BF16", "bfloat16")):
         out = tmp / f"merged_{name}"
         export_lora(tmp / "step1", out, bf16, dtype=dtype)
         with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
             assert {f.get_slice(k).get_dtype() for k in f.keys()} == {tag}
         assert json.loads((out / "config.json").read_text())["dtype"] == name
+        model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+        gaps[name] = _hf_gap(model, _hf_logprobs(on_bf16, res[0]["step1_lp"].shape[1]))
+    print(f"merged onto a bf16 base vs peft on it: {gaps}")
+    assert gaps["float32"] <= 1e-4 < gaps["bfloat16"]  # the rounding the float32 default avoids
 
 
 def test_a_lora_ppo_run_end_to_end(ray_session, tiny_assets, data_dir, tmp_path):
@@ -369,6 +383,19 @@ def test_a_lora_ppo_run_end_to_end(ray_session, tiny_assets, data_dir, tmp_path)
     assert size(step / "actor") * 5 < size(step / "critic")
     assert (tmp_path / "hf_final" / "model.safetensors").is_file()
     assert (tmp_path / "hf_final" / "adapter" / "adapter_config.json").is_file()
+    # `megappo export` of the same checkpoint, as a user runs it (its summary line crashed on a LoRA checkpoint)
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "export", "--ckpt", str(step), "--out",
+                           str(tmp_path / "exported")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "28 adapted weights merged" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    import torch
+    from safetensors.torch import load_file
+
+    exported, final = load_file(str(tmp_path / "exported" / "model.safetensors")), \
+        load_file(str(tmp_path / "hf_final" / "model.safetensors"))
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
 
 
 @pytest.mark.parametrize("sampler", ["single_turn", "multi_turn", "agent"])
