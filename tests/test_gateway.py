@@ -182,6 +182,56 @@ def test_a_weight_load_while_requests_are_in_flight(served):
     assert tail == [seen["version"]] * len(after.choices[0].model_extra["token_ids"])
 
 
+def test_a_block_filled_after_a_weight_load_is_never_reused(served):
+    """A request in flight across a load fills its next KV block under the new weights while attending to its
+    earlier blocks (the old weights'): that block is never cached. A request on its prompt + response recomputed
+    after the load is, so the next request on the same ids finds that copy, not the mixed block: its log-probs
+    are the new model's (fp32, < 1e-4 against HF)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+
+    rollout, engine, _, _ = served
+    old = load_file(os.path.join(rollout.model_path, "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    new = {k: v * (1 + 0.2 * torch.randn(v.shape, generator=g)) if v.is_floating_point() else v for k, v in old.items()}
+    prompt = rollout.tokenizer(" ".join(["the water is one of the answer"] * 35))["input_ids"][:250]
+
+    def sampling(n, seed):
+        return SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.0, seed=seed, logprobs=0)
+
+    async def main():
+        crossing = asyncio.create_task(engine.generate(prompt, sampling(MAX_TOKENS, 1)))
+        steps0 = engine.steps
+        while engine.steps == steps0:
+            await asyncio.sleep(0.001)
+        with engine.paused():  # the first block (of the prompt) holds KV of the old weights
+            rollout.load_weights(iter(new.items()))
+            rollout.reset_prefix_cache()
+            version = engine.bump_version()
+        a = await crossing
+        grown = prompt + a.ids
+        copies = [await engine.generate(grown, sampling(2, k)) for k in (2, 3)]
+        return a, version, grown, copies
+
+    try:
+        a, version, grown, copies = asyncio.run(main())
+    finally:
+        with engine.paused():
+            rollout.load_weights(iter(old.items()))
+            rollout.reset_prefix_cache()
+    first_new = a.token_versions.index(version)
+    assert len(prompt) + first_new < 256 < len(grown)  # the second 128-token block filled after the load
+    hf = AutoModelForCausalLM.from_pretrained(rollout.model_path, torch_dtype=torch.float32).eval()
+    hf.load_state_dict(new, strict=False)
+    for c in copies:
+        with torch.no_grad():
+            logits = hf(torch.tensor([grown + c.ids])).logits[0, len(grown) - 1:-1].float()
+        ref = logits.log_softmax(-1).gather(-1, torch.tensor(c.ids)[:, None])[:, 0]
+        assert (torch.tensor(c.logprobs) - ref).abs().max() < 1e-4, (c.logprobs, ref)
+
+
 def post(url: str, path: str, body, key: str | None = None) -> tuple[int, dict]:
     """A raw HTTP request, as an agent in another language would send it."""
     host, port = url.removeprefix("http://").split(":")

@@ -260,16 +260,25 @@ class VLLMRollout:
         requests hold blocks (fully_async's samples in flight, pause_mode=keep): then every block's hash is
         dropped instead, as vLLM's reset does for free blocks, so no later request reuses KV of the old weights
         (a prefix is looked up from its first block, whose hash is gone; the requests in flight keep theirs:
-        partial rollouts)."""
-        if not self.llm.reset_prefix_cache():
-            from vllm.v1.core.block_pool import BlockHashToBlockMap
+        partial rollouts), and the requests in flight cache no block from here on (their later blocks attend to
+        KV of the old weights: a later request must never find them, e.g. through a recomputed copy of their
+        earlier blocks)."""
+        manager = self.llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager  # in-process core
+        managers = manager.coordinator.single_type_managers
+        pools = list(dict.fromkeys(m.block_pool for m in managers))
+        if all(p.num_gpu_blocks - p.get_num_free_blocks() == 1 for p in pools):  # only the null block: vLLM resets
+            self.llm.reset_prefix_cache()
+            return
+        from vllm.v1.core.block_pool import BlockHashToBlockMap
 
-            manager = self.llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager  # in-process core
-            for pool in dict.fromkeys(m.block_pool for m in manager.coordinator.single_type_managers):
-                pool.cached_block_hash_to_block = BlockHashToBlockMap()
-                pool.cached_block_hashes_by_block.clear()
-                for block in pool.blocks:
-                    block.reset_hash()
+        for pool in pools:
+            pool.cached_block_hash_to_block = BlockHashToBlockMap()
+            pool.cached_block_hashes_by_block.clear()
+            for block in pool.blocks:
+                block.reset_hash()
+        for m in managers:  # cache_blocks returns early for them; the entry goes when a request is freed
+            for rid in m.num_cached_block:
+                m.num_cached_block[rid] = 1 << 62
 
     def fingerprint(self) -> dict[str, tuple[float, float]]:
         """{hf_name: (fp, scale)} of the weights this engine's kernels use, summed over its TP group
