@@ -131,6 +131,13 @@ def export_lora(role_dir, out, base, dtype: Optional[str] = None, overwrite: boo
     role_dir, out, base = Path(role_dir), Path(out), Path(base)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out} exists and is not empty; pass --overwrite or another --out")
+    # float32 unless told: W + alpha/r * B @ A rounded back to a bf16 base's dtype loses much of a small delta
+    # (SmolLM2's GRPO recipe after 40 steps: 60% held-out where the trained policy scored 70%)
+    cast = {None: torch.float32, "auto": torch.float32, "fp32": torch.float32, "float32": torch.float32,
+            "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16
+            }.get(dtype)
+    if cast is None:
+        raise ExportError(f"--dtype {dtype!r}: choose float32 (a LoRA checkpoint's default), bfloat16 or float16")
     meta = json.loads((role_dir / LORA_META).read_text())
     if meta.get("format") != LORA_FORMAT:
         raise ExportError(f"{role_dir}: adapter checkpoint format {meta.get('format', 1)}, this megappo reads "
@@ -140,12 +147,6 @@ def export_lora(role_dir, out, base, dtype: Optional[str] = None, overwrite: boo
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    # float32 unless told: W + alpha/r * B @ A rounded back to a bf16 base's dtype loses much of a small delta
-    # (SmolLM2's GRPO recipe after 40 steps: 60% held-out where the trained policy scored 70%)
-    cast = {None: torch.float32, "auto": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16,
-            "float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
-    if cast is None:
-        raise ExportError(f"--dtype {dtype!r}: choose float32 (a LoRA checkpoint's default) or bfloat16")
     merged = 0
     for f in sorted(base.glob("*.safetensors")):
         tensors = load_file(str(f))
@@ -180,7 +181,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ckpt", required=True, help="a checkpoint dir: <output_dir>/checkpoints/step_N")
     parser.add_argument("--out", required=True, help="the HF model dir to write (must not exist, or be empty)")
     parser.add_argument("--role", default="actor", choices=ROLES, help="the policy (default) or the value model")
-    parser.add_argument("--dtype", default=None, help="auto (as saved) | bfloat16 | float16 | float32")
+    parser.add_argument("--dtype", default=None, help="auto (as saved; a LoRA checkpoint's merged weights: float32) | "
+                        "bfloat16 | float16 | float32")
     parser.add_argument("--config", default=None, help="HF model dir for config.json + tokenizer (default: from "
                         "the checkpoint, else the run's model.path)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")

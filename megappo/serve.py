@@ -114,6 +114,13 @@ def main(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"serve: WARNING: binding {args.host}: anyone who can reach it and knows the key can use the model",
               file=sys.stderr)
+    from megappo.workers.rollout.vllm_env import on_gpu
+
+    if (hf / SOURCE).is_file() and (hf / "adapter").is_dir() and \
+            (args.dtype or ("bfloat16" if on_gpu() else "float32")) not in ("float32", "fp32"):
+        print("serve: WARNING: a LoRA checkpoint's merged policy served below float32 (the default on GPU is "
+              "bfloat16) rounds W + alpha/r * B @ A and can lose much of what was trained; pass --dtype float32 to "
+              "serve it as trained", file=sys.stderr)
     rollout = VLLMRollout(hf, RolloutConfig(max_new_tokens=args.max_tokens, kv_cache_memory_mb=args.kv_cache_mb),
                           dtype=args.dtype, max_model_len=args.max_model_len)
     gateway = Gateway(AsyncTokenEngine.for_llm(rollout.llm), rollout.tokenizer, model_name=args.name or name,
