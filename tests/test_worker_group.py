@@ -299,6 +299,20 @@ def test_call_timeout_and_worker_exception(ray_session):
                                               r"first: group 'sleepy' rank 0 \(node [\d.]+, pid \d+\)"):
             g.sleep(30)
         assert time.monotonic() - t0 < 5
+        # first_failure (the trainer's weight sync: two groups meeting in one broadcast): one call failing ends
+        # the wait at once with its error, while the other would block until its own timeout
+        from megappo.controller.worker_group import first_failure
+
+        blocked, failing = [RayWorkerGroup(pool, SleepWorker, name=n, timeout_s=60, spawn_timeout_s=60)
+                            for n in ("blocked", "failing")]
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(ValueError, match=r"boom from rank [01]"):
+                first_failure(blocked.submit("sleep", 30), failing.submit("fail"))
+            assert time.monotonic() - t0 < 10
+        finally:
+            blocked.shutdown()
+            failing.shutdown()
     finally:
         g.shutdown()
         pool.remove()

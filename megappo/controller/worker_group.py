@@ -30,7 +30,7 @@ from megappo.controller.dispatch import (CallPlan, Dispatch, DispatchSpec, Megat
 from megappo.controller.resource_pool import Bundle, RayResourcePool, ResourcePoolManager, WorkerError
 from megappo.parallel import device
 
-__all__ = ["RayWorkerGroup", "NVMegatronRayWorkerGroup", "PendingCall", "WorkerError", "RayResourcePool",
+__all__ = ["RayWorkerGroup", "NVMegatronRayWorkerGroup", "PendingCall", "first_failure", "WorkerError", "RayResourcePool",
            "ResourcePoolManager", "Dispatch", "register"]
 
 
@@ -54,6 +54,24 @@ class PendingCall:
         if self.after is not None:
             self.after()
         return collect_results(self.spec, self.plan, results)
+
+
+def first_failure(*calls: PendingCall) -> None:
+    """Wait until every call has ended or one has failed, and raise that one's error (its group's `result()`):
+    for calls that meet in one collective, where a failed side leaves the others blocked until their timeout.
+    Past the longest group timeout it returns, and each call's `result()` reports its own timeout."""
+    import ray
+
+    pending = {ref: call for call in calls for ref in call.refs}
+    deadline = time.monotonic() + max(call.group.timeout_s for call in calls)
+    while pending and time.monotonic() < deadline:
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        for ref in ready:
+            call = pending.pop(ref)
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:  # noqa: BLE001 - the group's own wrapping (WorkerError, the rank named) raises
+                call.result(timeout_s=1.0)
 
 
 def _with_env(worker_cls: type) -> type:

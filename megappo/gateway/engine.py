@@ -132,7 +132,10 @@ class AsyncTokenEngine:
                         outputs = self.engine.step()
                 except Exception as e:  # noqa: BLE001 - fail every waiting request, keep serving
                     failed = list(self._pending)
-                    self.engine.abort_request([self._pending[rid][4] for rid in failed], internal=True)
+                    try:
+                        self.engine.abort_request([self._pending[rid][4] for rid in failed], internal=True)
+                    except Exception:  # noqa: BLE001 - the engine is broken: its callers still get the error
+                        pass
                     for rid in failed:
                         loop, future, *_ = self._pending.pop(rid)
                         self._forget(rid)

@@ -386,9 +386,12 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
     def _sync_rollout_weights(self, receive: str = "receive_weights", *args) -> dict:
         """Async: actor -> rollout pool over the weight-sync group (both sides at once; fully_async's pool
         receives with stream_receive_weights, between two engine steps)."""
+        from megappo.controller.worker_group import first_failure
+
         t0 = time.perf_counter()
         send = self.actor_wg.submit("send_weights")
         recv = self.rollout_wg.submit(receive, *args)
+        first_failure(send, recv)  # one side failing leaves the other in the broadcast: its error, at once
         sent, everyone = send.result()[0], recv.result()
         received = dict(everyone[0])
         if any("async/recomputed_samples" in r for r in everyone):  # re-prefilled samples, over the pool

@@ -18,7 +18,8 @@ in the pause finds the same blocks in use on every rank); a follower's `paused()
 its replay steps under, so no rank loads while its replica steps and no follower holds back a step the
 leader has begun. What the leader does inside the pause (recompute: reset_prefix_cache(
 reset_running_requests=True)) reaches the followers with the next step, before it. A step that fails on the
-leader ends the replica (its followers ran or hang in it): every later call raises, and the run restarts.
+leader ends the replica (its followers ran or hang in it): every later call raises, the stream's next collect
+or weight load raises it, and the run stops with it (resume from its last checkpoint).
 
 This is how megappo differs from AReaL / verl's fully-async rollouts, which run vLLM's own server (its
 multiprocess executor broadcasts the scheduler's output to the TP workers): here the engines stay in the
@@ -103,8 +104,8 @@ class LockstepLeader:
 
     def _send(self, message) -> None:
         if self.failed is not None:
-            raise RuntimeError(f"this rollout replica's engines diverged at a failed step ({self.failed}); the "
-                               "run restarts its workers")
+            raise RuntimeError(f"this rollout replica's engines diverged at a failed step ({self.failed}); "
+                               "resume the run from its last checkpoint")
         dist.broadcast_object_list([message], src=self._src, group=self._group)
         self._calls = []  # sent
 

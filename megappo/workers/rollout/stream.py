@@ -98,9 +98,17 @@ class RolloutStream:
                                           None if inputs is None else inputs[j]) for j, r in enumerate(requests)]
         return row, spec.with_seed(base), [asyncio.run_coroutine_threadsafe(c, self._loop) for c in runs], requests
 
+    def _check(self) -> None:
+        """rollout.tp > 1: a step that failed on this replica ends it (lockstep.py), whatever its samples show (an
+        agent's failed request is a dropped sample)."""
+        failed = getattr(self.engine.engine, "failed", None)
+        if failed is not None:
+            raise RuntimeError(f"this rollout replica's engines stopped at a failed step: {failed}")
+
     def collect(self) -> Optional[DataProto]:
         """The groups whose every sample has finished (removed from the stream), or None. A request the
         engine failed raises here."""
+        self._check()
         done = [uid for uid, (_, _, futures, _) in self._groups.items() if all(f.done() for f in futures)]
         parts = [self._assemble(*self._groups.pop(uid)) for uid in done]
         if not parts:
@@ -146,6 +154,7 @@ class RolloutStream:
         for _, _, futures, _ in list(self._groups.values()):
             for f in futures:
                 f.exception()  # waits; a failed request raises in collect, as it would without the drain
+        self._check()
         return len(self._groups)
 
     @contextmanager
