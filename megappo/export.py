@@ -133,11 +133,13 @@ def export_lora(role_dir, out, base, dtype: Optional[str] = None, overwrite: boo
         raise ExportError(f"{out} exists and is not empty; pass --overwrite or another --out")
     # float32 unless told: W + alpha/r * B @ A rounded back to a bf16 base's dtype loses much of a small delta
     # (SmolLM2's GRPO recipe after 40 steps: 60% held-out where the trained policy scored 70%)
-    cast = {None: torch.float32, "auto": torch.float32, "fp32": torch.float32, "float32": torch.float32,
-            "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16
-            }.get(dtype)
-    if cast is None:
-        raise ExportError(f"--dtype {dtype!r}: choose float32 (a LoRA checkpoint's default), bfloat16 or float16")
+    from tools.convert_ckpt.errors import ConvertError
+    from tools.convert_ckpt.to_hf import _cast_dtype, _hf_output_config
+
+    try:
+        cast = _cast_dtype(dtype) or torch.float32  # the converter's dtype names; auto: float32 here
+    except ConvertError as e:
+        raise ExportError(str(e)) from None
     meta = json.loads((role_dir / LORA_META).read_text())
     if meta.get("format") != LORA_FORMAT:
         raise ExportError(f"{role_dir}: adapter checkpoint format {meta.get('format', 1)}, this megappo reads "
@@ -165,8 +167,6 @@ def export_lora(role_dir, out, base, dtype: Optional[str] = None, overwrite: boo
     for f in base.iterdir():  # config, generation config, tokenizer, the shard index
         if f.is_file() and not f.name.endswith(".safetensors"):
             shutil.copy2(f, out / f.name)
-    from tools.convert_ckpt.to_hf import _hf_output_config
-
     raw = json.loads((base / "config.json").read_text())  # its dtype is the export's
     (out / "config.json").write_text(json.dumps(_hf_output_config(raw, "actor", "causal-lm", "", cast), indent=2))
     try:

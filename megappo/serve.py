@@ -107,7 +107,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         check_tool_parser(args.tool_parser)  # the name, before an export
         hf, name = _hf_dir(model, args.export_dir)
-        check_tool_parser(args.tool_parser, AutoTokenizer.from_pretrained(hf))  # its tokens, before vLLM loads
+        if args.tool_parser is not None:  # its marker tokens in the model's vocabulary, before vLLM loads
+            check_tool_parser(args.tool_parser, AutoTokenizer.from_pretrained(hf))
     except ValueError as e:
         raise SystemExit(f"serve: --tool-parser: {e}") from None
     key = args.api_key or os.environ.get("MEGAPPO_API_KEY") or "mp-" + secrets.token_urlsafe(24)

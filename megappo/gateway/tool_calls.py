@@ -45,7 +45,7 @@ def check_tool_parser(name: Optional[str], tokenizer=None) -> None:
 
 class ToolCallReader:
     def __init__(self, tokenizer, parser: Optional[str] = None):
-        self.tokenizer, self.name = tokenizer, parser
+        self.tokenizer = tokenizer
         self._parser_cls = None
         if parser is not None:
             check_tool_parser(parser)
