@@ -232,6 +232,32 @@ def test_a_block_filled_after_a_weight_load_is_never_reused(served):
         assert (torch.tensor(c.logprobs) - ref).abs().max() < 1e-4, (c.logprobs, ref)
 
 
+def test_a_pause_waits_for_the_step_running_not_for_the_request(served):
+    """A weight load pauses a busy engine: the stepping thread finishes the step it is in and then waits (a lock
+    alone is not fair: the thread that released it took it again at once and ran on, step after step, while
+    the load waited; the test above then saw no token sampled after its load)."""
+    from vllm import SamplingParams
+
+    _, engine, _, _ = served
+
+    async def main():
+        params = SamplingParams(max_tokens=200, ignore_eos=True, temperature=1.0, seed=0)
+        running = asyncio.create_task(engine.generate([1, 2, 3, 4], params))
+        late = []
+        for _ in range(5):
+            steps0 = engine.steps
+            while engine.steps == steps0 and not running.done():
+                await asyncio.sleep(0.001)
+            before = engine.steps
+            with engine.paused():
+                late.append(engine.steps - before)
+        await running
+        return late
+
+    late = asyncio.run(main())
+    assert max(late) <= 1, late  # the step running when the pause was asked for, no more
+
+
 def post(url: str, path: str, body, key: str | None = None) -> tuple[int, dict]:
     """A raw HTTP request, as an agent in another language would send it."""
     host, port = url.removeprefix("http://").split(":")

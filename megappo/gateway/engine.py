@@ -61,6 +61,11 @@ class AsyncTokenEngine:
         self.lora_request = None  # rollout.lora_sync=adapter: the adapter each new request samples with
         # held by a step, by add_request, and by paused() (reentrant: a weight load inside a pause may resubmit)
         self._lock = threading.RLock()
+        # paused() callers waiting for or holding the lock: the stepping thread steps only when there are none
+        # (a lock is not fair: a thread that releases it and takes it again at once starves the waiting one,
+        # and a busy engine then ran on for many steps past a weight load's pause)
+        self._pausing = 0
+        self._resumed = threading.Condition()
         self._pending: dict[str, tuple] = {}  # request id -> (loop, future, prompt ids, version, vLLM's id)
         self._token_versions: dict[str, list] = {}  # request id -> the version that sampled each id so far
         self._params: dict[str, object] = {}  # request id -> its SamplingParams (resubmit_running)
@@ -122,6 +127,9 @@ class AsyncTokenEngine:
 
         while not self._closed:
             self._wake.wait(timeout=0.5)
+            with self._resumed:
+                while self._pausing and not self._closed:
+                    self._resumed.wait(timeout=0.5)
             with self._lock:
                 self._admit()
                 if not self._pending:  # only its own requests: a synchronous LLM.generate on the same
@@ -169,9 +177,16 @@ class AsyncTokenEngine:
     def paused(self):
         """No engine step runs inside: in-flight requests wait with their KV cache, then continue. A
         synchronous `LLM.generate` on the same engine while requests are in flight belongs inside too (two
-        threads must never step one engine)."""
-        with self._lock:
-            yield
+        threads must never step one engine). It waits for the step running at most, never for later ones."""
+        with self._resumed:
+            self._pausing += 1
+        try:
+            with self._lock:
+                yield
+        finally:
+            with self._resumed:
+                self._pausing -= 1
+                self._resumed.notify_all()
 
     def abort_all(self) -> int:
         """Abort every request queued or in flight (their callers' awaits are cancelled); returns how many."""
