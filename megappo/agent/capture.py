@@ -55,7 +55,7 @@ class Segment:
         self.model_mask += [int(model)] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
         self.versions += [version] * len(ids) if isinstance(version, int) else list(version)
-        self.turns += int(model)
+        self.turns += int(model or version != -1)  # the engine's turns, trained or kept as context
 
     def to_dict(self) -> dict:
         return {"prompt_ids": self.prompt_ids, "tokens": self.tokens, "model_mask": self.model_mask,

@@ -54,7 +54,8 @@ def with_tools(messages: list[dict], tokenizer, schemas: list[dict], tool_prompt
     return [{"role": "system", "content": text}] + messages, {}
 
 
-def _literal(text: str) -> str:
+def regex_literal(text: str) -> str:
+    """`text` as a regex that matches it alone (the escapes xgrammar's and outlines' regexes take)."""
     return "".join("\\" + c if c in "\\.^$*+?{}[]|()" else c for c in text)
 
 
@@ -66,9 +67,9 @@ def forced_call_regex(schemas: list[dict], max_chars: int = 48) -> str:
     for s in schemas:
         f = s["function"]
         names = f["parameters"].get("required") or list(f["parameters"].get("properties", {}))
-        args = ", ".join(_literal(f'"{k}": ') + value for k in names)
-        alternatives.append(_literal(f'{CALL_START}{{"name": "{f["name"]}", "arguments": {{') + args
-                            + _literal(f"}}}}{CALL_END}"))
+        args = ", ".join(regex_literal(f'"{k}": ') + value for k in names)
+        alternatives.append(regex_literal(f'{CALL_START}{{"name": "{f["name"]}", "arguments": {{') + args
+                            + regex_literal(f"}}}}{CALL_END}"))
     return "(" + "|".join(alternatives) + ")"
 
 

@@ -201,14 +201,15 @@ def _fill(t, segment: dict, tokenizer) -> None:
     from megappo.agent.capture import Segment
 
     t.take(Segment(**segment))
+    sampled = [m or v != -1 for m, v in zip(t.model_mask, t.versions)]  # a forced call too: context, not trained
     t.turns = [{"role": "assistant", "text": tokenizer.decode(run, skip_special_tokens=True)}
-               for run in _model_runs(t.tokens, t.model_mask)]
+               for run in _model_runs(t.tokens, sampled)]
     t.stopped = bool(t.tokens) and t.tokens[-1] in set(tokenizer.all_special_ids)
     t.done = True
 
 
 def _model_runs(tokens: list, mask: list) -> list[list]:
-    """The model's turns: the runs of consecutive model tokens."""
+    """The model's turns: the runs of consecutive tokens the engine sampled."""
     runs, cur = [], []
     for tok, m in zip(tokens, mask):
         if m:

@@ -169,11 +169,12 @@ class Gateway:
             saved = session.snapshot()
             try:
                 try:
-                    parsing = self.tool_calls.request(body)  # a tool vLLM's parser would refuse: before sampling
+                    # a tool or tool_choice refused before sampling; tool_choice "required" or a named tool: a constraint
+                    parsing, constraint = self.tool_calls.prepare(body)
                     prompt = session.chat_prompt(messages, tools)
                 except ValueError as e:  # or tools= for a template without a tools section and no tool_prompt
                     raise GatewayError(400, _one_line(e)) from None
-                out = await self._generate(prompt, body, state)
+                out = await self._generate(prompt, body, state, constraint)
                 content, calls = self.tool_calls.read(parsing, out.ids, out.finish_reason, out.stop_string)
             except BaseException:
                 session.restore(saved)  # a refused or failed request leaves the session as it was
@@ -182,7 +183,9 @@ class Gateway:
             if calls:
                 reply["tool_calls"] = [{"id": f"call_{secrets.token_hex(6)}", "type": "function",
                                         "function": {"name": name, "arguments": args}} for name, args in calls]
-            session.record(out.ids, out.logprobs, out.versions, reply, finish_reason=out.finish_reason)
+            # a constrained reply was not sampled from the policy: context, not trained (tool_calls.py)
+            session.record(out.ids, None if constraint else out.logprobs, out.versions, reply,
+                           model=constraint is None, finish_reason=out.finish_reason)
         finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
         choice = {"index": 0, "message": reply, "finish_reason": finish, "token_ids": out.ids,
                   "logprobs": self._logprobs(out) if body.get("logprobs") else None}
@@ -215,8 +218,9 @@ class Gateway:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "megappo"}]}
 
-    async def _generate(self, prompt: list[int], body: dict, state: Optional[SessionState]):
-        params = self._sampling(self._within_session(body, state), len(prompt))
+    async def _generate(self, prompt: list[int], body: dict, state: Optional[SessionState],
+                        constraint=None):
+        params = self._sampling(self._within_session(body, state), len(prompt), constraint)
         from vllm.exceptions import VLLMClientError
 
         t0 = time.perf_counter()
@@ -251,7 +255,8 @@ class Gateway:
             body["max_tokens"], body["max_completion_tokens"] = min(asked, left) if isinstance(asked, int) else asked, None
         return body
 
-    def _sampling(self, body: dict, prompt_len: int):
+    def _sampling(self, body: dict, prompt_len: int, constraint=None):
+        """vLLM's SamplingParams for a request; `constraint`: its StructuredOutputsParams (tool_calls.prepare)."""
         from vllm import SamplingParams
 
         if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
@@ -274,7 +279,8 @@ class Gateway:
         try:
             return SamplingParams(temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
                                   max_tokens=max_tokens, seed=body.get("seed"), logprobs=0,
-                                  stop=[stop] if isinstance(stop, str) else stop, include_stop_str_in_output=True)
+                                  stop=[stop] if isinstance(stop, str) else stop, include_stop_str_in_output=True,
+                                  structured_outputs=constraint)
         except (TypeError, ValueError) as e:
             raise GatewayError(400, f"bad sampling parameters: {e}") from None
 

@@ -131,6 +131,8 @@ class AsyncTokenEngine:
                 while self._pausing and not self._closed:
                     self._resumed.wait(timeout=0.5)
             with self._lock:
+                if self._closed:  # closed during a pause
+                    break
                 self._admit()
                 if not self._pending:  # only its own requests: a synchronous LLM.generate on the same
                     self._wake.clear()  # engine (validation, the built-in loop) is never stepped from here
@@ -211,7 +213,8 @@ class AsyncTokenEngine:
         + the ids sampled so far (re-prefilled with the new adapter), for what is left of its max_tokens. Its
         completion is both parts: the ids, log-probs and per-id versions as sampled. The continuation's seed is
         its previous seed + the ids sampled so far (a new stream); a stop string that would span the two parts
-        is not seen. Returns how many."""
+        is not seen. A request held by a grammar (structured outputs: a forced tool call) is sampled again whole
+        instead (its grammar would start over after the ids so far). Returns how many."""
         from vllm.inputs import TokensPrompt
 
         with self._lock:
@@ -226,6 +229,9 @@ class AsyncTokenEngine:
                 ids, lps = self._before.pop(rid, ((), ()))
                 ids, lps = list(ids) + new_ids, list(lps) + (sampled_logprobs(part) if new_ids else [])
                 params = self._params.pop(rid).clone()
+                if params.structured_outputs is not None:  # its grammar would start over after the ids so far:
+                    ids, lps, new_ids = [], [], []  # sampled again whole (a constrained reply is never trained)
+                    self._token_versions[rid] = []
                 done = len(new_ids)
                 if params.max_tokens is not None:
                     params.max_tokens -= done
