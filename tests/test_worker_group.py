@@ -449,6 +449,7 @@ def test_colocated_actor_and_critic_match_single_process(ray_session, tiny_asset
         cmetrics = critic.update_critic(data.union(values10.union(DataProto.from_dict({"returns": torch.ones(10, 6)}))),
                                        value_loss)
         assert len(cmetrics) == 2 and cmetrics[0] == cmetrics[1] and cmetrics[0]["critic/vf_loss"] > 0
+        assert 0.1 < cmetrics[0]["perf/critic_peak_rss_gb"] < 24  # the larger DP rank's, on both
         with pytest.raises(ValueError, match="9 rows does not divide into 2"):
             critic.update_critic(nine.union(DataProto.from_dict({"values": values, "returns": torch.ones(9, 6)})),
                                  value_loss)

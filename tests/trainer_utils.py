@@ -11,8 +11,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def nondeterministic(key: str) -> bool:
     """Metrics that legitimately differ between two runs of the same steps: times (timing/* holds seconds,
-    *_s, and the overlap ratio of two of them) and the restart counter. Every count is compared."""
-    return key.startswith(("time/", "trainer/restarts")) or (key.startswith("timing/") and key.endswith(("_s", "_frac")))
+    *_s, and the overlap ratio of two of them), the restart counter and memory peaks (perf/*). Every count is
+    compared."""
+    return key.startswith(("time/", "trainer/restarts", "perf/")) or \
+        (key.startswith("timing/") and key.endswith(("_s", "_frac")))
 
 
 def config(tiny_assets, data_dir, out, *extra):

@@ -27,6 +27,8 @@ Plus: timing/* (seconds only, one per phase; timing/save_s is what the step wait
 save's tensor copy, and the previous step's background save finishing its files; 0 when neither; and
 timing/rollout_overlap_frac, a ratio of two of them), tokens/{actor,critic}_real, _computed, _padded_batch
 (the update's tokens: real ones, what the micro-batches computed, the padded batch; what padding cost),
+perf/{actor,critic}_peak_rss_gb (the largest DP rank's peak resident memory since its process started, the
+hybrid engine's vLLM included) and _peak_device_memory_gb (torch's peak allocated on its GPU; not on CPU),
 dynamic_sampling/* (algorithm.filter_groups: rounds, groups_drawn, groups_varied, groups_topped_up; fully_async:
 groups_dropped, no rounds), eval/*
 (validation), the workers' actor/*, critic/* update metrics as

@@ -113,15 +113,26 @@ def _forward(engine, data: DataProto, response_length: int, micro_batch_size: in
     return {k: v[:n].cpu() for k, v in out.items()}  # the driver gets CPU tensors
 
 
-def _dp_all_reduce_sum(values: list[float]) -> list[float]:
+def _dp_all_reduce(values: list[float], op: str = "SUM") -> list[float]:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device="cpu")  # over gloo
     if mpu.get_data_parallel_world_size() > 1:
-        dist.all_reduce(t, group=mpu.get_data_parallel_group())
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=mpu.get_data_parallel_group())
     return t.tolist()
+
+
+def _peak_memory_gb() -> list[float]:
+    """This process's peak resident memory (the hybrid engine's vLLM included) and its device's peak allocated
+    memory (0 without a GPU), in GB, since the process started."""
+    import resource
+
+    import torch
+
+    device = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0
+    return [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, device]  # ru_maxrss: KiB on Linux
 
 
 def _mini_batches(data: DataProto, mini_batch_size: int, dp: int, what: str) -> list[DataProto]:
@@ -153,7 +164,7 @@ def _train(engine, data: DataProto, loss, role_cfg, dp: int, temperature: float 
     with engine.resident():  # offload=true: one reload / offload for the whole update
         for mini in minis * role_cfg.ppo_epochs:
             mask = mini.batch["response_mask"]
-            norm, n_tokens = _dp_all_reduce_sum([loss.normalizer(mask), float(mask.sum())])
+            norm, n_tokens = _dp_all_reduce([loss.normalizer(mask), float(mask.sum())])
             if n_tokens == 0:  # all ranks agree (all-reduced): nothing to learn from, and Adam would still move
                 empty += 1
                 continue
@@ -170,9 +181,13 @@ def _train(engine, data: DataProto, loss, role_cfg, dp: int, temperature: float 
     metrics = {k: sum(v) / len(v) for k, v in history.items()}
     metrics[f"{loss.name}/empty_minibatches"] = float(empty)
     # the waste padding would cost, made visible; and the rows trained on (all DP ranks, one pass)
-    real, computed, padded, rows = _dp_all_reduce_sum(tokens + [len(data)])
+    real, computed, padded, rows = _dp_all_reduce(tokens + [len(data)])
     metrics.update({f"tokens/{loss.name}_real": real, f"tokens/{loss.name}_computed": computed,
                     f"tokens/{loss.name}_padded_batch": padded, f"{loss.name}/rows": rows})
+    rss, device = _dp_all_reduce(_peak_memory_gb(), op="MAX")  # the largest DP rank's
+    metrics[f"perf/{loss.name}_peak_rss_gb"] = rss
+    if device:
+        metrics[f"perf/{loss.name}_peak_device_memory_gb"] = device
     return metrics
 
 
