@@ -119,9 +119,23 @@ def _identity(limits: Limits) -> tuple[int, int, int]:
     return os.geteuid(), os.getegid(), 0
 
 
-@lru_cache(maxsize=None)
+_built = False  # a probe succeeded in this process
+
+
 def isolation_problem() -> Optional[str]:
-    """None when this machine can build the sandbox (one real call, checked once per process), else why not."""
+    """None when this machine can build the sandbox (one real call), else why not. A success is remembered for
+    the process; a failure is tried once more at once and again at the next call, never remembered (a probe
+    that failed once on a loaded machine disabled the python tool for the rest of the process)."""
+    global _built
+    if not _built:
+        problem = _probe() and _probe()
+        if problem:
+            return problem
+        _built = True
+    return None
+
+
+def _probe() -> Optional[str]:
     try:
         r = _run("print('ok')", Limits(wall_s=20, cpu_s=10))
     except _SetupError as e:
