@@ -119,7 +119,8 @@ class ToolCallReader:
         from megappo.agent.format import parse_calls, strip_calls
 
         full = self.tokenizer.decode(ids, skip_special_tokens=True)
-        calls = [c for c in parse_calls(full) if c.error is None] if choice != "none" else []  # stop="</tool_call>" ends a call: parse it whole
+        # stop="</tool_call>" ends a call: parse it whole; tool_choice "none": no calls, as vLLM's server
+        calls = [c for c in parse_calls(full) if c.error is None] if choice != "none" else []
         if not calls:
             return _cut(full, stop_string), []
         return strip_calls(full), [(c.name, json.dumps(c.arguments)) for c in calls]
@@ -148,10 +149,10 @@ def _hermes_constraint(body: dict, choice):
     """vLLM's StructuredOutputsParams holding a reply to Hermes calls of the chosen tools (xgrammar's structural
     tag): <tool_call>, a newline or not (Qwen's template writes one, megappo's tool prompts none),
     {"name": "<tool>", "arguments": <JSON its parameters' schema allows (any object where it gives none)>}, a
-    newline or not, </tool_call>; at most 2 whitespace characters in a row inside the arguments (a policy early in
-    training, or a random one, can otherwise spin on whitespace until max_tokens). A named tool: the call is the whole reply; "required": the reply starts with
-    a call, more may follow (one with parallel_tool_calls false). The parameters stay the root of their JSON
-    schema, so their $defs references resolve."""
+    newline or not, </tool_call>; at most 2 whitespace characters in a row inside the arguments (a policy early
+    in training, or a random one, can otherwise spin on whitespace until max_tokens). A named tool: the call is
+    the whole reply; "required": the reply starts with a call, more may follow (one with parallel_tool_calls
+    false). The parameters stay the root of their JSON schema, so their $defs references resolve."""
     from vllm.sampling_params import StructuredOutputsParams
     from xgrammar.structural_tag import (JSONSchemaFormat, OrFormat, RegexFormat, SequenceFormat, StructuralTag,
                                          TagFormat, TriggeredTagsFormat)
