@@ -377,10 +377,31 @@ def lora_disabled(model):
             m.lora_enabled = b
 
 
-def merged_named_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
+class MergedShard:
+    """An adapted linear's merged shard, computed when read (`detach()`), with the base weight's shape,
+    dtype and device. The weight sync's resharder lists every tensor when it is built and reads each one
+    once per bucket: with these it holds no merged copy of the model between (or during) syncs, and an
+    offloaded engine's freed weights are not read when the resharder is built."""
+
+    def __init__(self, mod: "_LoraMixin"):
+        self._mod = mod
+
+    shape = property(lambda self: self._mod.weight.shape)
+    dtype = property(lambda self: self._mod.weight.dtype)
+    device = property(lambda self: self._mod.weight.device)
+
+    def numel(self) -> int:
+        return self._mod.weight.numel()
+
+    def detach(self) -> torch.Tensor:
+        return self._mod.merged_weight()
+
+
+def merged_named_parameters(model, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(global megatron name, tensor) of every base parameter of this rank, each adapted linear's weight
     replaced by its merged shard W + scaling * B @ A: what a merged weight sync sends (the adapters'
-    own parameters are not listed). The shards keep the base's layout (weight_mapping applies)."""
+    own parameters are not listed). The shards keep the base's layout (weight_mapping applies).
+    `lazy`: a MergedShard for each adapted weight, merged when read (the weight sync's resharder)."""
     for chunk in _as_chunks(model):
         inner = getattr(chunk, "module", chunk)
         merged = {}
@@ -392,7 +413,15 @@ def merged_named_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
             if is_lora_param(lname):
                 continue
             mod = merged.get(lname)
-            yield gname, (mod.merged_weight() if mod is not None else p.detach())
+            if mod is None:
+                yield gname, p.detach()
+            else:
+                yield gname, (MergedShard(mod) if lazy else mod.merged_weight())
+
+
+def lazily_merged_named_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """merged_named_parameters(model, lazy=True): what a merged weight sync's resharder reads."""
+    return merged_named_parameters(model, lazy=True)
 
 
 def base_named_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:

@@ -102,7 +102,8 @@ class Resharder:
                  named_weights: Optional[Callable[[list], Iterable[tuple[str, torch.Tensor]]]] = None):
         """`named_weights(chunks)`: (global megatron name, tensor) of what to send, read at every sync; default
         every parameter (weight_mapping.global_named_parameters); a LoRA actor passes
-        models/lora.merged_named_parameters (the adapted linears merged, the adapters left out)."""
+        models/lora.lazily_merged_named_parameters (the adapted linears merged when read, the adapters left
+        out: any value with shape, dtype, device, numel() and detach() -> tensor will do)."""
         from megatron.core import parallel_state as mpu
 
         self.chunks, self.dims, self.layout = chunks, dims, layout

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from megappo.parallel import device
-from megappo.models.lora import base_named_parameters, gather_hf_lora, merged_named_parameters
+from megappo.models.lora import base_named_parameters, gather_hf_lora, lazily_merged_named_parameters
 from megappo.parallel.resharding import Resharder
 from megappo.protocol import DataProto
 from megappo.utils.checkpoint import rng_state, set_rng_state
@@ -67,7 +67,7 @@ class HybridEngine:
                                    fingerprint_fn=tensor_fingerprint_on_device if check_fingerprint else None,
                                    transport=transport,
                                    named_weights=base_named_parameters if self.adapter_sync
-                                   else merged_named_parameters)  # LoRA: the adapted linears merged
+                                   else lazily_merged_named_parameters)  # LoRA: merged when read
         self.check_fingerprint = check_fingerprint
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()

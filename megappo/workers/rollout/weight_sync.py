@@ -92,7 +92,7 @@ class WeightSender:
 
     def __init__(self, engine, group: Optional[StatelessGroup], bucket_mb: float = 256, adapter: bool = False):
         from megappo.parallel.resharding import Resharder
-        from megappo.models.lora import base_named_parameters, merged_named_parameters
+        from megappo.models.lora import base_named_parameters, lazily_merged_named_parameters
 
         self.engine, self.group = engine, group
         self.adapter = adapter and getattr(engine, "lora", None) is not None  # rollout.lora_sync=adapter
@@ -101,7 +101,7 @@ class WeightSender:
                                    bucket_bytes=int(bucket_mb * (1 << 20)),
                                    fingerprint_fn=tensor_fingerprint_on_device,
                                    named_weights=base_named_parameters if self.adapter
-                                   else merged_named_parameters)  # LoRA: the adapted linears merged
+                                   else lazily_merged_named_parameters)  # LoRA: merged when read
 
     def send(self) -> dict:
         if self.adapter:
