@@ -20,6 +20,7 @@ LORA_INVALID = [
     (["actor.lora.rank=4", "actor.lora.init=xavier"], "choose one of: kaiming, gaussian"),
     (["rollout.lora_sync=adapter"], "rollout.lora_sync=adapter needs actor.lora.rank > 0"),
     (["actor.lora.rank=4", "rollout.lora_sync=adapted"], "choose one of: merged, adapter"),
+    (["actor.lora.rank=4", "model.transformer_engine=true", "resources.device=cuda"], "TE fuses their input norm"),
 ]
 
 
@@ -312,7 +313,7 @@ def test_vllm_gets_the_merged_weights_after_a_lora_step(tiny_assets):
         assert rnd["parity"]["rollout/logprob_diff_max"] < 1e-4, rnd["parity"]
 
 
-def test_adapter_checkpoint_exports_merged_hf_and_peft(engine_runs):
+def test_adapter_checkpoint_exports_merged_hf_and_peft(engine_runs, tiny_assets):
     """megappo export's LoRA path (offline, from the torch_dist files): the merged HF dir and the peft dir
     both give the engine's log-probs at the checkpointed step."""
     import torch
@@ -324,6 +325,11 @@ def test_adapter_checkpoint_exports_merged_hf_and_peft(engine_runs):
     path, tmp, res = engine_runs
     info = export_lora(tmp / "step1", tmp / "merged", path)
     assert info["merged_modules"] == 7 * 4  # q, k, v, o, gate, up, down in each of the 4 layers
+    from megappo.export import ExportError
+
+    with pytest.raises(ExportError, match="trained on another base") as info_other:  # before any weight is read
+        export_lora(tmp / "step1", tmp / "merged_other", tiny_assets["tiny-mistral"])
+    assert "\n" not in str(info_other.value)
     want = res[0]["step1_lp"]
     merged = AutoModelForCausalLM.from_pretrained(str(tmp / "merged"), dtype=torch.float32).eval()
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
@@ -344,12 +350,19 @@ def test_adapter_checkpoint_exports_merged_hf_and_peft(engine_runs):
     shutil.copytree(path, bf16)
     for f in bf16.glob("*.safetensors"):
         save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(f)).items()}, str(f), metadata={"format": "pt"})
+    # the adapters as if trained on that bf16 base (export checks the base an adapter checkpoint names)
+    from megappo.utils.checkpoint import LORA_META, base_identity
+
+    on_bf16_ckpt = tmp / "step1_on_bf16"
+    shutil.copytree(tmp / "step1", on_bf16_ckpt)
+    meta = json.loads((on_bf16_ckpt / LORA_META).read_text())
+    (on_bf16_ckpt / LORA_META).write_text(json.dumps(dict(meta, base=base_identity(bf16))))
     on_bf16 = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32),
                                         str(tmp / "merged" / "adapter")).eval()
     gaps = {}
     for dtype, tag, name in ((None, "F32", "float32"), ("bfloat16", "BF16", "bfloat16")):
         out = tmp / f"merged_{name}"
-        export_lora(tmp / "step1", out, bf16, dtype=dtype)
+        export_lora(on_bf16_ckpt, out, bf16, dtype=dtype)
         with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
             assert {f.get_slice(k).get_dtype() for k in f.keys()} == {tag}
         assert json.loads((out / "config.json").read_text())["dtype"] == name
@@ -558,3 +571,86 @@ def test_an_offloaded_lora_actor_syncs_merged_weights(tiny_assets):
         assert r["lazy_True"] > 0 and r["lazy_True"] == r["lazy_False"], r  # no merged copy held
         assert r["merged_moved_True"] > 1e-4 and r["merged_moved_False"] > 1e-4, r
         assert r["same"], r
+
+
+# ---- refused before any worker starts: a resume onto other adapters; TE's spec chosen around LoRA ---------------
+
+def test_resuming_other_adapters_is_refused_before_any_worker_starts(tmp_path, data_dir):
+    """trainer.resume finds an adapter checkpoint of another rank / base, or LoRA against full fine-tuning: the
+    driver's config check says so in one line (the workers used to find out after Ray, Megatron and vLLM were
+    up). The same adapters with the targets in another order resume."""
+    import json
+
+    from megappo.utils.checkpoint import LORA_META, lora_checkpoint_meta, step_dir, write_manifest
+
+    run = [f"trainer.output_dir={tmp_path}", "trainer.resume=auto", f"data.train_files=[{data_dir / 'arith_train.parquet'}]",
+           f"data.val_files=[{data_dir / 'arith_val.parquet'}]"]
+    cfg = load_config(TINY, run + ["actor.lora.rank=4"])
+    ckpt = step_dir(tmp_path / "checkpoints", 3)
+    (ckpt / "actor").mkdir(parents=True)
+    saved = lora_checkpoint_meta(cfg.actor.lora, cfg.model.path)
+    (ckpt / "actor" / LORA_META).write_text(json.dumps(dict(saved, target_modules=saved["target_modules"][::-1])))
+    write_manifest(ckpt, 3)
+    load_config(TINY, run + ["actor.lora.rank=4"], check_paths=True)  # the same adapters (targets as a set)
+    refusals = {"rank": (["actor.lora.rank=8"], "rank=4 != this run's rank=8"),
+                "full": ([], "holds LoRA adapters only"),
+                "base": (["actor.lora.rank=4", f"model.path={REPO / 'assets' / 'tiny-llama'}"], "another base")}
+    for what, (overrides, expected) in refusals.items():
+        with pytest.raises(ConfigError) as info:
+            load_config(TINY, run + overrides, check_paths=True)
+        assert expected in str(info.value) and "\n" not in str(info.value), (what, str(info.value))
+
+
+def test_a_lora_actor_builds_the_local_spec_unless_te_can_take_its_targets(monkeypatch):
+    """model.transformer_engine null on a GPU with TE: a LoRA actor on linear_qkv / linear_fc1 (TE fuses their
+    input norm into the linear) or on routed experts (TE's grouped GEMM) builds the local spec; one on
+    linear_proj / linear_fc2 only keeps TE's."""
+    from megappo.models import gpt
+    from megappo.models.lora import LoraConfig
+
+    monkeypatch.setattr(gpt, "transformer_engine_problem", lambda: None)  # as if TE were usable
+    assert gpt.use_transformer_engine("cuda", None, lora=None)
+    assert not gpt.use_transformer_engine("cuda", None, lora=LoraConfig(rank=4))
+    assert not gpt.use_transformer_engine("cuda", None, lora=LoraConfig(rank=4, target_modules=["linear_fc2"],
+                                                                         experts=True))
+    assert gpt.use_transformer_engine("cuda", None, lora=LoraConfig(rank=4, target_modules=["linear_proj", "linear_fc2"]))
+
+
+def test_lora_on_a_megatron_checkpoint_base_is_refused(tmp_path):
+    """model.path a megatron dist checkpoint (config.json + metadata.json): LoRA's base comes from HF
+    safetensors; one line naming the conversion."""
+    import shutil
+
+    base = tmp_path / "mcore"
+    base.mkdir()
+    shutil.copy(REPO / "assets" / "tiny-llama-arith" / "config.json", base / "config.json")
+    (base / "metadata.json").write_text("{}")
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, [f"model.path={base}", "actor.lora.rank=4", f"trainer.output_dir={tmp_path / 'out'}"])
+    assert "megappo convert mcore-to-hf" in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def _moe_pp2_worker(rank, world, port, path):
+    from megappo.models.lora import LoraConfig
+    from megappo.parallel.megatron_init import init_distributed, init_megatron
+    from megappo.workers.megatron_engine import EngineConfig, MegatronEngine, OptimConfig
+
+    layout = ParallelLayout(pp=2)
+    init_distributed(rank, world, "127.0.0.1", port)
+    init_megatron(layout)
+    eng = MegatronEngine(path, layout, EngineConfig(optim=OptimConfig(**OPTIM), lora=LoraConfig(**LORA)))
+    names = {n.split(".")[-1] for c in eng.inner_chunks() for n, _ in c.named_modules()
+             if n.endswith(("linear_fc1", "linear_fc2")) and ".experts." not in n}
+    return {"dense_mlp_here": sorted(names), "adapters": sum(p.numel() for p in eng.model[0].parameters()
+                                                             if p.requires_grad)}
+
+
+def test_a_pipeline_stage_without_a_target_is_not_an_error(tiny_assets):
+    """Qwen3-MoE with one dense layer (mlp_only_layers [0]) at PP2: the second stage holds routed layers only,
+    so linear_fc1 / linear_fc2 match nothing there (experts off); the model as a whole has them, so LoRA
+    applies (the check is over every stage)."""
+    from megappo.parallel.launch import spawn_local
+
+    res = spawn_local(_moe_pp2_worker, 2, str(tiny_assets["tiny-qwen3_moe"]), timeout=600)
+    assert res[0]["dense_mlp_here"] == ["linear_fc1", "linear_fc2"] and res[1]["dense_mlp_here"] == [], res
+    assert all(r["adapters"] > 0 for r in res), res

@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 from megappo.config.errors import ConfigError
 from megappo.config.schema import CHOICES, GROUP_ESTIMATORS, LOGGERS, LORA_TARGETS
 from megappo.parallel.layout import check_layout, same_layout
-from megappo.parallel.weight_mapping import MOE_FAMILIES, ModelDims
+from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS, MOE_FAMILIES, ModelDims
+from megappo.utils.checkpoint import is_dist_checkpoint
 
 
 def _hf_config_json(cfg) -> dict | None:
@@ -378,6 +379,15 @@ def _check_lora(cfg, dims: ModelDims) -> None:
     if lo.experts and cfg.model.transformer_engine:
         raise ConfigError("actor.lora.experts=true with model.transformer_engine=true (TE's grouped-GEMM experts) "
                           "is not supported yet; set model.transformer_engine=false")
+    fused = [t for t in lo.target_modules if t in LORA_COLUMN_TARGETS]
+    if fused and cfg.model.transformer_engine:
+        raise ConfigError(f"actor.lora.target_modules {fused} with model.transformer_engine=true: TE fuses their input "
+                          "norm into the linear, which LoRA does not adapt yet; leave model.transformer_engine null "
+                          "(a LoRA actor then builds the local spec) or target [linear_proj, linear_fc2] only")
+    if is_dist_checkpoint(cfg.model.path):
+        raise ConfigError(f"actor.lora with model.path={cfg.model.path}, a megatron checkpoint: LoRA loads its base "
+                          "from HF safetensors; convert it first (megappo convert mcore-to-hf) and point "
+                          "model.path at the HF dir")
     if dims.num_experts and not lo.experts and mlp and all(dims.moe_layers):
         raise ConfigError(f"actor.lora.target_modules {mlp} match no dense MLP: every layer of {dims.model_type} "
                           "is routed; set actor.lora.experts=true or drop them from target_modules")
@@ -550,7 +560,8 @@ def _check_output_dir(out: Path) -> None:
 
 def _check_resume(cfg) -> None:
     """trainer.resume: an explicit checkpoint must be whole; any checkpoint resumed must be of this model."""
-    from megappo.utils.checkpoint import MANIFEST, is_complete, latest_checkpoint, megatron_format_problem, software_stack
+    from megappo.utils.checkpoint import MANIFEST, is_complete, latest_checkpoint, lora_checkpoint_problem, \
+        megatron_format_problem, software_stack
 
     mode = cfg.trainer.resume
     if mode == "never":
@@ -564,6 +575,10 @@ def _check_resume(cfg) -> None:
                               "short); point it at an earlier step, or use resume=auto")
     problem = path and megatron_format_problem(path, software_stack()["megatron-core"])
     if problem:
+        raise ConfigError(f"trainer.resume={mode}: {problem}")
+    problem = path and (path / "actor").is_dir() and lora_checkpoint_problem(path / "actor", cfg.actor.lora,
+                                                                             cfg.model.path)
+    if problem:  # the adapters of another rank or base, LoRA vs full: before any worker starts
         raise ConfigError(f"trainer.resume={mode}: {problem}")
     theirs = None if path is None else path / "actor" / "config.json"
     if theirs is None or not theirs.is_file():

@@ -16,16 +16,19 @@ import torch
 
 from megappo.parallel.device import transformer_engine_problem
 from megappo.parallel.layout import ParallelLayout
-from megappo.parallel.weight_mapping import ModelDims, global_named_parameters, hf_names, hf_to_megatron_shard, rope_theta, \
-    transformer_config_kwargs
+from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS, ModelDims, global_named_parameters, hf_names, \
+    hf_to_megatron_shard, rope_theta, transformer_config_kwargs
 
 
-def use_transformer_engine(device: str, want: Optional[bool] = None, packed: bool = False) -> bool:
+def use_transformer_engine(device: str, want: Optional[bool] = None, packed: bool = False, lora=None) -> bool:
     """Whether the engine builds TE's layer spec (model.transformer_engine). None: on GPU when TE is usable
     (the local spec otherwise, said once), and never for packed rows (`packed`: pack_sequences, whose
-    attention is the local spec's; TE's needs the THD path, not wired); True: TE, or a one-line error naming
-    what is missing; False: the local spec. Never on CPU (TE has no CPU kernels)."""
-    if want is None and packed:
+    attention is the local spec's; TE's needs the THD path, not wired) nor for a LoRA (`lora`: a
+    models.lora.LoraConfig) that TE's spec cannot take: a column-parallel target (TE fuses linear_qkv's /
+    linear_fc1's input norm into the linear) or routed experts (TE's grouped GEMM); True: TE, or a one-line
+    error naming what is missing; False: the local spec. Never on CPU (TE has no CPU kernels)."""
+    lora_local = lora is not None and (lora.experts or bool(set(lora.target_modules) & set(LORA_COLUMN_TARGETS)))
+    if want is None and (packed or lora_local):
         return False
     if want is False or device != "cuda":
         if want:

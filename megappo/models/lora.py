@@ -60,9 +60,7 @@ from megappo.parallel.weight_mapping import MOE_FAMILIES, ModelDims, global_name
 from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS as COLUMN_TARGETS, LORA_INITS as INITS, \
     LORA_TARGETS as TARGETS  # the one list (also config actor.lora's)
 
-LORA_META = "lora.json"  # in an adapter checkpoint: rank, alpha, targets, the base it belongs to, format
-LORA_FORMAT = 2  # lora.json's "format": linear_fc1's B saved as gate and up halves, the same files at every TP
-# (format 1 held the TP-rank layout [gate; up] per rank and needed the TP it was saved at)
+from megappo.utils.checkpoint import LORA_FORMAT, LORA_META  # noqa: F401 (re-exported: an adapter checkpoint's facts)
 
 _HF_HINT = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
             "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
@@ -314,10 +312,11 @@ def is_lora_param(name: str) -> bool:
     return name.endswith(".lora_A") or name.endswith(".lora_B")
 
 
-def apply_lora(model, cfg: LoraConfig) -> list[str]:
+def apply_lora(model, cfg: LoraConfig, pp_group=None) -> list[str]:
     """Wrap every matching column/row-parallel linear of the model chunk(s) in place and freeze every
     other parameter (requires_grad False). Returns the wrapped modules' global names. A target module
-    that matches nothing in these chunks is a ValueError (one line); TE's fused-norm linear is refused."""
+    that matches nothing in these chunks (in any stage of `pp_group`, when given: collective) is a
+    ValueError (one line); TE's fused-norm linear is refused."""
     chunks = _as_chunks(model)
     column, row, refused = _column_row_classes()
     wrapped, seen = [], set()
@@ -349,6 +348,12 @@ def apply_lora(model, cfg: LoraConfig) -> list[str]:
             mod._lora_setup(cfg, gname)
             wrapped.append(gname)
             seen.add(leaf)
+    if pp_group is not None:  # a pipeline stage may hold none of a target (e.g. only routed layers): all stages
+        import torch.distributed as dist
+
+        stages = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(stages, sorted(seen), group=pp_group)
+        seen = set().union(*map(set, stages))
     missing = [t for t in cfg.target_modules if t not in seen]
     if missing:
         hint = "" if cfg.experts else " (routed experts' linears need lora.experts=true)"

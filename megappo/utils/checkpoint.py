@@ -89,6 +89,79 @@ def megatron_format_problem(directory: str | os.PathLike, installed: str | None)
             f"a checkpoint written before the upgrade")
 
 
+def is_dist_checkpoint(path) -> bool:
+    """A megatron dist_checkpointing dir (metadata.json) without HF safetensors."""
+    p = Path(path)
+    return (p / "metadata.json").exists() and not any(p.glob("*.safetensors"))
+
+
+# ---- LoRA adapter checkpoints (actor.lora: the actor's checkpoint holds the adapters only) ----------------
+
+LORA_META = "lora.json"  # in an adapter checkpoint: rank, alpha, targets, experts, the base it belongs to, format
+LORA_FORMAT = 2  # lora.json's "format": linear_fc1's B saved as gate and up halves, the same files at every TP
+# (format 1 held the TP-rank layout [gate; up] per rank and needed the TP it was saved at)
+_NOT_THE_MODEL = ("transformers_version", "_name_or_path")  # config.json keys a re-save may change
+
+
+def base_identity(model_path, legacy: bool = False) -> str:
+    """A short hash of a HF model dir: its config (the keys that describe the model), its weight files'
+    names and sizes, and the first and last 64 KiB of each file's tensor data (two models of one shape,
+    e.g. a base and its instruct tune, differ there): an adapter checkpoint belongs to this base (cheap).
+    `legacy`: config.json's bytes and the files' names and sizes only, as adapter checkpoints saved before
+    2026-11-27 recorded it."""
+    import hashlib
+
+    p = Path(model_path)
+    raw = (p / "config.json").read_bytes() if (p / "config.json").exists() else b""
+    if not legacy and raw:
+        config = {k: v for k, v in json.loads(raw).items() if k not in _NOT_THE_MODEL}
+        raw = json.dumps(config, sort_keys=True).encode()
+    h = hashlib.sha256(raw)
+    for f in sorted(p.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        if not legacy:
+            with open(f, "rb") as fh:
+                start = 8 + int.from_bytes(fh.read(8), "little")  # safetensors: u64 header size, header, data
+                fh.seek(start)
+                h.update(fh.read(1 << 16))
+                fh.seek(max(start, size - (1 << 16)))
+                h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
+def lora_checkpoint_meta(lora, model_path) -> dict:
+    """What an adapter checkpoint is only valid with (its lora.json): the adapter's shape (`lora`: actor.lora
+    or a models.lora.LoraConfig) and the base it was trained on."""
+    return {"rank": int(lora.rank), "alpha": float(lora.alpha), "target_modules": list(lora.target_modules),
+            "experts": bool(lora.experts), "base": base_identity(model_path), "format": LORA_FORMAT}
+
+
+def lora_checkpoint_problem(path, lora, model_path) -> str | None:
+    """Why the engine checkpoint dir `path` (a run's checkpoints/step_N/actor) cannot be loaded by an actor
+    with `lora` (None or rank 0: full fine-tuning) on the base `model_path`; None when it can. Targets compare
+    as a set; the base by identity (base_identity, either form)."""
+    meta_file = Path(path) / LORA_META
+    if lora is None or not lora.rank:
+        if meta_file.exists():
+            return f"{path} holds LoRA adapters only ({LORA_META}); load it with the actor.lora it was saved with"
+        return None
+    if not meta_file.exists():
+        return (f"{path} is not a LoRA adapter checkpoint (no {LORA_META}): it was saved with actor.lora.rank=0; "
+                "resume with that, or start the LoRA run afresh")
+    saved, want = json.loads(meta_file.read_text()), lora_checkpoint_meta(lora, model_path)
+    saved.setdefault("experts", False)  # saved before routed experts could be adapted
+    same = {"target_modules": lambda a, b: sorted(a or []) == sorted(b),
+            "base": lambda a, b: a in (b, base_identity(model_path, legacy=True))}
+    diff = [k for k in want if not same.get(k, lambda a, b: a == b)(saved.get(k), want[k])]
+    if not diff:
+        return None
+    theirs = [f"{k}={saved.get(k)!r}" for k in diff if k != "base"] + (["another base"] if "base" in diff else [])
+    mine = [f"{k}={want[k]!r}" for k in diff if k != "base"] + ([f"model.path {model_path}"] if "base" in diff else [])
+    return (f"{path}: the adapter checkpoint's {', '.join(theirs)} != this run's {', '.join(mine)}; use the "
+            "model.path and actor.lora it was saved with")
+
+
 def is_complete(directory: Path) -> bool:
     """The manifest exists, parses, and every file it lists exists with its recorded size."""
     try:

@@ -39,7 +39,6 @@ Metrics returned by loss_fn are summed the same way (over micro-batches and DP r
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -53,27 +52,17 @@ from megappo.config.schema import OptimConfig
 from megappo.models.gpt import build_gpt_chunks, build_transformer_config, load_hf_config, use_transformer_engine, \
     load_hf_weights
 from megappo.models.expert_load import ExpertLoad
-from megappo.models.lora import LORA_FORMAT, LORA_META, LoraConfig, apply_lora, is_lora_param, lora_disabled, \
-    merged_named_parameters
+from megappo.models.lora import LoraConfig, apply_lora, is_lora_param, lora_disabled, merged_named_parameters
 from megappo.parallel.cpu_compat import causal_mask
 from megappo.parallel.layout import ParallelLayout
 from megappo.parallel.megatron_init import resolve_device
 from megappo.parallel.weight_mapping import ModelDims, global_named_parameters
+from megappo.utils.checkpoint import LORA_META, is_dist_checkpoint, lora_checkpoint_meta, lora_checkpoint_problem
 from megappo.workers import megatron_step
 from megappo.workers.megatron_step import right_align
 from megappo.workers.offload import HostOffload
 
 HEADS = ("lm", "value")
-
-
-def base_identity(model_path) -> str:
-    """A short hash of a HF model dir's config.json and its weight files' names and sizes: an adapter
-    checkpoint belongs to this base (cheap: no weight is read)."""
-    p = Path(model_path)
-    h = hashlib.sha256((p / "config.json").read_bytes() if (p / "config.json").exists() else b"")
-    for f in sorted(p.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-    return h.hexdigest()[:16]
 
 
 @dataclass
@@ -155,12 +144,6 @@ def _plain_optim(optim) -> OptimConfig:
     return dataclasses.replace(optim)
 
 
-def is_dist_checkpoint(path) -> bool:
-    """A megatron dist_checkpointing dir (metadata.json) without HF safetensors."""
-    p = Path(path)
-    return (p / "metadata.json").exists() and not any(p.glob("*.safetensors"))
-
-
 class MegatronEngine:
     def __init__(self, model_path, layout: ParallelLayout, config: Optional[EngineConfig] = None):
         from megatron.core import parallel_state as mpu
@@ -179,7 +162,8 @@ class MegatronEngine:
         self.pp_rank = mpu.get_pipeline_model_parallel_rank()
         self.dp_rank = mpu.get_data_parallel_rank()
         self.uses_te = use_transformer_engine(self.config.device, self.config.transformer_engine,
-                                              packed=self.config.pack_sequences)
+                                              packed=self.config.pack_sequences,
+                                              lora=self.config.lora)
         self.tf_config = build_transformer_config(self.hf_config, layout, device=self.config.device,
                                                   params_dtype=self.config.params_dtype,
                                                   recompute=self.config.recompute,
@@ -208,7 +192,7 @@ class MegatronEngine:
             if self.config.optim is None:
                 raise ValueError("EngineConfig.lora needs a training engine (optim set): a forward-only LoRA engine "
                                  "would run untrained adapters")
-            apply_lora(chunks, self.lora)
+            apply_lora(chunks, self.lora, pp_group=mpu.get_pipeline_model_parallel_group() if layout.pp > 1 else None)
         self.optimizer = None
         self.scheduler = None
         self.steps = 0
@@ -553,32 +537,15 @@ class MegatronEngine:
         with self.resident():
             self._pending_save = dist_checkpoint.save(path, self._sharded_state_dict(is_loading=False), background)
         if self.lora is not None and dist.get_rank() == 0:  # after the save (which starts from an empty dir)
-            (Path(path) / LORA_META).write_text(json.dumps(self._lora_meta(), indent=1))
-
-    def _lora_meta(self) -> dict:
-        """What an adapter checkpoint is only valid with: the adapter's shape and the base it was trained on."""
-        lo = self.lora
-        return {"rank": lo.rank, "alpha": float(lo.alpha), "target_modules": list(lo.target_modules),
-                "experts": bool(lo.experts), "base": base_identity(self.model_path), "format": LORA_FORMAT}
+            (Path(path) / LORA_META).write_text(json.dumps(lora_checkpoint_meta(self.lora, self.model_path), indent=1))
 
     def _check_lora_checkpoint(self, path) -> None:
         """An adapter checkpoint for another base or adapter shape, or a full one for a LoRA engine (or the
-        reverse), refused in one line before megatron's loader reports a shape mismatch."""
-        meta_file = Path(path) / LORA_META
-        if self.lora is None:
-            if meta_file.exists():
-                raise ValueError(f"{path} holds LoRA adapters only ({LORA_META}); load it with the same actor.lora")
-            return
-        if not meta_file.exists():
-            raise ValueError(f"{path} is not a LoRA adapter checkpoint (no {LORA_META}): it was saved with "
-                             "actor.lora.rank=0; resume with that, or start the LoRA run afresh")
-        saved, want = json.loads(meta_file.read_text()), self._lora_meta()
-        saved.setdefault("experts", False)  # saved before routed experts could be adapted
-        diff = [k for k in want if saved.get(k) != want[k]]
-        if diff:
-            raise ValueError(f"{path}: the adapter checkpoint's {', '.join(f'{k}={saved.get(k)!r}' for k in diff)} "
-                             f"!= this run's {', '.join(f'{k}={want[k]!r}' for k in diff)}; resume with the "
-                             "model.path and actor.lora it was saved with")
+        reverse), refused in one line before megatron's loader reports a shape mismatch (the driver's config
+        check refuses a resume the same way before any worker starts)."""
+        problem = lora_checkpoint_problem(path, self.lora, self.model_path)
+        if problem:
+            raise ValueError(problem)
 
     def finish_save(self) -> None:
         """Wait for a background save's files and write its metadata (a no-op when none is pending)."""
