@@ -95,6 +95,12 @@ def test_version_stats_by_hand():
     assert m["async/sample_staleness_max"] == 3
     assert m["async/cross_update_token_frac"] == pytest.approx(1 / 6)
     assert m["async/over_bound"] == 1
+    # the rollout stream's start_version, when older than a row's first trained token: row 0's first turn was an
+    # untrained forced call sampled at 0, row 1 queued across an update (started at 1); row 2's (3) is not older
+    m = version_stats(tv, mask, version=3, max_staleness=2, start_version=torch.tensor([0, 1, 3]))
+    assert m["async/sample_staleness_mean"] == pytest.approx((3 + 2 + 3) / 3)
+    assert m["async/sample_staleness_max"] == 3 and m["async/over_bound"] == 2
+    assert m["async/staleness_mean"] == pytest.approx((2 + 2 + 1 + 0 + 0 + 3) / 6)  # per token: as sampled
 
 
 # ---- the engine: partial rollouts across a weight load ------------------------------------------------

@@ -99,7 +99,7 @@ class GroupStream:
         batch = DataProto.concat(left_pad_prompts([rows for _, _, rows in groups],
                                                   self.trainer.tokenizer.pad_token_id or 0))
         metrics = version_stats(batch.batch["token_versions"], batch.batch["response_mask"], self.mgr.version,
-                                self.max_staleness)
+                                self.max_staleness, batch.batch.get("start_version"))
         if self.filter is not None:
             f = self.filtered
             metrics.update({"dynamic_sampling/groups_drawn": float(sum(f.values())),

@@ -101,11 +101,13 @@ def select_batch(done: dict[Hashable, int], pending: Sequence[int], version: int
 
 
 def version_stats(token_versions: torch.Tensor, response_mask: torch.Tensor, version: int,
-                  max_staleness: int) -> dict[str, float]:
+                  max_staleness: int, start_version: Optional[torch.Tensor] = None) -> dict[str, float]:
     """Staleness of a trained batch: token_versions [N, T] = the policy version that sampled each response
-    token, trained at `version`. Per token: version - its version; per sample: version - its oldest token's
-    version (when it started). cross_update_token_frac: the share of tokens sampled by a later version than
-    their sample's first token (generated across an update); over_bound: samples staler than max_staleness."""
+    token, trained at `version`. Per token: version - its version; per sample: version - when it started, its
+    oldest trained token's version or, given, its `start_version` [N] (the rollout stream's) when older (a
+    request queued across an update, an agent's first turn a forced call that is not trained).
+    cross_update_token_frac: the share of tokens sampled by a later version than their sample's first trained
+    token (generated across an update); over_bound: samples staler than max_staleness."""
     mask = response_mask.bool()
     if not mask.any():
         return {}
@@ -114,7 +116,8 @@ def version_stats(token_versions: torch.Tensor, response_mask: torch.Tensor, ver
     big = torch.iinfo(torch.int64).max
     first = torch.where(mask, token_versions.long(), torch.full_like(token_versions.long(), big)).min(dim=-1).values
     rows = mask.any(dim=-1)
-    per_sample = (version - first[rows]).to(torch.float64)
+    started = first if start_version is None else torch.minimum(first, start_version.long())
+    per_sample = (version - started[rows]).to(torch.float64)
     crossed = mask & (token_versions.long() > first[:, None])
     return {"async/staleness_mean": tok.mean().item(), "async/staleness_max": tok.max().item(),
             "async/sample_staleness_mean": per_sample.mean().item(),
