@@ -558,3 +558,179 @@ def test_bring_your_own_agent_trajectories(served, tmp_path):
     assert envs.score("arithmetic", no_reward, "3", True) == envs.score("arithmetic", no_reward[:1], "3", True)
     with pytest.raises(ValueError, match="not an async function"):
         load_agent("json:dumps")
+
+
+# ---- requests whose caller stopped waiting, seeds of resubmitted requests -------------------------------
+
+def test_a_cancelled_request_is_aborted_not_decoded_to_max_tokens(served):
+    """A caller that stops waiting (an agent's timeout, a cancelled task) aborts its request: the engine decodes it
+    no more (it ran on to max_tokens, across the next weight sync, holding its KV cache)."""
+    from vllm import SamplingParams
+
+    _, engine, _, _ = served
+
+    async def main():
+        aborted = engine.aborted
+        params = SamplingParams(max_tokens=400, ignore_eos=True, seed=0)
+        task = asyncio.create_task(engine.generate([1, 2, 3, 4], params))
+        steps0 = engine.steps
+        while engine.steps < steps0 + 3:  # mid-decode
+            await asyncio.sleep(0.001)
+        cancelled_at = engine.steps
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(500):
+            if engine.in_flight == 0:
+                break
+            await asyncio.sleep(0.01)
+        steps = engine.steps
+        await asyncio.sleep(0.5)
+        return aborted, cancelled_at, steps
+
+    aborted, cancelled_at, steps = asyncio.run(main())
+    assert steps - cancelled_at <= 10, (cancelled_at, steps)  # aborted before its next step (not 390 more)
+    assert engine.steps == steps  # no step decodes it any more
+    assert engine.in_flight == 0 and engine.aborted == aborted + 1
+
+
+def test_a_request_whose_loop_closed_leaves_the_engine_serving(served):
+    """A request that finishes after its caller's loop closed (its answer has nobody to go to) is dropped; the
+    stepping thread serves on (calling into the closed loop ended it, and every later request hung)."""
+    from vllm import SamplingParams
+
+    _, engine, _, _ = served
+    gone = asyncio.new_event_loop()
+
+    async def start():
+        params = SamplingParams(max_tokens=30, ignore_eos=True, seed=0)
+        orphan = asyncio.ensure_future(engine.generate([1, 2, 3], params))
+        while engine.in_flight == 0:
+            await asyncio.sleep(0.001)
+        return orphan
+
+    requests = engine.requests
+    orphan = gone.run_until_complete(start())
+    gone.close()  # its task neither finished nor cancelled
+    for _ in range(1000):
+        if engine.requests > requests:
+            break
+        asyncio.run(asyncio.sleep(0.01))
+    assert engine.requests == requests + 1 and not orphan.done()
+
+    async def after():
+        return await asyncio.wait_for(engine.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True, seed=1)),
+                                      timeout=30)
+
+    assert len(asyncio.run(after()).ids) == 4
+
+
+def test_closing_a_session_aborts_its_request_in_flight(served):
+    """An agent that timed out leaves its HTTP request running (the server does not stop a request whose client
+    went away): closing its session aborts it (409 to nobody) and hands out a record no late answer extends."""
+    import openai
+
+    _, engine, gateway, url = served
+    s = gateway.open_session()
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=s.key, max_retries=0)
+
+    async def main():
+        aborted = engine.aborted
+        call = asyncio.create_task(client.completions.create(model="tiny", prompt=[1, 2, 3, 4], max_tokens=MAX_TOKENS,
+                                                             seed=0))
+        while engine.in_flight == 0:
+            await asyncio.sleep(0.001)
+        with engine.paused():  # mid-decode: it cannot finish before its session closes
+            gateway.close_session(s.id)
+        with pytest.raises(openai.ConflictError, match="closed while it was in flight"):
+            await call
+        for _ in range(500):
+            if engine.in_flight == 0:
+                break
+            await asyncio.sleep(0.01)
+        await client.close()
+        return aborted
+
+    aborted = asyncio.run(main())
+    assert engine.in_flight == 0 and engine.aborted == aborted + 1 and not s.tasks
+    done = gateway.open_session()
+    asyncio.run(gateway.completion({"prompt": [1, 2, 3], "max_tokens": 2, "seed": 1}, f"Bearer {done.key}"))
+    record = gateway.close_session(done.id)
+    kept = json.dumps(record)
+    done.session.record([7], [-0.5], 0)  # a late answer (its request finished as the session closed)
+    assert json.dumps(record) == kept
+
+
+def test_an_agent_that_gives_up_mid_request_leaves_nothing_running_in_the_engine(served):
+    """AgentRunner.run returns with none of its agents' requests in the engine: the request of an agent that gave up
+    on it mid-decode (its client's timeout; the runner's timeout cancels an agent's request the same way) and
+    ended is aborted, not decoded on to max_tokens into the weight sync that follows the rollout (the server does
+    not stop a request whose client went away)."""
+    from megappo.gateway.agents import AgentRunner
+    from megappo.workers.rollout.sampling import SamplingSpec
+
+    rollout, engine, gateway, _ = served
+
+    async def gives_up(client, row):
+        call = asyncio.ensure_future(client.chat.completions.create(model="policy", messages=row["messages"],
+                                                                    max_tokens=440))  # 440 tokens: seconds
+        while engine.in_flight == 0:  # decoding
+            await asyncio.sleep(0.001)
+        call.cancel()
+        raise RuntimeError("gave up on it")
+
+    row = {"messages": [{"role": "user", "content": "count to a thousand"}]}
+    prompt = gateway.renderer.prompt_ids(row["messages"])
+    runner = AgentRunner(rollout.llm, rollout.tokenizer, gives_up, max_model_len=MAX_LEN, max_tokens=440,
+                         concurrency=1, timeout_s=30)
+    requests = engine.requests
+    try:
+        (t,) = runner.run([prompt], SamplingSpec(n=1, temperature=1.0, max_new_tokens=440, seed=3), 3, [row])
+    finally:
+        runner.close()
+    assert t.stats["agent_errors"] == 1 and t.tokens == []
+    steps = engine.steps
+    assert engine.in_flight == 0 and engine.requests == requests  # cut, never finished
+    asyncio.run(asyncio.sleep(0.5))
+    assert engine.steps == steps  # nothing decodes on
+
+
+def test_a_resubmitted_request_never_takes_a_siblings_seed(served):
+    """resubmit_running (a new LoRA adapter) continues each request under a new seed: never a sibling's of the same
+    group (base + j + ids so far was sample j + d's seed: coupled random streams), nor another continuation's."""
+    from vllm import SamplingParams
+
+    _, engine, _, _ = served
+    inner, seeds = engine.engine, []
+
+    class Recording:  # the engine as it is, each request's seed noted
+        def add_request(self, rid, prompt, params, lora_request=None):
+            seeds.append(params.seed)
+            return inner.add_request(rid, prompt, params, lora_request=lora_request)
+
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+    group = list(range(100, 116))  # one prompt's 16 samples, seeded base + j as a rollout seeds them
+
+    async def main():
+        tasks = [asyncio.create_task(engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=40, ignore_eos=True,
+                                                                                   temperature=1.0, seed=s)))
+                 for s in group]
+        for _ in range(2):  # two adapter updates while the group decodes: each request resubmitted twice
+            steps0 = engine.steps
+            while engine.steps < steps0 + 2:
+                await asyncio.sleep(0.001)
+            with engine.paused():
+                assert engine.resubmit_running() == len(group)
+        return await asyncio.gather(*tasks)
+
+    engine.use(Recording())
+    try:
+        outs = asyncio.run(main())
+    finally:
+        engine.use(inner)
+    assert sorted(seeds[:len(group)]) == group and len(seeds) == 3 * len(group)
+    later = seeds[len(group):]
+    assert len(set(later)) == len(later) and not set(later) & set(group)
+    assert all(len(c.ids) == 40 for c in outs)  # both parts joined

@@ -99,7 +99,12 @@ class AgentRunner:
 
     def run(self, prompts: list[list[int]], spec, base_seed: int, rows: list[dict]):
         """One trajectory per prompt (sample k runs rows[k]'s agent, seeded base_seed + k)."""
-        return asyncio.run(self._run_all(prompts, spec, base_seed, rows))
+        trajectories = asyncio.run(self._run_all(prompts, spec, base_seed, rows))
+        # every session is closed and its requests cancelled (sample); an abort the stepping thread has not taken
+        # yet is done here, under its lock: nothing of this rollout's agents decodes on into the weight sync or
+        # the engine's sleep that follows (the synchronous rollout: the engine serves this rollout alone)
+        self.engine.abort_all()
+        return trajectories
 
     async def _run_all(self, prompts, spec, base_seed, rows):
         gate = asyncio.Semaphore(self.concurrency)
@@ -143,7 +148,11 @@ class AgentRunner:
                     reward = as_reward(returned)
                 except ValueError as e:  # the sample is dropped and counted, as an agent that raises
                     error = f"the agent's return value: {e}"
-            record = self.gateway.close_session(state.id)
+            record = self.gateway.close_session(state.id)  # cancels what the agent left in flight (a timeout)
+            for _ in range(1000):  # and waits (5 s at most) until it is gone: each aborted in the engine
+                if not state.tasks:
+                    break
+                await asyncio.sleep(0.005)
             if reward is None:
                 reward = record["reward"]
             return _trajectory(record, prompt, reward, error, timed_out, time.perf_counter() - t0,

@@ -29,6 +29,8 @@ not token by token: the role, the text in one delta, each tool call, the finish 
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import json
 import math
 import secrets
@@ -83,12 +85,15 @@ class SessionState:
     forced: dict = field(default_factory=dict)
     budget: Optional[int] = None
     busy: bool = False  # a request in flight (_one_at_a_time)
+    tasks: set = field(default_factory=set)  # its engine requests' tasks in flight (close_session cancels them)
+    closed: bool = False
 
     def record(self) -> dict:
+        """A copy: a request that finishes as the session closes records into the session, never into this."""
         s = self.session
         return {"session_id": self.id, "row": self.row, "reward": self.reward, "requests": s.requests,
                 "fallbacks": s.fallbacks, "latencies": list(self.latencies),
-                "segments": [seg.to_dict() for seg in s.segments]}
+                "segments": copy.deepcopy([seg.to_dict() for seg in s.segments])}
 
 
 class Gateway:
@@ -115,8 +120,15 @@ class Gateway:
         return state
 
     def close_session(self, sid: str) -> dict:
+        """Its record (a copy). Its requests still in flight (an agent that timed out or was cancelled left them:
+        the server does not stop a request whose client went away) are cancelled, which aborts them in the
+        engine; each answers 409. Callable from any thread (AgentRunner closes from its own loop)."""
         state = self._state(sid)
         del self.sessions[sid], self._by_key[state.key]
+        state.closed = True  # before its tasks are read: a request being started as it closes sees it (_generate)
+        for task in list(state.tasks):
+            if not task.get_loop().is_closed():
+                task.get_loop().call_soon_threadsafe(task.cancel)
         return state.record()
 
     def stats(self) -> dict:
@@ -224,11 +236,24 @@ class Gateway:
         from vllm.exceptions import VLLMClientError
 
         t0 = time.perf_counter()
+        request = asyncio.ensure_future(self.engine.generate(prompt, params))  # a task close_session can cancel
+        if state is not None:
+            state.tasks.add(request)
+            if state.closed:  # closed (from another thread) while this request was being built
+                request.cancel()
         try:
-            out = await self.engine.generate(prompt, params)
+            out = await request
         except VLLMClientError as e:  # refused by vLLM's input checks (e.g. ids out of the vocabulary); an engine-
             # wide failure (any other exception a step raises for every request in flight) stays a 500
             raise GatewayError(400, f"the engine refused this request: {_one_line(e)}") from None
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # this request's own handler is cancelled (the server stops)
+                raise
+            raise GatewayError(409, "this request's session was closed while it was in flight: it was aborted",
+                               "conflict_error", {"x-should-retry": "false"}) from None
+        finally:
+            if state is not None:
+                state.tasks.discard(request)
         dt = time.perf_counter() - t0
         self.latencies.append(dt)
         if state is not None:

@@ -17,7 +17,9 @@ KV cache and continue after it (vLLM's "keep" pause mode), new ones queue; the p
 `bump_version` last set when the request entered the engine, and each sampled token's is the version
 current at the step that sampled it (`Completion.token_versions`): a request in flight across a weight
 load continues from its tokens so far under the new weights (a partial rollout, trainer.mode=fully_async)
-and its later tokens carry the new version. A new LoRA adapter (rollout.lora_sync=adapter) cannot reach a
+and its later tokens carry the new version. A caller that stops waiting (its await cancelled: an agent's
+timeout, a closed gateway session) aborts its request: the engine stops decoding it before its next step.
+A new LoRA adapter (rollout.lora_sync=adapter) cannot reach a
 request vLLM already holds: `resubmit_running` aborts each and adds it again as prompt + ids so far under
 the new adapter (abort and re-prefill), its completion joining both parts. Per-token versions need vLLM's default CUMULATIVE output kind
 (with FINAL_ONLY every token gets the version of its last step).
@@ -32,6 +34,14 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
+
+from megappo.agent.loop import TURN_SEED_STRIDE
+
+# a resubmitted continuation's seed (resubmit_running): its request's seed + this, once per resubmission. A
+# rollout seeds request t of sample k base + k + t * TURN_SEED_STRIDE (agent/loop.py; gateway/agents.py the
+# same), so a continuation on the square of that stride never draws a sibling's stream (base + k + d did:
+# sample k + d's seed) nor another turn's, and stays a function of the request's own seed (deterministic)
+RESUBMIT_SEED_STRIDE = TURN_SEED_STRIDE ** 2
 
 
 @dataclass
@@ -58,6 +68,7 @@ class AsyncTokenEngine:
         self.version = 0
         self.steps = 0  # engine steps taken
         self.requests = 0  # requests served
+        self.aborted = 0  # requests aborted because their caller stopped waiting (generate cancelled)
         self.lora_request = None  # rollout.lora_sync=adapter: the adapter each new request samples with
         # held by a step, by add_request, and by paused() (reentrant: a weight load inside a pause may resubmit)
         self._lock = threading.RLock()
@@ -72,7 +83,8 @@ class AsyncTokenEngine:
         self._latest: dict[str, object] = {}  # request id -> its CompletionOutput so far (cumulative)
         self._before: dict[str, tuple] = {}  # a resubmitted request's id -> (ids, log-probs) sampled before
         self._wake = threading.Event()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (prompt ids, params, loop, future)
+        # (prompt ids, params, loop, future); prompt ids None: abort that future's request (generate cancelled)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="megappo-engine", daemon=True)
@@ -97,13 +109,25 @@ class AsyncTokenEngine:
         with self._lock:
             self.engine = engine
 
+    @property
+    def in_flight(self) -> int:
+        """Requests in the engine, not finished (not counting those still queued for the stepping thread)."""
+        return len(self._pending)
+
     async def generate(self, prompt_ids: list[int], params) -> Completion:
-        """Never blocks the caller's loop (not even while paused): the stepping thread adds the request."""
+        """Never blocks the caller's loop (not even while paused): the stepping thread adds the request. Cancelled
+        (the caller stopped waiting), the request is aborted: it would otherwise decode on to max_tokens, across
+        the next weight load and holding its KV cache, for nobody."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._inbox.put((list(prompt_ids), params, loop, future))
         self._wake.set()
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._inbox.put((None, None, loop, future))  # after its request: the stepping thread takes both in order
+            self._wake.set()
+            raise
 
     def _admit(self) -> None:
         """Add the queued requests to the engine (under the step lock; vLLM's engine is not thread-safe)."""
@@ -111,49 +135,71 @@ class AsyncTokenEngine:
 
         while not self._inbox.empty():
             prompt, params, loop, future = self._inbox.get()
+            if prompt is None:  # its caller stopped waiting
+                self._abort(future)
+                continue
             rid = f"gw-{next(self._ids)}"  # outputs carry this id; vLLM's internal one adds a suffix
             try:
                 internal = self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params,
                                                    lora_request=self.lora_request)
             except Exception as e:  # noqa: BLE001 - a request vLLM refuses fails alone
-                loop.call_soon_threadsafe(_set, future, None, e)
+                _call(loop, _set, future, None, e)
                 continue
             self._pending[rid] = (loop, future, prompt, self.version, internal)
             self._token_versions[rid], self._params[rid] = [], params
+
+    def _abort(self, future) -> None:
+        """Abort the request whose caller stopped waiting for `future` (under the step lock): out of vLLM and of
+        the pending table. One already finished, failed or aborted: nothing."""
+        rid = next((rid for rid, p in self._pending.items() if p[1] is future), None)  # resubmits keep the future
+        if rid is None:
+            return
+        internal = self._pending.pop(rid)[4]
+        self._forget(rid)
+        self.engine.abort_request([internal], internal=True)
+        self.aborted += 1
 
     def _loop(self) -> None:
         from megappo.parallel import cpu_compat
         from megappo.utils.checkpoint import preserved_rng
 
         while not self._closed:
-            self._wake.wait(timeout=0.5)
+            if not self._pending:  # requests in flight: step again at once
+                self._wake.wait(timeout=0.5)
             with self._resumed:
                 while self._pausing and not self._closed:
                     self._resumed.wait(timeout=0.5)
             with self._lock:
                 if self._closed:  # closed during a pause
                     break
-                self._admit()
-                if not self._pending:  # only its own requests: a synchronous LLM.generate on the same
-                    self._wake.clear()  # engine (validation, the built-in loop) is never stepped from here
-                    continue
+                # cleared before the inbox is read: a request queued from here on sets it again (cleared after
+                # an empty inbox was found, that request waited for the timeout)
+                self._wake.clear()
                 try:
+                    self._admit()
+                    if not self._pending:  # only its own requests: a synchronous LLM.generate on the same
+                        continue  # engine (validation, the built-in loop) is never stepped from here
                     with preserved_rng(), cpu_compat.suspended():
                         outputs = self.engine.step()
-                except Exception as e:  # noqa: BLE001 - fail every waiting request, keep serving
-                    failed = list(self._pending)
-                    try:
-                        self.engine.abort_request([self._pending[rid][4] for rid in failed], internal=True)
-                    except Exception:  # noqa: BLE001 - the engine is broken: its callers still get the error
-                        pass
-                    for rid in failed:
-                        loop, future, *_ = self._pending.pop(rid)
-                        self._forget(rid)
-                        loop.call_soon_threadsafe(_set, future, None, e)
-                    continue
-                self.steps += 1
-                stepped_at = self.version  # bump_version runs under the lock (paused()), never inside a step
-                self._record(outputs, stepped_at)  # under the lock: resubmit_running moves these entries
+                    self.steps += 1
+                    stepped_at = self.version  # bump_version runs under the lock (paused()), never inside a step
+                    self._record(outputs, stepped_at)  # under the lock: resubmit_running moves these entries
+                except Exception as e:  # noqa: BLE001 - a failed step, or a bug of ours around it: every waiting
+                    self._fail_all(e)  # request gets the error (never a hang), and the thread keeps serving
+
+    def _fail_all(self, error: Exception) -> None:
+        """Every request in flight fails with `error` (under the step lock): aborted in vLLM, its caller told."""
+        failed = list(self._pending)
+        if not failed:
+            return
+        try:
+            self.engine.abort_request([self._pending[rid][4] for rid in failed], internal=True)
+        except Exception:  # noqa: BLE001 - the engine is broken: its callers still get the error
+            pass
+        for rid in failed:
+            loop, future, *_ = self._pending.pop(rid)
+            self._forget(rid)
+            _call(loop, _set, future, None, error)
 
     def _record(self, outputs, stepped_at: int) -> None:
         """A step's outputs: each id's version, the output so far; a finished request's completion (both parts
@@ -173,7 +219,7 @@ class AsyncTokenEngine:
                 done.ids, done.logprobs = list(before_ids) + done.ids, list(before_lps) + done.logprobs
                 done.token_versions = self._token_versions[rid][:len(done.ids)]
                 self._forget(rid)
-                loop.call_soon_threadsafe(_set, future, done, None)
+                _call(loop, _set, future, done, None)
 
     @contextmanager
     def paused(self):
@@ -198,10 +244,11 @@ class AsyncTokenEngine:
                 self.engine.abort_request([p[4] for p in pending], internal=True)
             futures = [(loop, future) for loop, future, *_ in pending]
             while not self._inbox.empty():
-                _, _, loop, future = self._inbox.get()
-                futures.append((loop, future))
+                prompt, _, loop, future = self._inbox.get()
+                if prompt is not None:  # not an abort (its request is in `pending`, or was never added)
+                    futures.append((loop, future))
             for loop, future in futures:
-                loop.call_soon_threadsafe(future.cancel)
+                _call(loop, future.cancel)
             for rid in list(self._pending):
                 self._forget(rid)
             self._pending.clear()
@@ -212,9 +259,9 @@ class AsyncTokenEngine:
         the request is added): abort every request in flight and add it again under `lora_request`, its prompt
         + the ids sampled so far (re-prefilled with the new adapter), for what is left of its max_tokens. Its
         completion is both parts: the ids, log-probs and per-id versions as sampled. The continuation's seed is
-        its previous seed + the ids sampled so far (a new stream); a stop string that would span the two parts
-        is not seen. A request held by a grammar (structured outputs: a forced tool call) is sampled again whole
-        instead (its grammar would start over after the ids so far). Returns how many."""
+        its previous seed + RESUBMIT_SEED_STRIDE (a new stream, never a sibling's); a stop string that would span
+        the two parts is not seen. A request held by a grammar (structured outputs: a forced tool call) is sampled
+        again whole instead (its grammar would start over after the ids so far). Returns how many."""
         from vllm.inputs import TokensPrompt
 
         with self._lock:
@@ -237,14 +284,14 @@ class AsyncTokenEngine:
                     params.max_tokens -= done
                 params.min_tokens = max(0, params.min_tokens - done)
                 if params.seed is not None:
-                    params.seed += len(ids)
+                    params.seed += RESUBMIT_SEED_STRIDE
                 new = f"gw-{next(self._ids)}"
                 try:
                     internal = self.engine.add_request(new, TokensPrompt(prompt_token_ids=list(prompt) + ids), params,
                                                        lora_request=self.lora_request)
                 except Exception as e:  # noqa: BLE001 - a request vLLM refuses fails alone
                     self._forget(rid)
-                    loop.call_soon_threadsafe(_set, future, None, e)
+                    _call(loop, _set, future, None, e)
                     continue
                 self._pending[new] = (loop, future, prompt, version, internal)
                 self._token_versions[new] = self._token_versions.pop(rid)
@@ -273,6 +320,16 @@ class AsyncTokenEngine:
         self._closed = True
         self._wake.set()
         self._thread.join(timeout=5)
+
+
+def _call(loop, fn, *args) -> None:
+    """fn(*args) on a caller's `loop`, from the stepping thread. A loop closed since (its caller gone, e.g. an
+    asyncio.run that ended) is skipped: that future has nobody to tell, and raising here ended the thread."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # "Event loop is closed"
+        if not loop.is_closed():
+            raise
 
 
 def _set(future, result, error) -> None:
