@@ -403,6 +403,7 @@ def test_bad_input_is_a_4xx_with_one_line_and_loses_nothing(served):
         "bad messages": ("/v1/chat/completions", {"messages": [{"content": "x"}]}, mine.key, 400, "role"),
         "another model": ("/v1/chat/completions", {**ok, "model": "gpt-4"}, mine.key, 404, "not served here"),
         "max_tokens 0": ("/v1/chat/completions", {**ok, "max_tokens": 0}, mine.key, 400, "positive integer"),
+        "a seed past int64": ("/v1/chat/completions", {**ok, "seed": 2 ** 63}, mine.key, 400, "seed=9223372036854775808"),
         "token ids out of the vocabulary": ("/v1/completions", {"prompt": [10**9], "max_tokens": 2}, mine.key, 400,
                                             "out of vocabulary"),
         "a reward that is not finite": (f"/megappo/v1/sessions/{mine.id}/reward", '{"reward": NaN}', mine.key, 400,

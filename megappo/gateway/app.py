@@ -124,7 +124,7 @@ class Gateway:
         the server does not stop a request whose client went away) are cancelled, which aborts them in the
         engine; each answers 409. Callable from any thread (AgentRunner closes from its own loop)."""
         state = self._state(sid)
-        del self.sessions[sid], self._by_key[state.key]
+        del self._by_key[state.key], self.sessions[sid]  # the key first: _caller (the server's thread) reads it first
         state.closed = True  # before its tasks are read: a request being started as it closes sees it (_generate)
         for task in list(state.tasks):
             if not task.get_loop().is_closed():
@@ -195,9 +195,11 @@ class Gateway:
             if calls:
                 reply["tool_calls"] = [{"id": f"call_{secrets.token_hex(6)}", "type": "function",
                                         "function": {"name": name, "arguments": args}} for name, args in calls]
-            # a constrained reply was not sampled from the policy: context, not trained (tool_calls.py)
-            session.record(out.ids, None if constraint else out.logprobs, out.versions, reply,
-                           model=constraint is None, finish_reason=out.finish_reason)
+            # a constrained reply was not sampled from the policy: context, not trained (tool_calls.py); a session
+            # closed meanwhile has handed out its record: nothing more is recorded into it
+            if state is None or not state.closed:
+                session.record(out.ids, None if constraint else out.logprobs, out.versions, reply,
+                               model=constraint is None, finish_reason=out.finish_reason)
         finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
         choice = {"index": 0, "message": reply, "finish_reason": finish, "token_ids": out.ids,
                   "logprobs": self._logprobs(out) if body.get("logprobs") else None}
@@ -221,7 +223,8 @@ class Gateway:
             except BaseException:
                 session.restore(saved)
                 raise
-            session.record(out.ids, out.logprobs, out.versions, finish_reason=out.finish_reason)
+            if state is None or not state.closed:  # closed meanwhile: its record was handed out (chat, above)
+                session.record(out.ids, out.logprobs, out.versions, finish_reason=out.finish_reason)
         choice = {"index": 0, "text": self.tokenizer.decode(out.ids, skip_special_tokens=True),
                   "finish_reason": out.finish_reason, "token_ids": out.ids, "logprobs": None}
         return self._envelope("text_completion", choice, out)
@@ -300,10 +303,12 @@ class Gateway:
         if prompt_len + max_tokens > self.max_model_len:
             raise GatewayError(400, f"the prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceed "
                                     f"max_model_len={self.max_model_len}: shorten the conversation or max_tokens")
-        stop = body.get("stop")
+        stop, seed = body.get("stop"), body.get("seed")
+        if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2 ** 63):
+            raise GatewayError(400, f"seed={seed!r} must be an integer in [0, 2**63) (vLLM keeps it as int64)")
         try:
             return SamplingParams(temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
-                                  max_tokens=max_tokens, seed=body.get("seed"), logprobs=0,
+                                  max_tokens=max_tokens, seed=seed, logprobs=0,
                                   stop=[stop] if isinstance(stop, str) else stop, include_stop_str_in_output=True,
                                   structured_outputs=constraint)
         except (TypeError, ValueError) as e:

@@ -121,8 +121,8 @@ def base_identity(model_path, legacy: bool = False) -> str:
         size = f.stat().st_size
         h.update(f"{f.name}:{size}".encode())
         if not legacy:
-            with open(f, "rb") as fh:
-                start = 8 + int.from_bytes(fh.read(8), "little")  # safetensors: u64 header size, header, data
+            with open(f, "rb") as fh:  # safetensors: u64 header size, header, data (not one: its size is hashed)
+                start = min(size, 8 + int.from_bytes(fh.read(8), "little"))
                 fh.seek(start)
                 h.update(fh.read(1 << 16))
                 fh.seek(max(start, size - (1 << 16)))
