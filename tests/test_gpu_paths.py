@@ -258,7 +258,7 @@ def test_gpu_smoke_runs_every_row_with_torch_and_megatron_only(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(out["rows"]) == {"stack", "logprobs vs HF", "train step", "packed == padded", "MoE layer", "checkpoint",
-                               "LoRA", "expert LoRA"}
+                               "LoRA", "expert LoRA", "offloaded LoRA sync"}
     assert all(row["ok"] for row in out["rows"].values()) and r.returncode == 0, out
     assert "vllm absent, ray absent" in out["rows"]["stack"]["detail"]
 

@@ -15,7 +15,9 @@ One process, one device. Each check is a row of a pass/fail table (exit 1 when a
                     parameters bit for bit, and one more step equal on both;
 - LoRA:             actor.lora: two steps move the adapters only (the base bit-identical), and the
                     exported peft adapter on HF's base gives the engine's log-probs;
-- expert LoRA:      the same with actor.lora.experts on the tiny Mixtral (an adapter per routed expert).
+- expert LoRA:      the same with actor.lora.experts on the tiny Mixtral (an adapter per routed expert);
+- offloaded LoRA sync: actor.offload + LoRA: the merged weight sync built while the weights are off the device
+                    sends what a resident actor sends, bit for bit, and leaves no merged copy on the device.
 `--device cpu` runs the same checks on the CPU (tests/test_gpu_paths.py does, with vllm and ray blocked).
 
 What to carry to a GPU image that has torch, transformers, peft and their usual dependencies but no
@@ -23,7 +25,8 @@ registry: megatron-core, omegaconf and antlr4-python3-runtime as wheels (`script
 fetches them), and this checkout. megappo needs none of vLLM, Ray or pyarrow for these checks
 (tests/test_gpu_paths.py runs them on the CPU with those and the other packages the image lacks blocked).
 Runs on a GPU (2026-11-26, two leases of an H200, torch 2.11.0+cu130, no Transformer Engine; the expert-LoRA
-row in the second): every row passed in bf16 and fp32 (docs/gpu.md).
+row in the second; the offloaded-LoRA-sync row in a fifth, 2026-11-27): every row passed in bf16 and fp32
+(docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -277,9 +280,40 @@ def check_expert_lora(args, assets) -> tuple[bool, str]:
                                             f"tensors, each B moved >= {least:.1e}; vs HF + peft {said}")
 
 
+def check_offloaded_lora_sync(args, assets) -> tuple[bool, str]:
+    """actor.offload with LoRA and the merged weight sync (the 70B / 235B layouts offload the actor): the sync's
+    resharder is built while the actor's weights are off the device (it must read none of them), merges each
+    adapted weight when its bucket is built, and sends bit for bit what the same actor kept on the device sends;
+    the offloaded actor's device memory is where it was before the sync (no merged copy held after it)."""
+    from megappo.models.lora import LoraConfig, lazily_merged_named_parameters
+    from megappo.parallel.layout import ParallelLayout
+    from megappo.parallel.megatron_init import init_megatron
+    from megappo.parallel.resharding import Resharder
+
+    path, batch = str(assets["tiny-llama"]), make_batch()
+    sent, held, offloaded = {}, {}, {}
+    allocated = torch.cuda.memory_allocated if args.device == "cuda" else (lambda: 0)
+    for offload in (False, True):
+        init_megatron(ParallelLayout(), seed=7)  # the same adapter init for both engines
+        eng = engine(path, args.device, args.torch_dtype, train=True, lora=LoraConfig(rank=4, alpha=8.0), offload=offload)
+        sync = Resharder(eng.inner_chunks(), eng.dims, eng.layout, rollout_tp=1,
+                         named_weights=lazily_merged_named_parameters)  # as the hybrid engine builds it
+        offloaded[offload] = eng.offloaded
+        train_on(eng, batch, args.device)  # B != 0: the merged weights are not the base
+        before = allocated()
+        with eng.resident(parts=["params"]):
+            sent[offload] = {n: t.float().cpu().clone() for b in sync.buckets() for n, t in b.tensors}
+        held[offload] = allocated() - before
+        del sync, eng
+    same = sent[True].keys() == sent[False].keys() and all(torch.equal(sent[True][n], sent[False][n]) for n in sent[False])
+    ok = same and offloaded[True] and held[True] <= 0
+    return ok, (f"built offloaded: {offloaded[True]}; sent == resident actor's: {same} ({len(sent[True])} tensors); "
+                f"device bytes held after the sync: {held[True]}")
+
+
 CHECKS = {"stack": check_stack, "logprobs vs HF": check_logprobs, "train step": check_train_step,
           "packed == padded": check_packed, "MoE layer": check_moe, "checkpoint": check_checkpoint, "LoRA": check_lora,
-          "expert LoRA": check_expert_lora}
+          "expert LoRA": check_expert_lora, "offloaded LoRA sync": check_offloaded_lora_sync}
 
 
 def main(argv=None) -> int:
