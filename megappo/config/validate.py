@@ -384,7 +384,7 @@ def _check_lora(cfg, dims: ModelDims) -> None:
         raise ConfigError(f"actor.lora.target_modules {fused} with model.transformer_engine=true: TE fuses their input "
                           "norm into the linear, which LoRA does not adapt yet; leave model.transformer_engine null "
                           "(a LoRA actor then builds the local spec) or target [linear_proj, linear_fc2] only")
-    if is_dist_checkpoint(cfg.model.path):
+    if cfg.model.path and is_dist_checkpoint(cfg.model.path):
         raise ConfigError(f"actor.lora with model.path={cfg.model.path}, a megatron checkpoint: LoRA loads its base "
                           "from HF safetensors; convert it first (megappo convert mcore-to-hf) and point "
                           "model.path at the HF dir")
