@@ -126,7 +126,7 @@ def export_lora(role_dir, out, base, dtype: Optional[str] = None, overwrite: boo
 
     from megappo.models.gpt import load_hf_config
     from megappo.models.lora import LORA_FORMAT, LORA_META, LoraConfig, PeftLayoutError, save_peft_adapter
-    from megappo.utils.checkpoint import base_identity
+    from megappo.utils.checkpoint import is_base_of
     from megappo.parallel.weight_mapping import ModelDims
 
     role_dir, out, base = Path(role_dir), Path(out), Path(base)
@@ -145,7 +145,7 @@ def export_lora(role_dir, out, base, dtype: Optional[str] = None, overwrite: boo
     if meta.get("format") != LORA_FORMAT:
         raise ExportError(f"{role_dir}: adapter checkpoint format {meta.get('format', 1)}, this megappo reads "
                           f"format {LORA_FORMAT}; export it with the megappo version that saved it")
-    if meta.get("base") not in (base_identity(base), base_identity(base, legacy=True)):
+    if not is_base_of(meta.get("base"), base):
         raise ExportError(f"{role_dir}: the adapters were trained on another base than {base} (its config or weight "
                           "files differ); pass --config with the HF dir of the run's model.path")
     cfg = LoraConfig(rank=int(meta["rank"]), alpha=float(meta["alpha"]), target_modules=meta["target_modules"])

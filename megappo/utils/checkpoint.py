@@ -130,6 +130,11 @@ def base_identity(model_path, legacy: bool = False) -> str:
     return h.hexdigest()[:16]
 
 
+def is_base_of(identity: str, model_path) -> bool:
+    """An adapter checkpoint's recorded base `identity` is the HF dir `model_path` (either form of base_identity)."""
+    return identity in (base_identity(model_path), base_identity(model_path, legacy=True))
+
+
 def lora_checkpoint_meta(lora, model_path) -> dict:
     """What an adapter checkpoint is only valid with (its lora.json): the adapter's shape (`lora`: actor.lora
     or a models.lora.LoraConfig) and the base it was trained on."""
@@ -152,7 +157,7 @@ def lora_checkpoint_problem(path, lora, model_path) -> str | None:
     saved, want = json.loads(meta_file.read_text()), lora_checkpoint_meta(lora, model_path)
     saved.setdefault("experts", False)  # saved before routed experts could be adapted
     same = {"target_modules": lambda a, b: sorted(a or []) == sorted(b),
-            "base": lambda a, b: a in (b, base_identity(model_path, legacy=True))}
+            "base": lambda a, b: is_base_of(a, model_path)}
     diff = [k for k in want if not same.get(k, lambda a, b: a == b)(saved.get(k), want[k])]
     if not diff:
         return None
