@@ -275,3 +275,41 @@ def test_expert_lora_ppo_through_the_hybrid_engine(ray_session, tiny_assets, dat
         assert h["rollout/logprob_diff_max"] <= 1e-4, h["rollout/logprob_diff_max"]
     assert 0 <= history[0]["actor/kl_loss"] < 1e-3 and history[1]["actor/kl_loss"] > history[0]["actor/kl_loss"]
     assert (tmp_path / "hf_final" / "config.json").is_file() and not (tmp_path / "hf_final" / "adapter").exists()
+
+
+def _merge_reads_worker(rank, world, port, path):
+    import collections
+
+    from megappo.models.lora import LoraConfig, MergedShard, lazily_merged_named_parameters
+    from megappo.parallel.megatron_init import init_distributed, init_megatron
+    from megappo.parallel.resharding import Resharder
+    from megappo.workers.megatron_engine import EngineConfig, MegatronEngine, OptimConfig
+
+    init_distributed(rank, world, "127.0.0.1", port)
+    layout = LAYOUTS[2]
+    init_megatron(layout)
+    eng = MegatronEngine(path, layout, EngineConfig(optim=OptimConfig(**OPTIM),
+                                                    lora=LoraConfig(rank=RANK, alpha=ALPHA, experts=True)))
+    res = Resharder(eng.inner_chunks(), eng.dims, layout, rollout_tp=1, transport="collective",
+                    named_weights=lazily_merged_named_parameters)
+    reads, read = collections.Counter(), MergedShard.detach
+
+    def counted(self):
+        reads[self._mod.lora_name] += 1
+        return read(self)
+
+    MergedShard.detach = counted
+    try:
+        sent = sum(len(b.tensors) for b in res.buckets())
+    finally:
+        MergedShard.detach = read
+    return {"reads": dict(reads), "sent": sent, "ep_received": res.stats["bytes_ep_received"]}
+
+
+def test_merged_sync_at_ep2_merges_each_adapted_weight_once(tiny_assets):
+    """The merged weight sync at EP2 (collective transport): a rank broadcasts its own experts' merged weights to
+    the other EP rank and sends the same tensors on, so every adapted weight, expert or dense, is merged once per
+    sync (it used to merge its own experts twice: once for the broadcast, once more for the bucket)."""
+    for r in spawn_local(_merge_reads_worker, 2, str(tiny_assets["tiny-mixtral"]), timeout=300):
+        assert r["ep_received"] > 0 and r["sent"] > 0, r
+        assert any(".experts." in n for n in r["reads"]) and set(r["reads"].values()) == {1}, r

@@ -307,9 +307,10 @@ class Resharder:
         return p.ep_owner == self.ep_rank and self.edp_rank == 0
 
     def _shard(self, name: str) -> torch.Tensor:
-        """This rank's shard of a param: its own, or (collective, EP > 1) one borrowed for the bucket."""
-        p = self._local.get(name)
-        return p.detach() if p is not None else self._borrowed[name]
+        """This rank's shard of a param: its own, or (collective, EP > 1) one borrowed for the bucket (its
+        own experts too: read once for the broadcast)."""
+        t = self._borrowed.get(name)
+        return t if t is not None else self._local[name].detach()
 
     def _borrow_experts(self, b: _Bucket) -> None:
         """Collective transport at EP > 1: each EP rank broadcasts the bucket's experts it holds over the
@@ -323,8 +324,10 @@ class Resharder:
             if not todo:
                 continue
             sizes = [_numel(p.shape) for p in todo]
-            if k == self.ep_rank:
-                flat = torch.cat([self._local[p.name].detach().reshape(-1).to(self.dtype) for p in todo])
+            if k == self.ep_rank:  # read once (a LoRA expert's MergedShard merges when read): kept for _shard
+                own = [self._local[p.name].detach() for p in todo]
+                self._borrowed.update((p.name, t) for p, t in zip(todo, own))
+                flat = torch.cat([t.reshape(-1).to(self.dtype) for t in own])
             else:
                 flat = torch.empty(sum(sizes), dtype=self.dtype, device=self.device)
             dist.broadcast(flat, src=dist.get_global_rank(self.ep_group, k), group=self.ep_group)
