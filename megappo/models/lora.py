@@ -181,7 +181,7 @@ class _LoraMixin:
             return d
         if not getattr(self, "input_is_parallel", True):
             x = mp.scatter_to_tensor_model_parallel_region(x, group=g)
-        x = F.dropout(x, self.lora_dropout_p, self.training)
+        x = _sliced_dropout(x, self.lora_dropout_p, self.training, tp)
         a = F.linear(x, self.lora_A)  # partial sum over the input shards
         if tp > 1:
             a = mp.reduce_scatter_to_sequence_parallel_region(a, group=g) if seq_par \
@@ -193,10 +193,11 @@ class _LoraMixin:
         gradients (module docstring)."""
         from megatron.core.tensor_parallel import mappings as mp
 
-        x = F.dropout(x, self.lora_dropout_p, self.training)
         if self.lora_column:
+            x = F.dropout(x, self.lora_dropout_p, self.training)
             a = _ReplicatedA.apply(x, self.lora_A, self._lora_group)
             return F.linear(a, self.lora_B) * self.lora_scaling
+        x = _sliced_dropout(x, self.lora_dropout_p, self.training, self._lora_tp)
         a = mp.reduce_from_tensor_model_parallel_region(F.linear(x, self.lora_A), group=self._lora_group)
         d = F.linear(a, self.lora_B) * self.lora_scaling
         return d.detach() / self._lora_tp + (d - d.detach())  # d / tp forward (exact), d's gradient backward
@@ -380,6 +381,19 @@ def lora_disabled(model):
     finally:
         for m, b in zip(mods, before):
             m.lora_enabled = b
+
+
+def _sliced_dropout(x: torch.Tensor, p: float, training: bool, tp: int) -> torch.Tensor:
+    """Dropout on this TP rank's slice of a row-parallel input: drawn from megatron's model-parallel generator (seeded
+    per TP rank), as megatron's own dropout in a TP region, so the slices do not all get one pattern. A column-parallel
+    input is whole on every rank: its dropout uses the default generator, the same on every rank (the trainer reseeds
+    it at each update), so a replicated A gets the same gradient everywhere."""
+    if not (training and p > 0 and tp > 1):
+        return F.dropout(x, p, training)
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    with get_cuda_rng_tracker().fork():
+        return F.dropout(x, p, training)
 
 
 class MergedShard:

@@ -1,0 +1,88 @@
+"""actor.lora.dropout under tensor parallelism (models/lora.py), tiny llama, fp32, CPU/gloo, megatron's engine.
+
+A column-parallel linear's A (linear_qkv, linear_fc1) is replicated over the TP ranks, and each rank computes its
+gradient from its own dropout mask of the same input: the masks must agree or the copies of A drift apart
+(megatron does not all-reduce a replicated weight's gradient over TP). The masks come from the process's default
+generator, which the hybrid engine's vLLM shares: a rank that sampled a different number of tokens has drawn
+different numbers. So each update reseeds it from (trainer.seed, optimizer step): the test draws extra numbers on
+one rank before each step, as a sampler would, and the copies of every replicated A stay bit-identical. A
+row-parallel linear's A sees its rank's slice of the input: its mask is drawn per rank (megatron's
+model-parallel generator), not the same pattern on every slice. And the masks are applied: the adapters differ
+from a step without dropout."""
+
+import torch
+
+from megappo.parallel.launch import spawn_local
+from megappo.parallel.layout import ParallelLayout
+
+RANK, ALPHA = 4, 8.0
+OPTIM = dict(lr=1e-2, adam_eps=1e-4, clip_grad=1.0)
+
+
+def _worker(rank, world, port, path, adapter, dropout):
+    from megatron.core import parallel_state as mpu
+
+    from megappo.models.gpt import load_hf_config
+    from megappo.models.lora import LoraConfig, iter_lora_modules, load_hf_lora
+    from megappo.parallel.megatron_init import init_distributed, init_megatron
+    from megappo.parallel.weight_mapping import ModelDims
+    from megappo.workers.megatron_engine import EngineConfig, MegatronEngine, OptimConfig
+    from test_megatron_engine import R, make_batch, pg_loss
+
+    init_distributed(rank, world, "127.0.0.1", port)
+    layout = ParallelLayout(tp=2)
+    init_megatron(layout)
+    eng = MegatronEngine(path, layout, EngineConfig(optim=OptimConfig(**OPTIM),
+                                                    lora=LoraConfig(rank=RANK, alpha=ALPHA, dropout=dropout)))
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    load_hf_lora(eng.inner_chunks(), adapter, ModelDims.from_hf_config(load_hf_config(path), tp=2), tp_rank, 2)
+    batch = make_batch()
+    for step in range(2):
+        if tp_rank == 0:  # what a sampler in this process would do: draw from the default generator
+            torch.rand(17 + step)
+        eng.train_step(batch, pg_loss, batch["response_mask"].sum().item(), R, 4)
+    mods = dict(iter_lora_modules(eng.inner_chunks()))
+    name = next(n for n in mods if n.endswith("linear_fc2"))
+    row = mods[name]
+    row.train()
+    x = torch.ones(3, 1, row.lora_A.shape[1])
+    with torch.no_grad():  # the row-parallel dropout's mask on this rank's slice of an all-ones input
+        row_mask = _row_mask(row, x)
+    return {"tp": tp_rank, "row_mask": row_mask,
+            "A": {n: m.lora_A.detach().clone() for n, m in mods.items()},
+            "B": {n: m.lora_B.detach().clone() for n, m in mods.items()}, "column": {
+                n for n, m in mods.items() if m.lora_column}}
+
+
+def _row_mask(mod, x):
+    """Which of this rank's input features the row-parallel dropout keeps, for one draw (A's input)."""
+    seen = []
+    orig = torch.nn.functional.linear
+
+    def spy(inp, w, *a):
+        if w is mod.lora_A:
+            seen.append(inp != 0)
+        return orig(inp, w, *a)
+
+    torch.nn.functional.linear = spy
+    try:
+        mod.lora_delta(x)
+    finally:
+        torch.nn.functional.linear = orig
+    return seen[0]
+
+
+def test_dropout_keeps_replicated_adapters_identical_over_tp(tiny_assets):
+    from test_lora import random_adapter
+
+    path = str(tiny_assets["tiny-llama"])
+    adapter = random_adapter(path)
+    r0, r1 = sorted(spawn_local(_worker, 2, path, adapter, 0.3, timeout=300), key=lambda r: r["tp"])
+    assert r0["column"] and r0["column"] == r1["column"]
+    for n in r0["column"]:  # A replicated over TP at a column-parallel linear
+        assert torch.equal(r0["A"][n], r1["A"][n]), n
+    # a row-parallel linear's slices get their own masks (not one pattern repeated on every slice)
+    assert not torch.equal(r0["row_mask"], r1["row_mask"])
+    # the masks are applied: the same two steps without dropout end elsewhere
+    no0, _ = sorted(spawn_local(_worker, 2, path, adapter, 0.0, timeout=300), key=lambda r: r["tp"])
+    assert any(not torch.equal(r0["B"][n], no0["B"][n]) for n in r0["B"])
