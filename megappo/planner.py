@@ -208,6 +208,20 @@ def lora_params(a, lora, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[int, in
     return int(total), int(experts)
 
 
+def adapter_sync_params(a, lora) -> int:
+    """What rollout.lora_sync=adapter sends vLLM each step: the whole adapter in peft's layout
+    (models/lora.megatron_lora_to_hf), lora_params' count at TP1 plus A once more for each further HF module of a
+    fused linear (q, k and v share linear_qkv's A; gate and up, linear_fc1's: every family here gates its MLP)."""
+    dense, experts = lora_params(a, lora)
+    r, h, n_moe = int(lora.rank), a.hidden_size, moe_layers(a)
+    extra = 2 * r * h * a.num_layers if "linear_qkv" in lora.target_modules else 0
+    if "linear_fc1" in lora.target_modules:
+        extra += r * h * (a.num_layers - n_moe)
+        if getattr(lora, "experts", False) and n_moe:
+            extra += r * h * a.num_experts * n_moe
+    return dense + experts + extra
+
+
 def role_memory(cfg, role: str) -> RoleMemory:
     rcfg = cfg[role]
     par = rcfg.parallel
@@ -266,7 +280,8 @@ def plan(cfg) -> dict:
     # every run may save (save_every, the final checkpoint for export, a preemption's): count the snapshot on GPU
     saves = cfg.resources.device != "cpu"
     save_gb = sum(m.weights_gb + m.optimizer_gb for r, m in roles.items() if r in ("actor", "critic")) if saves else 0.0
-    sync_bytes_per_gpu = vllm_weights_gb * GB
+    adapter_sync = bool(lora_rank(cfg)) and cfg.rollout.lora_sync == "adapter"  # vLLM keeps its base: adapters only
+    sync_bytes_per_gpu = 2 * adapter_sync_params(cfg.model.arch, cfg.actor.lora) if adapter_sync else vllm_weights_gb * GB
     replicas = cfg.resources.nodes * cfg.resources.workers_per_node // cfg.rollout.tp
     return {
         "layout": {r: _layout_str(cfg[r].parallel) for r in roles} | {"rollout": f"TP{cfg.rollout.tp}"},
@@ -293,10 +308,11 @@ def plan(cfg) -> dict:
         "host_vllm_sleep_gb_per_gpu": round(vllm_host_gb, 2),
         "host_save_snapshot_gb_per_gpu": round(save_gb, 2),
         "host_gb_per_node": round((host_gb + vllm_host_gb + save_gb) * cfg.resources.workers_per_node, 1),
-        "weight_sync": {"bytes_per_gpu": int(sync_bytes_per_gpu), "replicas": replicas,
+        "weight_sync": {"sends": "adapters" if adapter_sync else "weights",
+                        "bytes_per_gpu": int(sync_bytes_per_gpu), "replicas": replicas,
                         "bytes_total": int(sync_bytes_per_gpu * cfg.rollout.tp * replicas),
                         # MoE: every expert reaches every rollout TP rank (TP-sliced), from the EP rank holding it
-                        "experts_per_rollout_gpu": cfg.model.arch.num_experts * moe_layers(cfg.model.arch)},
+                        "experts_per_rollout_gpu": 0 if adapter_sync else cfg.model.arch.num_experts * moe_layers(cfg.model.arch)},
     }
 
 
@@ -472,7 +488,8 @@ def render(result: dict) -> str:
     ws = result["weight_sync"]
     experts = f"; every one of {ws['experts_per_rollout_gpu']} (layer, expert) pairs, TP-sliced" \
         if ws.get("experts_per_rollout_gpu") else ""
-    lines.append(f"weight sync per step: {ws['bytes_per_gpu'] / GB:.2f} GB into each rollout GPU, "
+    what = " (LoRA adapters only, rollout.lora_sync=adapter)" if ws["sends"] == "adapters" else ""
+    lines.append(f"weight sync per step{what}: {ws['bytes_per_gpu'] / GB:.3f} GB into each rollout GPU, "
                  f"{ws['bytes_total'] / GB:.1f} GB in all ({ws['replicas']} vLLM replicas){experts}")
     if result["host_gb_per_node"]:
         lines.append(f"pinned host memory: offloaded roles {result['host_offload_gb_per_gpu']:.1f} GB + vLLM asleep "

@@ -249,3 +249,49 @@ def test_moe_activations_and_actor_logits_against_hand_calculation():
     assert plan(cfg)["roles"]["actor"]["activations_gb"] == round((critic + logits * 24 // 16) / GB, 2)
     shipped = plan(load_config(REPO / "configs/ppo_qwen3_30b_a3b.yaml"))
     assert shipped["fits"] and shipped["peak_gpu_gb"] <= 80 - 5  # the config's stated margin
+
+
+def test_adapter_sync_plans_the_adapters_in_peft_layout_against_hand_calculation():
+    """rollout.lora_sync=adapter: the plan's weight sync is the adapter in peft's layout, not the model."""
+    merged = plan(load_config(REPO / "configs/ppo_7b.yaml", ["actor.lora.rank=16", "rollout.tp=1"]))
+    adapter = plan(load_config(REPO / "configs/ppo_7b.yaml", ["actor.lora.rank=16", "rollout.tp=1",
+                                                              "rollout.lora_sync=adapter", "rollout.sleep_level=1"]))
+    # Llama-2-7B, rank 16, peft's modules: q/k/v/o 16*(4096+4096) each; gate/up 16*(4096+11008) each;
+    # down 16*(11008+4096); 32 layers, bf16
+    per_layer = 4 * 16 * (4096 + 4096) + 3 * 16 * (4096 + 11008)
+    assert adapter["weight_sync"]["sends"] == "adapters" and merged["weight_sync"]["sends"] == "weights"
+    assert adapter["weight_sync"]["bytes_per_gpu"] == 2 * 32 * per_layer
+    assert merged["weight_sync"]["bytes_per_gpu"] == 2 * (32 * 202_383_360 + 2 * 32000 * 4096 + 4096)  # every weight
+    assert adapter["weight_sync"]["bytes_per_gpu"] < 0.01 * merged["weight_sync"]["bytes_per_gpu"]
+
+
+def _count_peft_adapter(rank, world, port, path, lora_rank, experts):
+    from megappo.models.gpt import build_gpt_chunks, build_transformer_config, load_hf_config
+    from megappo.models.lora import LoraConfig, apply_lora, gather_hf_lora
+    from megappo.parallel.layout import ParallelLayout
+    from megappo.parallel.megatron_init import destroy, init_distributed, init_megatron
+    from megappo.parallel.model_dims import ModelDims
+
+    init_distributed(rank, world, "127.0.0.1", port)
+    layout = ParallelLayout(dp=2, ep=2) if experts else ParallelLayout(tp=world)
+    init_megatron(layout)
+    hf_config = load_hf_config(path)
+    chunks = build_gpt_chunks(hf_config, build_transformer_config(hf_config, layout), layout)
+    apply_lora(chunks, LoraConfig(rank=lora_rank, experts=experts))
+    hf = gather_hf_lora(chunks, ModelDims.from_hf_config(hf_config, tp=layout.tp), everywhere=True)
+    destroy()
+    return sum(a.numel() + b.numel() for a, b in hf.values())
+
+
+def test_adapter_sync_count_equals_the_gathered_peft_adapter(tiny_assets):
+    """The planner's adapter-sync parameters are what gather_hf_lora (the adapter sync's payload) holds: the tiny
+    Llama at TP2 and the tiny Qwen3-MoE with expert adapters at DP2 x EP2."""
+    from megappo.parallel.launch import spawn_local
+    from megappo.planner import adapter_sync_params
+
+    for name, base, experts in (("tiny-llama", "ppo_tiny.yaml", False), ("tiny-qwen3_moe", "ppo_tiny_moe.yaml", True)):
+        path = str(tiny_assets[name])
+        cfg = load_config(REPO / "configs" / base, [f"model.path={path}", "actor.lora.rank=4",
+                                                    f"actor.lora.experts={str(experts).lower()}"], validate=False)
+        counts = spawn_local(_count_peft_adapter, 2, path, 4, experts, timeout=300)
+        assert counts == [adapter_sync_params(cfg.model.arch, cfg.actor.lora)] * 2, (name, counts)
