@@ -64,7 +64,7 @@ def export_checkpoint(ckpt, out, role: str = "actor", dtype: Optional[str] = Non
     if not (ckpt / role).is_dir():
         raise ExportError(f"{ckpt} holds no {role}/ (the run had no {role}); choose --role "
                           f"{' or '.join(r for r in ROLES if (ckpt / r).is_dir())}")
-    from megappo.models.lora import LORA_META
+    from megappo.utils.checkpoint import LORA_META
 
     if (ckpt / role / LORA_META).is_file():  # actor.lora: adapters only, the base is the run's model.path
         base = _lora_base(ckpt, config)
@@ -94,7 +94,7 @@ def read_lora_adapter(role_dir, dims) -> dict:
     files hold the full tensors in the TP1 layout whatever TP saved them (fc1's B as [gate; up]): `dims` at tp=1."""
     import re
 
-    from megappo.models.lora import megatron_lora_to_hf
+    from megappo.models.lora_peft import megatron_lora_to_hf
     from tools.convert_ckpt.dcp_io import CheckpointReader
 
     reader = CheckpointReader(Path(role_dir))
@@ -125,8 +125,9 @@ def export_lora(role_dir, out, base, dtype: Optional[str] = None, overwrite: boo
     from safetensors.torch import load_file, save_file
 
     from megappo.models.gpt import load_hf_config
-    from megappo.models.lora import LORA_FORMAT, LORA_META, LoraConfig, PeftLayoutError, save_peft_adapter
-    from megappo.utils.checkpoint import is_base_of
+    from megappo.models.lora import LoraConfig
+    from megappo.models.lora_peft import PeftLayoutError, save_peft_adapter
+    from megappo.utils.checkpoint import LORA_FORMAT, LORA_META, is_base_of
     from megappo.parallel.weight_mapping import ModelDims
 
     role_dir, out, base = Path(role_dir), Path(out), Path(base)

@@ -210,7 +210,7 @@ def lora_params(a, lora, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[int, in
 
 def adapter_sync_params(a, lora) -> int:
     """What rollout.lora_sync=adapter sends vLLM each step: the whole adapter in peft's layout
-    (models/lora.megatron_lora_to_hf), lora_params' count at TP1 plus A once more for each further HF module of a
+    (models/lora_peft.megatron_lora_to_hf), lora_params' count at TP1 plus A once more for each further HF module of a
     fused linear (q, k and v share linear_qkv's A; gate and up, linear_fc1's: every family here gates its MLP)."""
     dense, experts = lora_params(a, lora)
     r, h, n_moe = int(lora.rank), a.hidden_size, moe_layers(a)

@@ -8,7 +8,8 @@ adapters leaves every base weight bit-identical. One 2-process launch does every
 import pytest
 import torch
 
-from megappo.models.lora import LoraConfig, apply_lora, hf_lora_to_megatron, megatron_lora_to_hf
+from megappo.models.lora import LoraConfig, apply_lora
+from megappo.models.lora_peft import hf_lora_to_megatron, megatron_lora_to_hf
 from megappo.parallel.launch import spawn_local
 from megappo.parallel.layout import ParallelLayout
 
@@ -64,8 +65,8 @@ def _worker(rank, world, port, path, adapter):
 
     from megappo.models.gpt import build_gpt_chunks, build_transformer_config, load_hf_config, load_hf_weights
     from megappo.models.logprobs import vocab_parallel_logprobs
-    from megappo.models.lora import (is_lora_param, iter_lora_modules, load_hf_lora, lora_disabled, lora_parameters,
-                                     merged_named_parameters)
+    from megappo.models.lora import is_lora_param, iter_lora_modules, lora_disabled, lora_parameters, merged_named_parameters
+    from megappo.models.lora_peft import load_hf_lora
     from megappo.parallel.megatron_init import init_distributed, init_megatron
     from megappo.parallel.weight_mapping import ModelDims, global_named_parameters
 
@@ -337,7 +338,8 @@ def _gather_from_a_ddp_engine(rank, world, port, path):
     import torch.distributed as dist
 
     from megappo.config.schema import OptimConfig
-    from megappo.models.lora import gather_hf_lora, iter_lora_modules
+    from megappo.models.lora import iter_lora_modules
+    from megappo.models.lora_peft import gather_hf_lora
     from megappo.parallel.megatron_init import init_distributed, init_megatron
     from megappo.workers.megatron_engine import EngineConfig, MegatronEngine
 

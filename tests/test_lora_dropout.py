@@ -23,7 +23,8 @@ def _worker(rank, world, port, path, adapter, dropout):
     from megatron.core import parallel_state as mpu
 
     from megappo.models.gpt import load_hf_config
-    from megappo.models.lora import LoraConfig, iter_lora_modules, load_hf_lora
+    from megappo.models.lora import LoraConfig, iter_lora_modules
+    from megappo.models.lora_peft import load_hf_lora
     from megappo.parallel.megatron_init import init_distributed, init_megatron
     from megappo.parallel.weight_mapping import ModelDims
     from megappo.workers.megatron_engine import EngineConfig, MegatronEngine, OptimConfig

@@ -78,7 +78,8 @@ def _worker(rank, world, port, path, ep, adapter, out_dir):
     from megatron.core import parallel_state as mpu
 
     from megappo.models.gpt import load_hf_config
-    from megappo.models.lora import LoraConfig, iter_lora_modules, load_hf_lora
+    from megappo.models.lora import LoraConfig, iter_lora_modules
+    from megappo.models.lora_peft import load_hf_lora
     from megappo.parallel.megatron_init import init_distributed, init_megatron
     from megappo.parallel.weight_mapping import ModelDims
     from megappo.workers.megatron_engine import EngineConfig, MegatronEngine, OptimConfig
@@ -176,7 +177,9 @@ def test_logprobs_match_the_merged_hf_model_and_peft(runs):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from megappo.models.lora import LoraConfig, save_peft_adapter
+    from megappo.models.lora import LoraConfig
+
+    from megappo.models.lora_peft import save_peft_adapter
 
     path, tmp, adapter, ep1, ep2, tp2 = runs
     ref, mask = _hf_logprobs(merged_hf_model(path, adapter))

@@ -267,7 +267,8 @@ def test_adapter_sync_plans_the_adapters_in_peft_layout_against_hand_calculation
 
 def _count_peft_adapter(rank, world, port, path, lora_rank, experts):
     from megappo.models.gpt import build_gpt_chunks, build_transformer_config, load_hf_config
-    from megappo.models.lora import LoraConfig, apply_lora, gather_hf_lora
+    from megappo.models.lora import LoraConfig, apply_lora
+    from megappo.models.lora_peft import gather_hf_lora
     from megappo.parallel.layout import ParallelLayout
     from megappo.parallel.megatron_init import destroy, init_distributed, init_megatron
     from megappo.parallel.model_dims import ModelDims

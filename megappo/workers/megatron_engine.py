@@ -483,7 +483,7 @@ class MegatronEngine:
     def export_lora_adapter(self, out) -> None:
         """Write the trained adapter as a peft adapter dir (collective; global rank 0 writes): loads onto the
         HF base with peft.PeftModel.from_pretrained(base, out)."""
-        from megappo.models.lora import gather_hf_lora, save_peft_adapter
+        from megappo.models.lora_peft import gather_hf_lora, save_peft_adapter
 
         if self.lora is None:
             raise ValueError("export_lora_adapter: this engine has no LoRA adapters (actor.lora.rank=0)")

@@ -49,7 +49,7 @@ class AdapterDirs:
 
     def write(self, adapter: dict, lora_cfg, base_path) -> Path:
         """The next version's peft dir with `adapter` ({HF module: (A, B)}, peft's layout)."""
-        from megappo.models.lora import save_peft_adapter
+        from megappo.models.lora_peft import save_peft_adapter
 
         if self.root is None:
             shm = Path("/dev/shm")

@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from megappo.parallel import device
-from megappo.models.lora import base_named_parameters, gather_hf_lora, lazily_merged_named_parameters
+from megappo.models.lora import base_named_parameters, lazily_merged_named_parameters
+from megappo.models.lora_peft import gather_hf_lora
 from megappo.parallel.resharding import Resharder
 from megappo.protocol import DataProto
 from megappo.utils.checkpoint import rng_state, set_rng_state

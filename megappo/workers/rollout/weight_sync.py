@@ -126,7 +126,7 @@ class WeightSender:
                 "rollout/weight_sync_bytes_sent": float(sent * (self.group.world - 1 if self.group else 0))}
 
     def _send_adapter(self) -> dict:
-        from megappo.models.lora import gather_hf_lora
+        from megappo.models.lora_peft import gather_hf_lora
 
         t0 = time.perf_counter()
         with self.engine.resident(parts=["params"]):
