@@ -307,8 +307,8 @@ class Resharder:
         return p.ep_owner == self.ep_rank and self.edp_rank == 0
 
     def _shard(self, name: str) -> torch.Tensor:
-        """This rank's shard of a param: its own, or (collective, EP > 1) one borrowed for the bucket (its
-        own experts too: read once for the broadcast)."""
+        """This rank's shard of a param: its own, or (collective, EP > 1) the bucket's experts as broadcast over
+        the EP group (its own experts too: read once, for the broadcast)."""
         t = self._borrowed.get(name)
         return t if t is not None else self._local[name].detach()
 
@@ -324,19 +324,19 @@ class Resharder:
             if not todo:
                 continue
             sizes = [_numel(p.shape) for p in todo]
-            if k == self.ep_rank:  # read once (a LoRA expert's MergedShard merges when read): kept for _shard
-                own = [self._local[p.name].detach() for p in todo]
-                self._borrowed.update((p.name, t) for p, t in zip(todo, own))
-                flat = torch.cat([t.reshape(-1).to(self.dtype) for t in own])
+            if k == self.ep_rank:
+                flat = torch.cat([self._local[p.name].detach().reshape(-1).to(self.dtype) for p in todo])
             else:
                 flat = torch.empty(sum(sizes), dtype=self.dtype, device=self.device)
             dist.broadcast(flat, src=dist.get_global_rank(self.ep_group, k), group=self.ep_group)
             if k != self.ep_rank:
                 self._run["ep_received"] += flat.numel() * self.elem
-                off = 0
-                for p, n in zip(todo, sizes):
-                    self._borrowed[p.name] = flat[off:off + n].view(p.shape)
-                    off += n
+            # every EP rank's experts, this rank's own too, as views of the broadcast buffer: a shard is read
+            # once per sync (a LoRA expert's MergedShard merges when read) and no second copy of it is held
+            off = 0
+            for p, n in zip(todo, sizes):
+                self._borrowed[p.name] = flat[off:off + n].view(p.shape)
+                off += n
 
     # ---- streaming -------------------------------------------------------------------------------
 
