@@ -1,14 +1,13 @@
-"""actor.lora.dropout under tensor parallelism (models/lora.py), tiny llama, fp32, CPU/gloo, megatron's engine.
+"""actor.lora.dropout under tensor parallelism (models/lora.py), fp32, CPU/gloo, megatron's engine.
 
-A column-parallel linear's A (linear_qkv, linear_fc1) is replicated over the TP ranks, and each rank computes its
-gradient from its own dropout mask of the same input: the masks must agree or the copies of A drift apart
-(megatron does not all-reduce a replicated weight's gradient over TP). The masks come from the process's default
-generator, which the hybrid engine's vLLM shares: a rank that sampled a different number of tokens has drawn
-different numbers. So each update reseeds it from (trainer.seed, optimizer step): the test draws extra numbers on
-one rank before each step, as a sampler would, and the copies of every replicated A stay bit-identical. A
-row-parallel linear's A sees its rank's slice of the input: its mask is drawn per rank (megatron's
-model-parallel generator), not the same pattern on every slice. And the masks are applied: the adapters differ
-from a step without dropout."""
+A column-parallel linear's A (linear_qkv, linear_fc1, a routed expert's fc1) is replicated over the TP ranks, and
+each rank computes its gradient from its own dropout mask of the same input: the masks must agree or the copies of
+A drift apart (megatron does not all-reduce a replicated weight's gradient over TP). They did under sequence
+parallelism (the tiny Mixtral at TP2: megatron runs the block inside the per-rank model-parallel generator), and
+would wherever a rank drew from the default generator a different number of times: the test draws extra numbers on
+one rank before each step. Every replicated A stays bit-identical over two steps. A row-parallel linear's A sees
+its rank's slice of the input: its mask is drawn per rank, not the same pattern on every slice. And the masks are
+applied: the adapters differ from a step without dropout."""
 
 import torch
 
@@ -19,7 +18,7 @@ RANK, ALPHA = 4, 8.0
 OPTIM = dict(lr=1e-2, adam_eps=1e-4, clip_grad=1.0)
 
 
-def _worker(rank, world, port, path, adapter, dropout):
+def _worker(rank, world, port, path, adapter, dropout, experts=False):
     from megatron.core import parallel_state as mpu
 
     from megappo.models.gpt import load_hf_config
@@ -34,16 +33,17 @@ def _worker(rank, world, port, path, adapter, dropout):
     layout = ParallelLayout(tp=2)
     init_megatron(layout)
     eng = MegatronEngine(path, layout, EngineConfig(optim=OptimConfig(**OPTIM),
-                                                    lora=LoraConfig(rank=RANK, alpha=ALPHA, dropout=dropout)))
+                                                    lora=LoraConfig(rank=RANK, alpha=ALPHA, dropout=dropout,
+                                                                    experts=experts)))
     tp_rank = mpu.get_tensor_model_parallel_rank()
     load_hf_lora(eng.inner_chunks(), adapter, ModelDims.from_hf_config(load_hf_config(path), tp=2), tp_rank, 2)
     batch = make_batch()
     for step in range(2):
-        if tp_rank == 0:  # what a sampler in this process would do: draw from the default generator
+        if tp_rank == 0:  # one rank draws from the default generator, the other does not
             torch.rand(17 + step)
         eng.train_step(batch, pg_loss, batch["response_mask"].sum().item(), R, 4)
     mods = dict(iter_lora_modules(eng.inner_chunks()))
-    name = next(n for n in mods if n.endswith("linear_fc2"))
+    name = next(n for n in mods if n.endswith("linear_fc2") and (".experts." in n) == experts)
     row = mods[name]
     row.train()
     x = torch.ones(3, 1, row.lora_A.shape[1])
@@ -73,17 +73,33 @@ def _row_mask(mod, x):
     return seen[0]
 
 
+def _check_tp_pair(r0, r1):
+    assert r0["column"] and r0["column"] == r1["column"]
+    for n in r0["column"]:  # A replicated over TP at a column-parallel linear
+        assert torch.equal(r0["A"][n], r1["A"][n]), n
+    # a row-parallel linear's slices get their own masks (not one pattern repeated on every slice)
+    assert not torch.equal(r0["row_mask"], r1["row_mask"])
+
+
 def test_dropout_keeps_replicated_adapters_identical_over_tp(tiny_assets):
     from test_lora import random_adapter
 
     path = str(tiny_assets["tiny-llama"])
     adapter = random_adapter(path)
     r0, r1 = sorted(spawn_local(_worker, 2, path, adapter, 0.3, timeout=300), key=lambda r: r["tp"])
-    assert r0["column"] and r0["column"] == r1["column"]
-    for n in r0["column"]:  # A replicated over TP at a column-parallel linear
-        assert torch.equal(r0["A"][n], r1["A"][n]), n
-    # a row-parallel linear's slices get their own masks (not one pattern repeated on every slice)
-    assert not torch.equal(r0["row_mask"], r1["row_mask"])
+    _check_tp_pair(r0, r1)
     # the masks are applied: the same two steps without dropout end elsewhere
     no0, _ = sorted(spawn_local(_worker, 2, path, adapter, 0.0, timeout=300), key=lambda r: r["tp"])
     assert any(not torch.equal(r0["B"][n], no0["B"][n]) for n in r0["B"])
+
+
+def test_dropout_on_expert_adapters_at_expert_tp2(tiny_assets):
+    """Routed experts' adapters at TP2 (expert TP 2: the dispatcher gives both ranks the same tokens): each expert's
+    replicated fc1 A stays identical, and its fc2 slices draw their masks from megatron's expert-parallel generator."""
+    from test_lora_experts import random_adapter
+
+    path = str(tiny_assets["tiny-mixtral"])
+    r0, r1 = sorted(spawn_local(_worker, 2, path, random_adapter(path), 0.3, True, timeout=300),
+                    key=lambda r: r["tp"])
+    assert any(".experts." in n for n in r0["column"])
+    _check_tp_pair(r0, r1)

@@ -165,7 +165,7 @@ class _LoraMixin:
         if self.lora_column:
             if seq_par:  # x is this rank's tokens; A needs them all (backward: keep our slice of the full grad)
                 x = mp.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=g)
-            x = F.dropout(x, self.lora_dropout_p, self.training)
+            x = _lora_dropout(x, self.lora_dropout_p, self.training, tp, whole=True)
             a = F.linear(x, self.lora_A)
             if tp > 1:  # forward identity; backward all-reduce of the r-wide partial gradients
                 a = mp.copy_to_tensor_model_parallel_region(a, group=g)
@@ -175,7 +175,7 @@ class _LoraMixin:
             return d
         if not getattr(self, "input_is_parallel", True):
             x = mp.scatter_to_tensor_model_parallel_region(x, group=g)
-        x = _sliced_dropout(x, self.lora_dropout_p, self.training, tp)
+        x = _lora_dropout(x, self.lora_dropout_p, self.training, tp, whole=False)
         a = F.linear(x, self.lora_A)  # partial sum over the input shards
         if tp > 1:
             a = mp.reduce_scatter_to_sequence_parallel_region(a, group=g) if seq_par \
@@ -188,10 +188,10 @@ class _LoraMixin:
         from megatron.core.tensor_parallel import mappings as mp
 
         if self.lora_column:
-            x = F.dropout(x, self.lora_dropout_p, self.training)
+            x = _lora_dropout(x, self.lora_dropout_p, self.training, self._lora_tp, whole=True)
             a = _ReplicatedA.apply(x, self.lora_A, self._lora_group)
             return F.linear(a, self.lora_B) * self.lora_scaling
-        x = _sliced_dropout(x, self.lora_dropout_p, self.training, self._lora_tp)
+        x = _lora_dropout(x, self.lora_dropout_p, self.training, self._lora_tp, whole=False, expert=True)
         a = mp.reduce_from_tensor_model_parallel_region(F.linear(x, self.lora_A), group=self._lora_group)
         d = F.linear(a, self.lora_B) * self.lora_scaling
         return d.detach() / self._lora_tp + (d - d.detach())  # d / tp forward (exact), d's gradient backward
@@ -377,16 +377,26 @@ def lora_disabled(model):
             m.lora_enabled = b
 
 
-def _sliced_dropout(x: torch.Tensor, p: float, training: bool, tp: int) -> torch.Tensor:
-    """Dropout on this TP rank's slice of a row-parallel input: drawn from megatron's model-parallel generator (seeded
-    per TP rank), as megatron's own dropout in a TP region, so the slices do not all get one pattern. A column-parallel
-    input is whole on every rank: its dropout uses the default generator, the same on every rank (the trainer reseeds
-    it at each update), so a replicated A gets the same gradient everywhere."""
+def _lora_dropout(x: torch.Tensor, p: float, training: bool, tp: int, whole: bool,
+                  expert: bool = False) -> torch.Tensor:
+    """Dropout on A's input, drawn from megatron's RNG tracker as megatron's own dropout is (its TransformerBlock runs
+    every layer inside the per-TP-rank model-parallel generator under sequence parallelism). An input that is whole
+    on every TP rank (column-parallel: A replicated) draws from the data-parallel generator, the same on every rank
+    of a TP group and drawn from identically there (megatron's choice for duplicated work), so every copy of A gets
+    the same gradient whatever else a rank drew; a rank's slice (row-parallel) draws from its own model-parallel
+    generator (a routed expert's: the expert-parallel one), so the slices do not all get one pattern."""
     if not (training and p > 0 and tp > 1):
         return F.dropout(x, p, training)
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    from megatron.core.tensor_parallel.random import get_data_parallel_rng_tracker_name, \
+        get_expert_parallel_rng_tracker_name
 
-    with get_cuda_rng_tracker().fork():
+    tracker = get_cuda_rng_tracker()
+    if whole:
+        context = tracker.fork(get_data_parallel_rng_tracker_name())
+    else:
+        context = tracker.fork(get_expert_parallel_rng_tracker_name()) if expert else tracker.fork()
+    with context:
         return F.dropout(x, p, training)
 
 

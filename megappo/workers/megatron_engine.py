@@ -405,11 +405,6 @@ class MegatronEngine:
         self.optimizer.zero_grad()
         if self.expert_load is not None:
             self.expert_load.reset()
-        if self.lora is not None and self.lora.dropout > 0:
-            # LoRA dropout draws its masks from the default generator, which vLLM's sampler in this process shares:
-            # reseeded from (seed, step, stage), the TP ranks of a replicated A draw the same masks whatever each
-            # sampled since (tests/test_lora_dropout.py), and a resumed run the uninterrupted run's
-            torch.manual_seed((self.config.seed * 1_000_003 + self.steps * 101 + self.pp_rank) % 2**63)
         store, computed = self._run(batch, response_length, micro_batch_size, False, loss_fn, float(normalizer),
                                     temperature, compute_entropy=compute_entropy)
         finite = self._loss_is_finite(store)
