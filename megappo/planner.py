@@ -9,7 +9,7 @@ The model (stated so it can be checked by hand):
   router and attention over tp only; MoE layers are spread evenly over the stages. The distributed
   optimizer shards dense params over dp and expert params over the expert-data-parallel dp / ep.
   vLLM holds every expert on every rollout TP rank (TP-sliced; no vLLM expert parallel), and the
-  weight sync sends every expert into every rollout GPU.
+  weight sync sends every expert into every rollout GPU (merged; rollout.lora_sync=adapter: no expert, below).
 - Trained roles (actor, critic), megatron mixed precision with the distributed optimizer:
   weights bf16 2 B/param + fp32 grad buffer 4 B/param (full: DDP reduce-scatters into it)
   + fp32 main params and Adam m, v 12 B/param sharded over dp.  Frozen roles (ref, RM): 2 B/param.
@@ -39,7 +39,9 @@ The model (stated so it can be checked by hand):
   lora.experts, their Adam sharded over expert data parallel) take weights + grads
   + Adam as a trained role's params (column-parallel base: A replicated, B split over tp; row-parallel:
   A split, B replicated). No reference copy: the reference is the base with the adapters off.
-  Activations as full fine-tuning (the adapters' r-wide ones are negligible).
+  Activations as full fine-tuning (the adapters' r-wide ones are negligible). rollout.lora_sync=adapter:
+  the weight sync is the whole adapter in peft's layout, bf16, into each rollout GPU (adapter_sync_params);
+  vLLM keeps the base it loaded.
 - Overhead per GPU: 3 GB (NCCL buffers, fragmentation) + a CUDA context of 0.6 GB per process on the
   GPU (one per worker group sharing the pool: actor/rollout/ref fused, critic, reward model).
 - Host memory (pinned, per node): an offloaded role's weights and optimizer states (main params +
@@ -211,7 +213,9 @@ def lora_params(a, lora, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[int, in
 def adapter_sync_params(a, lora) -> int:
     """What rollout.lora_sync=adapter sends vLLM each step: the whole adapter in peft's layout
     (models/lora_peft.megatron_lora_to_hf), lora_params' count at TP1 plus A once more for each further HF module of a
-    fused linear (q, k and v share linear_qkv's A; gate and up, linear_fc1's: every family here gates its MLP)."""
+    fused linear (q, k and v share linear_qkv's A; gate and up, linear_fc1's: every family here gates its MLP).
+    Expert adapters are counted for completeness: the config refuses adapter sync with them today (vLLM's
+    fused-MoE LoRA), and a MoE model's adapter sync targets attention only."""
     dense, experts = lora_params(a, lora)
     r, h, n_moe = int(lora.rank), a.hidden_size, moe_layers(a)
     extra = 2 * r * h * a.num_layers if "linear_qkv" in lora.target_modules else 0
@@ -311,7 +315,7 @@ def plan(cfg) -> dict:
         "weight_sync": {"sends": "adapters" if adapter_sync else "weights",
                         "bytes_per_gpu": int(sync_bytes_per_gpu), "replicas": replicas,
                         "bytes_total": int(sync_bytes_per_gpu * cfg.rollout.tp * replicas),
-                        # MoE: every expert reaches every rollout TP rank (TP-sliced), from the EP rank holding it
+                        # MoE, merged: every expert reaches every rollout TP rank (TP-sliced), from its EP rank
                         "experts_per_rollout_gpu": 0 if adapter_sync else cfg.model.arch.num_experts * moe_layers(cfg.model.arch)},
     }
 

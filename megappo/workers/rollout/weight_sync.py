@@ -22,7 +22,7 @@ Bytes on the wire per sync = one copy of the model per rollout worker (a broadca
 touches a weight. Both sides must enter `send` / `receive` concurrently (the driver submits both).
 
 With actor.lora and rollout.lora_sync=adapter only the adapters travel: actor rank 0 gathers them
-(models/lora.gather_hf_lora, peft's layout) and broadcasts one header + one flat tensor; each rollout worker
+(models/lora_peft.gather_hf_lora, peft's layout) and broadcasts one header + one flat tensor; each rollout worker
 writes them as a peft dir (adapter_dirs.py) for its vLLM's own LoRA serving. The base vLLM loaded from
 model.path is fingerprinted against the actor's frozen base at every sync (the base's buckets are walked
 once, at the first sync, for their fingerprints; nothing of the base is sent).
