@@ -133,3 +133,27 @@ def test_causal_mask_masks_the_future_keys():
     assert m.shape == (1, 1, 3, 3) and m.dtype == torch.bool
     assert m[0, 0].tolist() == [[False, True, True], [False, False, True], [False, False, False]]
     assert cpu_compat.causal_mask(3, torch.device("cpu")) is m  # cached per (length, device)
+
+
+def test_rng_tracker_nested_forks_go_on_as_megatrons():
+    """A fork inside a fork of the same name goes on from the live state and the outer one goes on from where the
+    inner left it (megatron's TransformerBlock forks the model-parallel generator under sequence parallelism, and
+    LoRA's dropout may fork again inside): one stream, not the same numbers at every block. Another name inside
+    leaves the outer stream alone. The default generator is untouched throughout."""
+    from megappo.parallel.cpu_compat import CpuRNGStatesTracker
+
+    t = CpuRNGStatesTracker()
+    t.add("a", 11)
+    t.add("b", 12)
+    default = torch.get_rng_state()
+    draws = []
+    for _ in range(2):  # two "blocks"
+        with t.fork("a"):
+            draws.append(torch.rand(1))
+            with t.fork("a"):
+                draws.append(torch.rand(1))
+            with t.fork("b"):
+                torch.rand(3)
+            draws.append(torch.rand(1))
+    assert torch.equal(torch.cat(draws), torch.rand(6, generator=torch.Generator().manual_seed(11)))
+    assert torch.equal(torch.get_rng_state(), default)

@@ -4,10 +4,12 @@ A column-parallel linear's A (linear_qkv, linear_fc1, a routed expert's fc1) is 
 each rank computes its gradient from its own dropout mask of the same input: the masks must agree or the copies of
 A drift apart (megatron does not all-reduce a replicated weight's gradient over TP). They did under sequence
 parallelism (the tiny Mixtral at TP2: megatron runs the block inside the per-rank model-parallel generator), and
-would wherever a rank drew from the default generator a different number of times: the test draws extra numbers on
-one rank before each step. Every replicated A stays bit-identical over two steps. A row-parallel linear's A sees
-its rank's slice of the input: its mask is drawn per rank, not the same pattern on every slice. And the masks are
-applied: the adapters differ from a step without dropout."""
+would wherever a rank's generator was not the other's: before each step the test draws extra numbers on one rank
+from the default generator and from the data-parallel one (as after a resume at another TP, whose TP group holds
+several replicas' states). Every replicated A stays bit-identical over two steps. A row-parallel linear's A sees its
+rank's slice of the input: its mask is drawn per rank and per forward, not one pattern on every slice or at every
+micro-batch (it was the same at every micro-batch under sequence parallelism on the CPU tracker, whose nested fork
+of one name started over). And the masks are applied: the adapters differ from a step without dropout."""
 
 import torch
 
@@ -20,6 +22,8 @@ OPTIM = dict(lr=1e-2, adam_eps=1e-4, clip_grad=1.0)
 
 def _worker(rank, world, port, path, adapter, dropout, experts=False):
     from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    from megatron.core.tensor_parallel.random import get_data_parallel_rng_tracker_name
 
     from megappo.models.gpt import load_hf_config
     from megappo.models.lora import LoraConfig, iter_lora_modules
@@ -37,48 +41,40 @@ def _worker(rank, world, port, path, adapter, dropout, experts=False):
                                                                     experts=experts)))
     tp_rank = mpu.get_tensor_model_parallel_rank()
     load_hf_lora(eng.inner_chunks(), adapter, ModelDims.from_hf_config(load_hf_config(path), tp=2), tp_rank, 2)
-    batch = make_batch()
-    for step in range(2):
-        if tp_rank == 0:  # one rank draws from the default generator, the other does not
-            torch.rand(17 + step)
-        eng.train_step(batch, pg_loss, batch["response_mask"].sum().item(), R, 4)
     mods = dict(iter_lora_modules(eng.inner_chunks()))
-    name = next(n for n in mods if n.endswith("linear_fc2") and (".experts." in n) == experts)
-    row = mods[name]
-    row.train()
-    x = torch.ones(3, 1, row.lora_A.shape[1])
-    with torch.no_grad():  # the row-parallel dropout's mask on this rank's slice of an all-ones input
-        row_mask = _row_mask(row, x)
-    return {"tp": tp_rank, "row_mask": row_mask,
+    row = mods[next(n for n in mods if n.endswith("linear_proj"))]  # a dense row-parallel linear
+    row_masks, linear = [], torch.nn.functional.linear
+
+    def spy(inp, w, *a):  # which of this rank's input features row's dropout kept, at each forward
+        if w is row.lora_A:
+            row_masks.append(inp.detach() != 0)
+        return linear(inp, w, *a)
+
+    batch = make_batch()
+    torch.nn.functional.linear = spy
+    try:
+        for step in range(2):
+            if tp_rank == 0:  # one rank draws from the default generator, and its data-parallel generator is
+                torch.rand(17 + step)  # not the other's (as after a resume at another TP), the other's not
+                with get_cuda_rng_tracker().fork(get_data_parallel_rng_tracker_name()):
+                    torch.rand(5)
+            eng.train_step(batch, pg_loss, batch["response_mask"].sum().item(), R, 4)  # 2 micro-batches
+    finally:
+        torch.nn.functional.linear = linear
+    return {"tp": tp_rank, "row_masks": row_masks, "sequence_parallel": eng.tf_config.sequence_parallel,
             "A": {n: m.lora_A.detach().clone() for n, m in mods.items()},
             "B": {n: m.lora_B.detach().clone() for n, m in mods.items()}, "column": {
                 n for n, m in mods.items() if m.lora_column}}
-
-
-def _row_mask(mod, x):
-    """Which of this rank's input features the row-parallel dropout keeps, for one draw (A's input)."""
-    seen = []
-    orig = torch.nn.functional.linear
-
-    def spy(inp, w, *a):
-        if w is mod.lora_A:
-            seen.append(inp != 0)
-        return orig(inp, w, *a)
-
-    torch.nn.functional.linear = spy
-    try:
-        mod.lora_delta(x)
-    finally:
-        torch.nn.functional.linear = orig
-    return seen[0]
 
 
 def _check_tp_pair(r0, r1):
     assert r0["column"] and r0["column"] == r1["column"]
     for n in r0["column"]:  # A replicated over TP at a column-parallel linear
         assert torch.equal(r0["A"][n], r1["A"][n]), n
-    # a row-parallel linear's slices get their own masks (not one pattern repeated on every slice)
-    assert not torch.equal(r0["row_mask"], r1["row_mask"])
+    # a row-parallel linear's slices get their own masks (not one pattern repeated on every slice), and each
+    # forward its own (under sequence parallelism they were the same at every micro-batch)
+    assert len(r0["row_masks"]) == 4 and not torch.equal(r0["row_masks"][0], r1["row_masks"][0])
+    assert not any(torch.equal(r0["row_masks"][0], m) for m in r0["row_masks"][1:])
 
 
 def test_dropout_keeps_replicated_adapters_identical_over_tp(tiny_assets):
@@ -101,5 +97,5 @@ def test_dropout_on_expert_adapters_at_expert_tp2(tiny_assets):
     path = str(tiny_assets["tiny-mixtral"])
     r0, r1 = sorted(spawn_local(_worker, 2, path, random_adapter(path), 0.3, True, timeout=300),
                     key=lambda r: r["tp"])
-    assert any(".experts." in n for n in r0["column"])
+    assert any(".experts." in n for n in r0["column"]) and r0["sequence_parallel"]
     _check_tp_pair(r0, r1)

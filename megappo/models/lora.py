@@ -175,7 +175,7 @@ class _LoraMixin:
             return d
         if not getattr(self, "input_is_parallel", True):
             x = mp.scatter_to_tensor_model_parallel_region(x, group=g)
-        x = _lora_dropout(x, self.lora_dropout_p, self.training, tp, whole=False)
+        x = _lora_dropout(x, self.lora_dropout_p, self.training, tp, whole=False, in_block_fork=seq_par)
         a = F.linear(x, self.lora_A)  # partial sum over the input shards
         if tp > 1:
             a = mp.reduce_scatter_to_sequence_parallel_region(a, group=g) if seq_par \
@@ -377,14 +377,15 @@ def lora_disabled(model):
             m.lora_enabled = b
 
 
-def _lora_dropout(x: torch.Tensor, p: float, training: bool, tp: int, whole: bool,
-                  expert: bool = False) -> torch.Tensor:
-    """Dropout on A's input, drawn from megatron's RNG tracker as megatron's own dropout is (its TransformerBlock runs
-    every layer inside the per-TP-rank model-parallel generator under sequence parallelism). An input that is whole
-    on every TP rank (column-parallel: A replicated) draws from the data-parallel generator, the same on every rank
-    of a TP group and drawn from identically there (megatron's choice for duplicated work), so every copy of A gets
-    the same gradient whatever else a rank drew; a rank's slice (row-parallel) draws from its own model-parallel
-    generator (a routed expert's: the expert-parallel one), so the slices do not all get one pattern."""
+def _lora_dropout(x: torch.Tensor, p: float, training: bool, tp: int, whole: bool, expert: bool = False,
+                  in_block_fork: bool = False) -> torch.Tensor:
+    """Dropout on A's input, drawn from megatron's RNG tracker as megatron's own dropout is. An input that is whole on
+    every TP rank (column-parallel: A replicated) draws from the data-parallel generator, the same on every rank of
+    a TP group and drawn from identically there (megatron's choice for duplicated work; reseed_dropout sets it at
+    each update), so every copy of A gets the same gradient whatever else a rank drew. A rank's slice (row-parallel)
+    draws from its own model-parallel generator (a routed expert's: the expert-parallel one), so the slices do not
+    all get one pattern; under sequence parallelism (`in_block_fork`) megatron's TransformerBlock already runs
+    inside that generator, and the draw stays in it, as megatron's attention dropout does."""
     if not (training and p > 0 and tp > 1):
         return F.dropout(x, p, training)
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
@@ -394,10 +395,27 @@ def _lora_dropout(x: torch.Tensor, p: float, training: bool, tp: int, whole: boo
     tracker = get_cuda_rng_tracker()
     if whole:
         context = tracker.fork(get_data_parallel_rng_tracker_name())
+    elif expert:
+        context = tracker.fork(get_expert_parallel_rng_tracker_name())
     else:
-        context = tracker.fork(get_expert_parallel_rng_tracker_name()) if expert else tracker.fork()
+        context = contextlib.nullcontext() if in_block_fork else tracker.fork()
     with context:
         return F.dropout(x, p, training)
+
+
+def reseed_dropout(seed: int, device: torch.device) -> None:
+    """Reseed the generator a column-parallel input's dropout draws from (megatron's data-parallel one; the caller's
+    state is left as it was). The engine does it at every update from (trainer.seed, step, stage): the ranks of a TP
+    group agree even when they resumed from different data-parallel replicas' states (a resume at another TP), and
+    the stages draw different masks."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    from megatron.core.tensor_parallel.random import get_data_parallel_rng_tracker_name
+
+    with get_cuda_rng_tracker().fork(get_data_parallel_rng_tracker_name()):
+        if device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.default_generator.manual_seed(seed)
 
 
 class MergedShard:

@@ -137,17 +137,21 @@ class CpuRNGStatesTracker:
 
     @contextlib.contextmanager
     def fork(self, name="model-parallel-rng"):
+        """Nested forks as megatron's: entering from a named state stores the live state under that name first,
+        and leaving restores that name's state as it then is (a nested fork of the same name went on from it)."""
         if name not in self.states_:
             raise Exception(f"rng state {name} is not added")
         orig = torch.get_rng_state()
         orig_name = self._current_state_name
+        if orig_name != "default-rng":
+            self.states_[orig_name] = orig
         torch.set_rng_state(self.states_[name])
         self._current_state_name = name
         try:
             yield
         finally:
             self.states_[name] = torch.get_rng_state()
-            torch.set_rng_state(orig)
+            torch.set_rng_state(self.states_[orig_name] if orig_name != "default-rng" else orig)
             self._current_state_name = orig_name
 
 

@@ -52,7 +52,8 @@ from megappo.config.schema import OptimConfig
 from megappo.models.gpt import build_gpt_chunks, build_transformer_config, load_hf_config, use_transformer_engine, \
     load_hf_weights
 from megappo.models.expert_load import ExpertLoad
-from megappo.models.lora import LoraConfig, apply_lora, is_lora_param, lora_disabled, merged_named_parameters
+from megappo.models.lora import LoraConfig, apply_lora, is_lora_param, lora_disabled, merged_named_parameters, \
+    reseed_dropout
 from megappo.parallel.cpu_compat import causal_mask
 from megappo.parallel.layout import ParallelLayout
 from megappo.parallel.megatron_init import resolve_device
@@ -405,6 +406,8 @@ class MegatronEngine:
         self.optimizer.zero_grad()
         if self.expert_load is not None:
             self.expert_load.reset()
+        if self.lora is not None and self.lora.dropout > 0:  # the TP ranks' column masks agree, after a resume too
+            reseed_dropout((self.config.seed * 1_000_003 + self.steps * 101 + self.pp_rank) % 2**63, self.device)
         store, computed = self._run(batch, response_length, micro_batch_size, False, loss_fn, float(normalizer),
                                     temperature, compute_entropy=compute_entropy)
         finite = self._loss_is_finite(store)
