@@ -142,11 +142,11 @@ docs: docs-install
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 # The README's test command.
-# The CI suite (~25 min on 2 cores): everything but the `long` end-to-end variants (pytest.ini)
+# The CI suite (~60 min on the 2-core AVX2 VM): everything but the `long` end-to-end variants (pytest.ini)
 test: install docs-install system-deps
 	$(PY) -m pytest -q --durations=25 tests -m "not long"
 
-# Everything, the `long` variants too (~+8 min: 7 tests, 459 s alone)
+# Everything, the `long` variants too (~+10 min: 11 tests)
 test-all: install docs-install system-deps
 	$(PY) -m pytest -q --durations=25 tests
 

@@ -270,16 +270,21 @@ def _agent_run(tiny_assets, data_dir, tmp_path, agent_source: str, *extra) -> tu
     return history, batches, [json.loads(line) for line in log.read_text().splitlines()]
 
 
-def test_your_own_agent_streams_in_fully_async(ray_session, tiny_assets, data_dir, tmp_path):
+@pytest.mark.parametrize("pool", [
+    # CI keeps tp2 (the same agents on the same stream, plus the follower's replay); tp1 in `make test-all`
+    pytest.param([], marks=pytest.mark.long, id="tp1"),
+    pytest.param(["resources.rollout_workers=2", "rollout.tp=2"], id="tp2")])
+def test_your_own_agent_streams_in_fully_async(ray_session, tiny_assets, data_dir, tmp_path, pool):
     """rollout.agent in fully_async: each sample is the user's openai-SDK agent (tools=, a tool result between
     two calls) in its own gateway session on the rollout worker's stream, while weights load under it. Every
     trained row is exactly a session the agent ran (the gateway's prompt, the sampled ids, the tool tokens
     masked out), each sampled token carries the version that sampled it, every sample stays within the bound,
-    and an agent that raises costs its sample only."""
+    and an agent that raises costs its sample only. tp2: one vLLM replica over two rollout workers; the agents'
+    requests reach the leader's gateway and the follower replays its engine calls (rollout/lockstep.py)."""
     from test_agent import SDK_AGENT
 
     history, batches, sessions = _agent_run(tiny_assets, data_dir, tmp_path, SDK_AGENT,
-                                            "rollout.multi_turn.tool_prompt='You can use tools: {tools}'")
+                                            "rollout.multi_turn.tool_prompt='You can use tools: {tools}'", *pool)
     expected = set()
     for first, second in sessions:
         sent = first["prompt"] + first["sampled"]
