@@ -148,3 +148,44 @@ def test_token_versions_of_each_mode():
     streamed = DataProto.from_dict({"response_mask": mask, "token_versions": T([[1, 2, -1], [3, -1, -1]])})
     assert batch_token_versions(streamed, 3).tolist() == [[1, 2, -1], [3, -1, -1]]
     assert loglinear_proximal_alpha(batch_token_versions(launched, 3), 3)[0, 0] == 0.5
+
+
+def test_without_a_pi_old_forward_the_updates_first_step_measures_the_sampler_gap():
+    """No pi_old forward (actor.proximal=loglinear or actor.use_rollout_log_probs): old_log_probs are the
+    sampler's own, so comparing them says nothing. The update's first optimizer step (weights as they sampled,
+    in sync mode) reports |log pi_theta - log pi_rollout| on its tokens instead, token-weighted so micro-batches
+    and DP ranks sum to the mini-batch mean; later steps (moved weights) and a recomputing loss report none.
+    The step's metrics then take no parity from the batch (it would read 0)."""
+    from megappo.config import load_config
+    from megappo.ppo.losses import PolicyLoss
+    from megappo.ppo.metrics import step_metrics
+
+    def loss_for(*overrides):
+        return PolicyLoss.from_config(load_config(REPO / "configs/grpo_tiny.yaml", list(overrides), validate=True).actor)
+
+    a3po = loss_for("actor.policy_loss=decoupled", "actor.proximal=loglinear", "actor.use_rollout_log_probs=false")
+    rollout_only = loss_for("actor.use_rollout_log_probs=true")
+    recompute = loss_for("actor.use_rollout_log_probs=false")
+    assert a3po.parity_in_update and rollout_only.parity_in_update and not recompute.parity_in_update
+    behav = T([[-1.0, -2.0, -0.5]])
+    theta = T([[-1.1, -1.7, -9.0]])  # the third token is padding (mask 0)
+    mb = {"old_log_probs": behav, "rollout_log_probs": behav, "prox_alpha": torch.zeros(1, 3),
+          "advantages": T([[1.0, -1.0, 1.0]]), "response_mask": T([[1.0, 1.0, 0.0]]), "ref_log_prob": behav}
+    _, first = a3po({"logprobs": theta}, mb, norm=4.0, n_tokens=4.0, first=True)  # 2 of the mini-batch's 4 tokens
+    assert close(first["rollout/logprob_diff_mean"], (0.1 + 0.3) / 2 * 0.5)
+    assert close(first["rollout/token_mult_prob_error"], (math.exp(0.1) + math.exp(0.3)) / 2 * 0.5)
+    for loss, is_first in ((a3po, False), (recompute, True)):
+        assert "rollout/logprob_diff_mean" not in loss({"logprobs": theta}, mb, norm=4.0, n_tokens=4.0,
+                                                       first=is_first)[1]
+    _, m = rollout_only({"logprobs": theta}, mb, norm=2.0, n_tokens=2.0, first=True)
+    assert close(m["rollout/logprob_diff_mean"], 0.2)
+
+    from test_ppo_metrics import _batch
+    b = _batch()  # old_log_probs 0.01 off the sampler's
+    kw = dict(step=1, batch=b, reward_metrics={"objective/scores": 0.5}, kl={}, critic={}, prompts_per_step=1,
+              responses_per_step=3, dataset_size=3, step_s=1.0, since_start_s=1.0)
+    assert step_metrics(actor={}, **kw)["rollout/logprob_diff_max"] == pytest.approx(0.01, abs=1e-6)
+    b.batch["old_log_probs"] = b.batch["rollout_log_probs"]
+    m = step_metrics(actor={"rollout/logprob_diff_mean": 0.2}, pi_old_recomputed=False, **kw)
+    assert m["rollout/logprob_diff_mean"] == 0.2 and "rollout/logprob_diff_max" not in m
+    assert "rollout/tis_weight_mean" not in m

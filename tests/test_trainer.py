@@ -258,6 +258,10 @@ def test_rollout_log_probs_as_pi_old(sync_baseline, tiny_assets, data_dir, tmp_p
     base, got = sync_baseline[0][0], history[0]
     assert "timing/old_log_prob_s" not in got and "timing/old_log_prob_s" in base
     assert "policy/entropy_avg" not in got
+    # the gap is measured by the update's first optimizer step (same weights as sampled), not read off the
+    # sampler's log-probs copied into pi_old (that read 0.0 whatever the weights)
+    assert "rollout/logprob_diff_max" not in got and 0 <= got["rollout/logprob_diff_mean"] < 1e-4
+    assert got["rollout/logprob_diff_mean"] == pytest.approx(base["rollout/logprob_diff_mean"], abs=1e-5)
     assert got["objective/scores"] == base["objective/scores"]  # the same rollout
     for key in ("loss/policy_avg", "loss/value_avg", "objective/kl", "policy/clipfrac_avg"):
         assert got[key] == pytest.approx(base[key], rel=1e-4, abs=1e-4), key

@@ -5,7 +5,9 @@ The driver builds them from the config and hands them to the update calls
 plumbing every loss shares (mini-batches, the global normaliser, micro-batches, the optimizer step):
 
     norm, n_tokens = all-reduce over DP of (loss.normalizer(mask), mask.sum())   # once per mini-batch
-    loss_sum, metrics = loss(outputs, micro_batch, norm, n_tokens)              # per micro-batch
+    loss_sum, metrics = loss(outputs, micro_batch, norm, n_tokens, first)       # per micro-batch
+
+(`first`: this is the update's first optimizer step, the weights still those before it.)
 
 `outputs` is what the engine computed for the micro-batch (`logprobs`, `entropy` for an LM head;
 `values` for a value head). `loss_sum` is a SUM over the micro-batch (`normalizer=1.0` in
@@ -44,11 +46,21 @@ class PolicyLoss:
     policy_loss: str = "ppo"  # ppo | decoupled (CHOICES["actor.policy_loss"])
     behav_imp_weight_cap: Optional[float] = None
     proximal: str = "recompute"  # decoupled's pi_prox: recompute (old_log_probs) | loglinear (A-3PO, `prox_alpha`)
+    # no pi_old forward before the update (recomputes_old_log_probs is false): the update's first optimizer
+    # step measures the sampler/trainer gap on its mini-batch instead (rollout/logprob_diff_mean)
+    parity_in_update: bool = False
     name: str = "actor"  # metric prefix
+
+    @staticmethod
+    def recomputes_old_log_probs(actor) -> bool:
+        """Whether the driver runs a pi_old forward before the update: not with actor.use_rollout_log_probs,
+        nor with A-3PO's interpolated proximal (actor.proximal=loglinear); then pi_old is the sampler's."""
+        return not (actor.use_rollout_log_probs or actor.proximal == "loglinear")
 
     @classmethod
     def from_config(cls, actor) -> "PolicyLoss":
-        return cls(clip_ratio=actor.clip_ratio, clip_ratio_low=actor.clip_ratio_low,
+        return cls(parity_in_update=not cls.recomputes_old_log_probs(actor),
+                   clip_ratio=actor.clip_ratio, clip_ratio_low=actor.clip_ratio_low,
                    clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode,
                    entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss,
                    kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
@@ -71,7 +83,8 @@ class PolicyLoss:
     def normalizer(self, response_mask: torch.Tensor) -> float:
         return algos.loss_normalizer(response_mask, self.loss_agg_mode)
 
-    def __call__(self, outs: dict, mb: dict, norm: float, n_tokens: float) -> tuple[torch.Tensor, dict]:
+    def __call__(self, outs: dict, mb: dict, norm: float, n_tokens: float,
+                 first: bool = False) -> tuple[torch.Tensor, dict]:
         mask = mb["response_mask"]
         ppo = dict(clip_ratio=self.clip_ratio, clip_ratio_c=self.clip_ratio_c, loss_agg_mode=self.loss_agg_mode,
                    normalizer=1.0, clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high)
@@ -99,6 +112,10 @@ class PolicyLoss:
                    f"{p}/ppo_kl": ppo_kl * share, f"{p}/approx_kl": approx_kl.detach() * share,
                    f"{p}/pg_clipfrac_lower": dual * share}
         metrics.update({f"{p}/{k}": v * share for k, v in behav.items()})
+        if first and self.parity_in_update and "rollout_log_probs" in mb:  # weights as sampled (sync mode)
+            gap = (outs["logprobs"].detach().double() - mb["rollout_log_probs"].double()).abs()
+            metrics["rollout/logprob_diff_mean"] = algos.masked_mean(gap, mask) * share
+            metrics["rollout/token_mult_prob_error"] = algos.masked_mean(torch.exp(gap), mask) * share
         eps_low = self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
         if self.clip_ratio_high is not None and self.clip_ratio_high > eps_low:  # clip-higher: what it let through
             metrics[f"{p}/clip_higher_kept_frac"] = share * algos.clip_higher_kept_frac(
@@ -133,7 +150,8 @@ class ValueLoss:
     def normalizer(self, response_mask: torch.Tensor) -> float:
         return algos.loss_normalizer(response_mask, "token-mean")
 
-    def __call__(self, outs: dict, mb: dict, norm: float, n_tokens: float) -> tuple[torch.Tensor, dict]:
+    def __call__(self, outs: dict, mb: dict, norm: float, n_tokens: float,
+                 first: bool = False) -> tuple[torch.Tensor, dict]:
         mask = mb["response_mask"]
         loss, clipfrac = algos.compute_value_loss(outs["values"], mb["values"], mb["returns"], mask,
                                                   self.cliprange_value, "token-mean", normalizer=1.0)

@@ -37,7 +37,10 @@ and rollout/*:
 
   rollout/logprob_diff_mean, _max   |log p_vLLM - log p_Megatron| over the sampled tokens (pi_old vs
                              the sampler: in sync mode the numeric gap of two engines on the same
-                             weights, ~1e-6 in fp32; in async mode also one step of policy lag)
+                             weights, ~1e-6 in fp32; in async mode also one step of policy lag).
+                             Without a pi_old forward (actor.use_rollout_log_probs, actor.proximal=
+                             loglinear): _mean only, measured by the update's first optimizer step on
+                             its mini-batch (the weights that sampled, in sync mode)
   rollout/token_mult_prob_error  mean over tokens of exp|log p_vLLM - log p_Megatron| = the
                              token-level probability ratio's distance from 1 (1.0 = identical; 1.01
                              = the engines disagree by ~1% on a typical token's probability)
@@ -126,9 +129,12 @@ def data_metrics(batch) -> dict:
 
 def step_metrics(*, step: int, batch, reward_metrics: Mapping, kl: Mapping, actor: Mapping, critic: Mapping,
                  prompts_per_step: int, responses_per_step: int, dataset_size: int, step_s: float,
-                 since_start_s: float) -> dict:
-    """The open-instruct set for one step (+ data/parity metrics and the workers' update metrics)."""
-    m = {**data_metrics(batch), **rollout_parity_metrics(batch), **agent_metrics(batch.batch),
+                 since_start_s: float, pi_old_recomputed: bool = True) -> dict:
+    """The open-instruct set for one step (+ data/parity metrics and the workers' update metrics).
+    `pi_old_recomputed` false: old_log_probs are the sampler's own, so the parity metrics come from the
+    update's first step (PolicyLoss.parity_in_update), not from comparing the sampler with itself."""
+    parity = rollout_parity_metrics(batch) if pi_old_recomputed else {}
+    m = {**data_metrics(batch), **parity, **agent_metrics(batch.batch),
          **request_latency_metrics(batch.non_tensor_batch), **dict(reward_metrics), **dict(kl),
          **dict(actor), **dict(critic)}
     scores = m["objective/scores"]

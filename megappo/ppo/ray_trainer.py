@@ -336,6 +336,7 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
             timing["timing/rollout_overlap_frac"] = timing["timing/rollout_overlap_s"] / max(rollout_s, 1e-9)
         metrics = step_metrics(step=step, batch=batch, reward_metrics=reward_metrics, kl=kl,
                                actor=actor_metrics, critic=critic_metrics,
+                               pi_old_recomputed=PolicyLoss.recomputes_old_log_probs(cfg.actor),
                                prompts_per_step=cfg.data.train_batch_size,
                                responses_per_step=cfg.data.train_batch_size * cfg.rollout.n,
                                dataset_size=len(self.train_dataset), step_s=timing["timing/step_s"],
@@ -409,10 +410,9 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
 
     def _score_tokens(self, batch: DataProto, timing: dict) -> DataProto:
         model_in = batch.select(batch_keys=_MODEL_IN, non_tensor_keys=[], meta_info_keys=["sampling"])
-        a3po = self.config.actor.proximal == "loglinear"  # A-3PO: pi_prox interpolated in the loss
-        if self.config.actor.use_rollout_log_probs or a3po:  # pi_old = the sampler's log-probs (no forward)
+        if not PolicyLoss.recomputes_old_log_probs(self.config.actor):  # pi_old = the sampler's log-probs
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
-            if a3po:
+            if self.config.actor.proximal == "loglinear":  # A-3PO: pi_prox interpolated in the loss
                 versions = batch_token_versions(batch, self.global_step)
                 batch.batch["prox_alpha"] = loglinear_proximal_alpha(versions, self.global_step)
         else:
