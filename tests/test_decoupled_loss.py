@@ -168,7 +168,7 @@ def test_without_a_pi_old_forward_the_updates_first_step_measures_the_sampler_ga
     recompute = loss_for("actor.use_rollout_log_probs=false")
     assert a3po.parity_in_update and rollout_only.parity_in_update and not recompute.parity_in_update
     behav = T([[-1.0, -2.0, -0.5]])
-    theta = T([[-1.1, -1.7, -9.0]])  # the third token is padding (mask 0)
+    theta = T([[-1.1, -1.7, -1000.0]])  # the third token is padding (mask 0): its exp would overflow
     mb = {"old_log_probs": behav, "rollout_log_probs": behav, "prox_alpha": torch.zeros(1, 3),
           "advantages": T([[1.0, -1.0, 1.0]]), "response_mask": T([[1.0, 1.0, 0.0]]), "ref_log_prob": behav}
     _, first = a3po({"logprobs": theta}, mb, norm=4.0, n_tokens=4.0, first=True)  # 2 of the mini-batch's 4 tokens

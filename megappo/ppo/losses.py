@@ -112,8 +112,10 @@ class PolicyLoss:
                    f"{p}/ppo_kl": ppo_kl * share, f"{p}/approx_kl": approx_kl.detach() * share,
                    f"{p}/pg_clipfrac_lower": dual * share}
         metrics.update({f"{p}/{k}": v * share for k, v in behav.items()})
-        if first and self.parity_in_update and "rollout_log_probs" in mb:  # weights as sampled (sync mode)
+        # weights as sampled in sync mode; async modes add the batch's policy lag, as the recomputed gap does
+        if first and self.parity_in_update and "rollout_log_probs" in mb:
             gap = (outs["logprobs"].detach().double() - mb["rollout_log_probs"].double()).abs()
+            gap = gap.where(mask.bool(), 0.0)  # padding's log-probs may be anything: no exp overflow there
             metrics["rollout/logprob_diff_mean"] = algos.masked_mean(gap, mask) * share
             metrics["rollout/token_mult_prob_error"] = algos.masked_mean(torch.exp(gap), mask) * share
         eps_low = self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low

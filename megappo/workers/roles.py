@@ -162,13 +162,14 @@ def _train(engine, data: DataProto, loss, role_cfg, dp: int, temperature: float 
     mini_batch_size = data.meta_info.get("mini_batch_rows", role_cfg.ppo_mini_batch_size)
     minis = _mini_batches(data.select(batch_keys=keys), mini_batch_size, dp, loss.name)
     with engine.resident():  # offload=true: one reload / offload for the whole update
-        for i, mini in enumerate(minis * role_cfg.ppo_epochs):
+        for mini in minis * role_cfg.ppo_epochs:
             mask = mini.batch["response_mask"]
             norm, n_tokens = _dp_all_reduce([loss.normalizer(mask), float(mask.sum())])
             if n_tokens == 0:  # all ranks agree (all-reduced): nothing to learn from, and Adam would still move
                 empty += 1
                 continue
-            step = engine.train_step(dict(mini.batch), functools.partial(loss, norm=norm, n_tokens=n_tokens, first=i == 0),
+            first = not history  # no optimizer step yet (an empty mini-batch takes none): the weights as given
+            step = engine.train_step(dict(mini.batch), functools.partial(loss, norm=norm, n_tokens=n_tokens, first=first),
                                      normalizer=norm, response_length=r,
                                      micro_batch_size=min(role_cfg.micro_batch_size, len(mini)),
                                      temperature=temperature, compute_entropy=loss.needs_entropy)
