@@ -156,8 +156,7 @@ class ActorConfig:
     # pi_old = the sampler's own log-probs (rollout_log_probs) instead of a Megatron forward over the batch:
     # one forward less per step. Exact where sampler and trainer agree (fp32 on CPU: ~1e-6, see
     # rollout/logprob_diff_mean, then measured by the update's first optimizer step on its mini-batch, plus
-    # the policy lag in the async modes);
-    # in bf16 or with another kernel the ratio starts off 1 by that gap.
+    # the policy lag in the async modes); in bf16 or with another kernel the ratio starts off 1 by that gap.
     # Without the recompute there is no pi_old entropy (objective/entropy, policy/entropy_avg absent).
     use_rollout_log_probs: bool = False
     # ppo: clipped around pi_old, with truncated IS min(pi_old / pi_rollout, 2) when the sampler's log-probs

@@ -446,6 +446,15 @@ def agg_loss(
 
 
 # ----------------------------------------------------------------------------- losses
+def logprob_parity(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor) -> dict:
+    """The trainer/sampler gap on the sampled tokens, float64 tensors: rollout/logprob_diff_mean and _max
+    (|log p - log p_rollout|) and rollout/token_mult_prob_error (mean of its exp: 1.0 = identical).
+    Padding is zeroed before the exp (its log-probs may be anything)."""
+    gap = (log_prob.detach().double() - rollout_log_prob.double()).abs().where(response_mask.bool(), 0.0)
+    return {"rollout/logprob_diff_mean": masked_mean(gap, response_mask), "rollout/logprob_diff_max": gap.max(),
+            "rollout/token_mult_prob_error": masked_mean(torch.exp(gap), response_mask)}
+
+
 def compute_importance_weights(
     old_log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,

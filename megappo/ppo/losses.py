@@ -113,11 +113,9 @@ class PolicyLoss:
                    f"{p}/pg_clipfrac_lower": dual * share}
         metrics.update({f"{p}/{k}": v * share for k, v in behav.items()})
         # weights as sampled in sync mode; async modes add the batch's policy lag, as the recomputed gap does
-        if first and self.parity_in_update and "rollout_log_probs" in mb:
-            gap = (outs["logprobs"].detach().double() - mb["rollout_log_probs"].double()).abs()
-            gap = gap.where(mask.bool(), 0.0)  # padding's log-probs may be anything: no exp overflow there
-            metrics["rollout/logprob_diff_mean"] = algos.masked_mean(gap, mask) * share
-            metrics["rollout/token_mult_prob_error"] = algos.masked_mean(torch.exp(gap), mask) * share
+        if first and self.parity_in_update and "rollout_log_probs" in mb:  # means only: metrics are summed
+            parity = algos.logprob_parity(outs["logprobs"], mb["rollout_log_probs"], mask)
+            metrics.update({k: v * share for k, v in parity.items() if not k.endswith("_max")})
         eps_low = self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
         if self.clip_ratio_high is not None and self.clip_ratio_high > eps_low:  # clip-higher: what it let through
             metrics[f"{p}/clip_higher_kept_frac"] = share * algos.clip_higher_kept_frac(

@@ -86,13 +86,11 @@ def rollout_parity_metrics(batch) -> dict:
     b = batch.batch
     if "rollout_log_probs" not in b or "old_log_probs" not in b:
         return {}
-    mask = b["response_mask"].bool()
-    d = (b["old_log_probs"].double() - b["rollout_log_probs"].double()).abs()[mask]
-    if not d.numel():
+    if not b["response_mask"].any():
         return {}
+    parity = algos.logprob_parity(b["old_log_probs"], b["rollout_log_probs"], b["response_mask"])
     _, tis = algos.compute_importance_weights(b["old_log_probs"], b["rollout_log_probs"], b["response_mask"])
-    return {"rollout/logprob_diff_mean": d.mean().item(), "rollout/logprob_diff_max": d.max().item(),
-            "rollout/token_mult_prob_error": torch.exp(d).mean().item(), **tis}
+    return {**{k: v.item() for k, v in parity.items()}, **tis}
 
 
 def data_metrics(batch) -> dict:
