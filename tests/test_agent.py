@@ -55,8 +55,6 @@ def test_tool_calls_are_parsed_and_malformed_ones_explained():
 
 
 def test_forced_call_regex_admits_exactly_well_formed_calls():
-    import re
-
     from megappo.agent.format import forced_call_regex
     from megappo.agent.tools import tool_schemas
 
@@ -189,7 +187,7 @@ def test_agent_loop_layout_in_vllm(agent_rollout, tokenizer):
     prompts = DataProto.from_dict(left_pad(ids, tokenizer.pad_token_id), {"uid": ["a", "b"]}, {"sampling": spec})
     out = agent_rollout.generate_sequences(prompts)
     b = out.batch
-    R, P = b["responses"].shape[1], b["prompts"].shape[1]
+    P = b["prompts"].shape[1]
     calc, obs = make_tools(["calculator"])["calculator"], Observations(tokenizer)
     for i in range(len(out)):
         toks = b["responses"][i]
@@ -453,6 +451,9 @@ def test_ppo_run_with_your_own_openai_sdk_agent(ray_session, tiny_assets, data_d
             n = int(b["attention_mask"][i, width:].sum())  # right-padded response: its attended tokens
             trained.append((tuple(prompt), tuple(b["responses"][i, :n].tolist()),
                             tuple(b["response_mask"][i, :n].tolist())))
+        # the tool results' tokens, counted as the built-in loop counts its own (attended, not trained)
+        between = int(b["attention_mask"][:, width:].sum() - b["response_mask"].sum())
+        assert between > 0 and h["rollout/tokens_tool"] == between
     for first, second in sessions:
         sent = first["prompt"] + first["sampled"]
         assert second["prompt"][:len(sent)] == sent  # the second request continues the sampled ids as sampled

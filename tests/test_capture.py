@@ -125,9 +125,11 @@ def test_chat_replies_parse_the_models_tool_calls(tokenizer):
     the content loses them, finish_reason is "tool_calls"; a plain answer loses the stop string that ended it.
     The engine here is a script that returns fixed text (this tests the gateway's reply, not vLLM); the
     capture still records exactly the scripted ids, and the next request, repeating the reply with its
-    tool_calls re-serialised, extends the session."""
+    tool_calls re-serialised, extends the session. The sample's tool statistics (rollout/tool_call_rate,
+    tool_call_valid_rate, tokens_tool) are counted as the built-in loop counts them, an unreadable call too."""
     import asyncio
 
+    from megappo.gateway.agents import _trajectory
     from megappo.gateway.app import Gateway, GatewayError
     from megappo.gateway.engine import Completion
 
@@ -159,7 +161,8 @@ def test_chat_replies_parse_the_models_tool_calls(tokenizer):
     sent_back = dict(choice["message"], tool_calls=[{**call, "function": {**call["function"], "arguments":
                                                                           '{"expression":"2 + 3"}'}}])  # re-serialised
     msgs += [sent_back, {"role": "tool", "tool_call_id": call["id"], "content": "5"}]
-    second = asyncio.run(gw.chat({"messages": msgs, "tools": tools}, auth))["choices"][0]
+    second_reply = asyncio.run(gw.chat({"messages": msgs, "tools": tools}, auth))
+    second, second_prompt = second_reply["choices"][0], second_reply["prompt_token_ids"]
     assert second["finish_reason"] == "stop" and second["message"]["content"] == "It is 5."  # no stop string
     assert "tool_calls" not in second["message"]
     record = gw.close_session(s.id)
@@ -167,6 +170,22 @@ def test_chat_replies_parse_the_models_tool_calls(tokenizer):
     seg = record["segments"][0]
     assert [t for t, m in zip(seg["tokens"], seg["model_mask"]) if m] == choice["token_ids"] + second["token_ids"]
     assert seg["finish_reasons"] == ["stop", "stop"]
+    # the sample's tool statistics, as the built-in loop counts them (rollout/tool_call_rate, tokens_tool): one
+    # call handed out, and the tokens between the two model turns that no engine sampled (the tool result)
+    t = _trajectory(record, seg["prompt_ids"], None, None, False, 0.0, tokenizer)
+    between = len(second_prompt) - len(first["prompt_token_ids"]) - len(choice["token_ids"])
+    assert between > 0 and t.stats["tool_tokens"] == between
+    assert t.stats["num_tool_calls"] == 1 and t.stats["num_invalid_calls"] == 0
+    # a call block no reader can read (its JSON cut off) is no tool call for the agent, but the model wrote one
+    turns.append('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 +\n</tool_call>')
+    stops.append("</tool_call>")
+    s = gw.open_session()
+    bad = asyncio.run(gw.chat({"messages": msgs[:1], "tools": tools}, f"Bearer {s.key}"))["choices"][0]
+    assert "tool_calls" not in bad["message"] and bad["finish_reason"] == "stop"
+    record = gw.close_session(s.id)
+    assert (record["tool_calls"], record["invalid_calls"]) == (0, 1)
+    t = _trajectory(record, record["segments"][0]["prompt_ids"], None, None, False, 0.0, tokenizer)
+    assert t.stats["num_tool_calls"] == 1 and t.stats["num_invalid_calls"] == 1 and t.stats["tool_tokens"] == 0
 
 
 def _scripted_reply(tokenizer, text: str, parser, tools, stop=None, *, eos=False, **body) -> dict:

@@ -127,6 +127,8 @@ class Session:
         self.segments: list[Segment] = []
         self.fallbacks = 0  # requests that did not extend the conversation: a new segment each
         self.requests = 0
+        self.tool_calls = 0  # the calls the replies handed out (chat requests), and the call blocks no reader could read
+        self.invalid_calls = 0
         self._history: Optional[list] = None  # the last request's messages + the reply returned
         self._tools = None
 
@@ -155,12 +157,14 @@ class Session:
         return self.segments[-1].ids
 
     def record(self, ids: list[int], logprobs, version, reply: Optional[dict] = None, model: bool = True,
-               finish_reason: Optional[str] = None) -> None:
+               finish_reason: Optional[str] = None, invalid_calls: int = 0) -> None:
         """The engine's answer to the last prompt: ids and log-probs as sampled, the version(s) that sampled
         them (Segment.add), why it ended; reply: the assistant message returned to the client (what its next
-        request must repeat to extend)."""
+        request must repeat to extend); invalid_calls: call blocks in it that could not be read."""
         self.segments[-1].add(ids, logprobs, version, model=model)
         self.segments[-1].finish_reasons.append(finish_reason)
+        self.tool_calls += len((reply or {}).get("tool_calls") or [])
+        self.invalid_calls += invalid_calls
         if reply is not None and self._history is not None:
             self._history.append(reply)
 
@@ -171,10 +175,12 @@ class Session:
 
     def snapshot(self) -> tuple:
         """What restore() needs to undo a request that was refused or failed after its prompt was built."""
-        return (copy.deepcopy(self.segments), self.fallbacks, self.requests, copy.deepcopy(self._history), self._tools)
+        return (copy.deepcopy(self.segments), self.fallbacks, self.requests, self.tool_calls, self.invalid_calls,
+                copy.deepcopy(self._history), self._tools)
 
     def restore(self, snap: tuple) -> None:
-        self.segments, self.fallbacks, self.requests, self._history, self._tools = snap
+        (self.segments, self.fallbacks, self.requests, self.tool_calls, self.invalid_calls, self._history,
+         self._tools) = snap
 
     def _new_segment(self, prompt_ids: list[int]) -> None:
         if self.segments:

@@ -92,7 +92,8 @@ class SessionState:
         """A copy: a request that finishes as the session closes records into the session, never into this."""
         s = self.session
         return {"session_id": self.id, "row": self.row, "reward": self.reward, "requests": s.requests,
-                "fallbacks": s.fallbacks, "latencies": list(self.latencies),
+                "fallbacks": s.fallbacks, "tool_calls": s.tool_calls, "invalid_calls": s.invalid_calls,
+                "latencies": list(self.latencies),
                 "segments": copy.deepcopy([seg.to_dict() for seg in s.segments])}
 
 
@@ -187,7 +188,7 @@ class Gateway:
                 except ValueError as e:  # or tools= for a template without a tools section and no tool_prompt
                     raise GatewayError(400, _one_line(e)) from None
                 out = await self._generate(prompt, body, state, constraint)
-                content, calls = self.tool_calls.read(parsing, out.ids, out.finish_reason, out.stop_string)
+                content, calls, unread = self.tool_calls.read(parsing, out.ids, out.finish_reason, out.stop_string)
             except BaseException:
                 session.restore(saved)  # a refused or failed request leaves the session as it was
                 raise
@@ -199,7 +200,7 @@ class Gateway:
             # closed meanwhile has handed out its record: nothing more is recorded into it
             if state is None or not state.closed:
                 session.record(out.ids, None if constraint else out.logprobs, out.versions, reply,
-                               model=constraint is None, finish_reason=out.finish_reason)
+                               model=constraint is None, finish_reason=out.finish_reason, invalid_calls=unread)
         finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
         choice = {"index": 0, "message": reply, "finish_reason": finish, "token_ids": out.ids,
                   "logprobs": self._logprobs(out) if body.get("logprobs") else None}

@@ -101,9 +101,11 @@ class ToolCallReader:
                              'send tool_choice "auto"')
         return request, constraint
 
-    def read(self, request, ids: list[int], finish_reason: str, stop_string: Optional[str] = None) -> tuple[str, list]:
-        """(the reply's content, its tool calls as (name, JSON arguments)) from the sampled ids. What stopped the
-        reply is not content (as OpenAI's and vLLM's): a stop string, or the stop token (EOS or another)."""
+    def read(self, request, ids: list[int], finish_reason: str, stop_string: Optional[str] = None) -> tuple[str, list, int]:
+        """(the reply's content, its tool calls as (name, JSON arguments), how many call blocks could not be read)
+        from the sampled ids. What stopped the reply is not content (as OpenAI's and vLLM's): a stop string, or the
+        stop token (EOS or another). Unreadable blocks are counted in megappo's Hermes format only (agent/format's
+        rule, as the built-in loop counts its invalid calls); a vLLM parser reports none."""
         if finish_reason == "stop" and not stop_string and ids:
             ids = ids[:-1]
         if self._parser_cls is None:
@@ -111,19 +113,20 @@ class ToolCallReader:
         parser = self._parser_cls(self.tokenizer, request.tools)
         text = _cut(self.tokenizer.decode(ids, skip_special_tokens=request.skip_special_tokens), stop_string)
         if request.tool_choice == "none":
-            return text, []
+            return text, [], 0
         _, content, calls = parser.parse(text, request, enable_auto_tools=True, model_output_token_ids=ids)
-        return content or "", [(c.name, c.arguments) for c in calls or []]
+        return content or "", [(c.name, c.arguments) for c in calls or []], 0
 
-    def _hermes(self, ids: list[int], stop_string: Optional[str], choice) -> tuple[str, list]:
+    def _hermes(self, ids: list[int], stop_string: Optional[str], choice) -> tuple[str, list, int]:
         from megappo.agent.format import parse_calls, strip_calls
 
         full = self.tokenizer.decode(ids, skip_special_tokens=True)
         # stop="</tool_call>" ends a call: parse it whole; tool_choice "none": no calls, as vLLM's server
-        calls = [c for c in parse_calls(full) if c.error is None] if choice != "none" else []
+        blocks = parse_calls(full) if choice != "none" else []
+        calls = [c for c in blocks if c.error is None]
         if not calls:
-            return _cut(full, stop_string), []
-        return strip_calls(full), [(c.name, json.dumps(c.arguments)) for c in calls]
+            return _cut(full, stop_string), [], len(blocks)
+        return strip_calls(full), [(c.name, json.dumps(c.arguments)) for c in calls], len(blocks) - len(calls)
 
 
 def _tool_choice(body: dict):

@@ -48,7 +48,9 @@ and rollout/*:
   rollout/weights_fingerprint_ok  1 when vLLM's weights matched the trainer's after the sync
   multi-turn (agent/loop.agent_metrics): rollout/turns_mean, tool_calls_mean, tool_call_rate (share of
   samples that called a tool), tool_call_valid_rate, tool_errors, tool_timeouts, tokens_model,
-  tokens_tool; timing/tool_s (summed over calls; calls of a turn run concurrently)
+  tokens_tool; timing/tool_s (summed over calls; calls of a turn run concurrently). With rollout.agent the
+  gateway counts the calls the model wrote, the unreadable ones and the tokens between model turns
+  (gateway/agents._trajectory); the agent's own tool errors, timeouts and time are not seen (0)
   your own agent (rollout.agent, agent/loop._own_agent_metrics): rollout/agent_sessions, agent_requests_mean,
   agent_segments_mean, agent_segment_rows, agent_fallbacks (re-rendered requests), agent_errors,
   agent_timeouts, agent_own_prompt; timing/agent_s_{mean,p50,p95,max} (a session's wall time) and
