@@ -84,3 +84,21 @@ def test_reward_curve_png(tmp_path):
     assert series["objective/scores"] == ([1, 2, 3], [0.1, 0.2, 0.9])
     assert series["objective/verifiable_correct_rate"] == ([1, 2, 3], [0.05, 0.1, 0.5])
     assert series["eval/verifiable_correct_rate"] == ([3], [0.4])
+
+
+def test_compare_runs_png(tmp_path):
+    """tools/compare_runs.py: two runs' curves on one PNG; a run without metrics or an unknown metric is one
+    line naming the fix."""
+    from tools.compare_runs import main
+
+    for name, scale in (("a", 0.1), ("b", 0.2)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": s, "objective/scores": scale * s}) + "\n" for s in (1, 2, 3)))
+    out = tmp_path / "cmp.png"
+    main([f"{tmp_path / 'a'}:first", str(tmp_path / "b"), "--out", str(out), "--keys", "objective/scores"])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 2000
+    with pytest.raises(SystemExit, match="choose from objective/scores"):
+        main([str(tmp_path / "a"), "--out", str(out), "--keys", "eval/x"])
+    with pytest.raises(SystemExit, match="give a run's output_dir"):
+        main([str(tmp_path / "missing"), "--out", str(out)])
