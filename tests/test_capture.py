@@ -126,7 +126,8 @@ def test_chat_replies_parse_the_models_tool_calls(tokenizer):
     The engine here is a script that returns fixed text (this tests the gateway's reply, not vLLM); the
     capture still records exactly the scripted ids, and the next request, repeating the reply with its
     tool_calls re-serialised, extends the session. The sample's tool statistics (rollout/tool_call_rate,
-    tool_call_valid_rate, tokens_tool) are counted as the built-in loop counts them, an unreadable call too."""
+    tool_call_valid_rate, tokens_tool) are counted: the calls handed out, an unreadable block, the tool result's
+    tokens."""
     import asyncio
 
     from megappo.gateway.agents import _trajectory
@@ -170,7 +171,7 @@ def test_chat_replies_parse_the_models_tool_calls(tokenizer):
     seg = record["segments"][0]
     assert [t for t, m in zip(seg["tokens"], seg["model_mask"]) if m] == choice["token_ids"] + second["token_ids"]
     assert seg["finish_reasons"] == ["stop", "stop"]
-    # the sample's tool statistics, as the built-in loop counts them (rollout/tool_call_rate, tokens_tool): one
+    # the sample's tool statistics (rollout/tool_call_rate, tokens_tool, as the built-in loop names them): one
     # call handed out, and the tokens between the two model turns that no engine sampled (the tool result)
     t = _trajectory(record, seg["prompt_ids"], None, None, False, 0.0, tokenizer)
     between = len(second_prompt) - len(first["prompt_token_ids"]) - len(choice["token_ids"])

@@ -102,3 +102,5 @@ def test_compare_runs_png(tmp_path):
         main([str(tmp_path / "a"), "--out", str(out), "--keys", "eval/x"])
     with pytest.raises(SystemExit, match="give a run's output_dir"):
         main([str(tmp_path / "missing"), "--out", str(out)])
+    with pytest.raises(SystemExit, match="none of the runs logged eval/verifiable_correct_rate"):
+        main([str(tmp_path / "a"), "--out", str(out), "--keys", "eval/verifiable_correct_rate"])

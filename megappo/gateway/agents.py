@@ -193,9 +193,10 @@ def _trajectory(record: dict, prompt: list[int], reward, error: Optional[str], t
             _fill(later, seg, tokenizer)  # its statistics 0: the sample's are on its first row
             t.later.append(later)
         t.stats["num_turns"] = float(sum(seg["turns"] for seg in segments))
-        # the built-in loop's tool statistics as far as the gateway sees them: every call the model wrote (read or
-        # not), the unreadable ones, and the tokens between model turns no engine sampled (tool results, user
-        # messages, the template's glue); the tools' own errors and timeouts are the agent's, not seen here
+        # the built-in loop's tool statistics as far as the gateway sees them: every call the model wrote in its
+        # chat replies (read or not; the loop counts only the calls it runs, within max_tool_calls), the unreadable
+        # ones, and the tokens between model turns no engine sampled (tool results, user messages, the template's
+        # glue); the tools' own errors and timeouts are the agent's, not seen here
         t.stats["num_tool_calls"] = float(record["tool_calls"] + record["invalid_calls"])
         t.stats["num_invalid_calls"] = float(record["invalid_calls"])
         t.stats["tool_tokens"] = float(sum(v == -1 and not m for seg in segments

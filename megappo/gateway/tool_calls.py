@@ -3,7 +3,7 @@
     reader = ToolCallReader(tokenizer)                    # megappo's: Hermes <tool_call> blocks (Qwen, SmolLM2)
     reader = ToolCallReader(tokenizer, "llama3_json")     # or vLLM's parser for another format, by its name
     request, constraint = reader.prepare(body)            # before sampling: tools, tool_choice checked (400)
-    content, calls = reader.read(request, ids, finish_reason, stop_string)   # calls: [(name, JSON arguments)]
+    content, calls, unread = reader.read(request, ids, finish_reason, stop_string)  # calls: [(name, JSON arguments)]
 
 The default is megappo's own reader (agent/format.py), the format the built-in multi-turn loop trains
 (Hermes / Qwen); it reads calls whether or not the request listed tools. A model trained on another format
@@ -104,8 +104,9 @@ class ToolCallReader:
     def read(self, request, ids: list[int], finish_reason: str, stop_string: Optional[str] = None) -> tuple[str, list, int]:
         """(the reply's content, its tool calls as (name, JSON arguments), how many call blocks could not be read)
         from the sampled ids. What stopped the reply is not content (as OpenAI's and vLLM's): a stop string, or the
-        stop token (EOS or another). Unreadable blocks are counted in megappo's Hermes format only (agent/format's
-        rule, as the built-in loop counts its invalid calls); a vLLM parser reports none."""
+        stop token (EOS or another). Unreadable blocks (agent/format's parse fails) are counted in megappo's Hermes
+        format only, not under tool_choice "none"; a vLLM parser reports none. A call naming a tool the request did
+        not list is handed out (as vLLM's server does) and is not counted unreadable."""
         if finish_reason == "stop" and not stop_string and ids:
             ids = ids[:-1]
         if self._parser_cls is None:
