@@ -628,7 +628,8 @@ def test_a_request_whose_loop_closed_leaves_the_engine_serving(served):
 
 def test_closing_a_session_aborts_its_request_in_flight(served):
     """An agent that timed out leaves its HTTP request running (the server does not stop a request whose client
-    went away): closing its session aborts it (409 to nobody) and hands out a record no late answer extends."""
+    went away): closing its session aborts it (409 to nobody) and hands out a record no late answer extends. The
+    record is the session's finished requests: the aborted one's prompt (here a new segment) is not in it."""
     import openai
 
     _, engine, gateway, url = served
@@ -636,13 +637,16 @@ def test_closing_a_session_aborts_its_request_in_flight(served):
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=s.key, max_retries=0)
 
     async def main():
+        await client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=2, seed=1)  # a finished request
+        before = s.record()
         aborted = engine.aborted
-        call = asyncio.create_task(client.completions.create(model="tiny", prompt=[1, 2, 3, 4], max_tokens=MAX_TOKENS,
+        call = asyncio.create_task(client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=MAX_TOKENS,
                                                              seed=0))
         while engine.in_flight == 0:
             await asyncio.sleep(0.001)
         with engine.paused():  # mid-decode: it cannot finish before its session closes
-            gateway.close_session(s.id)
+            during = s.record()  # as GET /megappo/v1/sessions/{id} reads it
+            closed = gateway.close_session(s.id)
         with pytest.raises(openai.ConflictError, match="closed while it was in flight"):
             await call
         for _ in range(500):
@@ -650,10 +654,12 @@ def test_closing_a_session_aborts_its_request_in_flight(served):
                 break
             await asyncio.sleep(0.01)
         await client.close()
-        return aborted
+        return aborted, before, during, closed
 
-    aborted = asyncio.run(main())
+    aborted, before, during, closed = asyncio.run(main())
     assert engine.in_flight == 0 and engine.aborted == aborted + 1 and not s.tasks
+    assert before["requests"] == 1 and len(before["segments"]) == 1 and 0 < len(before["segments"][0]["tokens"]) <= 2
+    assert during == before and closed == before  # not requests 2, a fallback and a segment of prompt ids alone
     done = gateway.open_session()
     asyncio.run(gateway.completion({"prompt": [1, 2, 3], "max_tokens": 2, "seed": 1}, f"Bearer {done.key}"))
     record = gateway.close_session(done.id)

@@ -35,8 +35,9 @@ import json
 import math
 import secrets
 import statistics
+import threading
 import time
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -84,17 +85,26 @@ class SessionState:
     # per request: seed + t * seed_stride) and the response budget (tokens after the first prompt)
     forced: dict = field(default_factory=dict)
     budget: Optional[int] = None
-    busy: bool = False  # a request in flight (_one_at_a_time)
+    busy: bool = False  # a request in flight (_Turn)
     tasks: set = field(default_factory=set)  # its engine requests' tasks in flight (close_session cancels them)
     closed: bool = False
+    # the session as it was before the request in flight (_Turn): what a close meanwhile hands out; the lock
+    # keeps a close (from another thread) from copying the session while a request changes it
+    pending: Optional[tuple] = None
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
     def record(self) -> dict:
-        """A copy: a request that finishes as the session closes records into the session, never into this."""
-        s = self.session
-        return {"session_id": self.id, "row": self.row, "reward": self.reward, "requests": s.requests,
-                "fallbacks": s.fallbacks, "tool_calls": s.tool_calls, "invalid_calls": s.invalid_calls,
-                "latencies": list(self.latencies),
-                "segments": copy.deepcopy([seg.to_dict() for seg in s.segments])}
+        """A copy of its finished requests (a request still in flight is not in it: _Turn), which nothing
+        recorded later changes."""
+        with self.lock:
+            s = self.session
+            if self.pending is not None:
+                s = Session(s.renderer)
+                s.restore(self.pending)
+            return {"session_id": self.id, "row": self.row, "reward": self.reward, "requests": s.requests,
+                    "fallbacks": s.fallbacks, "tool_calls": s.tool_calls, "invalid_calls": s.invalid_calls,
+                    "latencies": list(self.latencies),
+                    "segments": copy.deepcopy([seg.to_dict() for seg in s.segments])}
 
 
 class Gateway:
@@ -126,11 +136,13 @@ class Gateway:
         engine; each answers 409. Callable from any thread (AgentRunner closes from its own loop)."""
         state = self._state(sid)
         del self._by_key[state.key], self.sessions[sid]  # the key first: _caller (the server's thread) reads it first
-        state.closed = True  # before its tasks are read: a request being started as it closes sees it (_generate)
+        with state.lock:  # a request's prompt or answer goes in wholly before the copy, or not at all
+            state.closed = True  # before its tasks are read: a request being started as it closes sees it (_generate)
+            record = state.record()  # without the request in flight (aborted below), if any
         for task in list(state.tasks):
             if not task.get_loop().is_closed():
                 task.get_loop().call_soon_threadsafe(task.cancel)
-        return state.record()
+        return record
 
     def stats(self) -> dict:
         lat = sorted(self.latencies) or [0.0]
@@ -178,29 +190,23 @@ class Gateway:
         state = self._caller(authorization)
         messages, tools = _messages(body.get("messages")), _tools(body.get("tools"))
         session = state.session if state else Session(self.renderer)
-        with _one_at_a_time(state):
-            saved = session.snapshot()
+        with _Turn(state, session) as turn:
             try:
-                try:
+                with turn.lock:
                     # a tool or tool_choice refused before sampling; tool_choice "required" or a named tool: a constraint
                     parsing, constraint = self.tool_calls.prepare(body)
                     prompt = session.chat_prompt(messages, tools)
-                except ValueError as e:  # or tools= for a template without a tools section and no tool_prompt
-                    raise GatewayError(400, _one_line(e)) from None
-                out = await self._generate(prompt, body, state, constraint)
-                content, calls, unread = self.tool_calls.read(parsing, out.ids, out.finish_reason, out.stop_string)
-            except BaseException:
-                session.restore(saved)  # a refused or failed request leaves the session as it was
-                raise
+            except ValueError as e:  # or tools= for a template without a tools section and no tool_prompt
+                raise GatewayError(400, _one_line(e)) from None
+            out, latency = await self._generate(prompt, body, state, constraint)
+            content, calls, unread = self.tool_calls.read(parsing, out.ids, out.finish_reason, out.stop_string)
             reply = {"role": "assistant", "content": content}
             if calls:
                 reply["tool_calls"] = [{"id": f"call_{secrets.token_hex(6)}", "type": "function",
                                         "function": {"name": name, "arguments": args}} for name, args in calls]
-            # a constrained reply was not sampled from the policy: context, not trained (tool_calls.py); a session
-            # closed meanwhile has handed out its record: nothing more is recorded into it
-            if state is None or not state.closed:
-                session.record(out.ids, None if constraint else out.logprobs, out.versions, reply,
-                               model=constraint is None, finish_reason=out.finish_reason, invalid_calls=unread)
+            # a constrained reply was not sampled from the policy: context, not trained (tool_calls.py)
+            turn.record(latency, out.ids, None if constraint else out.logprobs, out.versions, reply,
+                        model=constraint is None, finish_reason=out.finish_reason, invalid_calls=unread)
         finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
         choice = {"index": 0, "message": reply, "finish_reason": finish, "token_ids": out.ids,
                   "logprobs": self._logprobs(out) if body.get("logprobs") else None}
@@ -216,16 +222,11 @@ class Gateway:
         else:
             raise GatewayError(400, "prompt must be a non-empty string or a list of token ids")
         session = state.session if state else Session(self.renderer)
-        with _one_at_a_time(state):
-            saved = session.snapshot()
-            try:
+        with _Turn(state, session) as turn:
+            with turn.lock:
                 full = session.completion_prompt(ids)
-                out = await self._generate(full, body, state)
-            except BaseException:
-                session.restore(saved)
-                raise
-            if state is None or not state.closed:  # closed meanwhile: its record was handed out (chat, above)
-                session.record(out.ids, out.logprobs, out.versions, finish_reason=out.finish_reason)
+            out, latency = await self._generate(full, body, state)
+            turn.record(latency, out.ids, out.logprobs, out.versions, finish_reason=out.finish_reason)
         choice = {"index": 0, "text": self.tokenizer.decode(out.ids, skip_special_tokens=True),
                   "finish_reason": out.finish_reason, "token_ids": out.ids, "logprobs": None}
         return self._envelope("text_completion", choice, out)
@@ -260,9 +261,7 @@ class Gateway:
                 state.tasks.discard(request)
         dt = time.perf_counter() - t0
         self.latencies.append(dt)
-        if state is not None:
-            state.latencies.append(dt)
-        return out
+        return out, dt
 
     @staticmethod
     def _within_session(body: dict, state: Optional[SessionState]) -> dict:
@@ -358,22 +357,52 @@ def _streamed(response: dict, body: dict) -> StreamingResponse:
     return StreamingResponse(iter(events), media_type="text/event-stream")
 
 
-@contextmanager
-def _one_at_a_time(state: Optional[SessionState]):
-    """A session's requests one at a time: each continues (or restarts) the conversation the previous one left,
-    so a second request while one is in flight is refused (409), never recorded against the wrong segment."""
-    if state is None:  # megappo serve's open key: nothing is recorded
-        yield
-        return
-    if state.busy:
-        raise GatewayError(409, "this session has a request in flight: a session is one conversation, one request "
-                                "at a time; open one session per parallel branch", "conflict_error",
-                           {"x-should-retry": "false"})  # the OpenAI SDK retries a 409 unless told not to
-    state.busy = True
-    try:
-        yield
-    finally:
-        state.busy = False
+class _Turn:
+    """One request's hold on its session (state None: megappo serve's open key, a throwaway session, nothing kept).
+
+    A session's requests go one at a time: each continues (or restarts) the conversation the previous one left, so
+    a second request while one is in flight is refused (409), never recorded against the wrong segment. The
+    request changes the session only under `lock` (the prompt it builds, then `record`, its answer), so a close
+    from another thread copies the session between those, never during. Until it is recorded the request is not
+    in the session's record: a close meanwhile hands out the session as it was before it (SessionState.pending),
+    and a request that is refused or fails puts the session back so."""
+
+    def __init__(self, state: Optional[SessionState], session: Session):
+        self.state, self.session = state, session
+        self.lock = state.lock if state is not None else nullcontext()
+
+    def __enter__(self) -> "_Turn":
+        if self.state is not None and self.state.busy:
+            raise GatewayError(409, "this session has a request in flight: a session is one conversation, one "
+                                    "request at a time; open one session per parallel branch", "conflict_error",
+                               {"x-should-retry": "false"})  # the OpenAI SDK retries a 409 unless told not to
+        with self.lock:
+            self.saved = self.session.snapshot()
+            if self.state is not None:
+                self.state.pending, self.state.busy = self.saved, True
+        return self
+
+    def record(self, latency: float, *args, **kwargs) -> None:
+        """Session.record and the request's latency, unless the session closed meanwhile (its record was handed
+        out without this request)."""
+        with self.lock:
+            if self.state is None or not self.state.closed:
+                self.session.record(*args, **kwargs)
+                if self.state is not None:
+                    self.state.latencies.append(latency)
+            self._done()
+
+    def __exit__(self, kind, value, tb) -> None:
+        with self.lock:
+            if kind is not None:  # refused or failed: the session as it was
+                self.session.restore(self.saved)
+            self._done()
+        if self.state is not None:
+            self.state.busy = False
+
+    def _done(self) -> None:
+        if self.state is not None:
+            self.state.pending = None
 
 
 def _shown(value) -> str:
