@@ -2,7 +2,8 @@
 them (issue #39). One run, this machine:
 
   1. data: the SmolLM2 arithmetic task with "Explain your reasoning, then give the number." (held-out
-     validation), whose samples at temperature 1 run from a few tokens to the length cap;
+     validation), whose samples at temperature 1 run from a few tokens to the length cap (`--instruction`,
+     `--temperature` and `key=value` overrides change the workload; they are part of the report's key);
   2. costs (a separate vLLM process, one thread, as a rollout worker has): seconds per decode step at each
      batch size, prefill seconds per prompt token;
   3. the three modes, each `--steps` PPO steps of the same batches (GRPO, `--groups` prompts x `--n`
@@ -21,7 +22,8 @@ Prints one JSON object (also written to OUT/async_modes.json). Each mode's run i
 reused by the next invocation (delete it to run that mode again); so is the decode table.
 
     .venv/bin/python bench/async_modes.py [--steps 3] [--groups 4] [--n 4] [--max-new-tokens 192]
-        [--modes sync async fully_async] [--dtype fp32] [--out outputs/bench_async_modes]
+        [--modes sync async fully_async] [--dtype fp32] [--instruction TEXT] [--temperature 1.0]
+        [--out outputs/bench_async_modes] [key=value ...]
 """
 
 from __future__ import annotations
@@ -54,13 +56,13 @@ DECODE_BATCHES = (1, 4, 8, 16, 32, 64)
 MAX_NUM_SEQS = 256  # the simulated engine's slots: more than this bench ever has in flight (two batches)
 
 
-def make_data(out: Path, val_size: int) -> Path:
+def make_data(out: Path, val_size: int, instruction: str) -> Path:
     from megappo.data.preprocess_arithmetic import main as preprocess
 
     data = out / "data"
     if not (data / "arith_train.parquet").exists():
         preprocess(["--out", str(data), "--held-out", "--min-operand", "0", "--max-operand", "30",
-                    "--val-size", str(val_size), "--instruction", INSTRUCTION])
+                    "--val-size", str(val_size), "--instruction", instruction])
     return data
 
 
@@ -123,7 +125,7 @@ def run_mode(name: str, data: Path, out: Path, args) -> dict:
         "reward.num_examine=0", "trainer.resume=never", "trainer.export_hf=false",
         f"data.train_files=[{data / 'arith_train.parquet'}]", f"data.val_files=[{data / 'arith_val.parquet'}]",
         f"data.train_batch_size={args.groups}", f"data.val_batch_size={args.val_size}",
-        f"rollout.n={args.n}", "rollout.temperature=1.0", f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"rollout.n={args.n}", f"rollout.temperature={args.temperature}", f"rollout.max_new_tokens={args.max_new_tokens}",
         "rollout.kv_cache_memory_mb=1024", f"actor.ppo_mini_batch_size={batch}", "actor.micro_batch_size=4",
         "actor.log_prob_micro_batch_size=8", "actor.pack_sequences=true",
         "actor.max_tokens_per_micro_batch=1024", *layout, *args.overrides]
@@ -215,6 +217,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--val-size", type=int, default=32)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--instruction", default=INSTRUCTION, help=f"after each question (default: {INSTRUCTION!r})")
+    p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--modes", nargs="+", default=list(LAYOUT), choices=list(VARIANTS))
     p.add_argument("--out", default="outputs/bench_async_modes")
     p.add_argument("overrides", nargs="*", help="key=value config overrides for every mode")
@@ -224,7 +228,7 @@ def main(argv=None) -> int:
         os.environ.setdefault(k, v)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    data = make_data(out, args.val_size)
+    data = make_data(out, args.val_size, args.instruction)
     from transformers import AutoTokenizer
 
     import pyarrow.parquet as pq
@@ -241,7 +245,8 @@ def main(argv=None) -> int:
 
     report = {"workload": {"model": args.model, "dtype": args.dtype, "groups": args.groups, "n": args.n,
                            "max_new_tokens": args.max_new_tokens, "steps": args.steps, "prompt_len": prompt_len,
-                           "temperature": 1.0, "instruction": INSTRUCTION},
+                           "temperature": args.temperature, "instruction": args.instruction,
+                           **({"overrides": args.overrides} if args.overrides else {})},
               "decode": decode, "modes": {}}
     previous = out / "async_modes.json"  # modes run before in this OUT stay in the report
     earlier = json.loads(previous.read_text()) if previous.exists() else {}
