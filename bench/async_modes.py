@@ -199,7 +199,8 @@ def plot(report: dict, path: Path) -> None:
     w = report["workload"]
     ax.set_title(f"{Path(w['model']).name} {w['dtype']}, {w['groups']}x{w['n']} samples/step, <= {w['max_new_tokens']} "
                  f"tokens, {w['steps']} steps", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.set_ylim(0, max(measured + predicted) * 1.3)  # room for the legend above the bars and their labels
+    ax.legend(fontsize=8, loc="upper left", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
