@@ -59,10 +59,14 @@ MAX_NUM_SEQS = 256  # the simulated engine's slots: more than this bench ever ha
 def make_data(out: Path, val_size: int, instruction: str) -> Path:
     from megappo.data.preprocess_arithmetic import main as preprocess
 
-    data = out / "data"
+    data, made = out / "data", {"val_size": val_size, "instruction": instruction}
+    stamp = data / "made_with.json"  # reused data must be the data these arguments ask for
     if not (data / "arith_train.parquet").exists():
         preprocess(["--out", str(data), "--held-out", "--min-operand", "0", "--max-operand", "30",
                     "--val-size", str(val_size), "--instruction", instruction])
+        stamp.write_text(json.dumps(made))
+    if stamp.exists() and json.loads(stamp.read_text()) != made:
+        raise SystemExit(f"{data} was made with {stamp.read_text()}, not these arguments: delete it or pass another --out")
     return data
 
 
@@ -125,7 +129,8 @@ def run_mode(name: str, data: Path, out: Path, args) -> dict:
         "reward.num_examine=0", "trainer.resume=never", "trainer.export_hf=false",
         f"data.train_files=[{data / 'arith_train.parquet'}]", f"data.val_files=[{data / 'arith_val.parquet'}]",
         f"data.train_batch_size={args.groups}", f"data.val_batch_size={args.val_size}",
-        f"rollout.n={args.n}", f"rollout.temperature={args.temperature}", f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"rollout.n={args.n}", f"rollout.temperature={args.temperature}",
+        f"rollout.max_new_tokens={args.max_new_tokens}",
         "rollout.kv_cache_memory_mb=1024", f"actor.ppo_mini_batch_size={batch}", "actor.micro_batch_size=4",
         "actor.log_prob_micro_batch_size=8", "actor.pack_sequences=true",
         "actor.max_tokens_per_micro_batch=1024", *layout, *args.overrides]
