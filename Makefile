@@ -142,11 +142,14 @@ docs: docs-install
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 # The README's test command.
-# The CI suite (~60 min on the 2-core AVX2 VM): everything but the `long` end-to-end variants (pytest.ini)
+# The CI suite: everything but the `long` end-to-end variants (pytest.ini). Budget: 30 minutes of tests on the
+# 2-core CI machine; the 25 slowest are printed at the end (a new test fits the budget, or goes to the long tier
+# or bench/).
 test: install docs-install system-deps
 	$(PY) -m pytest -q --durations=25 tests -m "not long"
 
-# Everything, the `long` variants too (~+10 min: 11 tests)
+# Everything, the `long` tier too (the shipped bf16 recipes, the multi-kill chaos run, the long fully-async
+# and multi-node runs: ~+25 min)
 test-all: install docs-install system-deps
 	$(PY) -m pytest -q --durations=25 tests
 

@@ -25,15 +25,21 @@ def tiny_assets() -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray instance for the whole pytest session (each ray.init costs 4-7 s)."""
+    """One local Ray instance for the whole pytest session (each ray.init costs 4-7 s). 8 logical CPUs: a
+    trainer run's warm workers (trainer_utils.WARM, up to 4 bundles) stay placed next to another test's groups."""
     import ray
+
+    import trainer_utils
 
     if not ray.is_initialized():
         # address="local": always a fresh Ray for the session, even when an earlier `ray start` (e.g. the
         # Slurm bootstrap, which never runs `ray stop`) left /tmp/ray/ray_current_cluster behind
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False,
                  namespace="megappo-tests")
     yield ray
+    print(f"\nwarm trainer workers: {trainer_utils.WARM.reused} runs reused them, {trainer_utils.WARM.started} "
+          "started their own")
+    trainer_utils.WARM.close()
     ray.shutdown()
 
 
@@ -49,9 +55,14 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def sync_baseline(ray_session, tiny_assets, data_dir, tmp_path_factory):
-    """One uninterrupted 4-step sync run of the trainer tests' config: (its metrics, its output dir).
-    The resume, restart and preemption tests must reproduce it step for step."""
-    from trainer_utils import config, run
+    """One uninterrupted 4-step sync run of the trainer tests' config, on workers started for it (the warm ones
+    of another run are ended first): (its metrics, its output dir). The resume, restart and preemption tests
+    must reproduce it step for step, and so must a run on its workers after another run (test_trainer)."""
+    from trainer_utils import WARM, config, run
 
     out = tmp_path_factory.mktemp("sync_baseline")
-    return run(config(tiny_assets, data_dir, out)), out
+    WARM.close()
+    started = WARM.started
+    history = run(config(tiny_assets, data_dir, out))
+    assert WARM.started == started + 1  # a fresh start, kept warm for the next run
+    return history, out

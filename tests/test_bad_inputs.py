@@ -1,7 +1,9 @@
 """Bad inputs: each one a non-zero exit with ONE line that names the fix, and nothing half-written.
 
-Every case runs the real command line (`python -m megappo.cli ...`) in a subprocess and checks the
-exit code, the exact one-line message, and that no output was created."""
+Every case runs the real command line and checks the exit code, the exact one-line message, and that no
+output was created: `python -m megappo.cli ...` in a subprocess where the error comes before the heavy
+imports, the same entry point (megappo.cli.main, its stderr captured) in this process where it comes after
+them (a new interpreter would spend 5-8 s importing torch, transformers and Ray to print that line)."""
 
 from __future__ import annotations
 
@@ -21,9 +23,35 @@ def _cli(*args, cwd=REPO, env=None):
 
     proc = subprocess.run([sys.executable, "-m", "megappo.cli", *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, env={**os.environ, **(env or {})}, timeout=600)
-    lines = [line for line in proc.stderr.splitlines() if line.strip() and "Warning" not in line
-             and not line.startswith(("  warnings.warn", "WARNING"))]
-    return proc.returncode, lines
+    return proc.returncode, _error_lines(proc.stderr)
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.strip() and "Warning" not in line
+            and not line.startswith(("  warnings.warn", "WARNING"))]
+
+
+@pytest.fixture
+def cli_here(ray_session, monkeypatch):
+    """`_cli` in this process: megappo.cli.main(args) from the repo dir, stderr captured (argparse's exit too).
+    On the session's Ray, so `megappo train` connects to it and never starts or stops one of its own."""
+    import contextlib
+    import io
+
+    from megappo.cli import main
+
+    monkeypatch.chdir(REPO)
+
+    def run(*args):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                rc = main([str(a) for a in args])
+            except SystemExit as e:
+                rc = e.code
+        return rc, _error_lines(err.getvalue())
+
+    return run
 
 
 def _one_line(rc, lines, expected: str):
@@ -57,14 +85,14 @@ def test_eval_missing_model_dir(tmp_path, parquet_dir):
     assert not (tmp_path / "r.json").exists()
 
 
-def test_export_and_eval_refuse_a_torn_checkpoint(tmp_path, parquet_dir):
+def test_export_and_eval_refuse_a_torn_checkpoint(tmp_path, parquet_dir, cli_here):
     torn = tmp_path / "checkpoints" / "step_00000004"
     (torn / "actor").mkdir(parents=True)
     (torn / "actor" / "metadata.json").write_text("{}")
     rc, lines = _cli("export", "--ckpt", torn, "--out", tmp_path / "hf")
     _one_line(rc, lines, "is a torn checkpoint (no valid MANIFEST.json: the save was cut short); export an earlier step")
     assert not (tmp_path / "hf").exists()
-    rc, lines = _cli("eval", "--model", torn, "--data", parquet_dir / "arith_val.parquet")
+    rc, lines = cli_here("eval", "--model", torn, "--data", parquet_dir / "arith_val.parquet")
     _one_line(rc, lines, "is a torn checkpoint")
 
 
@@ -93,10 +121,10 @@ def test_export_of_a_run_dir_names_its_newest_checkpoint_as_a_path(tmp_path):
     assert "PosixPath" not in lines[0] and "[" not in lines[0]
 
 
-def test_eval_lengths_that_do_not_fit_the_model(tiny_assets, tmp_path, parquet_dir):
+def test_eval_lengths_that_do_not_fit_the_model(tiny_assets, tmp_path, parquet_dir, cli_here):
     """Defaults shrink to the model's 512 positions (tests/test_trainer runs the README's form); lengths
     given explicitly are refused in one line naming the flags."""
-    rc, lines = _cli("eval", "--model", tiny_assets["tiny-llama"], "--data", parquet_dir / "arith_val.parquet",
+    rc, lines = cli_here("eval", "--model", tiny_assets["tiny-llama"], "--data", parquet_dir / "arith_val.parquet",
                      "--max-prompt-length", "400", "--max-new-tokens", "200")
     _one_line(rc, lines, "max prompt length 400 + max new tokens 200 = 600 exceeds the 512 positions of")
     assert "lower --max-prompt-length or --max-new-tokens" in lines[0]
@@ -108,29 +136,29 @@ def test_export_missing_checkpoint(tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
-def test_eval_parquet_without_ground_truth(tiny_assets, tmp_path, parquet_dir):
-    rc, lines = _cli("eval", "--model", tiny_assets["tiny-llama"], "--data", parquet_dir / "no_ground_truth.parquet",
+def test_eval_parquet_without_ground_truth(tiny_assets, tmp_path, parquet_dir, cli_here):
+    rc, lines = cli_here("eval", "--model", tiny_assets["tiny-llama"], "--data", parquet_dir / "no_ground_truth.parquet",
                      "--out", tmp_path / "r.json")
     _one_line(rc, lines, "row 0 has no reward_model.ground_truth")
     assert not (tmp_path / "r.json").exists()
 
 
-def test_eval_model_tokenizer_mismatch(tiny_assets, tmp_path, parquet_dir):
+def test_eval_model_tokenizer_mismatch(tiny_assets, tmp_path, parquet_dir, cli_here):
     model = tmp_path / "model"
     shutil.copytree(tiny_assets["tiny-llama"], model)
     cfg = json.loads((model / "config.json").read_text())
     cfg["vocab_size"] = 500  # the tokenizer has 1000 tokens
     (model / "config.json").write_text(json.dumps(cfg))
-    rc, lines = _cli("eval", "--model", model, "--data", parquet_dir / "arith_val.parquet")
+    rc, lines = cli_here("eval", "--model", model, "--data", parquet_dir / "arith_val.parquet")
     _one_line(rc, lines, "has 1000 tokens but the model's vocab_size is 500: they do not belong together")
 
 
-def test_eval_model_without_tokenizer(tiny_assets, tmp_path, parquet_dir):
+def test_eval_model_without_tokenizer(tiny_assets, tmp_path, parquet_dir, cli_here):
     model = tmp_path / "model"
     model.mkdir()
     for f in ("config.json", "model.safetensors"):
         shutil.copy(tiny_assets["tiny-llama"] / f, model / f)
-    rc, lines = _cli("eval", "--model", model, "--data", parquet_dir / "arith_val.parquet")
+    rc, lines = cli_here("eval", "--model", model, "--data", parquet_dir / "arith_val.parquet")
     _one_line(rc, lines, "has no usable tokenizer")
 
 
@@ -165,8 +193,9 @@ TRAIN_CASES = [
 
 
 @pytest.mark.parametrize("extra,rc,expected", TRAIN_CASES, ids=[c[2][:40] for c in TRAIN_CASES])
-def test_train_config_and_data_errors(run_args, tmp_path, extra, rc, expected):
-    got, lines = _cli(*run_args(tmp_path, *extra))
+def test_train_config_and_data_errors(run_args, tmp_path, extra, rc, expected, cli_here):
+    # caught by the config check (a fresh interpreter, no torch) or by the data check (in this process)
+    got, lines = (cli_here if "prompt" in expected else _cli)(*run_args(tmp_path, *extra))
     _one_line(got, lines, expected)
     assert got == rc
     _nothing_written(tmp_path)
@@ -192,16 +221,16 @@ def _model_copy(tiny_assets, tmp_path, drop=(), vocab=None, truncate=False) -> P
     ("corrupt", "is not a readable safetensors file"),
     ("no_tokenizer", "has no tokenizer (tokenizer.json / tokenizer.model / vocab.json)"),
     ("vocab", "has 1000 tokens but the model (")])
-def test_train_model_dir_errors(run_args, tiny_assets, tmp_path, kind, expected):
+def test_train_model_dir_errors(run_args, tiny_assets, tmp_path, kind, expected, cli_here):
     model = _model_copy(tiny_assets, tmp_path, drop={"no_weights": ["model.safetensors"],
                                                      "no_tokenizer": ["tokenizer.json", "tokenizer_config.json"]}
                         .get(kind, ()), vocab=900 if kind == "vocab" else None, truncate=kind == "corrupt")
-    rc, lines = _cli(*run_args(tmp_path, f"model.path={model}"))
+    rc, lines = (cli_here if kind == "vocab" else _cli)(*run_args(tmp_path, f"model.path={model}"))
     _one_line(rc, lines, expected)
     _nothing_written(tmp_path)
 
 
-def test_train_data_errors(run_args, tmp_path, parquet_dir):
+def test_train_data_errors(run_args, tmp_path, parquet_dir, cli_here):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -212,7 +241,7 @@ def test_train_data_errors(run_args, tmp_path, parquet_dir):
     pq.write_table(pa.Table.from_pylist([dict(r, data_source="my_task") for r in rows]), tmp_path / "unknown.parquet")
     for name, expected in (("no_column", "has no column 'reward_model'"), ("empty", "no prompts left from"),
                            ("unknown", "no reward rule for data_source 'my_task'")):
-        rc, lines = _cli(*run_args(tmp_path, f"data.train_files=[{tmp_path / name}.parquet]"))
+        rc, lines = cli_here(*run_args(tmp_path, f"data.train_files=[{tmp_path / name}.parquet]"))
         _one_line(rc, lines, expected)
         _nothing_written(tmp_path)
 

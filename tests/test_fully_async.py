@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megappo.ppo.staleness import StalenessManager, select_batch, version_stats
+from waiting import until
 
 
 def _simulate(batch_size: int, max_staleness: int, steps: int, seed: int, max_concurrent=None, drop_p=0.0):
@@ -129,8 +130,7 @@ def _generate(engine, prompts, load=None):
                  for k, p in enumerate(prompts)]
         if load is not None:
             start = engine.steps
-            while engine.steps < start + 5:
-                await asyncio.sleep(0.002)
+            await until(lambda: engine.steps >= start + 5, "five engine steps of the requests")
             with engine.paused():
                 load()
                 engine.bump_version()

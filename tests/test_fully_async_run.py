@@ -140,7 +140,9 @@ def test_partial_rollouts_cross_weight_updates_within_the_bound(ray_session, tin
     if pause == "partial":  # loglinear: no pi_old forward; a token alpha > 0 has pi_prox / pi_behav != 1
         assert all("timing/old_log_prob_s" not in h for h in history)
         # the sampler/trainer gap from the update's first step (stale tokens: their policy lag in it), no max
-        assert all("rollout/logprob_diff_max" not in h and h["rollout/logprob_diff_mean"] >= 0 for h in history)
+        assert all("rollout/logprob_diff_max" not in h for h in history)
+        # step 1 trains samples of the weights it holds (fp32 rounding only); later steps' stale tokens add the lag
+        assert history[0]["rollout/logprob_diff_mean"] < 1e-5 < max(h["rollout/logprob_diff_mean"] for h in history)
         assert max(abs(h["actor/behav_weight_mean"] - 1) for h in history) > 1e-4
     recomputed = [h.get("async/recomputed_samples", 0) for h in history]
     assert (max(recomputed) > 0) == (pause == "recompute"), recomputed

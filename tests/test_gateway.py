@@ -21,6 +21,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import pytest  # noqa: E402
 
 from gateway_helpers import TEMPLATE, serve_process  # noqa: E402
+from waiting import until, wait_for  # noqa: E402
 
 MAX_TOKENS, MAX_LEN = 24, 512
 LONG = " ".join(["the water is one of the answer"] * 22)  # > 128 tokens: a prompt whose first block vLLM caches
@@ -128,8 +129,8 @@ def test_a_weight_load_while_requests_are_in_flight(served):
         tasks = [asyncio.create_task(c.completions.create(model="tiny", prompt=LONG if k == 7 else f"{k} plus",
                                                           max_tokens=MAX_TOKENS, temperature=1.0, seed=k))
                  for k, c in enumerate(clients)]
-        while engine.steps == seen.setdefault("steps0", engine.steps):
-            await asyncio.sleep(0.005)
+        steps0 = engine.steps
+        await until(lambda: engine.steps > steps0, "an engine step with the requests in flight")
         with pytest.raises(openai.ConflictError, match="one request at a time"):  # same session, one in flight
             await clients[0].completions.create(model="tiny", prompt="meanwhile", max_tokens=2)
         with engine.paused():
@@ -205,8 +206,7 @@ def test_a_block_filled_after_a_weight_load_is_never_reused(served):
     async def main():
         crossing = asyncio.create_task(engine.generate(prompt, sampling(MAX_TOKENS, 1)))
         steps0 = engine.steps
-        while engine.steps == steps0:
-            await asyncio.sleep(0.001)
+        await until(lambda: engine.steps > steps0, "the crossing request's first step")
         with engine.paused():  # the first block (of the prompt) holds KV of the old weights
             rollout.load_weights(iter(new.items()))
             rollout.reset_prefix_cache()
@@ -247,8 +247,7 @@ def test_a_pause_waits_for_the_step_running_not_for_the_request(served):
         late = []
         for _ in range(5):
             steps0 = engine.steps
-            while engine.steps == steps0 and not running.done():
-                await asyncio.sleep(0.001)
+            await until(lambda: engine.steps > steps0 or running.done(), "an engine step")
             before = engine.steps
             with engine.paused():
                 late.append(engine.steps - before)
@@ -606,17 +605,13 @@ def test_a_request_whose_loop_closed_leaves_the_engine_serving(served):
     async def start():
         params = SamplingParams(max_tokens=30, ignore_eos=True, seed=0)
         orphan = asyncio.ensure_future(engine.generate([1, 2, 3], params))
-        while engine.in_flight == 0:
-            await asyncio.sleep(0.001)
+        await until(lambda: engine.in_flight > 0, "the orphan request in flight")
         return orphan
 
     requests = engine.requests
     orphan = gone.run_until_complete(start())
     gone.close()  # its task neither finished nor cancelled
-    for _ in range(1000):
-        if engine.requests > requests:
-            break
-        asyncio.run(asyncio.sleep(0.01))
+    wait_for(lambda: engine.requests > requests, "the orphan request to reach the engine", timeout_s=10)
     assert engine.requests == requests + 1 and not orphan.done()
 
     async def after():
@@ -642,17 +637,13 @@ def test_closing_a_session_aborts_its_request_in_flight(served):
         aborted = engine.aborted
         call = asyncio.create_task(client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=MAX_TOKENS,
                                                              seed=0))
-        while engine.in_flight == 0:
-            await asyncio.sleep(0.001)
+        await until(lambda: engine.in_flight > 0, "the request in flight")
         with engine.paused():  # mid-decode: it cannot finish before its session closes
             during = s.record()  # as GET /megappo/v1/sessions/{id} reads it
             closed = gateway.close_session(s.id)
         with pytest.raises(openai.ConflictError, match="closed while it was in flight"):
             await call
-        for _ in range(500):
-            if engine.in_flight == 0:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: engine.in_flight == 0, "the aborted request to leave the engine", timeout_s=10)
         await client.close()
         return aborted, before, during, closed
 
@@ -726,8 +717,7 @@ def test_a_resubmitted_request_never_takes_a_siblings_seed(served):
                  for s in group]
         for _ in range(2):  # two adapter updates while the group decodes: each request resubmitted twice
             steps0 = engine.steps
-            while engine.steps < steps0 + 2:
-                await asyncio.sleep(0.001)
+            await until(lambda: engine.steps >= steps0 + 2, "two engine steps of the group")
             with engine.paused():
                 assert engine.resubmit_running() == len(group)
         return await asyncio.gather(*tasks)

@@ -13,8 +13,8 @@ Jobs (trainer TP2xPP2): llama and qwen2 (tied embeddings, qkv bias) each to roll
 all-gather path) and rollout TP2 (train TP == rollout TP: sliced path, no TP gather except the vocab),
 with the three ways into vLLM (`rollout.weight_load` reload: vLLM reload_weights; direct: the model's
 load_weights, into `rollout.cpu_linear` plain torch linears or into packed oneDNN linears re-packed
-after the load, the default, on tied qwen2) and both resharder transports (TP all-gather + PP
-broadcast over gloo, or the node-local shared-memory slots) spread over the four pairs. With packed
+after the load, the default) and both resharder transports (TP all-gather + PP broadcast over gloo, or
+the node-local shared-memory slots) spread over the jobs (CI runs four; the long tier two more). With packed
 linears, a sync that skips the re-pack must fail the fingerprint check (stale kernels). One more job
 runs a virtual-pipeline trainer (PP2 x VPP2, two DP replicas: each rank holds two interleaved model
 chunks) into rollout TP2.
@@ -274,13 +274,15 @@ def _check(reports, layout_name, rollout_tp, repack):
 
 
 @pytest.mark.parametrize("family,layout_name,rollout_tp,weight_load,cpu_linear,transport", [
-    # 44 s; CI keeps reload (the qwen2 case) and the collective transport (the plain and MoE cases), all with
-    # rollout TP >= train TP; this one alone gathers TP2 into rollout TP1
+    # 44 s; CI keeps reload (the qwen2 case) and the collective transport (qwen2, MoE), all with rollout TP >=
+    # train TP; this one alone gathers TP2 into rollout TP1
     pytest.param("tiny-llama", "tp2pp2", 1, "reload", "packed", "collective", marks=pytest.mark.long),
-    ("tiny-qwen2", "tp2pp2", 2, "reload", "packed", "shm"),
-    ("tiny-llama", "tp2pp2", 2, "direct", "plain", "collective"),
-    # q/k norms, head_dim 64 != hidden / heads; rollout TP4 > 2 kv heads: vLLM replicates each kv head twice
-    ("tiny-qwen3", "tp2pp2", 4, "direct", "packed", "shm"),
+    ("tiny-qwen2", "tp2pp2", 2, "reload", "packed", "collective"),
+    # 35 s; CI keeps plain linears (qwen3) and the collective transport (qwen2, MoE)
+    pytest.param("tiny-llama", "tp2pp2", 2, "direct", "plain", "collective", marks=pytest.mark.long),
+    # q/k norms, head_dim 64 != hidden / heads; rollout TP4 > 2 kv heads: vLLM replicates each kv head twice; plain
+    # torch linears on the live weights
+    ("tiny-qwen3", "tp2pp2", 4, "direct", "plain", "shm"),
     # virtual pipeline (two model chunks per rank, interleaved layers) and data parallel replicas
     ("tiny-llama", "pp2vpp2dp2", 2, "direct", "packed", "shm"),
     # Qwen3-MoE at expert parallel 2 (each EP rank holds 2 of the 4 experts of every MoE layer) into

@@ -401,8 +401,10 @@ def test_packed_sequences_equal_the_padded_path(tiny_assets, layout):
                 assert got["metrics"]["loss"] == pytest.approx(base["metrics"]["loss"], rel=1e-5)
                 assert got["metrics"]["grad_norm"] == pytest.approx(base["metrics"]["grad_norm"], rel=1e-5)
                 assert got["metrics"]["tokens"] == base["metrics"]["tokens"]
+                # lr 1e-3: a wrong gradient moves a weight by ~1e-3; Adam turns fp32 rounding in a ~1e-8 gradient
+                # (packed rows sum in another order) into up to ~6e-6 (measured on an AVX512 machine: 5.7e-6)
                 for k, v in base["params"].items():
-                    torch.testing.assert_close(got["params"][k], v, rtol=0, atol=5e-6, msg=k)
+                    torch.testing.assert_close(got["params"][k], v, rtol=0, atol=2e-5, msg=k)
                 assert real <= got["computed"] <= base["computed"], (name, got["computed"], base["computed"])
             # this batch is mostly full rows: pairs in order fill 32 columns like the padding does, the budget
             # regroups them into 4 x 30 (104 real tokens)

@@ -2,7 +2,7 @@
 gloo worlds and megatron parallel_state, dispatch/collect (pad + unpad, PP as DP), and failures that
 surface as errors (pending actors, timeouts, a worker killed mid-call) instead of hangs.
 
-One Ray session (conftest `ray_session`, num_cpus=4) serves the module. Tests run in file order:
+One Ray session (conftest `ray_session`, num_cpus=8) serves the module. Tests run in file order:
 pending/placement first (they need free CPUs), then the toy megatron groups, then the real roles.
 """
 
@@ -172,11 +172,10 @@ def test_register_only_attaches_a_spec_and_plans_are_explicit():
 
 # ------------------------------------------------------------------------------------------ placement failures
 def test_pool_that_cannot_be_placed_raises_naming_the_bundles(ray_session):
-    t0 = time.monotonic()
+    # the pool's own 2 s deadline ended the wait (the message says so), not Ray's
     with pytest.raises(WorkerError, match=r"pool 'huge'.*\[2\] x \{'CPU': 64\}.*not placed within 2s"):
         RayResourcePool([2], cpus_per_bundle=64, name="huge", ready_timeout_s=2)
-    assert time.monotonic() - t0 < 10
-    with pytest.raises(ValueError, match="need CPU 128 but the Ray cluster has CPU 4"):
+    with pytest.raises(ValueError, match="need CPU 128 but the Ray cluster has CPU 8"):
         ResourcePoolManager({"p": [128]}, {Role.Critic: "p"}).create_resource_pool()
 
 
@@ -188,11 +187,9 @@ def test_pending_actor_raises_within_timeout_naming_bundle_and_request(ray_sessi
         # a CPU pool's workers compute on the CPU and see no GPU, whatever the node exports (Ray >= 2.48
         # leaves a GPU-less actor the node's CUDA_VISIBLE_DEVICES): parallel/device.py
         assert (first.infos[0]["device"], first.infos[0]["cuda_visible_devices"]) == ("cpu", "")
-        t0 = time.monotonic()
         with pytest.raises(WorkerError, match=r"group 'second' rank 0 \(pool 'tight' bundle 0 \{'CPU': 1\}.*"
                                               r"asked \{'num_cpus': 1\.0\}\) did not start within 3s"):
             RayWorkerGroup(pool, SleepWorker, name="second", timeout_s=3)
-        assert time.monotonic() - t0 < 15
         first.shutdown()
     finally:
         pool.remove()
@@ -273,10 +270,8 @@ class TestColocatedToyGroups:
         call = a.submit("stuck_allreduce", 3.0)
         time.sleep(0.5)
         os.kill(a.infos[victim]["pid"], signal.SIGKILL)
-        t0 = time.monotonic()
-        with pytest.raises(WorkerError) as err:
+        with pytest.raises(WorkerError) as err:  # the death, named (a hang would end in "did not finish within 60s")
             call.result(timeout_s=60)
-        assert time.monotonic() - t0 < 30
         msg = str(err.value)
         assert "group 'toy_tp2pp2' rank 3" in msg and f"pid {a.infos[victim]['pid']}" in msg
         assert f"node {a.infos[victim]['node_ip']}" in msg and "died during stuck_allreduce" in msg
@@ -294,11 +289,9 @@ def test_call_timeout_and_worker_exception(ray_session):
         assert g.scatter([1, 2]) == [10, 21]
         with pytest.raises(ValueError, match=r"boom from rank [01]"):  # the worker's own exception class
             g.fail()
-        t0 = time.monotonic()
         with pytest.raises(WorkerError, match=r"group 'sleepy': sleep did not finish within 2s on 2 of 2 workers; "
                                               r"first: group 'sleepy' rank 0 \(node [\d.]+, pid \d+\)"):
             g.sleep(30)
-        assert time.monotonic() - t0 < 5
         # first_failure (the trainer's weight sync: two groups meeting in one broadcast): one call failing ends
         # the wait at once with its error, while the other would block until its own timeout
         from megappo.controller.worker_group import first_failure
@@ -306,10 +299,13 @@ def test_call_timeout_and_worker_exception(ray_session):
         blocked, failing = [RayWorkerGroup(pool, SleepWorker, name=n, timeout_s=60, spawn_timeout_s=60)
                             for n in ("blocked", "failing")]
         try:
-            t0 = time.monotonic()
+            asleep = blocked.submit("sleep", 30)
             with pytest.raises(ValueError, match=r"boom from rank [01]"):
-                first_failure(blocked.submit("sleep", 30), failing.submit("fail"))
-            assert time.monotonic() - t0 < 10
+                first_failure(asleep, failing.submit("fail"))
+            # it raised while the other call still sleeps (waiting for both would end after its 30 s nap)
+            import ray
+
+            assert ray.wait(asleep.refs, num_returns=len(asleep.refs), timeout=0)[1], "the sleeping call had ended"
         finally:
             blocked.shutdown()
             failing.shutdown()

@@ -9,6 +9,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _warm_workers():
+    from megappo.ppo.workers import WarmWorkers
+
+    return WarmWorkers()
+
+
+# the session's warm trainer workers (megappo.ppo.workers.WarmWorkers): `run` hands a run the last run's
+# workers when both build the same ones; conftest's ray_session closes them before Ray stops
+WARM = _warm_workers()
+
+
 def nondeterministic(key: str) -> bool:
     """Metrics that legitimately differ between two runs of the same steps: times (timing/* holds seconds,
     *_s, and the overlap ratio of two of them), the restart counter and memory peaks (perf/*). Every count is
@@ -41,13 +52,14 @@ def overrides(tiny_assets, data_dir, out, *extra) -> list[str]:
     ]
 
 
-def run(cfg, fault_hook=None, setup=None):
+def run(cfg, fault_hook=None, setup=None, warm: bool = True):
     """RayPPOTrainer end to end; `setup(trainer)` runs before the workers start (a test installs its hooks
     there, with the trainer at hand). Returns (history, the trainer after shutdown) when fault_hook or
-    setup is given."""
+    setup is given. warm: take the session's warm workers when the last run built the same ones (WARM), and
+    leave this run's for the next; False: workers of its own, ended with the run."""
     from megappo.ppo.ray_trainer import RayPPOTrainer
 
-    trainer = RayPPOTrainer(cfg, show_progress=False)
+    trainer = RayPPOTrainer(cfg, show_progress=False, warm=WARM if warm else None)
     trainer.fault_hook = fault_hook
     if setup is not None:
         setup(trainer)

@@ -21,6 +21,7 @@ naming the bundles asked for and what the cluster has; it never waits forever.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Hashable, Optional
 
@@ -78,10 +79,11 @@ class RayResourcePool:
         ray = _ray()
         from ray.util.placement_group import placement_group, placement_group_table
 
+        run = uuid.uuid4().hex[:8]  # Ray's names are cluster-wide: two runs' pools (or a warm one) never clash
         for node, n in enumerate(self.process_on_nodes):
             pin = None if self.node_ids is None else [{"ray.io/node-id": self.node_ids[node]}] * n
             pg = placement_group([dict(self.bundle_resources) for _ in range(n)], strategy=strategy,
-                                 name=f"megappo_{self.name}_node{node}", bundle_label_selector=pin)
+                                 name=f"megappo_{self.name}_node{node}_{run}", bundle_label_selector=pin)
             self._pgs.append(pg)
         try:
             ray.get([pg.ready() for pg in self._pgs], timeout=timeout_s)

@@ -1,10 +1,16 @@
-"""Start N local worker processes (torch.multiprocessing spawn, MASTER_ADDR=127.0.0.1, a free port):
-the launcher behind the `megappo logprobs` CLI, the benchmark and the multi-process tests.
+"""Start N local worker processes (MASTER_ADDR=127.0.0.1, a free port): the launcher behind the `megappo
+logprobs` CLI, the benchmark and the multi-process tests.
 
     results = spawn_local(fn, nprocs, *args)   # fn(rank, world_size, port, *args) -> picklable
 
 Each worker's return value comes back in rank order; a worker exception is re-raised here with its
-traceback. Entry scripts that use dist_checkpointing need `if __name__ == "__main__":`.
+traceback. Entry scripts need `if __name__ == "__main__":` (as for spawn).
+
+The workers are forked from multiprocessing's fork server, which imported torch, megatron-core and
+transformers once (PRELOAD): a worker starts with them imported instead of spending ~3 s of CPU on them
+(8 workers on 2 cores: ~12 s less per launch). Nothing in PRELOAD starts a thread or touches CUDA at import,
+so forking after it is safe. The server was started with this process's environment of that moment: each
+worker takes this process's environment as it is at the launch.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from pathlib import Path
 PORT_FLOOR = 20000
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 _handed_out: set[int] = set()  # never twice: the driver picks every group's port before any listens
+# what the fork server imports once for every worker (vLLM not: no gain measured, and it reads env vars at import)
+PRELOAD = ["torch", "megatron.core", "transformers"]
 
 
 def ephemeral_port_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
@@ -66,7 +74,10 @@ def free_port(host: str = "127.0.0.1") -> int:
     return _bind(host, 0)
 
 
-def _worker(rank, fn, world_size, port, queue, args, threads):
+def _worker(rank, fn, world_size, port, queue, args, threads, env=None):
+    if env is not None:  # a forkserver child has the server's environment: the caller's, as it is now
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     try:
         import torch
@@ -82,14 +93,16 @@ def _worker(rank, fn, world_size, port, queue, args, threads):
 
 
 def spawn_local(fn, nprocs: int, *args, timeout: float = 600.0, threads: int | None = None):
-    """Run fn(rank, nprocs, port, *args) in `nprocs` spawned processes; return results by rank."""
+    """Run fn(rank, nprocs, port, *args) in `nprocs` processes (forked by the fork server); results by rank."""
     import torch.multiprocessing as mp
 
     port = free_port()
     threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
     queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, args=(r, fn, nprocs, port, queue, args, threads), daemon=False)
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(r, fn, nprocs, port, queue, args, threads, env), daemon=False)
              for r in range(nprocs)]
     for p in procs:
         p.start()

@@ -109,10 +109,14 @@ def prompts_of(batch: DataProto) -> DataProto:
 
 
 class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
-    def __init__(self, config, tokenizer=None, reward_fn=None, val_reward_fn=None, show_progress: bool = True):
+    def __init__(self, config, tokenizer=None, reward_fn=None, val_reward_fn=None, show_progress: bool = True,
+                 warm=None):
+        """`warm`: a ppo/workers.WarmWorkers to take workers from and hand them back to (tests, sweeps)."""
         from transformers import AutoTokenizer
 
         self.config = cfg = config
+        self.warm = warm
+        self.clean_finish = False  # fit returned (the workers are fit for another run: WarmWorkers)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(cfg.model.tokenizer or cfg.model.path))
         r = cfg.reward
         stops, rules = list(cfg.rollout.stop_token_ids), load_rules(r.rules)  # reward.rules: the config's own
@@ -201,6 +205,7 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
         from megappo.controller.resource_pool import WorkerError
 
         history: dict[int, dict] = {}
+        self.clean_finish = False
         failures, first_cause, mark, restart = 0, None, self.global_step, False
         while True:
             try:
@@ -236,6 +241,7 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
         self._wait_for_plot()
         self._plotting = threading.Thread(target=plot_reward_curve, args=(self.output_dir,), name="reward-curve")
         self._plotting.start()
+        self.clean_finish = True
         return rows
 
     def _wait_for_plot(self) -> None:

@@ -2,14 +2,88 @@
 layout share processes: the hybrid engine's actor + rollout (+ ref, + critic with resources.colocate)),
 models, then vLLM engines and, in the async modes, the weight-sync group; their teardown, and which dead
 worker an error came from. RayPPOTrainer's (ppo/ray_trainer.py) through WorkersMixin: it reads
-self.config / self.async_mode and sets self.groups and the *_wg attributes the loop calls."""
+self.config / self.async_mode and sets self.groups and the *_wg attributes the loop calls.
+
+WarmWorkers keeps a run's worker groups up for the next run that would build the same workers (the tests
+that share a layout; a sweep over learning rates or algorithms): that run starts from the workers as built
+(each process's `reset_run`) instead of starting processes, models and vLLM engines again."""
 
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 from megappo.parallel.layout import same_layout
 from megappo.workers.roles import Role, fused_role  # Role: what a worker group does (one group per role)
+
+# What a new run on warm workers may change: keys the workers read per call or never (the driver's data,
+# rewards, algorithm and schedule; the update's batch sizes and loss), and the optimizers (rebuilt by the
+# reset). Every other key builds something in the workers (model, layouts, engines, vLLM, the modes).
+_RUN_PREFIXES = ("algorithm.", "reward.", "data.", "actor.optim.", "critic.optim.")
+_BUILD_KEYS = ("reward.model.", "data.max_prompt_length")  # under those prefixes, but the workers build from them
+_RUN_KEYS = {f"trainer.{k}" for k in ("total_steps", "output_dir", "resume", "save_every", "async_save", "val_every",
+                                      "project", "experiment", "loggers", "max_restarts", "export_hf",
+                                      "phase_timeout_s", "worker_timeout_s", "max_staleness", "partial_rollout",
+                                      "pause_mode")} | \
+    {f"actor.{k}" for k in ("ppo_mini_batch_size", "micro_batch_size", "log_prob_micro_batch_size", "ppo_epochs",
+                            "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "entropy_coeff",
+                            "loss_agg_mode", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "use_rollout_log_probs",
+                            "policy_loss", "behav_imp_weight_cap", "proximal")} | \
+    {f"critic.{k}" for k in ("ppo_mini_batch_size", "micro_batch_size", "ppo_epochs", "cliprange_value")} | \
+    {"ref.log_prob_micro_batch_size", "rollout.n"}
+_WORKER_ATTRS = ("groups", "resource_pool_manager", "actor_wg", "critic_wg", "ref_wg", "rm_wg", "rollout_wg")
+
+
+def _flat(node, prefix: str = "") -> dict:
+    if isinstance(node, dict):
+        return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: node}
+
+
+def build_key(cfg) -> Optional[tuple]:
+    """What the workers of `cfg`'s run are built from (its keys less the run-level ones); None when its workers
+    cannot be reused: adapter sync (vLLM keeps every adapter id it was given) or a fully_async pool at
+    rollout.tp > 1 (the lockstep follower replays one stream for the worker's life)."""
+    from omegaconf import OmegaConf
+
+    if cfg.rollout.lora_sync == "adapter" and cfg.actor.lora.rank > 0 or \
+            cfg.trainer.mode == "fully_async" and cfg.rollout.tp > 1:
+        return None
+    flat = _flat(OmegaConf.to_container(cfg, resolve=True))
+    return tuple(sorted((k, repr(v)) for k, v in flat.items()
+                        if k.startswith(_BUILD_KEYS) or not (k.startswith(_RUN_PREFIXES) or k in _RUN_KEYS)))
+
+
+class WarmWorkers:
+    """Worker groups kept up between trainer runs: `RayPPOTrainer(cfg, warm=warm)` for each run. A run whose
+    `build_key` equals the kept one's takes its groups and resets them (~10x faster than starting them on CPU);
+    another run ends them and keeps its own when it shuts down cleanly. A reset run equals a fresh start step
+    for step (tests/test_trainer.py). `close()` ends what is kept."""
+
+    def __init__(self):
+        self._kept: Optional[tuple] = None  # (build key, {attribute: value} of the trainer's workers)
+        self.reused = self.started = 0
+
+    def take(self, cfg) -> Optional[dict]:
+        key = build_key(cfg)
+        if key is not None and self._kept is not None and self._kept[0] == key:
+            parts, self._kept = self._kept[1], None
+            self.reused += 1
+            return parts
+        self.close()  # another config's workers: their resources go to this run's
+        self.started += 1
+        return None
+
+    def keep(self, cfg, parts: dict) -> None:
+        self.close()
+        self._kept = (build_key(cfg), parts)
+
+    def close(self) -> None:
+        if self._kept is not None:
+            parts, self._kept = self._kept[1], None
+            for g in parts["groups"]:
+                g.shutdown()
+            parts["resource_pool_manager"].remove()
 
 
 class WorkersMixin:
@@ -21,6 +95,8 @@ class WorkersMixin:
         from megappo.workers.roles import ActorCriticWorker, ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
         cfg, res = self.config, self.config.resources
+        if self._reuse_warm_workers():
+            return
         # actor.lora: the reference is the actor's own base (adapters off) in the actor's processes, never a model
         # of its own (ref.parallel unused)
         fuse_ref = cfg.ref.enable and (cfg.actor.lora.rank > 0 or same_layout(cfg.ref.parallel, cfg.actor.parallel))
@@ -78,11 +154,32 @@ class WorkersMixin:
             calls = [g.submit("init_weight_sync", host, port, world) for g in (self.actor_wg, self.rollout_wg)]
             for c in calls:
                 c.result()
+        if self.warm is not None and build_key(cfg) is not None:  # what reset_run will put back
+            for c in [g.submit("keep_initial_state") for g in self.groups]:
+                c.result(timeout_s=t.worker_timeout_s)
+
+    def _reuse_warm_workers(self) -> bool:
+        """Take warm workers built for this config and reset them for this run (WarmWorkers)."""
+        parts = self.warm.take(self.config) if self.warm is not None else None
+        if parts is None:
+            return False
+        t0 = time.perf_counter()
+        for name, value in parts.items():
+            setattr(self, name, value)
+        for g in self.groups:
+            g.timeout_s = self.config.trainer.phase_timeout_s
+        for c in [g.submit("reset_run", self.config) for g in self.groups]:
+            c.result()
+        self.startup_s = {"reset": time.perf_counter() - t0}
+        return True
 
     def shutdown(self, stop_ray: bool = False) -> None:
-        """Stop every worker group and release the pools; give the preemption signals back; with
-        `stop_ray`, Ray too (~1.3 s, while fit's reward-curve PNG is still being drawn). Returns once
-        the PNG is written."""
+        """Stop every worker group and release the pools (or hand them to `self.warm` after a run that
+        ended cleanly); give the preemption signals back; with `stop_ray`, Ray too (~1.3 s, while fit's
+        reward-curve PNG is still being drawn). Returns once the PNG is written."""
+        if self.warm is not None and self.clean_finish and self.groups and build_key(self.config) is not None:
+            self.warm.keep(self.config, {name: getattr(self, name) for name in _WORKER_ATTRS})
+            self.groups, self.resource_pool_manager = [], None
         self._teardown_workers()
         self.preemption.uninstall()
         if stop_ray:

@@ -505,6 +505,48 @@ class MegatronEngine:
                     in_optim += sum(p.numel() for p in g["params"])
         return {"params": params, "trainable": trained, "optimizer_params": in_optim, "grad_buffer_bytes": grad_bytes}
 
+    # ---- a fresh run on the same engine (warm workers: ppo/workers.WarmWorkers) ---------------------
+
+    def _state_tensors(self):
+        for i, c in enumerate(self.inner_chunks()):
+            for name, t in [*c.named_parameters(), *c.named_buffers()]:
+                yield f"{i}.{name}", t
+
+    @torch.no_grad()
+    def keep_initial_state(self) -> None:
+        """Copy the weights (and buffers) as built, for `reset`: a second copy of the model in host memory,
+        which only a caller that reuses this engine for another run asks for."""
+        with self.resident(parts=["params"]):
+            self._initial = {n: t.detach().to("cpu", copy=True) for n, t in self._state_tensors()}
+
+    @torch.no_grad()
+    def reset(self, config: EngineConfig) -> None:
+        """The engine as `MegatronEngine(model_path, layout, config)` would build it, without rebuilding the
+        model: the weights and buffers kept by `keep_initial_state`, zero gradients, a new optimizer and LR
+        schedule (`config.optim`, `config.schedule_steps`: what may differ from the config it was built
+        with), step 0. Any other difference in `config` is a ValueError: that engine must be built anew."""
+        import dataclasses
+
+        if getattr(self, "_initial", None) is None:
+            raise RuntimeError("MegatronEngine.reset needs keep_initial_state() right after the engine was built")
+        differ = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in ("optim", "schedule_steps")
+                  and getattr(config, f.name) != getattr(self.config, f.name)]
+        if differ:
+            raise ValueError(f"MegatronEngine.reset: {', '.join(differ)} differ from the engine as built; build a "
+                             "new engine for that config")
+        self.finish_save()
+        with self.resident():
+            for name, t in self._state_tensors():
+                t.copy_(self._initial[name])
+            self.config = config
+            self.steps = 0
+            if config.optim is not None:
+                for m in self.model:
+                    m.zero_grad_buffer()
+                self._build_optimizer()
+        if self.expert_load is not None:
+            self.expert_load.reset()
+
     # ---- checkpoints -----------------------------------------------------------------------------
 
     def _sharded_state_dict(self, is_loading: bool) -> dict:

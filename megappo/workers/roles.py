@@ -220,6 +220,39 @@ class _MegatronRoleWorker(Worker):
 
         return MegatronEngine(path, self.layout, engine_config_from(self.config, role))
 
+    # ---- another run on this process (ppo/workers.WarmWorkers: tests that share a layout) -----------
+
+    def _engines(self) -> dict:
+        """{role: MegatronEngine} of this process (engine_config_from's role names)."""
+        return {}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def keep_initial_state(self) -> None:
+        """After the group's start-up (models, vLLM, weight sync): copy each engine's weights and this process's
+        RNG states, which `reset_run` puts back."""
+        from megappo.utils.checkpoint import rng_state
+
+        for engine in self._engines().values():
+            engine.keep_initial_state()
+        self._rng_after_start = rng_state()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def reset_run(self, config) -> None:
+        """This process as a new run of `config` would start it (WarmWorkers checked that the two runs build
+        the same workers): its config, each engine's weights as built with a new optimizer and LR schedule
+        (MegatronEngine.reset), its RNG states as after start-up."""
+        from megappo.utils.checkpoint import set_rng_state
+        from megappo.workers.megatron_engine import engine_config_from
+
+        self.config = config
+        for role, engine in self._engines().items():
+            engine.reset(engine_config_from(config, role))
+        self._reset_rollout(config)
+        set_rng_state(self._rng_after_start)
+
+    def _reset_rollout(self, config) -> None:
+        pass
+
     def _ckpt(self, path, name: str) -> Path:
         return Path(path) / name
 
@@ -272,6 +305,18 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
         if self.is_ref and not self._ref_is_actor_base:  # a LoRA actor's base is the reference: no model of its own
             self.ref = self._make_engine(cfg.model.path, "ref")
         return {"role": self.role, "layout": str(self.layout)}
+
+    def _engines(self) -> dict:
+        return {role: e for role, e in (("actor", self.actor), ("ref", self.ref)) if e is not None}
+
+    def _reset_rollout(self, config) -> None:
+        """vLLM: the rollout section's sampling defaults, no cached prefix, no stream left running
+        (fully_async's stream_start builds the next run's)."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        if self.rollout is not None:
+            self.rollout.reset(config.rollout)
 
     @property
     def _ref_is_actor_base(self) -> bool:
@@ -496,6 +541,9 @@ class CriticWorker(_MegatronRoleWorker):
         return {"role": Role.Critic.value, "layout": str(self.layout),
                 "value_head_initialised": list(self.critic.value_head_initialised)}
 
+    def _engines(self) -> dict:
+        return {"critic": self.critic}
+
     @register(Dispatch.MEGATRON_COMPUTE)
     def compute_values(self, data: DataProto) -> Optional[DataProto]:
         out = _forward(self.critic, data, _response_length(data), self.config.critic.micro_batch_size)
@@ -531,6 +579,9 @@ class ActorCriticWorker(ActorRolloutRefWorker, CriticWorker):
         info = ActorRolloutRefWorker.init_model(self)
         info["critic"] = CriticWorker.init_model(self)
         return info
+
+    def _engines(self) -> dict:
+        return {**ActorRolloutRefWorker._engines(self), **CriticWorker._engines(self)}
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path, background: bool = False) -> None:
@@ -568,6 +619,9 @@ class RewardModelWorker(_MegatronRoleWorker):
             raise ValueError(f"reward model {rm.path} has no `score` head: it must be a *ForSequenceClassification "
                              "checkpoint (num_labels=1)")
         return {"role": Role.RewardModel.value, "layout": str(self.layout)}
+
+    def _engines(self) -> dict:
+        return {"reward_model": self.rm}
 
     @register(Dispatch.MEGATRON_COMPUTE)
     def compute_rm_score(self, data: DataProto) -> Optional[DataProto]:

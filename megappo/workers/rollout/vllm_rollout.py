@@ -255,6 +255,15 @@ class VLLMRollout:
             self.llm.reset_prefix_cache()  # cached blocks were computed with the previous adapter
         return moved
 
+    def reset(self, config) -> None:
+        """Another run on this engine (warm workers): `config` (the same engine settings, see
+        ppo/workers.WarmWorkers) for its sampling defaults, the call count that seeds unseeded calls, no
+        cached prefix. The weights come with the run's first weight sync."""
+        self.config = config
+        self.default_sampling = SamplingSpec.from_config(config)
+        self._calls = 0
+        self.reset_prefix_cache()
+
     def reset_prefix_cache(self) -> None:
         """REQUIRED after a weight update: cached KV blocks were computed with the old weights. vLLM refuses while
         requests hold blocks (fully_async's samples in flight, pause_mode=keep): then every block's hash is
