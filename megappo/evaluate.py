@@ -98,13 +98,15 @@ def _settings(args) -> dict:
 
 def resolve_model(path: Path, tmp: Path) -> Path:
     """A HF dir to load: `path` itself, or `path`'s policy exported into `tmp`."""
-    from megappo.utils.checkpoint import MANIFEST
+    from megappo.model_dirs import ModelDirError, kind_of
 
-    if not path.exists():
-        raise EvalError(f"--model {path} does not exist")
-    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+    try:
+        kind = kind_of(path)
+    except ModelDirError as e:
+        raise EvalError(str(e)) from None
+    if kind == "hf":
         return path
-    if (path / MANIFEST).exists() or (path / "actor").is_dir():  # a megappo checkpoint (step_N)
+    if kind == "checkpoint":  # a megappo checkpoint (step_N)
         from megappo.export import ExportError, export_checkpoint
 
         try:
@@ -112,17 +114,14 @@ def resolve_model(path: Path, tmp: Path) -> Path:
         except ExportError as e:
             raise EvalError(str(e)) from None
         return tmp / "hf"
-    if (path / "metadata.json").is_file() and (path / "config.json").is_file():  # a role's dist checkpoint
-        from tools.convert_ckpt.to_hf import mcore_to_hf
-        from tools.convert_ckpt.errors import ConvertError
+    from tools.convert_ckpt.to_hf import mcore_to_hf  # a role's dist checkpoint
+    from tools.convert_ckpt.errors import ConvertError
 
-        try:
-            mcore_to_hf(path, tmp / "hf", progress=False)
-        except ConvertError as e:
-            raise EvalError(str(e)) from None
-        return tmp / "hf"
-    raise EvalError(f"--model {path} is neither a HF model dir (config.json + *.safetensors) nor a megappo "
-                    "checkpoint (checkpoints/step_N)")
+    try:
+        mcore_to_hf(path, tmp / "hf", progress=False)
+    except ConvertError as e:
+        raise EvalError(str(e)) from None
+    return tmp / "hf"
 
 
 def fit_lengths(settings: dict, positions: int, model) -> tuple[int, int]:
@@ -142,18 +141,12 @@ def fit_lengths(settings: dict, positions: int, model) -> tuple[int, int]:
 
 
 def _tokenizer(model_dir: Path):
-    from transformers import AutoConfig, AutoTokenizer
+    from megappo.model_dirs import ModelDirError, tokenizer_of
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
-    except (OSError, ValueError) as e:
-        raise EvalError(f"{model_dir} has no usable tokenizer ({type(e).__name__}); copy the tokenizer files "
-                        "(tokenizer.json, tokenizer_config.json) from the model it was trained from") from None
-    vocab = AutoConfig.from_pretrained(str(model_dir)).vocab_size
-    if len(tok) > vocab:
-        raise EvalError(f"tokenizer of {model_dir} has {len(tok)} tokens but the model's vocab_size is {vocab}: "
-                        "they do not belong together; use the tokenizer the model was trained with")
-    return tok
+        return tokenizer_of(model_dir)
+    except ModelDirError as e:
+        raise EvalError(str(e)) from None
 
 
 def _summary(rows: list, n_samples: int) -> dict:
@@ -198,13 +191,12 @@ def evaluate(model, data: list[str], settings: dict, n_samples: int = 1, tempera
     from megappo.workers.rollout.sampling import SamplingSpec
     from megappo.workers.rollout.vllm_rollout import VLLMRollout
 
-    from transformers import AutoConfig
+    from megappo.model_dirs import positions_of
 
     with tempfile.TemporaryDirectory(prefix="megappo-eval-") as tmp:
         model_dir = resolve_model(Path(model), Path(tmp))
         tok = _tokenizer(model_dir)
-        prompt_len, new_tokens = fit_lengths(settings, AutoConfig.from_pretrained(str(model_dir)).max_position_embeddings,
-                                             model)
+        prompt_len, new_tokens = fit_lengths(settings, positions_of(model_dir), model)
         datasets, mt = [], settings.get("multi_turn")
         try:  # the config's reward.rules; each row's environment (its tools, its trajectory's reward) by data_source
             rules = load_rules(settings.get("rules"))

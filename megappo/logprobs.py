@@ -123,11 +123,25 @@ def score(args) -> dict:
     return tensors
 
 
+def check_model(model, layout) -> None:
+    """Before any worker starts: a config.json of a family megappo maps, that `layout` can split; ValueError."""
+    import json
+
+    from megappo.parallel.weight_mapping import ModelDims
+
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        raise ValueError(f"--model {model} has no config.json: pass a HF model dir or a role's megatron checkpoint "
+                         "(checkpoints/step_N/actor)")
+    dims = ModelDims.from_hf_dict(json.loads(config.read_text()), tp=layout.tp)
+    layout.validate(dims.num_heads, dims.num_kv_heads, dims.num_layers, num_experts=dims.num_experts)
+
+
 def main(args: argparse.Namespace) -> int:
     from megappo.parallel.layout import ParallelLayout
 
     try:
-        ParallelLayout(tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp, ep=args.ep)
+        check_model(args.model, ParallelLayout(tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp, ep=args.ep))
     except ValueError as e:
         print(f"megappo logprobs: {e}", file=sys.stderr)
         return 2

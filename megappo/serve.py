@@ -30,8 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "<run>/step_N for a checkpoint)")
     p.add_argument("--export-dir", default=None,
                    help="a checkpoint: where its policy is exported as a HF dir (default: <checkpoint>/hf_served)")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--max-tokens", type=int, default=512, help="the most tokens one request may ask for")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + completion tokens of one request (default: the model's positions)")
+    p.add_argument("--max-tokens", type=int, default=512,
+                   help="the most tokens one request may ask for (default: 512, or --max-model-len if less)")
     p.add_argument("--dtype", default=None, help="vLLM dtype (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--tool-prompt", default=None,
                    help="for a chat template without a tools section: a system prompt with {tools}")
@@ -49,13 +51,18 @@ def _hf_dir(model: Path, export_dir) -> tuple[Path, str]:
     exported once (megappo export) into `export_dir` (default <checkpoint>/hf_served) and reused on the next
     start if it says it came from this checkpoint (SOURCE); written beside it and renamed into place, so an
     interrupted export is never served. A dir that is not such an export is never written over."""
-    if (model / "config.json").is_file():
-        return model, model.resolve().name
+    from megappo.model_dirs import ModelDirError, kind_of
     from megappo.utils.checkpoint import MANIFEST
 
-    if not (model / MANIFEST).is_file():
-        raise SystemExit(f"serve: {model} is neither a HF model dir (config.json) nor a megappo checkpoint "
-                         f"({MANIFEST}): pass --model a model dir or outputs/<run>/checkpoints/step_N")
+    try:
+        kind = kind_of(model)
+    except ModelDirError as e:
+        raise SystemExit(f"serve: {e}") from None
+    if kind == "hf":
+        return model, model.resolve().name
+    if kind != "checkpoint" or not (model / MANIFEST).is_file():
+        raise SystemExit(f"serve: {model} is not a whole megappo checkpoint ({MANIFEST}): pass --model a HF model "
+                         "dir or outputs/<run>/checkpoints/step_N")
     ckpt = model.resolve()
     name = f"{ckpt.parent.parent.name}/{ckpt.name}"  # outputs/<run>/checkpoints/step_N -> <run>/step_N
     out = (Path(export_dir) if export_dir else ckpt / "hf_served").resolve()
@@ -89,7 +96,43 @@ def _hf_dir(model: Path, export_dir) -> tuple[Path, str]:
     return out, name
 
 
+def lengths(positions: int, max_model_len, max_tokens: int) -> tuple[int, int]:
+    """(--max-model-len, --max-tokens) for a model of `positions`: the model's positions unless asked for fewer,
+    the request cap within them; more than the model holds is one line naming the flag."""
+    if max_model_len is None:
+        max_model_len = positions
+    elif max_model_len > positions:
+        raise SystemExit(f"serve: --max-model-len {max_model_len} exceeds the model's {positions} positions "
+                         "(config.json max_position_embeddings); lower it or leave it out")
+    if max_tokens < 1:
+        raise SystemExit(f"serve: --max-tokens {max_tokens} must be >= 1")
+    return max_model_len, min(max_tokens, max_model_len - 1)
+
+
 def main(args: argparse.Namespace) -> int:
+    from megappo.agent.format import check_tool_prompt
+    from megappo.model_dirs import ModelDirError, positions_of, tokenizer_of
+
+    try:  # what can be checked before anything heavy is imported or an export starts
+        check_tool_prompt(args.tool_prompt, "--tool-prompt")
+    except ValueError as e:
+        raise SystemExit(f"serve: {e}") from None
+    from megappo.gateway.tool_calls import check_tool_parser
+
+    try:
+        check_tool_parser(args.tool_parser)  # the name, before an export
+    except ValueError as e:
+        raise SystemExit(f"serve: --tool-parser: {e}") from None
+    hf, name = _hf_dir(Path(args.model), args.export_dir)
+    try:
+        tokenizer = tokenizer_of(hf)
+    except ModelDirError as e:
+        raise SystemExit(f"serve: {e}") from None
+    try:  # the tool parser's marker tokens in the model's vocabulary, before vLLM loads
+        check_tool_parser(args.tool_parser, tokenizer)
+    except ValueError as e:
+        raise SystemExit(f"serve: --tool-parser: {e}") from None
+    max_model_len, max_tokens = lengths(positions_of(hf), args.max_model_len, args.max_tokens)
     import uvicorn
 
     from megappo.config.schema import RolloutConfig
@@ -97,20 +140,6 @@ def main(args: argparse.Namespace) -> int:
     from megappo.gateway.engine import AsyncTokenEngine
     from megappo.workers.rollout.vllm_rollout import VLLMRollout
 
-    model = Path(args.model)
-    if not model.exists():
-        raise SystemExit(f"serve: --model {model} does not exist")
-    from transformers import AutoTokenizer
-
-    from megappo.gateway.tool_calls import check_tool_parser
-
-    try:
-        check_tool_parser(args.tool_parser)  # the name, before an export
-        hf, name = _hf_dir(model, args.export_dir)
-        if args.tool_parser is not None:  # its marker tokens in the model's vocabulary, before vLLM loads
-            check_tool_parser(args.tool_parser, AutoTokenizer.from_pretrained(hf))
-    except ValueError as e:
-        raise SystemExit(f"serve: --tool-parser: {e}") from None
     key = args.api_key or os.environ.get("MEGAPPO_API_KEY") or "mp-" + secrets.token_urlsafe(24)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"serve: WARNING: binding {args.host}: anyone who can reach it and knows the key can use the model",
@@ -122,10 +151,10 @@ def main(args: argparse.Namespace) -> int:
         print("serve: WARNING: a LoRA checkpoint's merged policy served below float32 (the default on GPU is "
               "bfloat16) rounds W + alpha/r * B @ A and can lose much of what was trained; pass --dtype float32 to "
               "serve it as trained", file=sys.stderr)
-    rollout = VLLMRollout(hf, RolloutConfig(max_new_tokens=args.max_tokens, kv_cache_memory_mb=args.kv_cache_mb),
-                          dtype=args.dtype, max_model_len=args.max_model_len)
+    rollout = VLLMRollout(hf, RolloutConfig(max_new_tokens=max_tokens, kv_cache_memory_mb=args.kv_cache_mb),
+                          dtype=args.dtype, max_model_len=max_model_len)
     gateway = Gateway(AsyncTokenEngine.for_llm(rollout.llm), rollout.tokenizer, model_name=args.name or name,
-                      max_model_len=args.max_model_len, max_tokens=args.max_tokens, tool_prompt=args.tool_prompt,
+                      max_model_len=max_model_len, max_tokens=max_tokens, tool_prompt=args.tool_prompt,
                       tool_parser=args.tool_parser,
                       open_key=key)
     print(f"serve: {hf} as {gateway.model_name!r} on http://{args.host}:{args.port}/v1 "

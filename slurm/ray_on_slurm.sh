@@ -18,9 +18,11 @@
 #   OVERRIDES         extra `key=value` overrides, space separated
 #   MEGAPPO_ROOT      checkout to run from (default: the directory sbatch was called from)
 #   MEGAPPO_ENV       what to activate: a venv dir, or a file to source (module loads, conda, container)
-#                     (default: $MEGAPPO_ROOT/.venv when it exists)
+#                     (default: $MEGAPPO_ROOT/.venv-gpu for a job with GPUs, make install-gpu's, else
+#                     $MEGAPPO_ROOT/.venv, when it exists)
 #   NETWORK_INTERFACE interface whose IPv4 address Ray should use (default: the node's first non-loopback
-#                     address); also NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME unless those are set
+#                     address). Each node's Ray (and so every worker's gloo and NCCL) gets GLOO_SOCKET_IFNAME /
+#                     NCCL_SOCKET_IFNAME = the interface holding the address Ray uses there, unless those are set
 #   NCCL_IB_HCA, NCCL_SOCKET_IFNAME, ...  NCCL knobs are passed through to every Ray node as set
 #   RAY_PORT          head GCS port (default 6379); worker ports use RAY_MIN_WORKER_PORT..RAY_MAX_WORKER_PORT
 #                     (default 10002..19999, Ray's own: megappo's rendezvous ports are drawn from 20000 up)
@@ -47,8 +49,15 @@ mkdir -p "$JOB_DIR"
 
 log() { echo "[megappo-slurm $(date +%H:%M:%S)] $*"; }
 die() { echo "[megappo-slurm] ERROR: $*" >&2; exit 1; }
+NNODES=${SLURM_JOB_NUM_NODES:-1}
+gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-0}}
+GPUS_PER_NODE=${gpus##*:}  # "h100:8" -> 8
 
 # ---------- environment ----------
+default_env=.venv
+if [[ "$GPUS_PER_NODE" -ge 1 && -f "$MEGAPPO_ROOT/.venv-gpu/bin/activate" ]]; then
+  default_env=.venv-gpu  # a GPU job runs the GPU stack (make install-gpu), not the CPU one
+fi
 if [[ -n "${MEGAPPO_ENV:-}" ]]; then
   if [[ -f "$MEGAPPO_ENV/bin/activate" ]]; then
     # shellcheck disable=SC1091
@@ -59,9 +68,9 @@ if [[ -n "${MEGAPPO_ENV:-}" ]]; then
   else
     die "MEGAPPO_ENV=$MEGAPPO_ENV is neither a venv dir nor a file to source"
   fi
-elif [[ -f "$MEGAPPO_ROOT/.venv/bin/activate" ]]; then
-  # shellcheck disable=SC1091
-  source "$MEGAPPO_ROOT/.venv/bin/activate"
+elif [[ -f "$MEGAPPO_ROOT/$default_env/bin/activate" ]]; then
+  # shellcheck disable=SC1090
+  source "$MEGAPPO_ROOT/$default_env/bin/activate"
 fi
 
 # ---------- preflight: fail in seconds, before any Ray start ----------
@@ -69,9 +78,6 @@ read -r -a override_args <<< "$OVERRIDES"
 log "preflight: job $JOB_ID, config $CONFIG ${OVERRIDES:+(overrides: $OVERRIDES)}, logs in $JOB_DIR"
 python -c "import megappo" 2>"$JOB_DIR/preflight.err" \
   || die "the Python env cannot import megappo ($(tail -n 1 "$JOB_DIR/preflight.err")); set MEGAPPO_ENV or run make install"
-NNODES=${SLURM_JOB_NUM_NODES:-1}
-gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-0}}
-GPUS_PER_NODE=${gpus##*:}  # "h100:8" -> 8
 # the allocation first (a wrong one wastes the queue wait); an unreadable config is the next check's message
 DEVICE=$(python -c "import sys; from megappo.config import load_config; print(load_config(sys.argv[1], sys.argv[2:], validate=False).resources.device)" \
   "$CONFIG" "${override_args[@]}" 2>/dev/null || true)
@@ -103,10 +109,18 @@ node_ip() {  # one IPv4 address of node $1: on NETWORK_INTERFACE when set, else 
       | grep -E '^[0-9]+(\.[0-9]+){3}$' | grep -v '^127\.' | head -n 1
   fi
 }
-if [[ -n "${NETWORK_INTERFACE:-}" ]]; then  # NCCL / gloo collectives over the same interface as Ray
-  export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$NETWORK_INTERFACE}
-  export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$NETWORK_INTERFACE}
-fi
+# shellcheck source=SCRIPTDIR/netif.sh
+source "$MEGAPPO_ROOT/slurm/netif.sh"
+# env assignments for a node's `ray start`: its workers' gloo and NCCL on the interface holding the address Ray
+# uses there (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME as set win)
+collective_env() {  # collective_env NODE IP
+  local iface=${NETWORK_INTERFACE:-}
+  if [[ -z "$iface" ]]; then
+    iface=$(srun --nodes=1 --ntasks=1 --overlap -w "$1" bash -c "source '$MEGAPPO_ROOT/slurm/netif.sh'; iface_of_ip $2")
+  fi
+  [[ -n "$iface" ]] || die "no interface of node $1 holds $2 (set NETWORK_INTERFACE)"
+  echo "GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$iface} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$iface}"
+}
 head_ip=$(node_ip "$head_node")
 [[ -n "$head_ip" ]] || die "could not resolve the IP of head node $head_node (set NETWORK_INTERFACE?)"
 # The head's fixed ports (GCS, Ray Client server: the head fails on a busy one) must be free = bindable as a
@@ -131,7 +145,9 @@ if ! busy=$(srun --nodes=1 --ntasks=1 --overlap -w "$head_node" python -c "$port
   die "$busy=${!busy} is in use on $head_node (another Ray, or another service); set $busy to a free port"
 fi
 export RAY_ADDRESS="$head_ip:$RAY_PORT"
-log "head $head_node ($head_ip), ${#nodes[@]} node(s): ${nodes[*]}"
+net_line=$(collective_env "$head_node" "$head_ip")  # (a failure there ends the job: set -e)
+read -r -a head_net <<< "$net_line"
+log "head $head_node ($head_ip, ${head_net[*]}), ${#nodes[@]} node(s): ${nodes[*]}"
 
 # ---------- teardown on any exit ----------
 step_pids=()
@@ -153,7 +169,8 @@ ray_args=(--min-worker-port="$RAY_MIN_WORKER_PORT" --max-worker-port="$RAY_MAX_W
 cpus_per_node=${RAY_NUM_CPUS:-${SLURM_CPUS_ON_NODE:-$(nproc)}}
 res_args=(--num-cpus="$cpus_per_node" --num-gpus="$GPUS_PER_NODE")
 srun --nodes=1 --ntasks=1 --overlap -w "$head_node" \
-  ray start --head --node-ip-address="$head_ip" --port="$RAY_PORT" --ray-client-server-port="$RAY_CLIENT_PORT" \
+  env "${head_net[@]}" ray start --head --node-ip-address="$head_ip" --port="$RAY_PORT" \
+    --ray-client-server-port="$RAY_CLIENT_PORT" \
     "${ray_args[@]}" "${res_args[@]}" \
   > "$JOB_DIR/ray-head-$head_node.log" 2>&1 &
 step_pids+=($!)
@@ -161,8 +178,11 @@ sleep 5
 for node in "${nodes[@]:1}"; do
   ip=$(node_ip "$node")
   [[ -n "$ip" ]] || die "could not resolve the IP of node $node (set NETWORK_INTERFACE?)"
+  net_line=$(collective_env "$node" "$ip")
+  read -r -a net <<< "$net_line"
+  log "node $node ($ip, ${net[*]})"
   srun --nodes=1 --ntasks=1 --overlap -w "$node" \
-    ray start --address="$RAY_ADDRESS" --node-ip-address="$ip" "${ray_args[@]}" "${res_args[@]}" \
+    env "${net[@]}" ray start --address="$RAY_ADDRESS" --node-ip-address="$ip" "${ray_args[@]}" "${res_args[@]}" \
     > "$JOB_DIR/ray-worker-$node.log" 2>&1 &
   step_pids+=($!)
 done

@@ -212,6 +212,51 @@ def test_agent_loop_layout_in_vllm(agent_rollout, tokenizer):
     assert torch.equal(again.batch["responses"], b["responses"])
 
 
+def test_a_replicas_ranks_take_the_tool_results_of_its_first_rank(agent_rollout, tokenizer):
+    """rollout.tp > 1 in the hybrid engine: each TP rank of a vLLM replica runs the loop and must send vLLM the same
+    requests, so a tool result computed on one rank (a timeout there only) must not differ on another. The loop
+    hands each turn's tool calls to `share_results` (vllm_rollout.replica_share: run on the first rank, broadcast
+    over the replica), here a stand-in for a rank that is not the first: its samples carry the first rank's
+    results, not its own, and nothing it computed itself."""
+    from megappo.agent.tools import ToolResult
+    from megappo.protocol import DataProto
+    from megappo.workers.rollout.sampling import SamplingSpec
+    from megappo.workers.rollout.vllm_rollout import left_pad
+
+    ids = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}],
+                                                   add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False)["input_ids"]]
+    shared = []
+
+    def first_ranks(compute):  # as replica_share on a later rank: the first rank computes, this one does not
+        shared.append(compute)
+        return [ToolResult("41 (from the replica's first rank)") for _ in range(len(compute()))]
+
+    agent_rollout.agent.share_results = first_ranks
+    try:
+        out = agent_rollout.generate_sequences(DataProto.from_dict(
+            left_pad(ids, tokenizer.pad_token_id), {"uid": ["a"]},
+            {"sampling": SamplingSpec(n=2, temperature=1.0, max_new_tokens=160, seed=3)}))
+    finally:
+        agent_rollout.agent.share_results = None
+    assert shared  # every turn's calls went through it
+    for turns in out.non_tensor_batch["agent_turns"]:
+        results = [t["text"] for t in turns if t["role"] == "tool"]
+        assert results and all(r == "41 (from the replica's first rank)" for r in results), results
+
+
+def test_your_own_agent_at_rollout_tp2_needs_the_lockstep_of_fully_async(tiny_assets, data_dir, tmp_path):
+    from megappo.config.loader import ConfigError
+    from trainer_utils import config
+
+    agent = os.path.join(os.path.dirname(__file__), "..", "examples", "agents", "calculator.py")
+    for mode in ("sync", "async"):
+        with pytest.raises(ConfigError, match=rf"^rollout.agent with rollout.tp=2 in trainer.mode={mode} would run "
+                                              r"your agents on every TP rank .* set trainer.mode=fully_async"):
+            config(tiny_assets, data_dir, tmp_path, f"rollout.agent={agent}:run", "rollout.tp=2",
+                   f"trainer.mode={mode}", "resources.rollout_workers=2" if mode == "async" else "rollout.n=2")
+
+
 def test_each_row_calls_only_its_environments_tools(agent_rollout, tokenizer):
     """Rows carrying different tools (their environments'): the forced first call is a call of the row's
     own tool, recorded in agent_turns with its result; a row with no tools is not forced (its first turn

@@ -18,11 +18,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _cli(*args, cwd=REPO, env=None):
+def _cli(*args, cwd=REPO, env=None, timeout=600):
     import os
 
     proc = subprocess.run([sys.executable, "-m", "megappo.cli", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, env={**os.environ, **(env or {})}, timeout=600)
+                          text=True, env={**os.environ, **(env or {})}, timeout=timeout)
     return proc.returncode, _error_lines(proc.stderr)
 
 
@@ -47,8 +47,8 @@ def cli_here(ray_session, monkeypatch):
         with contextlib.redirect_stderr(err):
             try:
                 rc = main([str(a) for a in args])
-            except SystemExit as e:
-                rc = e.code
+            except SystemExit as e:  # as the interpreter exits: a message goes to stderr with code 1
+                rc = e.code if not isinstance(e.code, str) else (print(e.code, file=sys.stderr), 1)[1]
         return rc, _error_lines(err.getvalue())
 
     return run
@@ -160,6 +160,60 @@ def test_eval_model_without_tokenizer(tiny_assets, tmp_path, parquet_dir, cli_he
         shutil.copy(tiny_assets["tiny-llama"] / f, model / f)
     rc, lines = cli_here("eval", "--model", model, "--data", parquet_dir / "arith_val.parquet")
     _one_line(rc, lines, "has no usable tokenizer")
+
+
+def test_serve_tool_prompt_without_its_placeholder_and_a_dir_without_a_tokenizer(tiny_assets, tmp_path, cli_here):
+    """`megappo serve --tool-prompt` without {tools} would show the model no tools (the config check refuses it
+    for rollout.multi_turn.tool_prompt under the built-in loop and your own agent alike); a model dir without a
+    tokenizer is one line, with or without --tool-parser (it was a traceback). A subprocess with a deadline:
+    before the fix the first started serving."""
+    rc, lines = _cli("serve", "--model", tiny_assets["tiny-llama"], "--tool-prompt", "You can use tools.",
+                     timeout=60)
+    _one_line(rc, lines, "serve: --tool-prompt must contain {tools} (where the tools' schemas go)")
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_assets["tiny-llama"] / f, model / f)
+    rc, lines = cli_here("serve", "--model", model, "--tool-parser", "hermes")
+    _one_line(rc, lines, f"serve: {model.resolve()} has no usable tokenizer")
+
+
+def test_logprobs_on_an_unsupported_model_or_layout_is_one_line(tiny_assets, tmp_path):
+    """It was a ValueError inside a worker's traceback: checked before any worker starts."""
+    model = tmp_path / "moe"
+    model.mkdir()
+    cfg = json.loads((tiny_assets["tiny-llama"] / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(dict(cfg, model_type="gpt_oss")))
+    (tmp_path / "rows.jsonl").write_text('{"input_ids": [1, 2, 3], "response_start": 1}\n')
+    io = ["--input", tmp_path / "rows.jsonl", "--out", tmp_path / "out.safetensors"]
+    rc, lines = _cli("logprobs", "--model", model, *io)
+    _one_line(rc, lines, "megappo logprobs: model_type 'gpt_oss' not supported; choose one of llama,")
+    rc, lines = _cli("logprobs", "--model", tiny_assets["tiny-llama"], "--tp", "3", "--dp", "1", *io)
+    _one_line(rc, lines, "megappo logprobs: ")
+    assert "tp=3" in lines[0] and not (tmp_path / "out.safetensors").exists()
+
+
+def test_serve_lengths_default_to_the_models_positions():
+    """`megappo serve --model outputs/ppo_tiny/hf_final` (512 positions) died in a pydantic traceback under the
+    old default --max-model-len 2048: the default is now the model's positions, more is one line."""
+    from megappo.serve import lengths
+
+    assert lengths(512, None, 512) == (512, 511)  # a request keeps at least one prompt token
+    assert lengths(512, 256, 64) == (256, 64)
+    with pytest.raises(SystemExit, match=r"^serve: --max-model-len 2048 exceeds the model's 512 positions "
+                                         r"\(config.json max_position_embeddings\); lower it or leave it out$"):
+        lengths(512, 2048, 64)
+
+
+def test_a_tool_prompt_without_its_placeholder_is_refused_for_your_own_agent_too(tiny_assets, data_dir, tmp_path):
+    from megappo.config.loader import ConfigError, load_config
+
+    from trainer_utils import overrides
+
+    agent = REPO / "examples" / "agents" / "calculator.py"
+    with pytest.raises(ConfigError, match=r"^rollout.multi_turn.tool_prompt must contain \{tools\}"):
+        load_config(REPO / "configs/ppo_tiny.yaml", overrides(tiny_assets, data_dir, tmp_path) + [
+            f"rollout.agent={agent}:run", "rollout.multi_turn.tool_prompt='Tools are available.'"])
 
 
 # ---- megappo train: caught before Ray or any worker starts ------------------------------------------

@@ -263,6 +263,19 @@ def test_gpu_smoke_runs_every_row_with_torch_and_megatron_only(tmp_path):
     assert "vllm absent, ray absent" in out["rows"]["stack"]["detail"]
 
 
+def test_gpu_smoke_without_a_gpu_or_with_a_misspelt_check_is_one_line(tmp_path):
+    """Both were tracebacks: NCCL was initialised before the CUDA check, a typo in --only a KeyError after set-up."""
+    for extra, expected in ((["--device", "cuda"], "gpu_smoke: --device cuda but torch sees no CUDA device"),
+                            (["--device", "cpu", "--only", "stack,lora"],
+                             "--only: unknown check(s) 'lora'; choose from 'stack', 'logprobs vs HF'")):
+        r = subprocess.run([sys.executable, "tools/gpu_smoke.py", "--out", str(tmp_path), *extra], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+        lines = [x for x in r.stderr.splitlines() if x.strip() and "Warning" not in x and "warnings.warn" not in x
+                 and not x.startswith(("usage:", "W1", "WARNING"))]
+        assert r.returncode == 2 and len(lines) == 1 and expected in lines[0], r.stderr[-2000:]
+    assert not (tmp_path / "assets").exists()  # nothing set up
+
+
 @pytest.mark.parametrize("scenario", ["tp1", "tp2", "pp2", "moe_ep2", "packing", "multi_turn", "resume"])
 def test_every_gpu_check_scenario_is_a_valid_config(scenario, tmp_path):
     """Each `make gpu-check` row's run passes the config checks (on the CPU, fp32, 2 workers): a row

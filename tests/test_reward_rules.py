@@ -49,6 +49,10 @@ def two_args(response, ground_truth):
     return 1.0
 
 
+def nan_or_inf(response, ground_truth, extra_info):  # a judge's failure that comes back as a number
+    return {"score": float("nan")} if ground_truth == "x" else float("inf")
+
+
 NOT_A_FUNCTION = 3
 '''
 
@@ -130,6 +134,20 @@ def test_a_rule_that_times_out_or_raises_scores_zero_and_is_counted(tokenizer, r
     assert "data_source 'slow' failed on 2 of 2 rows (RuleTimeout: no result within timeout_s=0.2)" in caplog.text
     assert "data_source 'bad' failed on 1 of 1 rows (RuleTimeout" not in caplog.text
     assert "data_source 'bad' failed on 1 of 1 rows (RuntimeError: judge unreachable)" in caplog.text
+
+
+def test_a_nan_or_inf_from_a_rule_scores_zero_and_is_counted(tokenizer, rules_pkg, caplog):
+    """A NaN or inf score would poison its whole group's advantages: the same rule as a reward your own agent
+    returns (rewards.rules.as_reward) refuses it, so its row scores 0 as a failed call, counted and warned."""
+    import math
+
+    mgr = manager(tokenizer, "reward.rules.judge=my_rules.rewards:nan_or_inf")
+    data = batch(tokenizer, ["a", "b", "#### 3"], ["judge", "judge", "arithmetic"], ["x", "y", "3"])
+    with caplog.at_level(logging.WARNING, logger="megappo.rewards.rules"):
+        scores, metrics = mgr(data)
+    assert all(math.isfinite(v) for v in scores.sum(-1).tolist()) and scores.sum(-1).tolist() == [0.0, 0.0, 1.0]
+    assert metrics["reward/num_scorer_errors"] == 2.0
+    assert "reward 'nan' is not a finite number" in caplog.text
 
 
 @pytest.mark.parametrize("overrides, expected", [
@@ -245,6 +263,26 @@ def test_data_command_bad_inputs_are_one_line(tmp_path, capsys, name, content, f
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1 and err[0].startswith("megappo data: ") and expected in err[0], err
     assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "json"])
+def test_data_command_on_a_latin1_file_or_an_out_that_is_a_file_is_one_line(tmp_path, capsys, suffix):
+    """Both were tracebacks (UnicodeDecodeError; FileExistsError from mkdir)."""
+    row = {"question": "Was kostet ein Brötchen?", "answer": 1}
+    text = json.dumps(row, ensure_ascii=False) + "\n" if suffix == "jsonl" else json.dumps([row], ensure_ascii=False)
+    (tmp_path / f"rows.{suffix}").write_bytes(text.encode("latin-1"))
+    args = ["--input", tmp_path / f"rows.{suffix}", "--prompt-key", "question", "--answer-key", "answer",
+            "--data-source", "my_task"]
+    assert _data(*args, "--out", tmp_path / "out") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"megappo data: {tmp_path / f'rows.{suffix}'} is not UTF-8 text") \
+        and "re-save it as UTF-8" in err[0], err
+    (tmp_path / f"rows.{suffix}").write_bytes(text.encode("utf-8"))
+    (tmp_path / "taken").write_text("a file")
+    assert _data(*args, "--out", tmp_path / "taken" / "out") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"megappo data: --out {tmp_path / 'taken' / 'out'}: {tmp_path / 'taken'} is a file; choose a "
+                   "directory"], err
 
 
 # ---- the trainer's and megappo eval's reward paths -------------------------------------------------------

@@ -21,6 +21,27 @@ def test_shellcheck_clean():
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+def test_each_ray_node_gets_the_interface_holding_its_address():
+    """gloo binds to what the hostname resolves to (127.0.1.1 on a stock /etc/hosts) unless GLOO_SOCKET_IFNAME names
+    an interface: ray_on_slurm.sh starts each node's Ray with GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME = the
+    interface holding the address it gave Ray there (slurm/netif.sh), checked against psutil's view of this host;
+    and a GPU job activates make install-gpu's venv."""
+    import psutil
+
+    addrs = {a.address: name for name, snics in psutil.net_if_addrs().items() for a in snics
+             if a.family.name == "AF_INET"}
+    assert addrs
+    for ip, name in addrs.items():
+        got = subprocess.run(["bash", "-c", f"source slurm/netif.sh; iface_of_ip {ip}"], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        assert got == name, (ip, got, name)
+    assert subprocess.run(["bash", "-c", "source slurm/netif.sh; iface_of_ip 203.0.113.77"], cwd=REPO,
+                          capture_output=True, text=True).stdout == ""
+    script = (REPO / "slurm" / "ray_on_slurm.sh").read_text()
+    assert 'env "${head_net[@]}" ray start --head' in script and 'env "${net[@]}" ray start --address' in script
+    assert "default_env=.venv-gpu" in script
+
+
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm")).start()

@@ -462,6 +462,25 @@ def test_colocated_actor_and_critic_match_single_process(ray_session, tiny_asset
         mgr.remove()
 
 
+def test_the_weight_sync_rendezvous_is_the_nodes_address_not_loopback(ray_session, monkeypatch):
+    """Async modes: the rollout pool joins the weight-sync group at actor rank 0's address. An actor pool on one node
+    has MASTER_ADDR 127.0.0.1 (its own rendezvous), which a rollout worker on another node cannot reach: it
+    waited 600 s and failed. The two-node test on one host cannot see that, so the address itself is checked."""
+    import socket
+
+    from megappo.config.schema import MegappoConfig
+    from megappo.workers.roles import ActorRolloutRefWorker
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29555")
+    worker = ActorRolloutRefWorker(MegappoConfig(), "actor")
+    assert worker.master_addr == "127.0.0.1"
+    host, port = worker.weight_sync_address()
+    assert host == ray_session.util.get_node_ip_address() and not host.startswith("127."), host
+    with socket.socket() as s:  # free on that address
+        s.bind((host, port))
+
+
 def test_actor_rollout_ref_roles_are_chosen_by_config():
     from megappo.config.schema import MegappoConfig
     from megappo.workers.roles import ActorRolloutRefWorker

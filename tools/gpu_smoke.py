@@ -324,6 +324,14 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print the rows as one JSON object")
     p.add_argument("--only", default=None, help="comma-separated check names (default: all)")
     args = p.parse_args(argv)
+    names = [n.strip() for n in args.only.split(",")] if args.only else list(CHECKS)
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:  # before anything starts (it was a KeyError after the set-up)
+        p.exit(2, f"gpu_smoke: --only: unknown check(s) {', '.join(map(repr, unknown))}; choose from "
+                  f"{', '.join(map(repr, CHECKS))}\n")
+    if args.device == "cuda" and not torch.cuda.is_available():  # before NCCL is initialised (that failed first)
+        p.exit(2, "gpu_smoke: --device cuda but torch sees no CUDA device (no GPU, CUDA_VISIBLE_DEVICES, or a CPU "
+                  "build of torch); run it on the GPU machine, or --device cpu to try it here\n")
     args.bf16 = (args.dtype or ("bf16" if args.device == "cuda" else "fp32")) == "bf16"
     args.torch_dtype = torch.bfloat16 if args.bf16 else torch.float32
     os.makedirs(args.out, exist_ok=True)
@@ -338,7 +346,6 @@ def main(argv=None) -> int:
     init_distributed(0, 1, "127.0.0.1", free_port(), backend="cpu:gloo,cuda:nccl" if args.device == "cuda" else "gloo")
     init_megatron(ParallelLayout(), seed=7)
     rows = {}
-    names = args.only.split(",") if args.only else list(CHECKS)
     for name in names:
         try:
             ok, said = CHECKS[name](args, assets)

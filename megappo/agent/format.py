@@ -34,6 +34,14 @@ def template_has_tools(tokenizer) -> bool:
     return "tools" in (getattr(tokenizer, "chat_template", None) or "")
 
 
+def check_tool_prompt(tool_prompt: Optional[str], where: str = "rollout.multi_turn.tool_prompt") -> None:
+    """A tool prompt must say where the tools go: without `{tools}` the model would silently see none.
+    ValueError naming `where` (the config key or the flag that set it)."""
+    if tool_prompt is not None and "{tools}" not in tool_prompt:
+        raise ValueError(f"{where} must contain {{tools}} (where the tools' schemas go); the model would see no "
+                         "tools")
+
+
 def tool_prompt_mode(tokenizer, tool_prompt: Optional[str]) -> str:
     """'declared' when a tool prompt is configured, else 'template'; raises when neither can work."""
     if tool_prompt:

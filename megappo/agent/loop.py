@@ -88,10 +88,15 @@ class _Sample:
 
 
 class AgentLoop:
-    def __init__(self, llm, tokenizer, config):
+    def __init__(self, llm, tokenizer, config, share_results=None):
         self.llm = llm
         self.tokenizer = tokenizer
         self.config = config
+        # rollout.tp > 1 in the hybrid engine: every TP rank of a vLLM replica runs this loop, and vLLM's external
+        # launcher needs the same requests on each. `share_results(compute)` runs `compute` (a turn's tool calls) on
+        # the replica's first rank only and gives every rank its results (VLLMRollout.replica_share), so a tool
+        # that times out or fails on one rank only cannot make the ranks' next prompts differ. None: one rank.
+        self.share_results = share_results
         self.tools = make_tools(TOOLS, config.tool_timeout_s, config.max_tool_output_chars)
         self.observations = Observations(tokenizer)
         self._forced_regex: dict = {}  # tool_choice=required: tool names -> the first turn's regex
@@ -120,7 +125,11 @@ class AgentLoop:
                 calls[k] = self._model_turn(samples[k], list(c.token_ids), lps, c.finish_reason, c.stop_reason,
                                             budget, last_turn, forced[k])
             pending = {k: c for k, c in calls.items() if c is not None}
-            results = self.pool.map(self._execute, pending.values(), (allowed[k] for k in pending))
+
+            def execute(pending=pending):
+                return list(self.pool.map(self._execute, pending.values(), (allowed[k] for k in pending)))
+
+            results = execute() if self.share_results is None else self.share_results(execute)
             for (k, call), result in zip(pending.items(), results):
                 self._tool_turn(samples[k], call, result, budget)
         return [x.trajectory() for x in samples]

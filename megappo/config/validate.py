@@ -264,6 +264,11 @@ def _check_agent(cfg) -> None:
     if r.multi_turn.enable:
         raise ConfigError("rollout.agent and rollout.multi_turn.enable=true both make the samples; set "
                           "rollout.multi_turn.enable=false (your agent runs its own tools) or drop rollout.agent")
+    if r.tp > 1 and cfg.trainer.mode != "fully_async":
+        raise ConfigError(f"rollout.agent with rollout.tp={r.tp} in trainer.mode={cfg.trainer.mode} would run your "
+                          "agents on every TP rank of a vLLM replica, whose requests must match rank for rank; set "
+                          "trainer.mode=fully_async (one agent per replica, its other ranks in lockstep) or "
+                          "rollout.tp=1")
     if r.agent_concurrency < 1 or r.agent_timeout_s <= 0:
         raise ConfigError(f"rollout.agent_concurrency={r.agent_concurrency} must be >= 1 and rollout.agent_timeout_s="
                           f"{r.agent_timeout_s} > 0")
@@ -286,6 +291,12 @@ def _check_agent(cfg) -> None:
 
 def _check_multi_turn(cfg) -> None:
     """The tool-format check needs the tokenizer: agent/format.tool_prompt_mode, when the prompts are built."""
+    from megappo.agent.format import check_tool_prompt
+
+    try:  # the built-in loop's tools and your own agent's tools= both go through it
+        check_tool_prompt(cfg.rollout.multi_turn.tool_prompt)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _check_agent(cfg)
     m = cfg.rollout.multi_turn
     if not m.enable:
@@ -304,8 +315,6 @@ def _check_multi_turn(cfg) -> None:
         raise ConfigError("rollout.multi_turn.tool_timeout_s must be > 0 and max_tool_output_chars >= 1")
     if m.tool_choice not in ("auto", "required"):
         raise ConfigError(f"rollout.multi_turn.tool_choice={m.tool_choice!r}; choose auto or required")
-    if m.tool_prompt is not None and "{tools}" not in m.tool_prompt:
-        raise ConfigError("rollout.multi_turn.tool_prompt must contain {tools} (where the tools' schemas go)")
     from megappo.agent.environment import split_target
 
     for source, target in m.environments.items():

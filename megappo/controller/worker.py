@@ -23,7 +23,8 @@ from megappo.parallel.launch import free_port
 __all__ = ["Worker"]
 
 
-def _node_ip() -> str:
+def node_ip() -> str:
+    """This node's address as Ray sees it (routable from the other nodes); 127.0.0.1 outside Ray."""
     try:
         import ray
 
@@ -40,7 +41,7 @@ class Worker:
         if not os.environ.get("MASTER_PORT"):  # empty: the group asks rank 0 to pick, whatever was inherited
             if self.rank != 0:
                 raise RuntimeError(f"{self.group_name} rank {self.rank}: MASTER_PORT missing from the environment")
-            addr = os.environ.get("MASTER_ADDR") or _node_ip()
+            addr = os.environ.get("MASTER_ADDR") or node_ip()
             os.environ["MASTER_ADDR"] = addr
             os.environ["MASTER_PORT"] = str(free_port(addr))
         self.master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -51,7 +52,7 @@ class Worker:
     # ------------------------------------------------------------------ group plumbing (not registered)
     def info(self) -> dict:
         """Cheap identity the group records at spawn (for error messages and the master address)."""
-        return {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(), "node_ip": _node_ip(),
+        return {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(), "node_ip": node_ip(),
                 "hostname": socket.gethostname(), "master_addr": self.master_addr, "master_port": self.master_port,
                 "device": os.environ.get("MEGAPPO_DEVICE"), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 

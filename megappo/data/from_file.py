@@ -38,26 +38,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="the shuffle before the split")
 
 
+def _not_utf8(path: Path, e: UnicodeDecodeError) -> DataError:
+    return DataError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason}); re-save it as UTF-8 "
+                     "(e.g. iconv -f latin1 -t utf-8)")
+
+
 def _read_jsonl(path: Path) -> list:
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path} line {number} is not valid JSON ({e.msg}, column {e.colno}); fix or remove "
-                                "that line") from None
-            if not isinstance(rows[-1], dict):
-                raise DataError(f"{path} line {number} is a JSON {type(rows[-1]).__name__}, not an object; write "
-                                "one {\"field\": value, ...} object a line")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, e) from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {number} is not valid JSON ({e.msg}, column {e.colno}); fix or remove "
+                            "that line") from None
+        if not isinstance(rows[-1], dict):
+            raise DataError(f"{path} line {number} is a JSON {type(rows[-1]).__name__}, not an object; write "
+                            "one {\"field\": value, ...} object a line")
     return rows
 
 
 def _read_json(path: Path) -> list:
     try:
         rows = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, e) from None
     except json.JSONDecodeError as e:
         raise DataError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); fix it, or "
                         "write one object a line as .jsonl") from None
@@ -162,6 +172,9 @@ def convert(path: Path, prompt_key: str, answer_key: str, data_source: str, out:
     """FILE -> out/train.parquet (+ out/test.parquet); every row is checked before a file is written."""
     import pyarrow.parquet as pq
 
+    blocking = next((p for p in (out, *out.parents) if p.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise DataError(f"--out {out}: {blocking} is a file; choose a directory")
     rows = to_rows(read_records(path), prompt_key, answer_key, data_source, path)
     tables = {split: _table(part) for split, part in split_rows(rows, test_fraction, seed).items()}
     out.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import math
 import secrets
 import statistics
 import threading
@@ -47,6 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megappo.agent.capture import ChatRenderer, Session
 from megappo.gateway.tool_calls import ToolCallReader
+from megappo.rewards.rules import as_reward as rules_as_reward
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -58,19 +58,11 @@ class GatewayError(Exception):
 
 
 def as_reward(value) -> float:
-    """A sample's reward as a float: a finite real number (a Python, numpy or 0-d torch number; not a bool or a
-    string), else ValueError naming the fix. One rule for a reward an agent returns and one posted over HTTP."""
-    number = None
-    if not (value is None or isinstance(value, (str, bytes, bytearray)) or type(value).__name__ in ("bool", "bool_")
-            or getattr(value, "ndim", 0) != 0):  # not a bool, a string or an array of more than a number
-        try:
-            number = float(value)
-        except (TypeError, ValueError, OverflowError):
-            pass
-    if number is None or not math.isfinite(number):
-        raise ValueError(f"reward {_shown(value)!r} is not a finite number: send one (or None from an agent, to "
-                         "leave the score to the row's rule)")
-    return number
+    """A reward an agent returns or one posted over HTTP: rewards.rules.as_reward, the one rule for any reward."""
+    try:
+        return rules_as_reward(value)
+    except ValueError as e:
+        raise ValueError(f"{e}: send one (or None from an agent, to leave the score to the row's rule)") from None
 
 
 @dataclass
@@ -403,13 +395,6 @@ class _Turn:
     def _done(self) -> None:
         if self.state is not None:
             self.state.pending = None
-
-
-def _shown(value) -> str:
-    try:
-        return str(value)[:40]
-    except ValueError:  # an integer past Python's str() digit limit
-        return f"<{type(value).__name__}>"
 
 
 def _max_tokens(body: dict, default: int):

@@ -29,6 +29,7 @@ import importlib
 import importlib.util
 import inspect
 import logging
+import math
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -229,14 +230,35 @@ def _call(rule: Rule, args: tuple):
     return out["value"]
 
 
+def as_reward(value) -> float:
+    """A reward as a float: a finite real number (a Python, numpy or 0-d torch number; not a bool, a string, None,
+    NaN or inf), else ValueError. The one rule for every reward: a rule's score (a NaN would poison its group's
+    advantages) and your own agent's (gateway/app.py)."""
+    number = None
+    if not (value is None or isinstance(value, (str, bytes, bytearray)) or type(value).__name__ in ("bool", "bool_")
+            or getattr(value, "ndim", 0) != 0):  # not a bool, a string or an array of more than a number
+        try:
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):
+            pass
+    if number is None or not math.isfinite(number):
+        try:
+            shown = str(value)[:40]
+        except ValueError:  # an integer past Python's str() digit limit
+            shown = f"<{type(value).__name__}>"
+        raise ValueError(f"reward {shown!r} is not a finite number")
+    return number
+
+
 def parse(value) -> Scored:
-    """A rule's return value -> Scored: a number, or a dict with a "score" and extra numbers."""
+    """A rule's return value -> Scored: a number, or a dict with a "score" and extra numbers (as_reward's rule:
+    a NaN, an inf or a non-number fails the call, which scores its rows 0 as failed)."""
     if isinstance(value, dict):
         if "score" not in value:
             raise ValueError(f"returned a dict without a 'score' key (keys: {sorted(value)})")
         extras = {str(k): float(v) for k, v in value.items() if k != "score" and isinstance(v, (int, float))}
-        return Scored(float(value["score"]), extras)
-    return Scored(float(value))
+        return Scored(as_reward(value["score"]), extras)
+    return Scored(as_reward(value))
 
 
 def _results(rule: Rule, args: tuple, n: int) -> list[Scored]:

@@ -461,10 +461,14 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
 
     @register(Dispatch.ONE_TO_ALL)
     def weight_sync_address(self) -> tuple:
-        """(host, free port) for the weight-sync group's rendezvous (the driver uses rank 0's)."""
+        """(host, free port) for the weight-sync group's rendezvous (the driver uses rank 0's): this node's routable
+        address, never the actor group's own MASTER_ADDR, which is 127.0.0.1 when the actor pool is on one node
+        while the rollout pool may be on another."""
+        from megappo.controller.worker import node_ip
         from megappo.parallel.launch import free_port
 
-        return self.master_addr, free_port(self.master_addr)
+        host = node_ip()
+        return host, free_port(host)
 
     @register(Dispatch.ONE_TO_ALL)
     def init_weight_sync(self, host: str, port: int, world: int) -> dict:

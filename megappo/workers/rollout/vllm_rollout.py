@@ -146,6 +146,8 @@ class VLLMRollout:
         self.eos_token_id = self.tokenizer.eos_token_id
         self.weights_dtype = self.llm.llm_engine.model_config.dtype
         self.agent = agent(self.llm, self.tokenizer) if agent is not None else None
+        if self.agent is not None and hasattr(self.agent, "share_results") and self.distributed and self.tp > 1:
+            self.agent.share_results = replica_share  # the built-in loop's tool results, from the replica's first rank
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.num_experts = num_routed_experts(hf_config)  # its family's config keys (model_dims.MOE_FAMILIES)
@@ -425,6 +427,15 @@ class VLLMRollout:
                 logps[k, :L] = torch.tensor(list(logprobs)[:L], dtype=torch.float32, device="cpu")
             stopped[k] = finish_reason == "stop"
         return {"responses": responses, "response_mask": response_mask, "rollout_log_probs": logps, "stopped": stopped}
+
+
+def replica_share(compute):
+    """`compute()` on the first rank of this process's vLLM TP group (a replica), its result on every rank of
+    it (vLLM's CPU group: gloo): what the replica's ranks must agree on, computed once."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    return group.broadcast_object(compute() if group.rank_in_group == 0 else None, src=0)
 
 
 def left_pad(token_lists: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
