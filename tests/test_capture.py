@@ -269,3 +269,44 @@ def test_tool_calls_read_in_the_models_format_with_vllms_parsers(tokenizer):
         check_tool_parser("hermez")
     with pytest.raises(ValueError, match="does not fit this model's tokenizer"):
         ToolCallReader(tokenizer, "llama3_json")  # no <|python_tag|> in tiny-llama's vocabulary
+
+
+def test_a_requests_undo_point_is_constant_size_and_restores_the_record_exactly(tokenizer):
+    """Each gateway request saves where the session ends so a refused or failed request can be undone (and a
+    close meanwhile hands out the record without it). It was a deep copy of every segment: quadratic in a
+    session's length. Now lengths and references: the same size after 200 requests as after 1, and restoring it,
+    or reading the record as of it, gives exactly the record before the request."""
+    from megappo.agent.capture import ChatRenderer, Segment, Session
+
+    session = Session(ChatRenderer(tokenizer))
+    msgs = [{"role": "user", "content": "count"}]
+    sizes = []
+    for k in range(200):
+        snap = session.snapshot()
+        sizes.append(len(snap))
+        assert not any(isinstance(x, list) and x and isinstance(x[0], Segment) for x in snap)  # no segments held
+        reply = {"role": "assistant", "content": str(k)}
+        run_turn(session, tokenizer, msgs, tokenizer.encode(str(k), add_special_tokens=False), reply)
+        msgs = msgs + [reply, {"role": "user", "content": "more"}]
+    assert len(set(sizes)) == 1 and len(session.segments) == 1  # one growing segment
+    before = session.as_of()
+    snap = session.snapshot()
+    assert session.as_of(snap) == before
+    session.chat_prompt(msgs)  # a request extends the segment, then fails before its answer
+    session.record([5, 6], [-0.1, -0.2], version=3)
+    assert session.as_of(snap) == before != session.as_of()
+    session.restore(snap)
+    assert session.as_of() == before
+    session.chat_prompt([{"role": "user", "content": "another history"}])  # a rewritten history: a new segment
+    assert len(session.segments) == 2
+    session.restore(snap)
+    assert session.as_of() == before and len(session.segments) == 1
+
+
+def test_latency_p95_is_by_nearest_rank():
+    """p95 of few latencies was the smallest one's neighbour (index int(0.95 * (n - 1)): the first of two)."""
+    from megappo.gateway.app import nearest_rank
+
+    assert nearest_rank([1.0, 2.0], 0.95) == 2.0
+    assert nearest_rank([float(i) for i in range(1, 101)], 0.95) == 95.0
+    assert nearest_rank([3.0], 0.95) == 3.0 and nearest_rank([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0

@@ -344,6 +344,26 @@ def test_a_raw_http_agent_opens_a_session_rewards_it_and_closes_it(served):
     assert record["segments"][0]["finish_reasons"][0] in ("stop", "length") and len(record["latencies"]) == 1
 
 
+def test_a_training_sessions_budget_spans_its_segments_and_its_rows_are_capped(served):
+    """A request that rewrites the history (a template that re-renders past turns, as Qwen3's) starts a segment: a
+    trained row with the whole history as its prompt. The response budget restarted with each one, so a sample
+    could grow without bound; now it counts the session's tokens over all its segments, and a training session
+    takes at most max_segments (rollout.agent_max_segments) before a new one is refused in one 400 line."""
+    _, _, gateway, url = served
+    state = gateway.open_session()
+    state.budget, state.session.max_segments = 12, 2
+    status, first = post(url, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 8, "seed": 1}, state.key)
+    used = len(first["choices"][0]["token_ids"])
+    assert status == 200 and used > 0
+    status, second = post(url, "/v1/completions", {"prompt": [9, 9, 9, 9], "max_tokens": 8, "seed": 2}, state.key)
+    assert status == 200 and len(state.session.segments) == 2  # another history: a second segment
+    assert len(second["choices"][0]["token_ids"]) <= 12 - used  # what the session had left, not 8 anew
+    status, third = post(url, "/v1/completions", {"prompt": [3, 1, 4], "max_tokens": 2, "seed": 3}, state.key)
+    assert status == 400 and "this session has started 2 segments" in third["error"]["message"], third
+    assert "\n" not in third["error"]["message"] and len(state.session.segments) == 2
+    gateway.close_session(state.id)
+
+
 def test_stream_true_samples_and_captures_what_stream_false_does(served):
     """The unmodified SDK with stream=True (chat and completions), against the same request unstreamed in
     another session with the same seed: the same ids, text and finish reason, the same tokens captured for

@@ -25,7 +25,6 @@ log-probs, the policy version that sampled each) and observation tokens between 
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass, field
 from typing import Optional
@@ -57,10 +56,22 @@ class Segment:
         self.versions += [version] * len(ids) if isinstance(version, int) else list(version)
         self.turns += int(model or version != -1)  # the engine's turns, trained or kept as context
 
-    def to_dict(self) -> dict:
-        return {"prompt_ids": self.prompt_ids, "tokens": self.tokens, "model_mask": self.model_mask,
-                "logprobs": self.logprobs, "versions": self.versions, "turns": self.turns,
-                "finish_reasons": self.finish_reasons}
+    def mark(self) -> tuple:
+        """Where it ends now (it only grows): what `truncate` goes back to."""
+        return len(self.tokens), len(self.finish_reasons), self.turns
+
+    def truncate(self, mark: tuple) -> None:
+        n, finished, self.turns = mark
+        for tokens in (self.tokens, self.model_mask, self.logprobs, self.versions):
+            del tokens[n:]
+        del self.finish_reasons[finished:]
+
+    def to_dict(self, mark: Optional[tuple] = None) -> dict:
+        """A copy (as it was at `mark`, when given)."""
+        n, finished, turns = mark or self.mark()
+        return {"prompt_ids": list(self.prompt_ids), "tokens": self.tokens[:n], "model_mask": self.model_mask[:n],
+                "logprobs": self.logprobs[:n], "versions": self.versions[:n], "turns": turns,
+                "finish_reasons": self.finish_reasons[:finished]}
 
 
 class ChatRenderer:
@@ -122,8 +133,9 @@ def _key(message: dict) -> tuple:
 class Session:
     """One agent episode's token record (see the module docstring)."""
 
-    def __init__(self, renderer: ChatRenderer):
+    def __init__(self, renderer: ChatRenderer, max_segments: Optional[int] = None):
         self.renderer = renderer
+        self.max_segments = max_segments  # a training session's cap: each segment is a trained row of the sample
         self.segments: list[Segment] = []
         self.fallbacks = 0  # requests that did not extend the conversation: a new segment each
         self.requests = 0
@@ -174,15 +186,40 @@ class Session:
         self.segments[-1].add(ids)
 
     def snapshot(self) -> tuple:
-        """What restore() needs to undo a request that was refused or failed after its prompt was built."""
-        return (copy.deepcopy(self.segments), self.fallbacks, self.requests, self.tool_calls, self.invalid_calls,
-                copy.deepcopy(self._history), self._tools)
+        """What restore() needs to undo a request that was refused or failed after its prompt was built: where the
+        record ends now. A request only adds (it extends the last segment or appends one; the history it replaces
+        is a new list), so lengths and references are enough: O(1) per request, not a copy of a session that grows
+        with each one."""
+        last = self.segments[-1].mark() if self.segments else None
+        return (len(self.segments), last, self.fallbacks, self.requests, self.tool_calls, self.invalid_calls,
+                self._history, self._tools)
 
     def restore(self, snap: tuple) -> None:
-        (self.segments, self.fallbacks, self.requests, self.tool_calls, self.invalid_calls, self._history,
-         self._tools) = snap
+        n, last, self.fallbacks, self.requests, self.tool_calls, self.invalid_calls, self._history, self._tools = snap
+        del self.segments[n:]
+        if last is not None:
+            self.segments[-1].truncate(last)
+
+    def as_of(self, snap: Optional[tuple] = None) -> dict:
+        """A copy of the record (as it was at `snap`, a `snapshot()`, when given): counts and segments."""
+        n, last = (snap[0], snap[1]) if snap is not None else (len(self.segments), None)
+        fallbacks, requests, tool_calls, invalid_calls = snap[2:6] if snap is not None else \
+            (self.fallbacks, self.requests, self.tool_calls, self.invalid_calls)
+        segments = [seg.to_dict(last if i == n - 1 else None) for i, seg in enumerate(self.segments[:n])]
+        return {"requests": requests, "fallbacks": fallbacks, "tool_calls": tool_calls, "invalid_calls": invalid_calls,
+                "segments": segments}
+
+    @property
+    def tokens_used(self) -> int:
+        """Tokens after each segment's prompt, over the whole session (a response budget counts these)."""
+        return sum(len(seg.tokens) for seg in self.segments)
 
     def _new_segment(self, prompt_ids: list[int]) -> None:
+        if self.max_segments is not None and len(self.segments) >= self.max_segments:
+            raise ValueError(f"this session has started {len(self.segments)} segments (rewritten histories, each a "
+                             f"trained row of the sample: rollout.agent_max_segments={self.max_segments}); end the "
+                             "episode, or keep the history append-only (a template that re-renders past turns, "
+                             "as Qwen3's drops old thinking, starts one per request)")
         if self.segments:
             self.fallbacks += 1
         self.segments.append(Segment(list(prompt_ids)))

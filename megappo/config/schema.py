@@ -273,6 +273,10 @@ class RolloutConfig:
     agent: Optional[str] = None
     agent_concurrency: int = 32  # agents running at once per rollout worker (the engine batches their requests)
     agent_timeout_s: float = 60.0  # one sample's agent longer than this: its sample is dropped (counted)
+    # rows one sample may train as: a request that rewrites the history (a template that re-renders past turns, as
+    # Qwen3's) starts another segment, trained as a row of its own; past this many such a request is refused (400)
+    # and the episode ends with what it has. The response budget (max_new_tokens) counts all of a sample's segments
+    agent_max_segments: int = 8
     # how the gateway reads the model's tool calls into tool_calls: unset = Hermes <tool_call> blocks (Qwen,
     # SmolLM2, the built-in loop's format); else one of vLLM's parsers by name (as vllm serve
     # --tool-call-parser: llama3_json, mistral, ...) for a model trained on that format

@@ -269,9 +269,9 @@ def _check_agent(cfg) -> None:
                           "agents on every TP rank of a vLLM replica, whose requests must match rank for rank; set "
                           "trainer.mode=fully_async (one agent per replica, its other ranks in lockstep) or "
                           "rollout.tp=1")
-    if r.agent_concurrency < 1 or r.agent_timeout_s <= 0:
-        raise ConfigError(f"rollout.agent_concurrency={r.agent_concurrency} must be >= 1 and rollout.agent_timeout_s="
-                          f"{r.agent_timeout_s} > 0")
+    if r.agent_concurrency < 1 or r.agent_timeout_s <= 0 or r.agent_max_segments < 1:
+        raise ConfigError(f"rollout.agent_concurrency={r.agent_concurrency} and rollout.agent_max_segments="
+                          f"{r.agent_max_segments} must be >= 1, rollout.agent_timeout_s={r.agent_timeout_s} > 0")
     from megappo.gateway.tool_calls import check_tool_parser
 
     try:

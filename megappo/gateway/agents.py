@@ -63,7 +63,7 @@ def _runner_for(llm, tokenizer, rollout) -> "AgentRunner":
     return AgentRunner(llm, tokenizer, rollout.agent, max_model_len=llm.llm_engine.model_config.max_model_len,
                        max_tokens=rollout.max_new_tokens, concurrency=rollout.agent_concurrency,
                        timeout_s=rollout.agent_timeout_s, tool_prompt=rollout.multi_turn.tool_prompt,
-                       tool_parser=rollout.agent_tool_parser)
+                       tool_parser=rollout.agent_tool_parser, max_segments=rollout.agent_max_segments)
 
 
 def sample_rows(non_tensor: dict, n: int) -> list[dict]:
@@ -84,12 +84,13 @@ def sample_rows(non_tensor: dict, n: int) -> list[dict]:
 class AgentRunner:
     def __init__(self, llm, tokenizer, agent: str | Callable, *, max_model_len: int, max_tokens: int,
                  concurrency: int = 32, timeout_s: float = 60.0, tool_prompt: Optional[str] = None,
-                 tool_parser: Optional[str] = None):
+                 tool_parser: Optional[str] = None, max_segments: Optional[int] = 8):
         from megappo.gateway.app import Gateway, make_app
         from megappo.gateway.engine import AsyncTokenEngine
         from megappo.gateway.serve import GatewayServer
 
         self.fn = load_agent(agent) if isinstance(agent, str) else agent
+        self.max_segments = max_segments
         self.engine = AsyncTokenEngine.for_llm(llm)
         self.gateway = Gateway(self.engine, tokenizer, model_name="policy", max_model_len=max_model_len,
                                max_tokens=max_tokens, tool_prompt=tool_prompt, tool_parser=tool_parser)
@@ -123,7 +124,8 @@ class AgentRunner:
                     "top_p": spec.top_p if spec.do_sample else 1.0}
         async with gate:
             state = self.gateway.open_session(row)
-            state.budget = int(spec.max_new_tokens)
+            state.budget = int(spec.max_new_tokens)  # over the whole session, all its segments
+            state.session.max_segments = self.max_segments
             state.forced = {**sampling, "seed": seed, "seed_stride": SEED_STRIDE}
             client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=state.key, max_retries=0,
                                         timeout=self.timeout_s)

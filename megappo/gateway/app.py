@@ -30,8 +30,9 @@ not token by token: the role, the text in one delta, each tool call, the finish 
 from __future__ import annotations
 
 import asyncio
-import copy
+import collections
 import json
+import math
 import secrets
 import statistics
 import threading
@@ -55,6 +56,15 @@ class GatewayError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", headers: Optional[dict] = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.headers = status, message, kind, headers
+
+
+LATENCIES_KEPT = 10_000  # the gateway's latency stats: over its latest requests (a server runs for weeks)
+
+
+def nearest_rank(ordered: list, q: float) -> float:
+    """The q-quantile of sorted values by the nearest-rank rule: the smallest value with at least q of them at or
+    below it (p95 of two latencies is the larger one; of 100, the 95th)."""
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 def as_reward(value) -> float:
@@ -89,14 +99,8 @@ class SessionState:
         """A copy of its finished requests (a request still in flight is not in it: _Turn), which nothing
         recorded later changes."""
         with self.lock:
-            s = self.session
-            if self.pending is not None:
-                s = Session(s.renderer)
-                s.restore(self.pending)
-            return {"session_id": self.id, "row": self.row, "reward": self.reward, "requests": s.requests,
-                    "fallbacks": s.fallbacks, "tool_calls": s.tool_calls, "invalid_calls": s.invalid_calls,
-                    "latencies": list(self.latencies),
-                    "segments": copy.deepcopy([seg.to_dict() for seg in s.segments])}
+            return {"session_id": self.id, "row": self.row, "reward": self.reward, "latencies": list(self.latencies),
+                    **self.session.as_of(self.pending)}
 
 
 class Gateway:
@@ -111,7 +115,7 @@ class Gateway:
         self.open_key = open_key
         self.sessions: dict[str, SessionState] = {}
         self._by_key: dict[str, str] = {}
-        self.latencies: list[float] = []
+        self.latencies: collections.deque = collections.deque(maxlen=LATENCIES_KEPT)  # the latest requests'
         self.errors = 0
 
     # ---- sessions (in process, or over HTTP with the admin key) ----------------------------------------
@@ -139,8 +143,8 @@ class Gateway:
     def stats(self) -> dict:
         lat = sorted(self.latencies) or [0.0]
         return {"sessions_open": len(self.sessions), "requests": self.engine.requests, "engine_steps": self.engine.steps,
-                "errors": self.errors, "latency_p50_s": statistics.median(lat),
-                "latency_p95_s": lat[int(0.95 * (len(lat) - 1))], "policy_version": self.engine.version}
+                "errors": self.errors, "latency_p50_s": statistics.median(lat), "latency_p95_s": nearest_rank(lat, 0.95),
+                "policy_version": self.engine.version}
 
     def _state(self, sid: str) -> SessionState:
         if sid not in self.sessions:
@@ -215,8 +219,11 @@ class Gateway:
             raise GatewayError(400, "prompt must be a non-empty string or a list of token ids")
         session = state.session if state else Session(self.renderer)
         with _Turn(state, session) as turn:
-            with turn.lock:
-                full = session.completion_prompt(ids)
+            try:
+                with turn.lock:
+                    full = session.completion_prompt(ids)
+            except ValueError as e:  # a training session's segment cap
+                raise GatewayError(400, _one_line(e)) from None
             out, latency = await self._generate(full, body, state)
             turn.record(latency, out.ids, out.logprobs, out.versions, finish_reason=out.finish_reason)
         choice = {"index": 0, "text": self.tokenizer.decode(out.ids, skip_special_tokens=True),
@@ -266,11 +273,11 @@ class Gateway:
         if forced.get("seed") is not None:
             forced["seed"] += (state.session.requests - 1) * stride
         body.update({k: v for k, v in forced.items() if v is not None})
-        if state.budget is not None:
-            left = state.budget - len(state.session.segments[-1].tokens)
+        if state.budget is not None:  # over the whole session: a rewritten history does not start it anew
+            left = state.budget - state.session.tokens_used
             if left <= 0:
                 raise GatewayError(400, f"this session's response budget ({state.budget} tokens, model and tool "
-                                        "tokens together) is spent: end the episode")
+                                        "tokens together, over all its segments) is spent: end the episode")
             asked = _max_tokens(body, left)
             body["max_tokens"], body["max_completion_tokens"] = min(asked, left) if isinstance(asked, int) else asked, None
         return body

@@ -1,4 +1,4 @@
-"""`GatewayServer`: a gateway app (app.make_app, router.make_router_app) served by uvicorn in a background
+"""`GatewayServer`: a gateway app (app.make_app) served by uvicorn in a background
 thread, on loopback and any free port unless told otherwise (tests, the rollout workers' AgentRunner).
 The `megappo serve` command is megappo/serve.py."""
 
