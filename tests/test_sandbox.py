@@ -399,3 +399,34 @@ def test_each_call_starts_from_an_empty_tmpfs():
     first = run_python("open('/tmp/left', 'w').write('x'); import os; print(os.listdir('/tmp'))", LIMITS)
     second = run_python("import os; print(os.listdir('/tmp'))", LIMITS)
     assert first.output == "['left']\n" and second.output == "[]\n"
+
+
+def test_each_live_call_holds_a_uid_no_other_live_call_has(tmp_path):
+    """RLIMIT_NPROC counts a uid's processes machine-wide: two calls sharing a uid share one thread budget. The
+    per-call uid was pid << 10 + a counter mod 2^20, which two workers' pids could make equal; now each live call
+    leases a uid (a lock file each): calls alive at once, in this process and in another, hold different ones,
+    and a uid comes free when its call ends (or its process dies)."""
+    import multiprocessing as mp
+
+    from megappo.agent.sandbox import uid_lease
+
+    ctx = mp.get_context("spawn")
+    held, release = ctx.Queue(), ctx.Event()
+    other = ctx.Process(target=_hold_a_uid, args=(tmp_path, held, release))
+    with uid_lease(tmp_path) as a, uid_lease(tmp_path) as b:
+        other.start()
+        c = held.get(timeout=60)
+        assert len({a, b, c}) == 3, (a, b, c)
+        release.set()
+        other.join(timeout=60)
+    with uid_lease(tmp_path) as again:
+        assert again == a  # the lowest free one: the files stay as few as the calls that ran at once
+    assert len(list(tmp_path.iterdir())) == 3
+
+
+def _hold_a_uid(lease_dir, held, release):
+    from megappo.agent.sandbox import uid_lease
+
+    with uid_lease(lease_dir) as uid:
+        held.put(uid)
+        release.wait(60)

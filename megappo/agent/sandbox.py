@@ -30,8 +30,9 @@ which `megappo config check` calls before any worker starts).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
-import itertools
 import json
 import os
 import select
@@ -39,6 +40,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -48,7 +50,9 @@ from typing import Optional
 ALLOWED_PACKAGES = ("numpy", "sympy", "mpmath")  # importable inside, read-only; the standard library always is
 _CHILD_SOURCE = (Path(__file__).with_name("sandbox_child.py")).read_text()
 _UID_BASE = 0x4D500000  # per-call host uids (and gids) when the worker is root: 2^20 of them above this
-_uid_counter = itertools.count()
+_UIDS = 1 << 20
+# one lock file per uid a live call holds (flock: released when the call ends or its process dies), machine-wide
+_LEASE_DIR = Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()) / "megappo-sandbox-uids"
 
 
 @dataclass(frozen=True)
@@ -111,12 +115,35 @@ def _world() -> _World:
     return _World(tuple(binds), tuple(empty), tuple(symlinks))
 
 
-def _identity(limits: Limits) -> tuple[int, int, int]:
-    """The host uid/gid the sandbox's root maps to, and its RLIMIT_NPROC (0: not enforceable)."""
-    if os.geteuid() == 0:  # an unprivileged uid of the call's own: an escape is nobody, and threads count
-        uid = _UID_BASE + ((os.getpid() << 10) + next(_uid_counter)) % (1 << 20)
-        return uid, uid, limits.max_threads + 2  # + the outer stage and the main thread
-    return os.geteuid(), os.getegid(), 0
+@contextlib.contextmanager
+def uid_lease(lease_dir: Path = _LEASE_DIR):
+    """A host uid that no other live call on this machine holds, for as long as the block runs: RLIMIT_NPROC
+    counts a uid's processes machine-wide, so two calls sharing one would share its thread budget. The lowest
+    free one (the lock files stay as few as the calls that ever ran at once); a process that dies frees its own."""
+    lease_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for n in range(_UIDS):
+        fd = os.open(lease_dir / str(n), os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a live call holds it
+            os.close(fd)
+            continue
+        try:
+            yield _UID_BASE + n
+        finally:
+            os.close(fd)
+        return
+    raise _SetupError(f"all {_UIDS} sandbox uids are held by live calls")
+
+
+@contextlib.contextmanager
+def _identity(limits: Limits):
+    """(host uid, gid the sandbox's root maps to, its RLIMIT_NPROC; 0: not enforceable) for one call."""
+    if os.geteuid() != 0:
+        yield os.geteuid(), os.getegid(), 0
+        return
+    with uid_lease() as uid:  # an unprivileged uid of the call's own: an escape is nobody, and threads count
+        yield uid, uid, limits.max_threads + 2  # + the outer stage and the main thread
 
 
 _built = False  # a probe succeeded in this process
@@ -158,12 +185,16 @@ def run_python(code: str, limits: Limits = Limits()) -> SandboxResult:
 
 
 def _run(code: str, limits: Limits) -> SandboxResult:
+    with _identity(limits) as (uid, gid, nproc):  # held until the call's processes are gone (_end)
+        return _run_as(code, limits, uid, gid, nproc)
+
+
+def _run_as(code: str, limits: Limits, uid: int, gid: int, nproc: int) -> SandboxResult:
     from megappo.agent.syscalls import build_filter
 
     t0 = time.perf_counter()
     deadline = t0 + limits.wall_s
     world, program = _world(), build_filter()
-    uid, gid, nproc = _identity(limits)
     ctl_r, ctl_w = os.pipe()
     st_r, st_w = os.pipe()
     cfg = {"ctl": ctl_r, "status": st_w, "root": "/tmp" if os.path.isdir("/tmp") else "/mnt",
