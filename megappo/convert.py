@@ -1,4 +1,4 @@
-"""`megappo convert`: HF <-> megatron-core dist checkpoint conversion (forwards to tools.convert_ckpt).
+"""`megappo convert`: HF <-> megatron-core dist checkpoint conversion (megappo/conversion).
 
     megappo convert hf-to-mcore --hf DIR --out DIR --tp T --pp P [--vpp V] [--model auto|actor|critic]
     megappo convert mcore-to-hf --ckpt DIR --out DIR [--config HF_DIR] [--dtype auto|bfloat16|...]
@@ -10,12 +10,12 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tools.convert_ckpt.cli import add_arguments as add
+    from megappo.conversion.cli import add_arguments as add
 
     add(parser)
 
 
 def main(args: argparse.Namespace) -> int:
-    from tools.convert_ckpt.cli import run
+    from megappo.conversion.cli import run
 
     return run(args)

@@ -114,8 +114,8 @@ def resolve_model(path: Path, tmp: Path) -> Path:
         except ExportError as e:
             raise EvalError(str(e)) from None
         return tmp / "hf"
-    from tools.convert_ckpt.to_hf import mcore_to_hf  # a role's dist checkpoint
-    from tools.convert_ckpt.errors import ConvertError
+    from megappo.conversion.to_hf import mcore_to_hf  # a role's dist checkpoint
+    from megappo.conversion.errors import ConvertError
 
     try:
         mcore_to_hf(path, tmp / "hf", progress=False)

@@ -3,7 +3,7 @@ a trained policy (or critic) as a plain HF model dir.
 
 DIR gets safetensors + config.json + generation_config.json + the tokenizer files, so
 `AutoModelForCausalLM.from_pretrained(DIR)` and `vllm.LLM(DIR)` load it with no megappo import. The
-tensors go through the converter's streaming megatron -> HF path (tools/convert_ckpt, the one
+tensors go through the converter's streaming megatron -> HF path (megappo/conversion, the one
 HF <-> Megatron mapping); the critic exports in the converter's reward-model layout
 (*ForSequenceClassification, `score` = the value head).
 
@@ -46,8 +46,8 @@ def export_checkpoint(ckpt, out, role: str = "actor", dtype: Optional[str] = Non
                       overwrite: bool = False, progress: bool = True) -> dict:
     """Export `role` of the megappo checkpoint `ckpt` (a step_N dir) as a HF model dir `out`."""
     from megappo.utils.checkpoint import MANIFEST, is_complete
-    from tools.convert_ckpt.to_hf import mcore_to_hf
-    from tools.convert_ckpt.errors import ConvertError
+    from megappo.conversion.to_hf import mcore_to_hf
+    from megappo.conversion.errors import ConvertError
 
     ckpt = Path(ckpt)
     if role not in ROLES:
@@ -95,7 +95,7 @@ def read_lora_adapter(role_dir, dims) -> dict:
     import re
 
     from megappo.models.lora_peft import megatron_lora_to_hf
-    from tools.convert_ckpt.dcp_io import CheckpointReader
+    from megappo.conversion.dcp_io import CheckpointReader
 
     reader = CheckpointReader(Path(role_dir))
     keys = [k for k in reader.tensors() if k.endswith(".lora_A") and ".optimizer." not in f".{k}"]  # chained_0.optimizer: MoE
@@ -135,8 +135,8 @@ def export_lora(role_dir, out, base, dtype: Optional[str] = None, overwrite: boo
         raise ExportError(f"{out} exists and is not empty; pass --overwrite or another --out")
     # float32 unless told: W + alpha/r * B @ A rounded back to a bf16 base's dtype loses much of a small delta
     # (SmolLM2's GRPO recipe after 40 steps: 60% held-out where the trained policy scored 70%)
-    from tools.convert_ckpt.errors import ConvertError
-    from tools.convert_ckpt.to_hf import _cast_dtype, _hf_output_config
+    from megappo.conversion.errors import ConvertError
+    from megappo.conversion.to_hf import _cast_dtype, _hf_output_config
 
     try:
         cast = _cast_dtype(dtype) or torch.float32  # the converter's dtype names; auto: float32 here

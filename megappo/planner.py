@@ -125,11 +125,6 @@ def stage_split(cfg, tp: int, pp: int, ep: int, head: str) -> tuple[int, int]:
     return max(dense + emb, dense + a.hidden_size + out), experts  # first stage vs last stage
 
 
-def stage_params(cfg, tp: int, pp: int, head: str, ep: int = 1) -> int:
-    """Parameters on one GPU of the worst pipeline stage (head: 'lm' or 'value')."""
-    return sum(stage_split(cfg, tp, pp, ep, head))
-
-
 def total_params(cfg) -> int:
     a = cfg.model.arch
     emb = a.vocab_size * a.hidden_size

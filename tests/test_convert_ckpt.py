@@ -1,4 +1,4 @@
-"""tools/convert_ckpt: HF -> megatron dist checkpoint -> HF is bit-exact (llama, qwen2 tied + qkv bias,
+"""megappo/conversion (megappo convert; python -m tools.convert_ckpt): HF -> megatron dist checkpoint -> HF is bit-exact (llama, qwen2 tied + qkv bias,
 mistral, a Qwen2ForSequenceClassification reward model); the converted checkpoint loads into megatron at
 other layouts and scores like transformers (`megappo logprobs --tp 2 --pp 2`; critic values at TP2);
 a checkpoint SAVED by megatron (TP-sharded chunks) exports bit-exactly; SmolLM2-135M (real, bf16)
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools.convert_ckpt import ConvertError, hf_to_mcore, mcore_to_hf
+from megappo.conversion import ConvertError, hf_to_mcore, mcore_to_hf
 from megappo.assets import hf_response_logprobs
 
 REPO = Path(__file__).resolve().parents[1]

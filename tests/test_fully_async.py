@@ -15,12 +15,12 @@ from megappo.ppo.staleness import StalenessManager, select_batch, version_stats
 from waiting import until
 
 
-def _simulate(batch_size: int, max_staleness: int, steps: int, seed: int, max_concurrent=None, drop_p=0.0):
+def _simulate(batch_size: int, max_staleness: int, steps: int, seed: int, drop_p=0.0):
     """A driver loop over random generation times: admit under the manager, finish samples in random order
     (a fraction `drop_p` of them dropped as DAPO's filter drops a group), train a batch whenever select_batch
     gives one. Returns each trained sample's staleness and the peak of samples started but not consumed."""
     rng = random.Random(seed)
-    m = StalenessManager(batch_size, max_staleness, max_concurrent)
+    m = StalenessManager(batch_size, max_staleness)
     running, done, lags, peak, nxt = {}, {}, [], 0, 0
     while m.version < steps:
         for _ in range(m.capacity()):
@@ -74,7 +74,6 @@ def test_zero_staleness_admits_one_batch_at_a_time():
     assert m.capacity() == 4
     with pytest.raises(RuntimeError, match="capacity"):
         m.on_start(5)
-    assert StalenessManager(4, 2, max_concurrent=6).capacity() == 6
 
 
 def test_select_batch_waits_for_due_samples_and_takes_oldest_first():

@@ -156,7 +156,7 @@ def test_moe_step_with_expert_parallel_equals_single_process(tiny_assets, tmp_pa
     checkpoint (model + optimizer) exports to HF bit for bit (vLLM serving Qwen3-MoE like transformers: test_hybrid_engine), and resumes in one process (EP 2 -> 1,
     TP 2 -> 1, PP 2 -> 1): the next step equals the uninterrupted TP2xPP2xDP2xEP2 one."""
     from megappo.models.gpt import SafetensorsReader
-    from tools.convert_ckpt import mcore_to_hf
+    from megappo.conversion import mcore_to_hf
 
     path, ckpt = str(tiny_assets["tiny-qwen3_moe"]), tmp_path / "step1"
     dist8 = spawn_local(_moe_worker, 8, path, ParallelLayout(tp=2, pp=2, dp=2, ep=2), str(ckpt), timeout=900)

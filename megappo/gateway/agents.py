@@ -42,8 +42,9 @@ from functools import partial
 from typing import Callable, Optional
 
 from megappo.agent.factory import load_agent  # noqa: F401 (re-exported: one loader, also config/validate's)
+from megappo.agent.loop import TURN_SEED_STRIDE
 
-SEED_STRIDE = 1_000_003  # request t of sample k is seeded base_seed + k + t * SEED_STRIDE (as agent/loop.py)
+# request t of sample k is seeded base_seed + k + t * TURN_SEED_STRIDE: the built-in loop's turns' seeds (agent/loop.py)
 STATS = ("agent_requests", "agent_segments", "agent_fallbacks", "agent_errors", "agent_timeouts",
          "agent_own_prompt", "agent_s", "agent_segment")  # agent_segment: a row's place in its session (0: first)
 
@@ -113,7 +114,7 @@ class AgentRunner:
                                                   rows[k], gate) for k in range(len(prompts))))
 
     async def sample(self, prompt: list[int], spec, seed: Optional[int], row: dict, gate: asyncio.Semaphore):
-        """One sample: the agent run on `row` in a session of its own (its requests seeded seed + t * SEED_STRIDE),
+        """One sample: the agent run on `row` in a session of its own (its requests seeded seed + t * TURN_SEED_STRIDE),
         under `gate` (at most `concurrency` at once), as a trajectory. Also what fully_async's rollout stream
         starts for each sample of a group (workers/rollout/stream.py)."""
         import openai
@@ -126,7 +127,7 @@ class AgentRunner:
             state = self.gateway.open_session(row)
             state.budget = int(spec.max_new_tokens)  # over the whole session, all its segments
             state.session.max_segments = self.max_segments
-            state.forced = {**sampling, "seed": seed, "seed_stride": SEED_STRIDE}
+            state.forced = {**sampling, "seed": seed, "seed_stride": TURN_SEED_STRIDE}
             client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=state.key, max_retries=0,
                                         timeout=self.timeout_s)
             t0, error, timed_out, returned = time.perf_counter(), None, False, None

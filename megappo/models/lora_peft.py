@@ -16,21 +16,6 @@ from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS as COLUMN_TARGET
 from megappo.parallel.weight_mapping import MOE_FAMILIES, ModelDims, hf_names, hf_to_megatron_shard, \
     megatron_shards_to_hf
 
-_PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
-
-
-def peft_state_to_modules(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """A peft adapter state dict (get_peft_model_state_dict or the model's own named_parameters) ->
-    {HF module name ('model.layers.0.self_attn.q_proj'): (A [r, in], B [out, r])}."""
-    parts: dict[str, dict] = {}
-    for k, v in state.items():
-        m = _PEFT_KEY.match(k)
-        if m:
-            parts.setdefault(m.group(1), {})[m.group(2)] = v
-    bad = [k for k, v in parts.items() if set(v) != {"A", "B"}]
-    if bad:
-        raise ValueError(f"peft adapter lacks lora_A or lora_B for {bad[:3]}")
-    return {k: (v["A"], v["B"]) for k, v in parts.items()}
 
 
 def _is_column(mcore_module: str) -> bool:

@@ -32,7 +32,7 @@ Layouts (per TP rank r of T):
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 from megappo.parallel.model_dims import (  # noqa: F401 (re-exported: the model's facts, read with its names)
     DEFAULT_VOCAB_DIVISOR, LORA_COLUMN_TARGETS, LORA_INITS, LORA_ROW_TARGETS, LORA_TARGETS, MOE_FAMILIES,
@@ -395,10 +395,3 @@ def hf_to_megatron_full(mcore_name: str, hf: Mapping[str, torch.Tensor], dims: M
     if dim is None:
         return hf_to_megatron_shard(mcore_name, hf, dims)
     return torch.cat([hf_to_megatron_shard(mcore_name, hf, dims, r, tp_size) for r in range(tp_size)], dim=dim)
-
-
-def iter_hf_to_megatron(get_hf, mcore_names: Iterable[str], dims: ModelDims, tp_rank: int, tp_size: int):
-    """Stream (mcore_name, shard) for the given names; `get_hf(name)` returns one full HF tensor."""
-    for name in mcore_names:
-        hf = {n: get_hf(n) for n in hf_names(name, dims)}
-        yield name, hf_to_megatron_shard(name, hf, dims, tp_rank, tp_size)

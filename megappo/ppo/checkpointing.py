@@ -44,7 +44,7 @@ class CheckpointingMixin:
         with self._checkpoint_errors(step):
             _wait_all([g.submit("save_checkpoint", str(ckpt.tmp), not wait) for g in self._trained_groups()])
             # each role's HF config + tokenizer next to its tensors: the checkpoint exports on its own
-            from tools.convert_ckpt.core import copy_hf_files
+            from megappo.conversion.core import copy_hf_files
 
             copy_hf_files(Path(m.path), ckpt.tmp / "actor", Path(m.tokenizer or m.path))
             if self.critic_wg is not None:

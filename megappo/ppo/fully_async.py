@@ -3,7 +3,7 @@ as enough finished groups keep every sample within trainer.max_staleness, and af
 weights reach the pool while generation is in flight (each engine pauses between two steps, loads them,
 resumes: an unfinished sample continues under the new weights, a partial rollout).
 
-    stream = GroupStream(trainer)       # the rollout pool's streams started at the trainer's version
+    stream = GroupStream(StreamSource(...))  # what it takes from the trainer; the pool's streams start at its version
     batch = stream.next_batch()         # admit groups, collect finished ones, until select_batch gives a batch
     ...the trainer's steps 2-6 on it (pi_old / proximal, ref, values, rewards, advantages, updates)...
     stream.after_update()               # weights to the pool under pause; version + 1
@@ -23,7 +23,8 @@ finished in.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -31,32 +32,45 @@ from megappo.ppo.dynamic_sampling import judge_groups
 from megappo.ppo.staleness import StalenessManager, select_batch, version_stats
 from megappo.protocol import DataProto
 
-if TYPE_CHECKING:
-    from megappo.ppo.ray_trainer import RayPPOTrainer
-
 POLL_S = 0.02  # between two collects while a batch is not ready
 
 
+@dataclass
+class StreamSource:
+    """What a GroupStream takes from the trainer, and nothing more (ppo/ray_trainer.py builds it per fit)."""
+
+    config: object  # the run's config
+    pool: object  # the rollout worker group (its stream_* methods)
+    version: int  # the trainer's global step: the policy version the stream starts at
+    sampler: object  # the train prompts' EpochSampler (its state_dict for checkpoints)
+    dataset: object  # the train RLHFDataset (get_batch)
+    sampling: object  # the rollout's SamplingSpec
+    seed_for: Callable  # step -> the SamplingSpec a sync run would seed that step's rollout with
+    score_rows: Callable  # the reward manager's score_rows (DAPO's filter)
+    sync_weights: Callable  # (receive method, bump) -> the trainer's weights to the pool, timed: its metrics
+    pad_id: int
+    resume: Optional[dict] = None  # a checkpoint's GroupStream.state_dict()[1]
+
+
 class GroupStream:
-    def __init__(self, trainer: "RayPPOTrainer"):
-        cfg = trainer.config
-        self.trainer = trainer
-        self.pool = trainer.rollout_wg
+    def __init__(self, src: StreamSource):
+        cfg = src.config
+        self.src = src
+        self.pool = src.pool
         self.B = cfg.data.train_batch_size  # groups per trained batch
         self.max_staleness = cfg.trainer.max_staleness
-        self.mgr = StalenessManager(self.B, self.max_staleness, version=trainer.global_step,
-                                    started=trainer.global_step * self.B, finished=trainer.global_step * self.B,
-                                    consumed=trainer.global_step * self.B)
+        self.mgr = StalenessManager(self.B, self.max_staleness, version=src.version, started=src.version * self.B,
+                                    finished=src.version * self.B, consumed=src.version * self.B)
         self.queue: list = []  # (group index, one-row DataProto) drawn from the sampler, not yet started
-        self.next_group = trainer.global_step * self.B  # the first group of the next sampler batch to draw
+        self.next_group = src.version * self.B  # the first group of the next sampler batch to draw
         self.consumed: set = set()  # group indices trained (those at or above the lowest untrained one matter)
         self.skip: set = set()  # resumed: groups of the redrawn sampler batches that were trained already
-        resume, trainer._stream_resume = trainer._stream_resume, None
+        resume = src.resume
         if resume is not None:  # the trainer's sampler is at the batch holding the lowest untrained group
             self.next_group = resume["low"] // self.B * self.B
             self.skip = set(range(self.next_group, resume["low"])) | set(resume["consumed"])
             self.consumed = set(resume["consumed"])
-        self.sampler_before = {self.next_group // self.B: trainer.sampler.state_dict()}  # sampler batch -> state
+        self.sampler_before = {self.next_group // self.B: src.sampler.state_dict()}  # sampler batch -> state
         self.pending: dict = {}  # uid -> (group index, start version, worker rank)
         self.done: dict = {}  # uid -> (group index, start version, DataProto rows)
         self.load = [0] * self.pool.world_size  # groups in flight per rollout worker
@@ -70,7 +84,7 @@ class GroupStream:
         if engines_tp != {cfg.rollout.tp}:
             raise RuntimeError(f"fully_async: the rollout pool's vLLM engines run at TP {sorted(engines_tp)}, not "
                                f"rollout.tp={cfg.rollout.tp}")
-        trainer._sync_rollout_weights("stream_receive_weights", False)  # the trainer's weights (resumed too), checked
+        src.sync_weights("stream_receive_weights", False)  # the trainer's weights (resumed too), checked
 
     # ---- 1. admit, collect, choose --------------------------------------------------------------------
 
@@ -86,9 +100,9 @@ class GroupStream:
                                   self.max_staleness)
             if chosen is not None:
                 break
-            if time.perf_counter() - t0 > self.trainer.config.trainer.phase_timeout_s:
+            if time.perf_counter() - t0 > self.src.config.trainer.phase_timeout_s:
                 raise TimeoutError(f"fully_async: no batch of {self.B} finished groups after trainer.phase_timeout_s="
-                                   f"{self.trainer.config.trainer.phase_timeout_s}s ({len(self.pending)} in flight, "
+                                   f"{self.src.config.trainer.phase_timeout_s}s ({len(self.pending)} in flight, "
                                    f"{len(self.done)} finished)")
             time.sleep(POLL_S)
         groups = sorted((self.done.pop(uid) for uid in chosen), key=lambda g: g[0])
@@ -96,8 +110,7 @@ class GroupStream:
         self.consumed.update(g for g, _, _ in groups)
         from megappo.workers.rollout.vllm_rollout import left_pad_prompts
 
-        batch = DataProto.concat(left_pad_prompts([rows for _, _, rows in groups],
-                                                  self.trainer.tokenizer.pad_token_id or 0))
+        batch = DataProto.concat(left_pad_prompts([rows for _, _, rows in groups], self.src.pad_id))
         metrics = version_stats(batch.batch["token_versions"], batch.batch["response_mask"], self.mgr.version,
                                 self.max_staleness, batch.batch.get("start_version"))
         if self.filter is not None:
@@ -120,8 +133,8 @@ class GroupStream:
         if k == 0:
             return
         while len(self.queue) < k:  # whole sampler batches, in order: group g = prompt g % B of step g // B + 1
-            self.sampler_before[self.next_group // self.B] = self.trainer.sampler.state_dict()
-            prompts = self.trainer.train_dataset.get_batch(next(self.trainer.sampler))
+            self.sampler_before[self.next_group // self.B] = self.src.sampler.state_dict()
+            prompts = self.src.dataset.get_batch(next(self.src.sampler))
             self.queue += [(self.next_group + i, prompts[i:i + 1]) for i in range(len(prompts))
                            if self.next_group + i not in self.skip]
             self.next_group += len(prompts)
@@ -129,7 +142,7 @@ class GroupStream:
         seeds, ranks = [], []
         for g, row in start:
             step, i = g // self.B + 1, g % self.B
-            seeds.append(self.trainer._sampling_for(step).seed + i * self.trainer.sampling.num_samples)
+            seeds.append(self.src.seed_for(step).seed + i * self.src.sampling.num_samples)
             rank = min(self.leaders, key=self.load.__getitem__)
             self.load[rank] += 1
             self.pending[row.non_tensor_batch["uid"][0]] = (g, self.mgr.version, rank)
@@ -137,9 +150,9 @@ class GroupStream:
             ranks.append(rank)
         from megappo.workers.rollout.vllm_rollout import left_pad_prompts
 
-        rows = DataProto.concat(left_pad_prompts([row for _, row in start], self.trainer.tokenizer.pad_token_id or 0))
+        rows = DataProto.concat(left_pad_prompts([row for _, row in start], self.src.pad_id))
         rows.non_tensor_batch["group_seed"] = np.array(seeds, dtype=object)
-        rows.meta_info = {"sampling": self.trainer.sampling}
+        rows.meta_info = {"sampling": self.src.sampling}
         self.mgr.on_start(len(start))
         self.pool.submit("stream_submit", rows, ranks).result()
 
@@ -166,7 +179,7 @@ class GroupStream:
     def _drop(self, rows: DataProto) -> bool:
         """DAPO: whether this finished group's responses all agree (algorithm.filter_groups.metric) and the batch's
         drop budget has room. Its rule results stay on the rows for the reward phase (a rule runs once)."""
-        score = self.trainer.reward_fn.score_rows  # its samples printed by the reward phase
+        score = self.src.score_rows  # its samples printed by the reward phase
         varied, _ = judge_groups(rows, lambda part: score(part, keep=True, examine=False), self.filter.metric)
         kind = "varied" if varied else "dropped" if self.filtered["dropped"] < self.drop_budget else "kept_flat"
         self.filtered[kind] += 1
@@ -193,8 +206,8 @@ class GroupStream:
         waits: timing/drain_s), so every sample is generated by one version."""
         self.mgr.on_update()
         timing = {}
-        if not self.trainer.config.trainer.partial_rollout:
+        if not self.src.config.trainer.partial_rollout:
             t0 = time.perf_counter()
             self.pool.submit("stream_drain").result()
             timing["timing/drain_s"] = time.perf_counter() - t0
-        return {**timing, **self.trainer._sync_rollout_weights("stream_receive_weights", True)}
+        return {**timing, **self.src.sync_weights("stream_receive_weights", True)}

@@ -262,9 +262,14 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
         inflight = self._launch_rollout(self.global_step + 1) \
             if self.async_mode and not self.fully_async and self.global_step < total else None
         if self.fully_async:
-            from megappo.ppo.fully_async import GroupStream
+            from megappo.ppo.fully_async import GroupStream, StreamSource
 
-            self.stream = GroupStream(self)
+            resume, self._stream_resume = self._stream_resume, None
+            self.stream = GroupStream(StreamSource(
+                config=cfg, pool=self.rollout_wg, version=self.global_step, sampler=self.sampler,
+                dataset=self.train_dataset, sampling=self.sampling, seed_for=self._sampling_for,
+                score_rows=self.reward_fn.score_rows, sync_weights=self._sync_rollout_weights,
+                pad_id=self.tokenizer.pad_token_id or 0, resume=resume))
         with StepProgress(total, self.global_step, self.show_progress,
                        algos.algorithm_name(cfg.algorithm.adv_estimator)) as progress, \
                 Tracking(cfg.trainer.project, cfg.trainer.experiment, self.output_dir, list(cfg.trainer.loggers),

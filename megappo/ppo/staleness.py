@@ -36,7 +36,6 @@ class StalenessManager:
 
     batch_size: int  # B: groups per trained batch
     max_staleness: int  # s: versions a trained sample may lag its start
-    max_concurrent: Optional[int] = None  # groups in generation at once (engine memory); None = no limit
     version: int = 0
     started: int = 0
     finished: int = 0
@@ -52,10 +51,7 @@ class StalenessManager:
 
     def capacity(self) -> int:
         """How many samples may start now (>= 0)."""
-        cap = (self.version + self.max_staleness + 1) * self.batch_size - self.started
-        if self.max_concurrent is not None:
-            cap = min(cap, self.max_concurrent - self.running)
-        return max(cap, 0)
+        return max((self.version + self.max_staleness + 1) * self.batch_size - self.started, 0)
 
     def on_start(self, n: int = 1) -> None:
         if n > self.capacity():

@@ -2,7 +2,7 @@
 
 import sys
 
-from tools.convert_ckpt.cli import main
+from megappo.conversion.cli import main
 
 if __name__ == "__main__":  # dist_checkpointing-style entry guard (spawned helpers re-import __main__)
     sys.exit(main())

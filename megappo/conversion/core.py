@@ -35,8 +35,8 @@ from typing import Optional
 
 from megappo.parallel.weight_mapping import (ModelDims, hf_names, is_hf_moe_tensor, megatron_name,
                                              megatron_param_names, routed_expert, transformer_config_kwargs)
-from tools.convert_ckpt.dcp_io import Item
-from tools.convert_ckpt.errors import ConvertError, read_json
+from megappo.conversion.dcp_io import Item
+from megappo.conversion.errors import ConvertError, read_json
 
 ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", "causal-lm"),

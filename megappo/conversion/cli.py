@@ -1,4 +1,4 @@
-"""Command line of the checkpoint converter (`python -m tools.convert_ckpt ...` and `megappo convert ...`)."""
+"""Command line of the checkpoint converter (`megappo convert ...`, and `python -m tools.convert_ckpt ...` from a checkout)."""
 
 from __future__ import annotations
 
@@ -45,10 +45,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from tools.convert_ckpt.errors import ConvertError
+    from megappo.conversion.errors import ConvertError
 
     try:
-        from tools.convert_ckpt import hf_to_mcore, mcore_to_hf
+        from megappo.conversion import hf_to_mcore, mcore_to_hf
 
         if args.direction == "hf-to-mcore":
             info = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, model=args.model,

@@ -12,12 +12,12 @@ from typing import Optional
 import torch
 
 from megappo.parallel.weight_mapping import ModelDims, hf_to_megatron_full, is_hf_moe_tensor
-from tools.convert_ckpt.core import (FORMAT, INFO_FILE, Progress, Unit, atomic_dir, check_out, checked_dims,
+from megappo.conversion.core import (FORMAT, INFO_FILE, Progress, Unit, atomic_dir, check_out, checked_dims,
                                      copy_side_files, extra_state_items, fast_kind, hf_shape, load_config_object,
                                      log, megatron_units, read_hf_config)
-from tools.convert_ckpt.dcp_io import Item, save_lazy
-from tools.convert_ckpt.errors import ConvertError
-from tools.convert_ckpt.safetensors_io import SafetensorsDir
+from megappo.conversion.dcp_io import Item, save_lazy
+from megappo.conversion.errors import ConvertError
+from megappo.conversion.safetensors_io import SafetensorsDir
 
 
 def hf_to_mcore(hf_dir, out_dir, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, model: str = "auto",

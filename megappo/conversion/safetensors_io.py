@@ -17,7 +17,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from tools.convert_ckpt.errors import ConvertError
+from megappo.conversion.errors import ConvertError
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -13,12 +13,12 @@ from typing import Optional
 import torch
 
 from megappo.parallel.weight_mapping import ModelDims, megatron_shards_to_hf
-from tools.convert_ckpt.core import (SEQ_CLS, SIDE_FILES, Progress, Unit, atomic_dir, check_out, checked_dims,
+from megappo.conversion.core import (SEQ_CLS, SIDE_FILES, Progress, Unit, atomic_dir, check_out, checked_dims,
                                      copy_side_files, fast_kind, hf_shape, load_config_object, log,
                                      megatron_units, read_hf_config)
-from tools.convert_ckpt.dcp_io import CheckpointReader
-from tools.convert_ckpt.errors import ConvertError
-from tools.convert_ckpt.safetensors_io import ShardedWriter, parse_size
+from megappo.conversion.dcp_io import CheckpointReader
+from megappo.conversion.errors import ConvertError
+from megappo.conversion.safetensors_io import ShardedWriter, parse_size
 
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,

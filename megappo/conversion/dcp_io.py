@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, ReadIte
                                                   WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from tools.convert_ckpt.errors import ConvertError, read_json
+from megappo.conversion.errors import ConvertError, read_json
 
 # megatron's dist_checkpointing config file (megatron.core.dist_checkpointing.core.CheckpointingConfig)
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
