@@ -92,3 +92,17 @@ def test_bad_metric_values_and_log_after_close(tmp_path):
     t.close()  # idempotent
     with pytest.raises(RuntimeError, match="after close"):
         t.log({"x": 1.0}, step=1)
+
+
+def test_console_shows_the_chosen_keys_and_counts_the_rest(tmp_path):
+    """`make demo` printed every metric (~3,000 characters a step) under the progress bar: with console_keys the
+    line holds those (labelled, in order, when logged) and says how many more went to the files; jsonl keeps all."""
+    console = Console(record=True, width=300, color_system=None)
+    metrics = {"objective/scores": 0.25, "objective/kl": 0.001234567, **{f"x/{i}": float(i) for i in range(40)}}
+    with Tracking("p", "e", tmp_path, backends=("console", "jsonl"), console=console,
+                  console_keys=[("score", "objective/scores"), ("eval", "eval/score"), ("kl", "objective/kl")]) as t:
+        t.log(metrics, step=3)
+    line = console.export_text().strip()
+    assert line == "step 3 | score=0.25 | kl=0.001235  (+40 more in jsonl)", line
+    assert len(read_metrics(tmp_path)[0]) == 1 + len(metrics)
+

@@ -262,8 +262,8 @@ class RolloutConfig:
     # with actor.lora, what each weight sync sends vLLM. merged: every weight with the adapters folded in
     # (any vLLM path; fingerprints on the merged tensors). adapter: the base once, then only the adapters,
     # as a peft dir loaded by vLLM's own LoRA serving (enable_lora; a new LoRARequest per sync): the base
-    # fingerprinted at every sync, the adapters checked by the vLLM-vs-Megatron log-prob gap (sync and async
-    # mode; not fully_async)
+    # fingerprinted at every sync, the adapters checked by the vLLM-vs-Megatron log-prob gap (every mode; in
+    # fully_async the samples in flight are re-prefilled under each new adapter, and rollout.tp must be 1)
     lora_sync: str = "merged"
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     # your own agent (docs/agents.md): "my_pkg.my_agent:run" or "/path/agent.py:run", an

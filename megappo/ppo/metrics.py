@@ -72,6 +72,14 @@ OPEN_INSTRUCT_KEYS = (
     "loss/policy_avg", "loss/value_avg", "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg",
     "val/sequence_lengths", "val/num_stop_token_ids", "time/from_scratch", "time/training",
 )
+# the console's line per step (label, key): what a newcomer watches; every metric goes to metrics.jsonl and
+# TensorBoard (utils/tracking.py)
+CONSOLE_KEYS = (
+    ("score", "objective/scores"), ("correct", "objective/verifiable_correct_rate"),
+    ("eval_correct", "eval/verifiable_correct_rate"), ("kl", "objective/kl"), ("pg_loss", "loss/policy_avg"),
+    ("vf_loss", "loss/value_avg"), ("len", "response_length/mean"), ("staleness", "async/sample_staleness_mean"),
+    ("s/step", "timing/step_s"),
+)
 
 
 def kl_metrics(old_log_probs: torch.Tensor, ref_log_prob: torch.Tensor, mask: torch.Tensor, beta: float,

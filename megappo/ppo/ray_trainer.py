@@ -62,7 +62,7 @@ from megappo.ppo import core_algos as algos
 from megappo.ppo.checkpointing import CheckpointingMixin
 from megappo.ppo.dynamic_sampling import filter_groups
 from megappo.ppo.losses import PolicyLoss, ValueLoss
-from megappo.ppo.metrics import eval_metrics, kl_metrics, step_metrics
+from megappo.ppo.metrics import CONSOLE_KEYS, eval_metrics, kl_metrics, step_metrics
 from megappo.ppo.reward_curve import plot_reward_curve
 from megappo.ppo.run_control import PreemptionSignals, StepProgress
 from megappo.ppo.segments import Segments
@@ -273,7 +273,8 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
         with StepProgress(total, self.global_step, self.show_progress,
                        algos.algorithm_name(cfg.algorithm.adv_estimator)) as progress, \
                 Tracking(cfg.trainer.project, cfg.trainer.experiment, self.output_dir, list(cfg.trainer.loggers),
-                         config=cfg, console=progress.console, resume_step=self.global_step) as tracker:
+                         config=cfg, console=progress.console, resume_step=self.global_step,
+                         console_keys=CONSOLE_KEYS) as tracker:
             for step in range(self.global_step + 1, total + 1):
                 metrics, inflight = self._run_step(step, inflight, start)
                 # 7. the previous step's background save made whole, validation, checkpoint (written

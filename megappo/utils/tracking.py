@@ -1,7 +1,9 @@
 """Experiment tracking: one `Tracking` object fans each step's metrics out to several backends.
 
 Backends (pick with `backends=`):
-- "console": one compact rich line per step, keys sorted, floats with 4 significant digits;
+- "console": one compact rich line per step, floats with 4 significant digits: the `console_keys` given
+  (label, key; those logged that step), then how many more went to the other backends; without
+  console_keys every key, sorted;
 - "jsonl": `<output_dir>/metrics.jsonl`, one JSON object `{"step": step, **metrics}` per `log` call,
   flushed at once so a crash loses nothing. JSON has no NaN/Infinity, so non-finite values are
   written as `null`; `read_metrics` turns them back into NaN (the sign of an infinity is lost);
@@ -73,6 +75,7 @@ class Tracking:
         config: Mapping[str, Any] | None = None,
         console: Any = None,
         resume_step: int | None = None,
+        console_keys: Iterable[tuple[str, str]] | None = None,
     ) -> None:
         names = [backends] if isinstance(backends, str) else list(backends)
         unknown = [b for b in names if b not in VALID_BACKENDS]
@@ -108,6 +111,7 @@ class Tracking:
 
                 console = Console()
             self._console = console
+        self.console_keys = None if console_keys is None else list(console_keys)
 
         self._jsonl = None
         self.metrics_path = self.output_dir / "metrics.jsonl"
@@ -134,10 +138,16 @@ class Tracking:
             from rich.text import Text
 
             line = Text(f"step {step}", style="bold")
-            for k in sorted(values):
+            shown = [(k, k) for k in sorted(values)] if self.console_keys is None else \
+                [(label, k) for label, k in self.console_keys if k in values]
+            for label, k in shown:
                 line.append(" | ", style="dim")
-                line.append(f"{k}=", style="cyan")
+                line.append(f"{label}=", style="cyan")
                 line.append(_fmt(values[k]))
+            if len(shown) < len(values):
+                others = [b for b in ("jsonl", "tensorboard", "wandb") if b in self.backends]
+                line.append(f"  (+{len(values) - len(shown)} more" + (f" in {', '.join(others)})" if others else ")"),
+                            style="dim")
             self._console.print(line, soft_wrap=True)
         if self._jsonl is not None:
             row = {"step": step}
