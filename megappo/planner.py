@@ -70,7 +70,10 @@ from megappo.parallel.layout import same_layout
 from megappo.parallel.weight_mapping import MOE_FAMILIES, padded_vocab_size
 from megappo.config.validate import validate_config
 
-GB = 1024**3
+GB = 1024**3  # "GB" in this module is GiB, as the GPU reports its memory (resources.gpu_memory_gb)
+# a layout fits only with this share of the GPU left free: allocator fragmentation, NCCL's buffers past the
+# estimate, kernels' workspaces; the plan is an estimate, not a measurement
+HEADROOM = 0.05
 OVERHEAD_GB = 3.0
 CUDA_CONTEXT_GB = 0.6
 ROLES = ("actor", "critic", "ref")
@@ -300,7 +303,8 @@ def plan(cfg) -> dict:
         "phases_gb": {k: round(v, 2) for k, v in phases.items()},
         "peak_phase": peak_phase,
         "peak_gpu_gb": round(phases[peak_phase], 2),
-        "fits": phases[peak_phase] <= gpu_gb and vllm_gb > vllm_weights_gb,
+        "usable_gpu_gb": round((1 - HEADROOM) * gpu_gb, 2),
+        "fits": phases[peak_phase] <= (1 - HEADROOM) * gpu_gb and vllm_gb > vllm_weights_gb,
         "processes_per_gpu": processes,
         "host_offload_gb_per_gpu": round(host_gb, 2),
         "host_offload_gb_per_node": round(host_gb * cfg.resources.workers_per_node, 1),
@@ -452,8 +456,8 @@ def main(args: argparse.Namespace) -> int:
 
 def refusal(result: dict) -> str:
     phase = result["peak_phase"]
-    msg = (f"layout does not fit: the {phase} phase needs {result['peak_gpu_gb']:.1f} GB per GPU but the GPU has "
-           f"{result['gpu_mem_gb']:.0f} GB")
+    msg = (f"layout does not fit: the {phase} phase needs {result['peak_gpu_gb']:.1f} GiB per GPU but the GPU has "
+           f"{result['gpu_mem_gb']:g} GiB, {result['usable_gpu_gb']:g} of them usable ({HEADROOM:.0%} kept free)")
     vllm = result["roles"]["rollout"]
     if vllm["vllm_gb"] <= vllm["weights_gb"]:
         msg += "; vLLM's share is smaller than its weights (raise rollout.tp or rollout.gpu_memory_utilization)"
@@ -469,7 +473,7 @@ def refusal(result: dict) -> str:
 
 
 def render(result: dict) -> str:
-    lines = [f"{result['total_params_b']}B params on {result['gpus']} GPUs x {result['gpu_mem_gb']:.0f} GB; "
+    lines = [f"{result['total_params_b']}B params on {result['gpus']} GPUs x {result['gpu_mem_gb']:g} GiB; "
              f"layouts: " + ", ".join(f"{k} {v}" for k, v in result["layout"].items())]
     lines.append(f"{'role':8} {'params/GPU':>11} {'experts':>9} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8}"
                  "  offload")

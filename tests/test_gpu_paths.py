@@ -294,3 +294,19 @@ def test_gpu_check_refuses_an_unknown_scenario():
     res = subprocess.run([sys.executable, "tools/gpu_check.py", "--only", "tp1,moe"], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 2 and "--only moe: no such scenario; choose from tp1, tp2" in res.stderr, res.stderr
+
+
+def test_batch_invariant_rollouts_on_a_gpu_set_vllms_switch(monkeypatch):
+    """rollout.batch_invariant: vLLM's batch-invariant kernels on a GPU (its logits otherwise depend on the batch,
+    so exact resume and replica-count independence hold on CPU only); nothing changes on the CPU."""
+    from megappo.workers.rollout import vllm_env
+
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "VLLM_BATCH_INVARIANT"})
+    monkeypatch.setattr(vllm_env, "on_gpu", lambda: False)
+    vllm_env.setup_env(1, batch_invariant=True)
+    assert "VLLM_BATCH_INVARIANT" not in os.environ
+    monkeypatch.setattr(vllm_env, "on_gpu", lambda: True)
+    vllm_env.setup_env(1, batch_invariant=False)
+    assert "VLLM_BATCH_INVARIANT" not in os.environ
+    vllm_env.setup_env(1, batch_invariant=True)
+    assert os.environ["VLLM_BATCH_INVARIANT"] == "1"

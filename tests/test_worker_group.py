@@ -481,6 +481,27 @@ def test_the_weight_sync_rendezvous_is_the_nodes_address_not_loopback(ray_sessio
         s.bind((host, port))
 
 
+def test_rollout_engines_load_no_checkpoint_unless_vllm_keeps_its_own_base(monkeypatch):
+    """Every rollout engine of a run samples only after a weight sync brought the trainer's weights, so it is built
+    with vLLM's dummy load format (a 70B job's 64 ranks read the checkpoint against the worker timeout, for vLLM to
+    throw it away at its first sleep); adapter sync alone keeps the base vLLM loads (only adapters are sent). The
+    trainer runs (their log-probs equal Megatron's, their fingerprints pass) show the dummy weights never sample."""
+    from megappo.config.schema import MegappoConfig
+    from megappo.workers.roles import ActorRolloutRefWorker
+    from megappo.workers.rollout.vllm_rollout import VLLMRollout
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29556")
+    seen = []
+    monkeypatch.setattr(VLLMRollout, "from_config",
+                        classmethod(lambda cls, cfg, load_format="auto": seen.append(load_format) or object()))
+    cfg = MegappoConfig()
+    ActorRolloutRefWorker(cfg, "rollout").init_rollout()
+    cfg.actor.lora.rank, cfg.rollout.lora_sync = 8, "adapter"
+    ActorRolloutRefWorker(cfg, "rollout").init_rollout()
+    assert seen == ["dummy", "auto"]
+
+
 def test_actor_rollout_ref_roles_are_chosen_by_config():
     from megappo.config.schema import MegappoConfig
     from megappo.workers.roles import ActorRolloutRefWorker

@@ -91,7 +91,9 @@ class ResourcesConfig:
     nodes: int = 1
     workers_per_node: int = 2  # GPUs per node on GPU; worker processes per node on CPU
     cpus_per_worker: int = 1
-    gpu_memory_gb: float = 80.0  # per GPU, for the planner
+    # per GPU, for the planner: GiB as the device reports it (torch.cuda.get_device_properties(0).total_memory / 2**30:
+    # 79.6 on an 80 GB H100 or A100, 139.8 on a 141 GB H200); a plan must leave 5% of it free (planner.HEADROOM)
+    gpu_memory_gb: float = 79.6
     # async mode: rollout runs on its own pool of this many workers (0 = colocated hybrid engine)
     rollout_workers: int = 0
     # roles with the actor's layout share its worker processes (the ref always did; the critic too
@@ -255,6 +257,10 @@ class RolloutConfig:
     # needs weight_load direct)
     cpu_linear: str = "packed"
     enforce_eager: bool = True
+    # GPU: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1; slower). Without them a GPU's logits depend on
+    # what else is in the batch, so a resumed run, or one with another replica count, samples other tokens from the
+    # same seeds; on CPU they do not (megappo's exact-resume and replica-count claims are measured there)
+    batch_invariant: bool = False
     free_cache_engine: bool = True  # GPU: put vLLM to sleep outside rollout (KV cache freed)
     # what sleep does with vLLM's weights: 2 = discard them (the hybrid engine re-syncs every weight
     # before each rollout anyway), 1 = keep a pinned host copy (host RAM: the model's weights per GPU)

@@ -368,7 +368,12 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
         cfg = self.config
         if not self.is_rollout:
             raise RuntimeError(f"ActorRolloutRefWorker(role={self.role!r}) has no rollout")
-        self.rollout = VLLMRollout.from_config(cfg)
+        # every rollout engine of a run samples only after a weight sync has sent it the trainer's weights (the
+        # hybrid engine's each rollout, the async pools' first sync before any generation): reading model.path
+        # here as well would be 64 ranks reading a 70B checkpoint for vLLM to discard at its first sleep. Not with
+        # adapter sync, whose vLLM keeps the base it loaded (only the adapters are ever sent)
+        adapters_only = cfg.actor.lora.rank > 0 and cfg.rollout.lora_sync == "adapter"
+        self.rollout = VLLMRollout.from_config(cfg, load_format="auto" if adapters_only else "dummy")
         if self.actor is not None:
             self.hybrid = HybridEngine(self.actor, self.rollout, bucket_mb=cfg.rollout.weight_sync_bucket_mb)
             self.on_release.append(self.hybrid.close)

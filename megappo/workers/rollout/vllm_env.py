@@ -40,8 +40,10 @@ def on_gpu() -> bool:
     return device.on_gpu()
 
 
-def setup_env(tp: int = 1) -> None:
-    """Environment vLLM needs, set before `import vllm` (idempotent; explicit user values win)."""
+def setup_env(tp: int = 1, batch_invariant: bool = False) -> None:
+    """Environment vLLM needs, set before `import vllm` (idempotent; explicit user values win). `batch_invariant`
+    (rollout.batch_invariant, GPU only): vLLM's batch-invariant kernels, so a request's logits do not depend on
+    the rest of its batch (the CPU kernels already do not)."""
     global _ENV_DONE
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -53,6 +55,8 @@ def setup_env(tp: int = 1) -> None:
     if on_gpu():
         for k, v in ONE_GPU_PER_PROCESS_ENV.items():
             os.environ.setdefault(k, v)
+        if batch_invariant:
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"
     else:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         if tp > 1 or (torch.distributed.is_available() and torch.distributed.is_initialized()):

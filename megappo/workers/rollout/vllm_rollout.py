@@ -109,7 +109,7 @@ class VLLMRollout:
         self.default_sampling = SamplingSpec.from_config(self.config)
         self._calls = 0
         self.sleeping = False
-        setup_env(self.tp)
+        setup_env(self.tp, batch_invariant=bool(getattr(self.config, "batch_invariant", False)))
         check_vllm_build(on_gpu())
         import torch.distributed as dist
 
@@ -160,11 +160,12 @@ class VLLMRollout:
                 raise ConfigError(problem)
 
     @classmethod
-    def from_config(cls, cfg) -> "VLLMRollout":
-        """The rollout engine of a run's config (model, rollout section, seed, dtype, lengths)."""
+    def from_config(cls, cfg, load_format: str = "auto") -> "VLLMRollout":
+        """The rollout engine of a run's config (model, rollout section, seed, dtype, lengths). `load_format`
+        "dummy": the weights are not read from model.path (the trainer's arrive with the first weight sync)."""
         from megappo.gateway.agents import agent_builder
 
-        return cls(cfg.model.path, cfg.rollout, seed=cfg.trainer.seed,
+        return cls(cfg.model.path, cfg.rollout, seed=cfg.trainer.seed, load_format=load_format,
                    dtype={"auto": None, "fp32": "float32", "bf16": "bfloat16"}[cfg.model.dtype],
                    max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
                    tokenizer_path=cfg.model.tokenizer or cfg.model.path,
