@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 
 # a template that trims assistant text (as Qwen's do) and knows nothing of tool_calls
+MAX_TOKENS, MAX_LEN = 24, 512  # the session's served gateway (conftest `served`)
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
             "{% if m.role == 'assistant' %}{{ m.content | trim }}{% else %}{{ m.content }}{% endif %}<|im_end|>\n"
             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -68,3 +69,27 @@ def serve_process(model, *args: str, key: str = "k-test-123", timeout: float = 1
                 proc.wait()
             log.seek(0)
             proc.log = log.read()
+
+
+def served_gateway(tiny_assets):
+    """A gateway over one vLLM engine of the tiny llama (its module's fixture `served`: per module, as vLLM's
+    in-process engines share the process's distributed state, which an engine torn down in another module ends):
+    yields (rollout, engine, gateway, url). A test that loads other weights puts the old back."""
+    from megappo.config.schema import RolloutConfig
+    from megappo.gateway.app import Gateway, make_app
+    from megappo.gateway.engine import AsyncTokenEngine
+    from megappo.gateway.serve import GatewayServer
+    from megappo.workers.rollout.vllm_rollout import VLLMRollout
+
+    rollout = VLLMRollout(tiny_assets["tiny-llama"], RolloutConfig(max_new_tokens=MAX_TOKENS, kv_cache_memory_mb=32),
+                          seed=0, dtype="float32", max_model_len=MAX_LEN)
+    rollout.tokenizer.chat_template = TEMPLATE
+    engine = AsyncTokenEngine.for_llm(rollout.llm)
+    gateway = Gateway(engine, rollout.tokenizer, model_name="tiny", max_model_len=MAX_LEN, max_tokens=MAX_TOKENS,
+                      tool_prompt="You may call these tools:\n{tools}")
+    server = GatewayServer(make_app(gateway))
+    server.start()
+    yield rollout, engine, gateway, server.url
+    server.stop()
+    engine.close()
+

@@ -472,6 +472,12 @@ def test_ppo_run_with_your_own_openai_sdk_agent(ray_session, tiny_assets, data_d
     history, _ = run(cfg, setup=spy_rewards)
     sessions = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(history) == 2 and len(batches) == 2
+    # the failures are visible beside their count: each step's distinct errors in <output_dir>/agent_errors.log
+    logged = (tmp_path / "run" / "agent_errors.log").read_text().splitlines()
+    for step, h in enumerate(history, 1):
+        counts = [int(line.split(": ", 1)[1].split(" x ")[0]) for line in logged if line.startswith(f"step {step}: ")]
+        assert sum(counts) == h["rollout/agent_errors"] and counts, logged
+    assert all("RuntimeError: this agent fails on some rows" in line for line in logged), logged
     trained, expected = [], []
     for h, batch in zip(history, batches):
         b = batch.batch

@@ -20,32 +20,16 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import pytest  # noqa: E402
 
-from gateway_helpers import TEMPLATE, serve_process  # noqa: E402
+from gateway_helpers import MAX_LEN, MAX_TOKENS, TEMPLATE, serve_process, served_gateway  # noqa: E402
 from waiting import until, wait_for  # noqa: E402
 
-MAX_TOKENS, MAX_LEN = 24, 512
 LONG = " ".join(["the water is one of the answer"] * 22)  # > 128 tokens: a prompt whose first block vLLM caches
 
 
 @pytest.fixture(scope="module")
 def served(tiny_assets):
-    from megappo.config.schema import RolloutConfig
-    from megappo.gateway.app import Gateway, make_app
-    from megappo.gateway.engine import AsyncTokenEngine
-    from megappo.gateway.serve import GatewayServer
-    from megappo.workers.rollout.vllm_rollout import VLLMRollout
+    yield from served_gateway(tiny_assets)
 
-    rollout = VLLMRollout(tiny_assets["tiny-llama"], RolloutConfig(max_new_tokens=MAX_TOKENS, kv_cache_memory_mb=32),
-                          seed=0, dtype="float32", max_model_len=MAX_LEN)
-    rollout.tokenizer.chat_template = TEMPLATE
-    engine = AsyncTokenEngine.for_llm(rollout.llm)
-    gateway = Gateway(engine, rollout.tokenizer, model_name="tiny", max_model_len=MAX_LEN, max_tokens=MAX_TOKENS,
-                      tool_prompt="You may call these tools:\n{tools}")
-    server = GatewayServer(make_app(gateway))
-    server.start()
-    yield rollout, engine, gateway, server.url
-    server.stop()
-    engine.close()
 
 
 CALC = {"type": "function", "function": {"name": "calculator", "description": "exact arithmetic",
@@ -415,13 +399,14 @@ def test_bad_input_is_a_4xx_with_one_line_and_loses_nothing(served):
         "max_tokens past the budget": ("/v1/chat/completions", {**ok, "max_tokens": MAX_TOKENS + 1}, mine.key, 400,
                                        "past this server's budget"),
         "context past max_model_len": ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}]},
-                                       mine.key, 400, "exceed max_model_len"),
-        "n > 1": ("/v1/chat/completions", {**ok, "n": 2}, mine.key, 400, "open one session per sample"),
+                                       mine.key, 400, "fills max_model_len=512"),
+        "n > 1 in a session": ("/v1/chat/completions", {**ok, "n": 2}, mine.key, 400, "open one session per sample"),
         "stream_options not an object": ("/v1/chat/completions", {**ok, "stream": True, "stream_options": "usage"},
                                          mine.key, 400, "stream_options must be an object"),
         "bad messages": ("/v1/chat/completions", {"messages": [{"content": "x"}]}, mine.key, 400, "role"),
-        "another model": ("/v1/chat/completions", {**ok, "model": "gpt-4"}, mine.key, 404, "not served here"),
         "max_tokens 0": ("/v1/chat/completions", {**ok, "max_tokens": 0}, mine.key, 400, "positive integer"),
+        "JSON mode": ("/v1/chat/completions", {**ok, "response_format": {"type": "json_object"}}, mine.key, 400,
+                      "response_format is not supported"),
         "a seed past int64": ("/v1/chat/completions", {**ok, "seed": 2 ** 63}, mine.key, 400, "seed=9223372036854775808"),
         "token ids out of the vocabulary": ("/v1/completions", {"prompt": [10**9], "max_tokens": 2}, mine.key, 400,
                                             "out of vocabulary"),
@@ -576,8 +561,71 @@ def test_bring_your_own_agent_trajectories(served, tmp_path):
     assert envs.score("arithmetic", good[0].turns, "3", True) == 2.5  # the agent's reward wins
     no_reward = [{"role": "assistant", "text": "The answer is 3"}, {"role": "reward", "value": None}]
     assert envs.score("arithmetic", no_reward, "3", True) == envs.score("arithmetic", no_reward[:1], "3", True)
-    with pytest.raises(ValueError, match="not an async function"):
+    with pytest.raises(ValueError, match=r"must take \(client, row\)"):  # json.dumps(obj) takes one argument
         load_agent("json:dumps")
+    with pytest.raises(ValueError, match="is a str, not something to call"):
+        load_agent("json:__name__")
+
+
+FORMS = '''
+import json
+import time
+
+
+def plain(client, row):  # synchronous and blocking: it must not hold up the other samples
+    start = time.monotonic()
+    time.sleep(0.5)
+    r = client.chat.completions.create(model="gpt-4o-mini", messages=row["messages"], max_tokens=16)
+    with open(row["log"], "w") as f:
+        json.dump([start, time.monotonic()], f)
+    return float(len(r.choices[0].message.content or "") >= 0)
+
+
+class Graph:  # an object whose __call__ is a coroutine (a framework's agent wrapped in a class)
+    async def __call__(self, client, row):
+        r = await client.chat.completions.create(model="anything/at-all", messages=row["messages"], max_tokens=16,
+                                                 temperature=0.1, extra_body={"top_k": 3})
+        return 1.0
+
+
+graph = Graph()
+'''
+
+
+@pytest.mark.parametrize("target", ["plain", "graph"])
+def test_your_own_agent_in_any_form_samples_with_the_rollouts_settings(served, tmp_path, target):
+    """rollout.agent may be a plain function (run in a thread with a synchronous OpenAI client, so a slow one does
+    not hold up the others: 4 sleeping 0.5 s each finish together, not one after another) or an object with an
+    async __call__ (both were refused), under any model name. Its requests sample with the rollout's settings
+    whatever they ask: the rollout's temperature, its top_k and stop_token_ids (top_k was not applied at all): with
+    top_k 1 and the same seed every sample is the greedy one."""
+    from megappo.gateway.agents import AgentRunner
+    from megappo.workers.rollout.sampling import SamplingSpec
+
+    rollout, _, gateway, _ = served
+    (tmp_path / "forms.py").write_text(FORMS)
+    rows = [{"messages": [{"role": "user", "content": f"What is {k} + 3?"}], "log": str(tmp_path / f"{k}.json")}
+            for k in range(4)]
+    prompts = [gateway.renderer.prompt_ids(r["messages"]) for r in rows]
+    runner = AgentRunner(rollout.llm, rollout.tokenizer, f"{tmp_path / 'forms.py'}:{target}", max_model_len=MAX_LEN,
+                         max_tokens=MAX_TOKENS, concurrency=4, timeout_s=30)
+
+    def greedy(seed, **kw):  # top_k 1 (the rollout's): whatever the seed, the greedy tokens
+        return runner.run(prompts, SamplingSpec(n=1, temperature=1.0, top_k=1, max_new_tokens=16, seed=seed, **kw),
+                          seed, rows)
+
+    try:
+        first, other = greedy(5), greedy(9)
+        stopped = greedy(5, stop_token_ids=(first[0].tokens[1],))
+    finally:
+        runner.close()
+    for a, b in zip(first, other):
+        assert a.stats["agent_errors"] == 0 and a.turns[-1]["value"] == 1.0, a.turns
+        assert len(a.tokens) >= 2 and a.tokens == b.tokens  # top_k 1 applied: the seed changes nothing
+    assert stopped[0].tokens == first[0].tokens[:2]  # the rollout's stop token ends the agent's sample
+    if target == "plain":  # run off the event loop: every one started before any finished
+        spans = [json.loads(open(r["log"]).read()) for r in rows]
+        assert max(s for s, _ in spans) < min(e for _, e in spans), spans
 
 
 # ---- requests whose caller stopped waiting, seeds of resubmitted requests -------------------------------

@@ -25,8 +25,15 @@ def agent_loop_builder(multi_turn) -> Optional[Callable]:
     return partial(AgentLoop, config=multi_turn)
 
 
+def is_async_agent(fn) -> bool:
+    """An agent whose call is a coroutine: an `async def`, or an object whose `__call__` is one (a class instance
+    holding a framework's agent); anything else is called in a thread, with a synchronous client."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
 def load_agent(target: str) -> Callable:
-    """'pkg.module:fn' or '/path/to/file.py:fn' -> the async agent function (one line when it is not one)."""
+    """'pkg.module:fn' or '/path/to/file.py:fn' -> the agent: an async or a plain function, or a callable object,
+    taking (client, row) (one line when it is not one)."""
     from megappo.rewards.rules import _import_file, is_file, split_target
 
     module, name = split_target("rollout.agent", target, "my_pkg.my_agent:run")
@@ -36,10 +43,11 @@ def load_agent(target: str) -> Callable:
     except (ImportError, AttributeError, OSError) as e:
         raise ValueError(f"rollout.agent={target}: cannot load it ({type(e).__name__}: {e}); put the module on "
                          "PYTHONPATH or fix the name") from None
-    if not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"rollout.agent={target} is not an async function; write `async def {name}(client, row)`")
+    if not callable(fn):
+        raise ValueError(f"rollout.agent={target} is a {type(fn).__name__}, not something to call; name a function "
+                         "or an object with __call__(client, row)")
     try:
         inspect.signature(fn).bind(None, None)
-    except TypeError:
+    except (TypeError, ValueError):
         raise ValueError(f"rollout.agent={target} must take (client, row): an OpenAI client and the row") from None
     return fn

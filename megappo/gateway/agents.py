@@ -41,7 +41,7 @@ import time
 from functools import partial
 from typing import Callable, Optional
 
-from megappo.agent.factory import load_agent  # noqa: F401 (re-exported: one loader, also config/validate's)
+from megappo.agent.factory import is_async_agent, load_agent  # noqa: F401 (load_agent re-exported: one loader)
 from megappo.agent.loop import TURN_SEED_STRIDE
 
 # request t of sample k is seeded base_seed + k + t * TURN_SEED_STRIDE: the built-in loop's turns' seeds (agent/loop.py)
@@ -121,19 +121,25 @@ class AgentRunner:
 
         from megappo.gateway.app import as_reward
 
+        # the rollout's sampling, whatever the agent asks for (the trainer scores what this distribution sampled)
         sampling = {"temperature": spec.temperature if spec.do_sample else 0.0,
-                    "top_p": spec.top_p if spec.do_sample else 1.0}
+                    "top_p": spec.top_p if spec.do_sample else 1.0, "top_k": spec.top_k if spec.do_sample else -1,
+                    "stop_token_ids": list(spec.stop_token_ids)}
         async with gate:
             state = self.gateway.open_session(row)
             state.budget = int(spec.max_new_tokens)  # over the whole session, all its segments
             state.session.max_segments = self.max_segments
             state.forced = {**sampling, "seed": seed, "seed_stride": TURN_SEED_STRIDE}
-            client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=state.key, max_retries=0,
-                                        timeout=self.timeout_s)
+            blocking = not is_async_agent(self.fn)  # a plain function: in a thread, with the synchronous client
+            client = (openai.OpenAI if blocking else openai.AsyncOpenAI)(
+                base_url=self.url + "/v1", api_key=state.key, max_retries=0, timeout=self.timeout_s)
             t0, error, timed_out, returned = time.perf_counter(), None, False, None
             try:
-                # its own task: an agent that cancels itself cancels that task, not the rollout's
-                run = asyncio.ensure_future(self.fn(client, {**row, "session_id": state.id}))
+                # its own task: an agent that cancels itself cancels that task, not the rollout's; a synchronous
+                # one runs off the event loop, so the other samples' agents (and the gateway) go on meanwhile
+                job = asyncio.to_thread(self.fn, client, {**row, "session_id": state.id}) if blocking \
+                    else self.fn(client, {**row, "session_id": state.id})
+                run = asyncio.ensure_future(job)
                 returned = await asyncio.wait_for(run, self.timeout_s)
             except asyncio.TimeoutError:
                 timed_out = True
@@ -144,7 +150,10 @@ class AgentRunner:
             except Exception as e:  # noqa: BLE001 - a user's agent failing on one sample drops that sample
                 error = f"{type(e).__name__}: {e}"
             finally:
-                await client.close()
+                if blocking:
+                    client.close()
+                else:
+                    await client.close()
             reward = None
             if returned is not None and error is None:
                 try:

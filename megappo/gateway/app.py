@@ -6,17 +6,23 @@
     ...                                          # the agent calls the model as often as it likes
     record = gw.close_session(s.id)              # segments: the ids as sampled, masks, log-probs, versions
 
-OpenAI endpoints (a session's key in `Authorization: Bearer`): `POST /v1/chat/completions` (messages,
-`tools` shown through the chat template, tool calls read into `tool_calls` in the model's format:
-Hermes `<tool_call>` blocks, or `tool_parser`, one of vLLM's parsers by name (tool_calls.py); finish_reason `tool_calls` / `stop` / `length`), `POST /v1/completions` (a string or
-token ids), `GET /v1/models`. Every answer carries vLLM's extra fields `prompt_token_ids` and
-`choices[i].token_ids`. megappo's endpoints for RL (the admin key): `POST /megappo/v1/sessions` (open
+OpenAI endpoints (a session's key in `Authorization: Bearer`), answering what vLLM's OpenAI server answers for
+the fields clients send: `POST /v1/chat/completions` (messages, `tools` shown through the chat template, tool calls
+read into `tool_calls` in the model's format: Hermes `<tool_call>` blocks, or `tool_parser`, one of vLLM's parsers
+by name (tool_calls.py); finish_reason `tool_calls` / `stop` / `length`; `logprobs` with `top_logprobs`),
+`POST /v1/completions` (a string or token ids, or a batch of them; `logprobs` k, `echo`, `max_tokens: 0` with echo
+for the prompt's log-probs alone), `POST /v1/responses` (responses.py: mapped to a chat request), `GET /v1/models`.
+`n` samples (outside a session), a fresh seed for an unseeded request, a null as the default, a missing
+max_tokens as the rest of the context; the penalties, `logit_bias`, `top_k`, `min_p` apply outside a training
+session and are refused in one (its sampling is the rollout's); any model name is served. Every answer carries
+vLLM's extra fields `prompt_token_ids` and `choices[i].token_ids`. megappo's endpoints for RL (the admin key): `POST /megappo/v1/sessions` (open
 one for a row: its id and key), `POST /megappo/v1/sessions/{id}/reward` (the session's own key, or
 admin), `GET /megappo/v1/sessions/{id}`, `POST /megappo/v1/sessions/{id}/close`, `GET /megappo/v1/stats`.
 
 A key reaches its own session only (401 for an unknown key, 403 for another session's); `open_key`
 (for `megappo serve`) is a key whose requests are served and not recorded. Every bad input is a 4xx
-whose body is OpenAI's error object with one line: malformed JSON, an unknown key, `n` > 1,
+whose body is OpenAI's error object with one line: malformed JSON, an unknown key, `n` > 1 in a session,
+a field this server does not do (UNSUPPORTED: response_format other than text, the legacy functions API, ...),
 max_tokens < 1 or past the server's budget, a prompt past max_model_len, a request the engine refuses
 (token ids out of the vocabulary), a reward that is not a finite number, an unknown route or method; an
 unexpected failure is a 500 with one line. Loopback by default (serve.py).
@@ -185,6 +191,12 @@ class Gateway:
     async def chat(self, body: dict, authorization: Optional[str]) -> dict:
         state = self._caller(authorization)
         messages, tools = _messages(body.get("messages")), _tools(body.get("tools"))
+        n, top = _n(body, state), _top_logprobs(body)
+        outs = await asyncio.gather(*(self._chat_one(_nth(body, j), state, messages, tools, top) for j in range(n)))
+        choices = [dict(choice, index=j) for j, (choice, _) in enumerate(outs)]
+        return self._envelope("chat.completion", choices, [out for _, out in outs], n)
+
+    async def _chat_one(self, body: dict, state: Optional[SessionState], messages: list, tools, top: Optional[int]):
         session = state.session if state else Session(self.renderer)
         with _Turn(state, session) as turn:
             try:
@@ -194,7 +206,7 @@ class Gateway:
                     prompt = session.chat_prompt(messages, tools)
             except ValueError as e:  # or tools= for a template without a tools section and no tool_prompt
                 raise GatewayError(400, _one_line(e)) from None
-            out, latency = await self._generate(prompt, body, state, constraint)
+            out, latency = await self._generate(prompt, body, state, constraint, top_logprobs=top or 0)
             content, calls, unread = self.tool_calls.read(parsing, out.ids, out.finish_reason, out.stop_string)
             reply = {"role": "assistant", "content": content}
             if calls:
@@ -205,18 +217,60 @@ class Gateway:
                         model=constraint is None, finish_reason=out.finish_reason, invalid_calls=unread)
         finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
         choice = {"index": 0, "message": reply, "finish_reason": finish, "token_ids": out.ids,
-                  "logprobs": self._logprobs(out) if body.get("logprobs") else None}
-        return self._envelope("chat.completion", choice, out)
+                  "logprobs": self._chat_logprobs(out, top) if body.get("logprobs") else None}
+        return choice, out
+
+    async def responses(self, body: dict, authorization: Optional[str]) -> dict:
+        """/v1/responses (gateway/responses.py): sampled and recorded as the chat request it maps to."""
+        from megappo.gateway.responses import ResponsesError, chat_request, response
+
+        try:
+            chat = chat_request(body)
+        except ResponsesError as e:
+            raise GatewayError(400, str(e)) from None
+        return response(body, await self.chat(chat, authorization), self.model_name)
 
     async def completion(self, body: dict, authorization: Optional[str]) -> dict:
+        """/v1/completions as vLLM's server answers it: a prompt (a string or token ids) or a batch of them, `n`
+        samples of each, `logprobs` k (each token's log-prob and its top k), `echo` (the prompt first, with its
+        log-probs), `max_tokens: 0` with echo (the prompt's log-probs alone: what a log-likelihood harness asks)."""
         state = self._caller(authorization)
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            ids = prompt
-        else:
-            raise GatewayError(400, "prompt must be a non-empty string or a list of token ids")
+        prompts, n, echo = self._prompts(body.get("prompt")), _n(body, state), bool(body.get("echo"))
+        k = body.get("logprobs")
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
+            raise GatewayError(400, f"logprobs={k!r} must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token)")
+        only_prompt = _max_tokens(body, None) == 0
+        if only_prompt and not echo:
+            raise GatewayError(400, "max_tokens=0 samples nothing: with echo=true it returns the prompt's log-probs")
+        if state is not None and (len(prompts) > 1 or only_prompt):
+            raise GatewayError(400, "a session is one conversation: one prompt per request, sampled (no batch, no "
+                                    "max_tokens=0)")
+        jobs = [(ids, j) for ids in prompts for j in range(n)]
+        outs = await asyncio.gather(*(self._complete_one(ids, _nth(body, j), state, echo, k, only_prompt)
+                                      for ids, j in jobs))
+        choices = [dict(choice, index=i) for i, (choice, _) in enumerate(outs)]
+        return self._envelope("text_completion", choices, [out for _, out in outs], n)
+
+    def _prompts(self, prompt) -> list[list[int]]:
+        """A completions prompt as token id lists: a string, a list of ids, or a batch of either."""
+        def one(p):
+            if isinstance(p, str) and p:
+                return self.tokenizer.encode(p)
+            if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                return list(p)
+            return None
+
+        batch = prompt if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt) \
+            else [prompt]
+        ids = [one(p) for p in batch]
+        if any(i is None for i in ids):
+            raise GatewayError(400, "prompt must be a non-empty string or a list of token ids, or a list of those")
+        return ids
+
+    async def _complete_one(self, ids: list[int], body: dict, state: Optional[SessionState], echo: bool,
+                            k: Optional[int], only_prompt: bool):
+        if only_prompt:  # vLLM samples at least one token: it is dropped (as vLLM's server drops it)
+            body = {**body, "max_tokens": 1, "max_completion_tokens": None}
         session = state.session if state else Session(self.renderer)
         with _Turn(state, session) as turn:
             try:
@@ -224,19 +278,25 @@ class Gateway:
                     full = session.completion_prompt(ids)
             except ValueError as e:  # a training session's segment cap
                 raise GatewayError(400, _one_line(e)) from None
-            out, latency = await self._generate(full, body, state)
+            out, latency = await self._generate(full, body, state, top_logprobs=k or 0,
+                                                prompt_logprobs=(k or 0) if echo and k is not None else None)
             turn.record(latency, out.ids, out.logprobs, out.versions, finish_reason=out.finish_reason)
-        choice = {"index": 0, "text": self.tokenizer.decode(out.ids, skip_special_tokens=True),
-                  "finish_reason": out.finish_reason, "token_ids": out.ids, "logprobs": None}
-        return self._envelope("text_completion", choice, out)
+        sampled = [] if only_prompt else out.ids
+        text = self.tokenizer.decode(sampled, skip_special_tokens=True)
+        choice = {"index": 0, "text": (self.tokenizer.decode(ids) if echo else "") + text,
+                  "finish_reason": "length" if only_prompt else out.finish_reason, "token_ids": sampled,
+                  "prompt_token_ids": ids,
+                  "logprobs": None if k is None else self._completion_logprobs(ids if echo else [], out, sampled)}
+        return choice, out
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "megappo"}]}
 
     async def _generate(self, prompt: list[int], body: dict, state: Optional[SessionState],
-                        constraint=None):
-        params = self._sampling(self._within_session(body, state), len(prompt), constraint)
+                        constraint=None, top_logprobs: int = 0, prompt_logprobs: Optional[int] = None):
+        params = self._sampling(self._within_session(body, state), len(prompt), constraint, top_logprobs,
+                                prompt_logprobs)
         from vllm.exceptions import VLLMClientError
 
         t0 = time.perf_counter()
@@ -267,6 +327,11 @@ class Gateway:
         """A training session's forced sampling, and max_tokens capped to what its budget has left."""
         if state is None or (not state.forced and state.budget is None):
             return body
+        if state.forced:  # the rollout's sampling (forced below) is what the trainer's log-probs assume
+            changed = [k for k, default in SESSION_FIXED.items() if body.get(k) not in (None, default)]
+            if changed:
+                raise GatewayError(400, f"{changed[0]}={body[changed[0]]!r} would change what a training session "
+                                        "samples from (the rollout's sampling, which the trainer scores): drop it")
         body = dict(body)
         forced = dict(state.forced)
         stride = forced.pop("seed_stride", 0)
@@ -282,69 +347,117 @@ class Gateway:
             body["max_tokens"], body["max_completion_tokens"] = min(asked, left) if isinstance(asked, int) else asked, None
         return body
 
-    def _sampling(self, body: dict, prompt_len: int, constraint=None):
-        """vLLM's SamplingParams for a request; `constraint`: its StructuredOutputsParams (tool_calls.prepare)."""
+    def _sampling(self, body: dict, prompt_len: int, constraint=None, top_logprobs: int = 0,
+                  prompt_logprobs: Optional[int] = None):
+        """vLLM's SamplingParams for a request (as vLLM's OpenAI server reads it: a null is the default, a missing
+        max_tokens the rest of the context); `constraint`: its StructuredOutputsParams (tool_calls.prepare);
+        `top_logprobs`: alternatives per sampled token; `prompt_logprobs`: the prompt's log-probs (echo). A field
+        this server does not do is refused in one line, never ignored."""
         from vllm import SamplingParams
 
         if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
             raise GatewayError(400, 'stream_options must be an object such as {"include_usage": true}')
-        if body.get("n", 1) != 1:
-            raise GatewayError(400, "n must be 1: open one session per sample")
-        if body.get("model") not in (None, self.model_name):
-            raise GatewayError(404, f"model {body.get('model')!r} is not served here; use {self.model_name!r}",
-                               "not_found_error")
-        max_tokens = _max_tokens(body, self.max_tokens)
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise GatewayError(400, f"max_tokens={max_tokens!r} must be a positive integer")
+        _refuse_unsupported(body)
+        max_tokens = _max_tokens(body, None)
+        room = self.max_model_len - prompt_len
+        if max_tokens is None:  # vLLM's server: whatever the context has left (within this server's budget)
+            if room < 1:
+                raise GatewayError(400, f"the prompt ({prompt_len} tokens) fills max_model_len={self.max_model_len}: "
+                                        "shorten the conversation")
+            max_tokens = min(self.max_tokens, room)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise GatewayError(400, f"max_tokens={max_tokens!r} must be a positive integer (0 only with echo, on "
+                                    "/v1/completions)")
         if max_tokens > self.max_tokens:
             raise GatewayError(400, f"max_tokens={max_tokens} is past this server's budget of {self.max_tokens}; "
                                     f"ask for at most {self.max_tokens}")
-        if prompt_len + max_tokens > self.max_model_len:
+        if max_tokens > room:
             raise GatewayError(400, f"the prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceed "
                                     f"max_model_len={self.max_model_len}: shorten the conversation or max_tokens")
         stop, seed = body.get("stop"), body.get("seed")
         if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2 ** 63):
             raise GatewayError(400, f"seed={seed!r} must be an integer in [0, 2**63) (vLLM keeps it as int64)")
+        if seed is None:  # a fresh one per request: the engine's steps run with the trainer's RNG put back after
+            seed = secrets.randbits(63)  # each (utils/checkpoint.preserved_rng), so an unseeded draw repeated itself
+        bias = body.get("logit_bias")
         try:
-            return SamplingParams(temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
-                                  max_tokens=max_tokens, seed=seed, logprobs=0,
+            return SamplingParams(temperature=_given(body, "temperature", 1.0), top_p=_given(body, "top_p", 1.0),
+                                  top_k=int(_given(body, "top_k", -1)), min_p=_given(body, "min_p", 0.0),
+                                  presence_penalty=_given(body, "presence_penalty", 0.0),
+                                  frequency_penalty=_given(body, "frequency_penalty", 0.0),
+                                  repetition_penalty=_given(body, "repetition_penalty", 1.0),
+                                  logit_bias={int(k): float(v) for k, v in bias.items()} if bias else None,
+                                  max_tokens=max_tokens, seed=seed, logprobs=top_logprobs,
+                                  prompt_logprobs=prompt_logprobs,
                                   stop=[stop] if isinstance(stop, str) else stop, include_stop_str_in_output=True,
+                                  stop_token_ids=list(body.get("stop_token_ids") or []) or None,
                                   structured_outputs=constraint)
-        except (TypeError, ValueError) as e:
-            raise GatewayError(400, f"bad sampling parameters: {e}") from None
+        except (TypeError, ValueError, AttributeError) as e:
+            raise GatewayError(400, f"bad sampling parameters: {_one_line(e)}") from None
 
-    def _logprobs(self, out) -> dict:
-        return {"content": [{"token": self.tokenizer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
-                            for t, lp in zip(out.ids, out.logprobs)]}
+    def _token(self, t: int) -> str:
+        return self.tokenizer.decode([t])
 
-    def _envelope(self, kind: str, choice: dict, out) -> dict:
+    def _chat_logprobs(self, out, top: Optional[int]) -> dict:
+        """OpenAI's chat logprobs: per sampled token its log-prob (vLLM's processed ones: at the sampling
+        temperature and top-p, what the trainer scores) and its `top` alternatives."""
+        def entry(t: int, lp: float) -> dict:
+            text = self._token(t)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        content = []
+        for i, (t, lp) in enumerate(zip(out.ids, out.logprobs)):
+            alts = sorted((out.top[i] if i < len(out.top) else {}).items(), key=lambda kv: -kv[1])[:top or 0]
+            content.append({**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts]})
+        return {"content": content}
+
+    def _completion_logprobs(self, prompt: list[int], out, sampled: list[int]) -> dict:
+        """OpenAI's (legacy) completions logprobs over the echoed prompt, then the sampled tokens: tokens,
+        token_logprobs (the prompt's first: None), top_logprobs ({token: log-prob} of the top k and the token
+        itself, as vLLM), text_offset (each token's first character in the choice's text)."""
+        tops = list(out.prompt_top[:len(prompt)]) + list(out.top[:len(sampled)])
+        ids = list(prompt) + list(sampled)
+        own = [None if d is None else d.get(t) for t, d in zip(ids, tops)]
+        own[len(prompt):] = list(out.logprobs[:len(sampled)])
+        offsets, pos = [], 0
+        for i in range(len(ids)):
+            offsets.append(pos)
+            pos = len(self.tokenizer.decode(ids[:i + 1]))
+        return {"tokens": [self._token(t) for t in ids], "token_logprobs": own,
+                "top_logprobs": [None if d is None else {self._token(a): lp for a, lp in d.items()} for d in tops],
+                "text_offset": offsets}
+
+    def _envelope(self, kind: str, choices: list, outs: list, n: int = 1) -> dict:
+        """The response around its choices (prompt-major, n samples each): usage counts each prompt once."""
+        prompt = sum(len(o.prompt_ids) for o in outs[::n])
+        completion = sum(len(c["token_ids"]) for c in choices)
         return {"id": f"mp-{secrets.token_hex(8)}", "object": kind, "created": int(time.time()), "model": self.model_name,
-                "choices": [choice], "prompt_token_ids": out.prompt_ids,
-                "usage": {"prompt_tokens": len(out.prompt_ids), "completion_tokens": len(out.ids),
-                          "total_tokens": len(out.prompt_ids) + len(out.ids)}}
+                "choices": choices, "prompt_token_ids": outs[0].prompt_ids,
+                "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
 
 
 def stream_chunks(response: dict, include_usage: bool = False) -> list[dict]:
     """A finished chat.completion or text_completion as OpenAI's stream chunks (in order)."""
     chat = response["object"] == "chat.completion"
-    choice = response["choices"][0]
     head = {k: response[k] for k in ("id", "created", "model")}
     head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    out = []
+    for choice in response["choices"]:  # one choice after another (n > 1, or a batch of prompts)
+        def chunk(part: dict, finish=None, **extra) -> dict:
+            body = {"delta": part} if chat else {"text": part.get("content", "")}
+            return {**head, **extra,
+                    "choices": [{"index": choice["index"], **body, "logprobs": None, "finish_reason": finish}]}
 
-    def chunk(part: dict, finish=None, **extra) -> dict:
-        body = {"delta": part} if chat else {"text": part.get("content", "")}
-        return {**head, **extra, "choices": [{"index": 0, **body, "logprobs": None, "finish_reason": finish}]}
-
-    text = choice["message"]["content"] if chat else choice["text"]
-    out = [chunk({"role": "assistant", "content": ""} if chat else {},
-                 prompt_token_ids=response["prompt_token_ids"])]
-    out.append(chunk({"content": text or ""}))
-    out[-1]["choices"][0]["token_ids"] = choice["token_ids"]
-    if chat and choice["logprobs"] is not None:
-        out[-1]["choices"][0]["logprobs"] = choice["logprobs"]
-    for i, call in enumerate(choice["message"].get("tool_calls", []) if chat else []):
-        out.append(chunk({"tool_calls": [{"index": i, **call}]}))
-    out.append(chunk({}, choice["finish_reason"]))
+        text = choice["message"]["content"] if chat else choice["text"]
+        out.append(chunk({"role": "assistant", "content": ""} if chat else {},
+                         prompt_token_ids=choice.get("prompt_token_ids", response["prompt_token_ids"])))
+        out.append(chunk({"content": text or ""}))
+        out[-1]["choices"][0]["token_ids"] = choice["token_ids"]
+        if choice["logprobs"] is not None:
+            out[-1]["choices"][0]["logprobs"] = choice["logprobs"]
+        for i, call in enumerate(choice["message"].get("tool_calls", []) if chat else []):
+            out.append(chunk({"tool_calls": [{"index": i, **call}]}))
+        out.append(chunk({}, choice["finish_reason"]))
     if include_usage:
         out.append({**head, "choices": [], "usage": response["usage"]})
     return out
@@ -404,6 +517,63 @@ class _Turn:
             self.state.pending = None
 
 
+# what a request may ask for that this server does not do (refused in one line, not ignored): field -> what it is
+UNSUPPORTED = {"response_format": "structured output formats other than text", "suffix": "insertion",
+               "best_of": "best-of-n ranking", "functions": "the legacy functions API: send tools",
+               "function_call": "the legacy functions API: send tool_choice", "prediction": "predicted outputs",
+               "audio": "audio output", "modalities": "output modalities other than text", "logprobs_mode": ""}
+# what would change the distribution a training session samples from -> the value that changes nothing
+SESSION_FIXED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0, "logit_bias": {}}
+
+
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's cap)
+MAX_N = 16  # samples per prompt one request may ask for
+
+
+def _n(body: dict, state: Optional["SessionState"]) -> int:
+    """Samples per prompt (null: 1). A session is one conversation: one sample per request."""
+    n = body.get("n")
+    n = 1 if n is None else n
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise GatewayError(400, f"n={n!r} must be an integer in [1, {MAX_N}]")
+    if n > 1 and state is not None:
+        raise GatewayError(400, "n must be 1 in a session (one conversation): open one session per sample")
+    return n
+
+
+def _nth(body: dict, j: int) -> dict:
+    """Sample j of a request with n > 1: the request's seed + j (every sample its own stream), or none."""
+    return body if j == 0 or body.get("seed") is None else {**body, "seed": body["seed"] + j}
+
+
+def _top_logprobs(body: dict) -> Optional[int]:
+    """Chat: alternatives per sampled token (top_logprobs, which needs logprobs: true)."""
+    top = body.get("top_logprobs")
+    if top is None:
+        return None
+    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_LOGPROBS:
+        raise GatewayError(400, f"top_logprobs={top!r} must be an integer in [0, {MAX_LOGPROBS}]")
+    if not body.get("logprobs"):
+        raise GatewayError(400, "top_logprobs needs logprobs: true")
+    return top
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for key, what in UNSUPPORTED.items():
+        value = body.get(key)
+        if value is None or (key == "response_format" and isinstance(value, dict) and value.get("type") == "text") \
+                or (key == "best_of" and value == 1) or (key == "modalities" and value == ["text"]):
+            continue
+        raise GatewayError(400, f"{key} is not supported by this server ({what}); drop it" if what else
+                                f"{key} is not supported by this server; drop it")
+
+
+def _given(body: dict, key: str, default: float) -> float:
+    """A number the request gives, or the default for one it leaves out or sends as null (as vLLM's server)."""
+    value = body.get(key)
+    return default if value is None else float(value)
+
+
 def _max_tokens(body: dict, default: int):
     """What the request asks for (max_completion_tokens, else max_tokens; 0 is an ask, refused later), else default."""
     for key in ("max_completion_tokens", "max_tokens"):
@@ -459,7 +629,8 @@ def make_app(gateway: Gateway):
     @app.exception_handler(StarletteHTTPException)
     async def _route(request: Request, e: StarletteHTTPException):  # an unknown route or method, as OpenAI's error
         return await _error(request, GatewayError(e.status_code, f"{e.detail}: {request.method} {request.url.path} (served: "
-                                                  "/v1/chat/completions, /v1/completions, /v1/models, /megappo/v1/...)",
+                                                  "/v1/chat/completions, /v1/completions, /v1/responses, /v1/models, "
+                                                  "/megappo/v1/...)",
                                                   "not_found_error" if e.status_code == 404 else "invalid_request_error",
                                                   getattr(e, "headers", None)))
 
@@ -482,6 +653,10 @@ def make_app(gateway: Gateway):
         body = await body_of(request)
         out = await gateway.chat(body, authorization)
         return _streamed(out, body) if body.get("stream") else out
+
+    @app.post("/v1/responses")
+    async def responses(request: Request, authorization: Optional[str] = Header(None)):
+        return await gateway.responses(await body_of(request), authorization)
 
     @app.post("/v1/completions")
     async def completions(request: Request, authorization: Optional[str] = Header(None)):

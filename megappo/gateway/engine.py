@@ -53,6 +53,8 @@ class Completion:
     version: int  # the policy version that sampled it
     stop_string: str = ""  # the stop string that ended it (its tokens are in ids)
     token_versions: list = field(default_factory=list)  # per id: the version of the step that sampled it
+    top: list = field(default_factory=list)  # per id: {token id: log-prob} of the top-k asked for (logprobs=k)
+    prompt_top: list = field(default_factory=list)  # per prompt id: the same (prompt_logprobs=k; None first)
 
     @property
     def versions(self) -> "int | list":
@@ -345,7 +347,14 @@ def _completion(out, prompt: list, version: int) -> Completion:
     c = out.outputs[0]
     ids = list(c.token_ids)
     stop = c.stop_reason if isinstance(c.stop_reason, str) else ""
-    return Completion(prompt, ids, sampled_logprobs(c), c.finish_reason or "abort", version, stop)
+    return Completion(prompt, ids, sampled_logprobs(c), c.finish_reason or "abort", version, stop,
+                      top=[_top(d) for d in c.logprobs or []],
+                      prompt_top=[_top(d) for d in getattr(out, "prompt_logprobs", None) or []])
+
+
+def _top(d) -> Optional[dict]:
+    """vLLM's {token id: Logprob} of one position as {token id: log-prob} (None: the prompt's first token)."""
+    return None if d is None else {int(t): float(lp.logprob) for t, lp in d.items()}
 
 
 def sampled_logprobs(c) -> list:

@@ -330,6 +330,7 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
             with self._phase("launch", timing):
                 inflight = self._launch_rollout(step + 1) if step < total else None
         gen_metrics = batch.meta_info.pop("metrics", {})
+        self._report_agent_errors(step, batch)
         # 2-3. pi_old (+ entropy), reference log-probs, values of the sampled tokens
         batch = self._score_tokens(batch, timing)
         # 4-5. rewards (+ KL penalty) and advantages, here on the driver
@@ -367,6 +368,27 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
             yield
 
     # ---- 1. rollout ----------------------------------------------------------------------------------
+
+    def _report_agent_errors(self, step: int, batch: DataProto) -> None:
+        """Your own agent's failures made visible beside their count (rollout/agent_errors): the step's distinct
+        errors, the 3 most frequent on the console, every one in <output_dir>/agent_errors.log."""
+        from collections import Counter
+
+        turns = batch.non_tensor_batch.get("agent_turns")
+        if turns is None:
+            return
+        segments = Segments.of(batch)  # a sample's later rows repeat its turns: each sample once
+        rows = segments.primary if segments is not None else range(len(turns))
+        errors = Counter(" ".join(str(t.get("text", "")).split()) for i in rows for t in turns[i]
+                         if t.get("role") == "error")
+        if not errors:
+            return
+        log = self.output_dir / "agent_errors.log"
+        with open(log, "a", encoding="utf-8") as f:
+            f.writelines(f"step {step}: {n} x {text}\n" for text, n in errors.most_common())
+        shown = "; ".join(f"{n} x {text[:300]}" for text, n in errors.most_common(3))
+        print(f"megappo: step {step}: your agent failed on {sum(errors.values())} sample(s): {shown} (all: {log})",
+              flush=True)
 
     def _next_prompts(self, step: int) -> DataProto:
         self._sampler_before[step] = self.sampler.state_dict()

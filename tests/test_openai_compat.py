@@ -1,0 +1,186 @@
+"""The gateway answers what vLLM's OpenAI server answers, for the fields clients send (the session's one served
+engine, conftest `served`): completions with logprobs / echo / max_tokens 0 (prompt log-probs, checked against
+HF transformers), a batch of prompts, n samples, chat logprobs with top_logprobs, nulls as defaults, a missing
+max_tokens as the rest of the context, fresh randomness per unseeded request, any model name; what it does not do
+is one 400 line, and a training session refuses what would change the distribution it samples from."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import pytest
+import torch
+
+from gateway_helpers import MAX_LEN, MAX_TOKENS, served_gateway
+
+
+@pytest.fixture(scope="module")
+def served(tiny_assets):
+    yield from served_gateway(tiny_assets)
+
+
+
+def post(url: str, path: str, body: dict, key: str) -> tuple[int, dict]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    r = conn.getresponse()
+    return r.status, json.loads(r.read())
+
+
+def hf_prompt_logprobs(model_dir, ids: list[int]) -> torch.Tensor:
+    """log p(ids[i] | ids[:i]) for i >= 1, by transformers in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1]
+    return logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def test_loglikelihood_requests_get_the_prompts_log_probs(served, tiny_assets):
+    """lm-evaluation-harness's local-completions log-likelihood request: a batch of token-id prompts, echo,
+    logprobs 1, max_tokens 0 (or 1), temperature 0. Each choice echoes its prompt with token_logprobs (None for
+    the first token) equal to transformers' (fp32, 1e-4), the top-1 alternative at each position (for is_greedy)
+    and text offsets; with max_tokens 1 the sampled token follows the prompt's. It was `logprobs: null`, no echo,
+    and max_tokens 0 a 400."""
+    rollout, _, gateway, url = served
+    prompts = [[5, 17, 33, 9, 41, 2, 8, 60], [7, 7, 12, 90, 3]]
+    status, r = post(url, "/v1/completions", {"model": "anything", "prompt": prompts, "echo": True, "logprobs": 1,
+                                               "max_tokens": 0, "temperature": 0}, gateway.admin_key)
+    assert status == 200, r
+    assert [c["index"] for c in r["choices"]] == [0, 1] and r["usage"]["completion_tokens"] == 0
+    for ids, choice in zip(prompts, r["choices"]):
+        lp = choice["logprobs"]
+        assert choice["text"] == rollout.tokenizer.decode(ids) and choice["token_ids"] == []
+        assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        ref = hf_prompt_logprobs(tiny_assets["tiny-llama"], ids)
+        assert (torch.tensor(lp["token_logprobs"][1:]) - ref).abs().max() < 1e-4
+        for top in lp["top_logprobs"][1:]:
+            assert 1 <= len(top) <= 2  # the top-1 and the prompt's own token when it is not that one
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    status, r = post(url, "/v1/completions", {"prompt": prompts[0], "echo": True, "logprobs": 1, "max_tokens": 1,
+                                               "temperature": 0}, gateway.admin_key)
+    lp = r["choices"][0]["logprobs"]
+    assert status == 200 and len(lp["tokens"]) == len(prompts[0]) + 1 and len(r["choices"][0]["token_ids"]) == 1
+    greedy = max(lp["top_logprobs"][-1].values())
+    assert lp["token_logprobs"][-1] == pytest.approx(greedy)  # temperature 0: the argmax was sampled
+    status, r = post(url, "/v1/completions", {"prompt": prompts[0], "max_tokens": 0}, gateway.admin_key)
+    assert status == 400 and "with echo=true it returns the prompt's log-probs" in r["error"]["message"]
+
+
+def test_unseeded_requests_sample_afresh_and_n_samples_are_choices(served):
+    """Unseeded requests at temperature 1 returned the same completion every time (each engine step puts the
+    process's RNG back: one noise for all); now each draws its own seed. n > 1 gives n choices (seed + j when
+    seeded), as vLLM's server."""
+    _, _, gateway, url = served
+    body = {"prompt": [1, 2, 3, 4], "max_tokens": 8, "temperature": 1.0}
+    texts = [tuple(post(url, "/v1/completions", body, gateway.admin_key)[1]["choices"][0]["token_ids"])
+             for _ in range(4)]
+    assert len(set(texts)) > 1, texts
+    status, r = post(url, "/v1/completions", {**body, "n": 3, "seed": 7}, gateway.admin_key)
+    assert status == 200 and [c["index"] for c in r["choices"]] == [0, 1, 2]
+    again = post(url, "/v1/completions", {**body, "seed": 8}, gateway.admin_key)[1]["choices"][0]["token_ids"]
+    assert r["choices"][1]["token_ids"] == again  # sample j is seeded seed + j
+    state = gateway.open_session()
+    status, r = post(url, "/v1/completions", {**body, "n": 2}, state.key)
+    assert status == 400 and "n must be 1 in a session" in r["error"]["message"]
+    gateway.close_session(state.id)
+
+
+def test_chat_top_logprobs_nulls_and_the_rest_of_the_context(served):
+    """Chat: logprobs with top_logprobs k gives each sampled token k alternatives (sorted, the best first); a null
+    temperature / top_p / n / max_tokens is the default (they were 400s); a missing max_tokens is what the context
+    has left within the server's budget (a long prompt was a 400)."""
+    _, _, gateway, url = served
+    msgs = [{"role": "user", "content": "What is 2 + 3?"}]
+    status, r = post(url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 6, "logprobs": True,
+                                                    "top_logprobs": 3, "seed": 1}, gateway.admin_key)
+    assert status == 200, r
+    for entry in r["choices"][0]["logprobs"]["content"]:
+        alts = [a["logprob"] for a in entry["top_logprobs"]]
+        assert len(alts) == 3 and alts == sorted(alts, reverse=True) and entry["logprob"] <= alts[0] + 1e-6
+        assert bytes(entry["bytes"]).decode() == entry["token"]
+    nulls = {"messages": msgs, "temperature": None, "top_p": None, "n": None, "max_tokens": None, "seed": None}
+    status, r = post(url, "/v1/chat/completions", nulls, gateway.admin_key)
+    assert status == 200 and len(r["choices"]) == 1, r
+    long_prompt = list(range(10, 10 + MAX_LEN - 5))  # 5 positions left, fewer than the server's MAX_TOKENS
+    status, r = post(url, "/v1/completions", {"prompt": long_prompt, "temperature": 0}, gateway.admin_key)
+    assert status == 200 and 1 <= len(r["choices"][0]["token_ids"]) <= 5 < MAX_TOKENS, r
+    status, r = post(url, "/v1/chat/completions", {"messages": msgs, "top_logprobs": 2}, gateway.admin_key)
+    assert status == 400 and "top_logprobs needs logprobs: true" in r["error"]["message"]
+
+
+def test_what_is_not_done_is_one_line_and_a_session_keeps_its_sampling(served):
+    """response_format (JSON mode) and the legacy functions API are refused in one line, not ignored; logit_bias
+    and the penalties apply outside a session (a +100 bias makes the token the only one sampled), and inside a
+    training session, whose sampling is the rollout's, they are refused."""
+    _, _, gateway, url = served
+    msgs = [{"role": "user", "content": "hi"}]
+    for extra, said in (({"response_format": {"type": "json_object"}}, "response_format is not supported"),
+                        ({"functions": [{"name": "f"}]}, "functions is not supported")):
+        status, r = post(url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2, **extra}, gateway.admin_key)
+        assert status == 400 and said in r["error"]["message"] and "\n" not in r["error"]["message"], r
+    status, r = post(url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2,
+                                                    "response_format": {"type": "text"}}, gateway.admin_key)
+    assert status == 200
+    status, r = post(url, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 4, "logit_bias": {"77": 100},
+                                               "temperature": 1.0}, gateway.admin_key)
+    assert status == 200 and r["choices"][0]["token_ids"] == [77] * 4, r
+    state = gateway.open_session()
+    state.forced = {"temperature": 1.0, "top_p": 1.0, "seed": 3, "seed_stride": 1}
+    status, r = post(url, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2, "presence_penalty": 1.5},
+                     state.key)
+    assert status == 400 and "presence_penalty=1.5 would change what a training session samples from" in \
+        r["error"]["message"], r
+    gateway.close_session(state.id)
+
+
+# an enum argument: a random tiny model's free string would run past any token budget before it closed
+PICK = {"type": "function", "name": "pick", "description": "pick an operation",
+        "parameters": {"type": "object", "properties": {"op": {"enum": ["add", "sub"]}}, "required": ["op"]}}
+
+
+def test_the_responses_api_samples_and_records_as_chat(served):
+    """/v1/responses (the OpenAI Agents SDK's default): input items to chat messages, the reply to output items. A
+    forced call comes back as a function_call item; the next request sends it with its function_call_output and
+    extends the session's one conversation: the record's sampled tokens are exactly the two responses' token_ids."""
+    import asyncio
+
+    from megappo.gateway.app import Gateway, GatewayError
+
+    rollout, engine, _, url = served
+    gw = Gateway(engine, rollout.tokenizer, model_name="tiny", max_model_len=MAX_LEN, max_tokens=120,
+                 tool_prompt="You may call these tools:\n{tools}")  # room for a forced call's JSON
+    state = gw.open_session()
+    first = {"model": "gpt-4o", "instructions": "Use the tool.", "input": "What is 17 * 23?",
+             "tools": [PICK], "tool_choice": "required", "max_output_tokens": 100, "seed": 1, "store": False}
+    r = asyncio.run(gw.responses(first, f"Bearer {state.key}"))
+    assert r["object"] == "response" and r["status"] in ("completed", "incomplete"), r
+    calls = [item for item in r["output"] if item["type"] == "function_call"]
+    assert calls, (r["output"], rollout.tokenizer.decode(r["token_ids"]))
+    assert calls[0]["name"] == "pick" and json.loads(calls[0]["arguments"])["op"] in ("add", "sub")
+    assert r["usage"]["output_tokens"] == len(r["token_ids"]) > 0
+    second = {"model": "gpt-4o", "instructions": "Use the tool.", "max_output_tokens": 8, "seed": 2,
+              # as the Agents SDK sends it: the conversation so far, the response's output items as they came
+              "input": [{"role": "user", "content": [{"type": "input_text", "text": "What is 17 * 23?"}]},
+                        *r["output"],
+                        {"type": "function_call_output", "call_id": calls[0]["call_id"], "output": "391"}],
+              "tools": [PICK]}
+    r2 = asyncio.run(gw.responses(second, f"Bearer {state.key}"))
+    record = gw.close_session(state.id)
+    assert len(record["segments"]) == 1 and record["fallbacks"] == 0  # extended, not re-rendered
+    seg = record["segments"][0]
+    sampled = [t for t, m in zip(seg["tokens"], seg["model_mask"]) if m]
+    assert sampled == r2["token_ids"]  # the forced call is context (not trained), the free turn trained as sampled
+    assert seg["tokens"][:len(r["token_ids"])] == r["token_ids"]
+    for bad, said in (({"input": "hi", "previous_response_id": "resp_1"}, "stores no responses"),
+                      ({"input": "hi", "stream": True}, "stream=true is not supported"),
+                      ({"input": "hi", "tools": [{"type": "web_search"}]}, "built-in tools"),
+                      ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                       "text only")):
+        with pytest.raises(GatewayError, match=said):
+            asyncio.run(gw.responses(bad, f"Bearer {gw.admin_key}"))
+    status, r = post(url, "/v1/responses", {"input": "hi", "max_output_tokens": 4}, served[2].admin_key)
+    assert status == 200 and r["usage"]["output_tokens"] <= 4  # the route, over HTTP
