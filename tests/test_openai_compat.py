@@ -184,3 +184,64 @@ def test_the_responses_api_samples_and_records_as_chat(served):
             asyncio.run(gw.responses(bad, f"Bearer {gw.admin_key}"))
     status, r = post(url, "/v1/responses", {"input": "hi", "max_output_tokens": 4}, served[2].admin_key)
     assert status == 200 and r["usage"]["output_tokens"] <= 4  # the route, over HTTP
+
+
+LM_EVAL_TASK = """task: {name}
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: {data}}}}}
+test_split: test
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+"""
+LM_EVAL_KINDS = {
+    "mp_choice": "output_type: multiple_choice\ndoc_to_choice: '{{choices}}'\ndoc_to_target: label\n"
+                 "metric_list: [{metric: acc, aggregation: mean, higher_is_better: true}]\n",
+    "mp_answer": "output_type: generate_until\ndoc_to_target: answer\n"
+                 "generation_kwargs: {until: ['\\n'], max_gen_toks: 8, do_sample: false}\n"
+                 "metric_list: [{metric: exact_match, aggregation: mean, higher_is_better: true}]\n",
+}
+
+
+def test_lm_evaluation_harness_scores_choices_and_generates_over_http(served, tiny_assets, tmp_path, monkeypatch):
+    """lm-evaluation-harness, unchanged (its `local-completions` model over HTTP, token-id prompts, its own
+    tokenizer), on a local task file: the log-likelihood of each choice of a multiple-choice task is transformers'
+    (fp32, 1e-3 on the sum), its `acc` the argmax's; a generate_until task's answers are transformers' greedy
+    continuations, cut at the task's stop string."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, _, gateway, url = served
+    rows = [{"question": f"What is {a} + {b}?", "choices": [str(a + b - 1), str(a + b), str(a + b + 1)], "label": 1,
+             "answer": str(a + b)} for a, b in ((2, 3), (4, 4), (1, 5))]
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name, kind in LM_EVAL_KINDS.items():
+        (tmp_path / f"{name}.yaml").write_text(LM_EVAL_TASK.format(name=name, data=data) + kind)
+    monkeypatch.setenv("OPENAI_API_KEY", gateway.admin_key)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    model_dir = str(tiny_assets["tiny-llama"])
+    out = lm_eval.simple_evaluate(
+        model="local-completions", tasks=list(LM_EVAL_KINDS), task_manager=TaskManager(include_path=str(tmp_path)),
+        model_args={"base_url": url + "/v1/completions", "model": "tiny", "tokenizer": model_dir,
+                    "tokenizer_backend": "huggingface", "max_length": MAX_LEN})
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    scored = out["samples"]["mp_choice"]
+    assert len(scored) == len(rows)
+    right = []
+    for sample in scored:
+        lls = []
+        for (context, continuation), ((ll, _),) in zip(sample["arguments"], sample["resps"]):
+            ctx, whole = tok(context)["input_ids"], tok(context + continuation)["input_ids"]
+            ref = hf_prompt_logprobs(tiny_assets["tiny-llama"], whole)[len(ctx) - 1:].sum().item()
+            assert ll == pytest.approx(ref, abs=1e-3), (context, continuation)
+            lls.append(ref)
+        right.append(float(max(range(len(lls)), key=lls.__getitem__) == sample["target"]))
+    assert out["results"]["mp_choice"]["acc,none"] == pytest.approx(sum(right) / len(right))
+    for sample in out["samples"]["mp_answer"]:
+        (context, _), = sample["arguments"]
+        ids = tok(context, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            greedy = hf.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+        text = tok.decode(greedy, skip_special_tokens=True).split("\n")[0]
+        assert sample["resps"] == [[text]]
