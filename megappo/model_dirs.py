@@ -51,3 +51,21 @@ def positions_of(model_dir: Path) -> int:
     from transformers import AutoConfig
 
     return int(AutoConfig.from_pretrained(str(model_dir)).max_position_embeddings)
+
+
+def check_same_tokenizer(teacher_dir, student_tokenizer_dir) -> None:
+    """A teacher scores the student's token ids, so both must read ids as one tokenizer does (the same
+    vocabulary, id for id; the models' vocab_size may differ by padding, at least the tokenizer's length).
+    ModelDirError naming both otherwise."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    student = AutoTokenizer.from_pretrained(str(student_tokenizer_dir))
+    try:
+        teacher = AutoTokenizer.from_pretrained(str(teacher_dir))
+    except (OSError, ValueError):  # a dir without tokenizer files: only its vocab size can be checked
+        teacher = None
+    vocab = AutoConfig.from_pretrained(str(teacher_dir)).vocab_size
+    if teacher is not None and teacher.get_vocab() != student.get_vocab() or vocab < len(student):
+        raise ModelDirError(f"teacher.model {teacher_dir} does not share the student's tokenizer "
+                            f"({student_tokenizer_dir}): on-policy distillation scores the student's token ids; "
+                            "use a teacher of the same tokenizer (the same family)")

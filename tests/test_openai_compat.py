@@ -245,3 +245,22 @@ def test_lm_evaluation_harness_scores_choices_and_generates_over_http(served, ti
             greedy = hf.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
         text = tok.decode(greedy, skip_special_tokens=True).split("\n")[0]
         assert sample["resps"] == [[text]]
+
+
+def test_the_gateway_serves_as_an_on_policy_distillation_teacher(served, tiny_assets):
+    """teacher.endpoint's client (ppo/teacher_endpoint.py) against the gateway, as against `megappo serve` or
+    `vllm serve`: each row's log-probs after its first token are transformers' (fp32, 1e-4), rows of several
+    lengths at once."""
+    from megappo.ppo.teacher_endpoint import TeacherEndpoint
+
+    _, _, gateway, url = served
+    rows = [[5, 17, 33, 9, 41, 2, 8, 60], [7, 7, 12, 90, 3], list(range(40, 70))]
+    client = TeacherEndpoint(url + "/v1", api_key=gateway.admin_key, concurrency=2)
+    try:
+        assert client.check() == "tiny"
+        lps, stats = client.score(rows)
+    finally:
+        client.close()
+    assert stats.requests == 3 and stats.retries == 0
+    for ids, lp in zip(rows, lps):
+        assert (torch.tensor(lp) - hf_prompt_logprobs(tiny_assets["tiny-llama"], ids)).abs().max() < 1e-4

@@ -212,6 +212,26 @@ class RefConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """On-policy distillation's teacher: the log-probability it gives each token the student sampled
+    (ppo/distillation.py). Set one of `model` (a frozen Megatron role) or `endpoint` (a server); it shares the
+    student's tokenizer."""
+    model: Optional[str] = None  # a HF dir of any supported family, its own layout; may be larger than the student
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    log_prob_micro_batch_size: int = 4
+    offload: bool = False  # weights in host memory outside the teacher's forward
+    # an OpenAI-compatible server scoring given token ids (/v1/completions, echo + logprobs: vllm serve,
+    # megappo serve), e.g. http://10.0.0.5:8000/v1; scored at temperature 1
+    endpoint: Optional[str] = None
+    endpoint_model: Optional[str] = None  # the model name sent; None = the first one /v1/models lists
+    api_key_env: str = "MEGAPPO_TEACHER_API_KEY"  # the environment variable holding its key (never logged)
+    concurrency: int = 16  # requests in flight (one per row)
+    timeout_s: float = 120.0  # per attempt
+    retries: int = 3  # per request, after the first attempt: connection errors, timeouts, 408/429/5xx
+    backoff_s: float = 1.0  # the first retry's wait, doubled each time (capped at 30 s)
+
+
+@dataclass
 class MultiTurnConfig:
     """Multi-turn, tool-using rollouts (megappo/agent/): each sample alternates model turns and tool
     results until it answers, or runs out of turns, tool calls or rollout.max_new_tokens (model and
@@ -327,6 +347,7 @@ class FilterGroupsConfig:
 @dataclass
 class AlgorithmConfig:
     # gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | gpg | opo | grpo_passk
+    # | opd (on-policy distillation alone: the teacher's term is the advantage; needs a `teacher`)
     # (Dr. GRPO = grpo + norm_adv_by_std_in_grpo: false + actor.loss_agg_mode: seq-mean-token-sum-norm)
     adv_estimator: str = "gae"
     norm_adv_by_std_in_grpo: bool = True  # grpo / grpo_passk: divide by the group's std
@@ -337,6 +358,9 @@ class AlgorithmConfig:
     kl_penalty: str = "k1"  # k1 | k2 | k3 | abs | kl | mse | low_var_kl (estimator of the KL in the reward)
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    # on-policy distillation (a `teacher` set): each trained token's advantage gets
+    # -distill_coef * (log pi_student - log pi_teacher); adv_estimator=opd: that term alone
+    distill_coef: float = 1.0
 
 
 @dataclass
@@ -411,6 +435,7 @@ class MegappoConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -439,7 +464,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "actor.proximal": ("recompute", "loglinear"),
     "actor.lora.init": LORA_INITS,
     "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                                "remax", "gpg", "opo", "grpo_passk"),
+                                "remax", "gpg", "opo", "grpo_passk", "opd"),
     "algorithm.kl_penalty": KL_ESTIMATORS,
     "algorithm.filter_groups.metric": FILTER_GROUPS_METRICS,
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),

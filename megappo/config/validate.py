@@ -117,6 +117,7 @@ def validate_config(cfg, check_paths: bool = False) -> None:
     _check_layouts(cfg, dims)
     _check_rollout(cfg, dims)
     _check_algorithm(cfg)
+    _check_teacher(cfg)
     _check_data_and_batches(cfg)
     _check_packing(cfg)
     _check_lora(cfg, dims)
@@ -234,6 +235,46 @@ def _check_algorithm(cfg) -> None:
     if r.overlong_buffer_len and not 0 < r.overlong_buffer_len <= cfg.rollout.max_new_tokens:
         raise ConfigError(f"reward.overlong_buffer_len={r.overlong_buffer_len} must be in (0, rollout.max_new_tokens="
                           f"{cfg.rollout.max_new_tokens}]; 0 turns the length penalty off")
+
+
+def _check_teacher(cfg) -> None:
+    """On-policy distillation: one teacher (a model or a server), a term that counts, nothing it would drop."""
+    t, a = cfg.teacher, cfg.algorithm
+    if t.model and t.endpoint:
+        raise ConfigError("teacher.model and teacher.endpoint are both set; a run distils from one teacher: keep one")
+    if not (t.model or t.endpoint):
+        if a.adv_estimator == "opd":
+            raise ConfigError("algorithm.adv_estimator=opd needs a teacher: set teacher.model (a HF dir) or "
+                              "teacher.endpoint (an OpenAI-compatible server's URL)")
+        return
+    if a.distill_coef <= 0:
+        raise ConfigError(f"algorithm.distill_coef={a.distill_coef} with a teacher set: the teacher would not count; "
+                          "set it > 0 (1.0: the reverse KL as is) or unset teacher.model / teacher.endpoint")
+    if a.adv_estimator == "opd" and cfg.critic.enable:
+        raise ConfigError("algorithm.adv_estimator=opd reads no values; set critic.enable=false")
+    if a.adv_estimator == "opd" and a.use_kl_in_reward:
+        raise ConfigError("algorithm.adv_estimator=opd uses no reward, so a KL in the reward would vanish; set "
+                          "algorithm.use_kl_in_reward=false (actor.use_kl_loss=true keeps a KL to the reference)")
+    if t.endpoint:
+        if not str(t.endpoint).startswith(("http://", "https://")):
+            raise ConfigError(f"teacher.endpoint={t.endpoint!r} is not a URL; give the server's base URL, e.g. "
+                              "http://10.0.0.5:8000/v1")
+        for key, ok, rule in (("concurrency", t.concurrency >= 1, ">= 1"), ("timeout_s", t.timeout_s > 0, "> 0"),
+                              ("retries", t.retries >= 0, ">= 0"), ("backoff_s", t.backoff_s >= 0, ">= 0")):
+            if not ok:
+                raise ConfigError(f"teacher.{key}={getattr(t, key)} must be {rule}")
+        if cfg.rollout.temperature != 1.0:
+            raise ConfigError(f"teacher.endpoint scores at temperature 1 but rollout.temperature="
+                              f"{cfg.rollout.temperature}; sample at 1.0, or use teacher.model (scored at the "
+                              "sampling temperature, as the reference)")
+        return
+    hf = Path(t.model) / "config.json"
+    if hf.is_file():  # its own shapes (a missing dir is _check_paths' line)
+        try:
+            dims = ModelDims.from_hf_dict(json.loads(hf.read_text()))
+        except ValueError as e:
+            raise ConfigError(f"teacher.model {t.model}: {e}") from None
+        check_parallel("teacher", t.parallel, dims, pool_size(cfg))
 
 
 def _check_policy_loss(actor) -> None:
@@ -483,6 +524,8 @@ def _check_paths(cfg) -> None:
         checks.append(("model.critic_path", cfg.model.critic_path))
     if cfg.reward.model.enable:
         checks.append(("reward.model.path", cfg.reward.model.path))
+    if cfg.teacher.model:
+        checks.append(("teacher.model", cfg.teacher.model))
     for key, path in checks:
         _check_model_dir(key, Path(path))
     tok_key, tok = ("model.tokenizer", cfg.model.tokenizer) if cfg.model.tokenizer else ("model.path", cfg.model.path)
@@ -500,6 +543,13 @@ def _check_paths(cfg) -> None:
             check_tool_parser(cfg.rollout.agent_tool_parser, AutoTokenizer.from_pretrained(tok))
         except ValueError as e:
             raise ConfigError(f"rollout.agent_tool_parser: {e}") from None
+    if cfg.teacher.model:
+        from megappo.model_dirs import ModelDirError, check_same_tokenizer
+
+        try:
+            check_same_tokenizer(cfg.teacher.model, tok)
+        except ModelDirError as e:
+            raise ConfigError(str(e)) from None
     for key in ("train_files", "val_files"):
         for f in cfg.data[key]:
             if not Path(f).is_file():

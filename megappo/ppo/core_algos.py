@@ -251,18 +251,30 @@ ADV_ESTIMATORS = {
     "opo": lambda r, mask, a, index=None, **_: compute_opo_outcome_advantage(r, mask, index),
     "grpo_passk": lambda r, mask, a, index=None, **_: compute_grpo_passk_outcome_advantage(
         r, mask, index, norm_by_std=a.norm_adv_by_std_in_grpo),
+    # on-policy distillation alone: no reward term; add_distillation_term gives every token its advantage
+    "opd": lambda r, mask, a, **_: (torch.zeros_like(r), torch.zeros_like(r)),
 }
 
 
 # the estimators whose advantages depend on each row's own tokens (a critic's values, discounted returns, ReMax's
 # reward-to-go); the others give every response one advantage from its group (ppo/segments.py relies on it)
-TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_plus_plus", "remax")
+TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_plus_plus", "remax", "opd")
+
+
+def add_distillation_term(advantages: torch.Tensor, student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor,
+                          response_mask: torch.Tensor, coef: float) -> torch.Tensor:
+    """On-policy distillation (Agarwal et al. 2024, GKD; Thinking Machines 2025; slime's form beside a reward):
+    A_t - coef * (log pi_student(y_t) - log pi_teacher(y_t)) on each trained token. y_t ~ pi_student, so at each
+    prefix E[log pi_student(y) - log pi_teacher(y)] is the reverse KL(pi_student || pi_teacher): the policy
+    gradient of this advantage descends it. Per token: no discount, no whitening (a teacher equal to the student
+    gives exactly 0)."""
+    return advantages - coef * (student_log_probs - teacher_log_probs) * response_mask
 
 
 def algorithm_name(adv_estimator: str) -> str:
     """What a run is called in logs: PPO (GAE with a critic), GRPO, RLOO, REINFORCE++, ..."""
     return {"gae": "PPO", "reinforce_plus_plus": "REINFORCE++", "reinforce_plus_plus_baseline": "REINFORCE++-baseline",
-            "remax": "ReMax", "grpo_passk": "GRPO-pass@k"}.get(adv_estimator, adv_estimator.upper())
+            "remax": "ReMax", "grpo_passk": "GRPO-pass@k", "opd": "OPD"}.get(adv_estimator, adv_estimator.upper())
 
 
 def compute_advantages(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, algorithm,

@@ -90,6 +90,18 @@ def kl_metrics(old_log_probs: torch.Tensor, ref_log_prob: torch.Tensor, mask: to
             "objective/non_score_reward": (-beta * seq_kl).mean().item()}
 
 
+def distill_metrics(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, mask: torch.Tensor) -> dict:
+    """On-policy distillation over the trained tokens: distill/reverse_kl, the per-token mean of
+    log pi_student - log pi_teacher on the sampled tokens (a Monte-Carlo estimate of KL(student || teacher));
+    distill/reverse_kl_seq, its sum per sequence averaged over sequences; the two models' mean log-probs."""
+    m = mask.float()
+    d = (student_log_probs - teacher_log_probs) * m
+    tokens = m.sum().clamp(min=1)
+    return {"distill/reverse_kl": (d.sum() / tokens).item(), "distill/reverse_kl_seq": d.sum(-1).mean().item(),
+            "distill/teacher_logprob_mean": ((teacher_log_probs * m).sum() / tokens).item(),
+            "distill/student_logprob_mean": ((student_log_probs * m).sum() / tokens).item()}
+
+
 def rollout_parity_metrics(batch) -> dict:
     """vLLM's sampling log-probs vs the trainer's pi_old on the same tokens. Sync mode: the numeric gap
     between the two engines on identical weights; async mode: that plus one step of policy lag."""

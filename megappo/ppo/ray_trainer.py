@@ -13,10 +13,12 @@ One step (`fit`), the whole RL loop in one screen:
                         while this step trains (open-instruct's Cleanba-style queue of depth 1)
   2. pi_old      actor `compute_log_prob` (Megatron, current weights) -> old_log_probs, entropy
                  (actor.use_rollout_log_probs: the sampler's log-probs instead, no forward)
-  3. ref, values `compute_ref_log_prob` (frozen initial policy), critic `compute_values`
+  3. ref, values `compute_ref_log_prob` (frozen initial policy), critic `compute_values`; a teacher's
+                 log-probs (on-policy distillation: the teacher group, or a server scoring meanwhile)
   4. reward      RewardManager (rules by data_source, non-stop penalty) [+ RM worker], then the KL
                  penalty in the reward (algorithm.use_kl_in_reward, fixed/adaptive beta)
-  5. advantages  on this process (core_algos: GAE / GRPO / RLOO / REINFORCE++)
+  5. advantages  on this process (core_algos: GAE / GRPO / RLOO / REINFORCE++), plus the teacher's
+                 per-token term -distill_coef * (log pi - log pi_teacher) (OPD: that term alone)
   6. updates     critic `update_critic`, actor `update_actor` (ppo_epochs x mini-batches; the loss
                  normaliser is the mini-batch's global token count, computed once per mini-batch)
   7. metrics (ppo/metrics.py, open-instruct names), validation every trainer.val_every steps,
@@ -62,11 +64,12 @@ from megappo.ppo import core_algos as algos
 from megappo.ppo.checkpointing import CheckpointingMixin
 from megappo.ppo.dynamic_sampling import filter_groups
 from megappo.ppo.losses import PolicyLoss, ValueLoss
-from megappo.ppo.metrics import CONSOLE_KEYS, eval_metrics, kl_metrics, step_metrics
+from megappo.ppo.metrics import CONSOLE_KEYS, distill_metrics, eval_metrics, kl_metrics, step_metrics
 from megappo.ppo.reward_curve import plot_reward_curve
 from megappo.ppo.run_control import PreemptionSignals, StepProgress
 from megappo.ppo.segments import Segments
 from megappo.ppo.staleness import batch_token_versions, loglinear_proximal_alpha
+from megappo.ppo.teacher_endpoint import TeacherEndpoint, place, rows_of
 from megappo.ppo.workers import WorkersMixin
 from megappo.protocol import DataProto
 from megappo.rewards.manager import RewardManager
@@ -170,7 +173,11 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
         self._initial_state = self._driver_state(0)
         # SIGTERM / SIGUSR1 from now on: finish the step in flight, checkpoint, stop (fit)
         self.preemption = PreemptionSignals().install()
-        self.actor_wg = self.critic_wg = self.ref_wg = self.rm_wg = self.rollout_wg = None
+        self.actor_wg = self.critic_wg = self.ref_wg = self.rm_wg = self.teacher_wg = self.rollout_wg = None
+        # on-policy distillation's teacher behind a server (teacher.model is a worker group: init_workers)
+        self.teacher_endpoint = TeacherEndpoint.from_config(cfg.teacher) if cfg.teacher.endpoint else None
+        if self.teacher_endpoint is not None:
+            self.teacher_endpoint.check()  # there, and its model named, before any worker starts
         self.resource_pool_manager = None
         self._plotting: Optional[threading.Thread] = None  # fit's reward_curve.png, drawn in the background
 
@@ -304,7 +311,7 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
         """Steps 1-6 of the loop (module docstring) for `step`; returns (metrics, next in-flight rollout)."""
         cfg, total = self.config, self.config.trainer.total_steps
         self._step = step
-        t0, timing, counts = time.perf_counter(), {}, {}  # timing/*: seconds only; counts: dynamic_sampling/*
+        t0, timing, counts = time.perf_counter(), {}, {}  # timing/*: seconds (and the teacher server's counts)
         # 1. rollout (async: the batch launched last step; launch the next one before training)
         baselines = None
         if self.stream is not None:  # fully_async: finished groups that keep every sample within the bound
@@ -343,6 +350,9 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
             timing.update(self.stream.after_update())
         self.global_step = step
         timing["timing/step_s"] = time.perf_counter() - t0
+        teacher_s = timing.get("timing/teacher_wait_s", timing.get("timing/teacher_s"))
+        if teacher_s is not None:  # the step's time spent waiting on the teacher
+            timing["distill/teacher_share"] = teacher_s / timing["timing/step_s"]
         if self.async_mode and not self.fully_async:  # how much of the rollout hid behind the previous step's training
             rollout_s = gen_metrics.get("timing/rollout_s", 0.0)
             timing["timing/rollout_overlap_s"] = max(0.0, rollout_s - timing["timing/rollout_wait_s"])
@@ -444,6 +454,10 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
 
     def _score_tokens(self, batch: DataProto, timing: dict) -> DataProto:
         model_in = batch.select(batch_keys=_MODEL_IN, non_tensor_keys=[], meta_info_keys=["sampling"])
+        b = batch.batch
+        teacher = None  # a teacher server scores while the workers run pi_old and the reference
+        if self.teacher_endpoint is not None:
+            teacher = self.teacher_endpoint.submit(rows_of(b["input_ids"], b["attention_mask"]))
         if not PolicyLoss.recomputes_old_log_probs(self.config.actor):  # pi_old = the sampler's log-probs
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
             if self.config.actor.proximal == "loglinear":  # A-3PO: pi_prox interpolated in the loss
@@ -461,6 +475,14 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
         if self.rm_wg is not None:
             with self._phase("rm", timing):
                 batch.batch.update(self.rm_wg.compute_rm_score(model_in).batch)
+        if self.teacher_wg is not None:
+            with self._phase("teacher", timing):
+                batch.batch.update(self.teacher_wg.compute_teacher_log_prob(model_in).batch)
+        elif teacher is not None:
+            with self._phase("teacher_wait", timing):
+                log_probs, stats = teacher.result()
+            b["teacher_log_prob"] = place(log_probs, b["attention_mask"], b["prompts"].shape[1])
+            timing.update(stats.metrics())
         return batch
 
     def _greedy_baselines(self, prompts: DataProto, batch: DataProto) -> torch.Tensor:
@@ -503,6 +525,10 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
             adv, ret = algos.compute_advantages(segments.sample_rewards(rewards, scores, mask), mask[p], a,
                                                 index=batch.non_tensor_batch["uid"][p])
             adv = ret = segments.spread(adv, mask[p], mask)
+        if "teacher_log_prob" in b:  # on-policy distillation: each trained token's reverse-KL term
+            adv = algos.add_distillation_term(adv, b["old_log_probs"], b["teacher_log_prob"], mask, a.distill_coef)
+            ret = ret if a.adv_estimator == "gae" else adv  # GAE's returns are the critic's targets
+            kl = {**kl, **distill_metrics(b["old_log_probs"], b["teacher_log_prob"], mask)}
         b["token_level_scores"], b["token_level_rewards"], b["advantages"], b["returns"] = scores, rewards, adv, ret
         return kl
 

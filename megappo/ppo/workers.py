@@ -30,8 +30,11 @@ _RUN_KEYS = {f"trainer.{k}" for k in ("total_steps", "output_dir", "resume", "sa
                             "loss_agg_mode", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "use_rollout_log_probs",
                             "policy_loss", "behav_imp_weight_cap", "proximal")} | \
     {f"critic.{k}" for k in ("ppo_mini_batch_size", "micro_batch_size", "ppo_epochs", "cliprange_value")} | \
-    {"ref.log_prob_micro_batch_size", "rollout.n"}
-_WORKER_ATTRS = ("groups", "resource_pool_manager", "actor_wg", "critic_wg", "ref_wg", "rm_wg", "rollout_wg")
+    {"ref.log_prob_micro_batch_size", "rollout.n", "teacher.log_prob_micro_batch_size"} | \
+    {f"teacher.{k}" for k in ("endpoint", "endpoint_model", "api_key_env", "concurrency", "timeout_s", "retries",
+                              "backoff_s")}  # a teacher server: the driver's client
+_WORKER_ATTRS = ("groups", "resource_pool_manager", "actor_wg", "critic_wg", "ref_wg", "rm_wg", "teacher_wg",
+                 "rollout_wg")
 
 
 def _flat(node, prefix: str = "") -> dict:
@@ -92,7 +95,8 @@ class WorkersMixin:
         processes), models, then vLLM engines."""
         from megappo.controller.resource_pool import ResourcePoolManager
         from megappo.controller.worker_group import NVMegatronRayWorkerGroup, RayWorkerGroup
-        from megappo.workers.roles import ActorCriticWorker, ActorRolloutRefWorker, CriticWorker, RewardModelWorker
+        from megappo.workers.roles import (ActorCriticWorker, ActorRolloutRefWorker, CriticWorker, RewardModelWorker,
+                                           TeacherWorker)
 
         cfg, res = self.config, self.config.resources
         if self._reuse_warm_workers():
@@ -112,6 +116,8 @@ class WorkersMixin:
             mapping[Role.RefPolicy] = "train"
         if cfg.reward.model.enable:
             mapping[Role.RewardModel] = "train"
+        if cfg.teacher.model:
+            mapping[Role.Teacher] = "train"
         if self.async_mode:
             spec["rollout"] = [res.rollout_workers]
             mapping[Role.Rollout] = "rollout"
@@ -139,6 +145,7 @@ class WorkersMixin:
         self.ref_wg = (self.actor_wg if fuse_ref else group(ActorRolloutRefWorker, "ref", Role.RefPolicy)) \
             if cfg.ref.enable else None
         self.rm_wg = group(RewardModelWorker, "rm") if cfg.reward.model.enable else None
+        self.teacher_wg = group(TeacherWorker, "teacher") if cfg.teacher.model else None
         self.rollout_wg = group(ActorRolloutRefWorker, "rollout", Role.Rollout, wg_cls=RayWorkerGroup,
                                 pool=mgr.pools["rollout"]) if self.async_mode else self.actor_wg
         t1 = time.perf_counter()
@@ -181,6 +188,8 @@ class WorkersMixin:
             self.warm.keep(self.config, {name: getattr(self, name) for name in _WORKER_ATTRS})
             self.groups, self.resource_pool_manager = [], None
         self._teardown_workers()
+        if self.teacher_endpoint is not None:
+            self.teacher_endpoint.close()
         self.preemption.uninstall()
         if stop_ray:
             import ray

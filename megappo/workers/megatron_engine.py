@@ -103,14 +103,16 @@ def lora_config_from(cfg) -> Optional[LoraConfig]:
 
 
 def engine_config_from(cfg, role: str) -> EngineConfig:
-    """The EngineConfig of `role` (actor | ref | critic | reward_model) in a run's config."""
-    if role not in ("actor", "ref", "critic", "reward_model"):
-        raise ValueError(f"engine_config_from: unknown role {role!r}; choose actor, ref, critic or reward_model")
-    section = {"actor": cfg.actor, "ref": cfg.ref, "critic": cfg.critic, "reward_model": cfg.reward.model}[role]
+    """The EngineConfig of `role` (actor | ref | critic | reward_model | teacher) in a run's config."""
+    sections = {"actor": cfg.actor, "ref": cfg.ref, "critic": cfg.critic, "reward_model": cfg.reward.model,
+                "teacher": cfg.teacher}
+    if role not in sections:
+        raise ValueError(f"engine_config_from: unknown role {role!r}; choose one of {', '.join(sections)}")
+    section = sections[role]
     trains = role in ("actor", "critic")
     return EngineConfig(
         device=resolve_device(cfg.resources.device),
-        head="lm" if role in ("actor", "ref") else "value",
+        head="lm" if role in ("actor", "ref", "teacher") else "value",
         optim=_plain_optim(section.optim) if trains else None,
         schedule_steps=optimizer_steps(cfg, section) if trains else 1000,
         params_dtype={"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[cfg.model.dtype],

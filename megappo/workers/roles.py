@@ -52,7 +52,7 @@ from megappo.controller.worker import Worker
 from megappo.protocol import DataProto
 
 __all__ = ["ActorRolloutRefWorker", "CriticWorker", "ActorCriticWorker", "RewardModelWorker", "ACTOR_ROLES",
-           "Role", "fused_role", "check_reward_model_vocab"]
+           "Role", "fused_role", "check_reward_model_vocab", "TeacherWorker"]
 
 
 class Role(str, Enum):
@@ -65,6 +65,7 @@ class Role(str, Enum):
     Critic = "critic"
     RefPolicy = "ref"
     RewardModel = "reward_model"
+    Teacher = "teacher"  # on-policy distillation's frozen teacher (teacher.model)
     ActorRolloutRef = "actor_rollout_ref"  # actor + rollout + ref in one process
     ActorRef = "actor_ref"  # async mode's actor with the ref fused (the rollout is a pool of its own)
 
@@ -610,6 +611,33 @@ class ActorCriticWorker(ActorRolloutRefWorker, CriticWorker):
     def load_checkpoint(self, path, load_optimizer: bool = True) -> None:
         ActorRolloutRefWorker.load_checkpoint(self, path, load_optimizer)
         CriticWorker.load_checkpoint(self, path, load_optimizer)
+
+
+class TeacherWorker(_MegatronRoleWorker):
+    """On-policy distillation's teacher (teacher.model): a frozen causal LM of any supported family with its
+    own layout (teacher.parallel), scoring the student's tokens as the reference does (at the sampling
+    temperature)."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> dict:
+        from megappo.model_dirs import check_same_tokenizer
+
+        cfg = self.config
+        check_same_tokenizer(cfg.teacher.model, cfg.model.tokenizer or cfg.model.path)
+        self._bring_up(cfg.teacher.parallel)
+        self.teacher = self._make_engine(cfg.teacher.model, "teacher")
+        return {"role": Role.Teacher.value, "layout": str(self.layout)}
+
+    def _engines(self) -> dict:
+        return {"teacher": self.teacher}
+
+    @register(Dispatch.MEGATRON_COMPUTE)
+    def compute_teacher_log_prob(self, data: DataProto) -> Optional[DataProto]:
+        out = _forward(self.teacher, data, _response_length(data), self.config.teacher.log_prob_micro_batch_size,
+                       temperature=_logprob_temperature(data), compute_entropy=False)
+        if out is None:
+            return None
+        return DataProto.from_dict({"teacher_log_prob": out["logprobs"]})
 
 
 class RewardModelWorker(_MegatronRoleWorker):

@@ -1,0 +1,185 @@
+"""On-policy distillation's teacher behind an OpenAI-compatible server (`teacher.endpoint`): the log-probability
+it gives each token of each row. One `/v1/completions` request per row, its token ids as the prompt with
+`echo: true, logprobs: 0` (the prompt's log-probs, as lm-evaluation-harness asks vLLM's server and megappo serve
+for them; vLLM scores prompt tokens without the sampling processors, so at temperature 1), `concurrency` in
+flight. A connection error, a timeout, a 408/425/429/5xx or an unreadable answer is retried (`retries` times,
+backoff doubling from `backoff_s`, capped at 30 s, jittered); another 4xx is the server's own line at once. A row
+that fails every try fails the step (TeacherEndpointError): no row is trained without its teacher.
+
+The trainer submits a batch before its own forwards and collects it after (ppo/ray_trainer._score_tokens), so
+the server's time hides behind pi_old's and the reference's."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+RETRY_STATUS = (408, 425, 429)  # and every 5xx
+MAX_BACKOFF_S = 30.0
+
+
+class TeacherEndpointError(RuntimeError):
+    """The teacher server failed a row on every try, or refused it: the step cannot be trained."""
+
+
+@dataclass
+class TeacherStats:
+    requests: int = 0
+    retries: int = 0
+    seconds: float = 0.0
+    latencies: list = field(default_factory=list)
+
+    def metrics(self) -> dict:
+        lat = sorted(self.latencies) or [0.0]
+        return {"distill/teacher_requests": self.requests, "distill/teacher_retries": self.retries,
+                "timing/teacher_s": self.seconds, "perf/teacher_latency_p50_s": lat[len(lat) // 2],
+                "perf/teacher_latency_max_s": lat[-1]}
+
+
+class TeacherEndpoint:
+    def __init__(self, url: str, model: Optional[str] = None, api_key: Optional[str] = None, concurrency: int = 16,
+                 timeout_s: float = 120.0, retries: int = 3, backoff_s: float = 1.0):
+        self.url = url.rstrip("/")
+        self.model, self.api_key = model, api_key
+        self.concurrency, self.timeout_s, self.retries, self.backoff_s = concurrency, timeout_s, retries, backoff_s
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="teacher")
+
+    @classmethod
+    def from_config(cls, teacher) -> "TeacherEndpoint":
+        return cls(teacher.endpoint, teacher.endpoint_model, os.environ.get(teacher.api_key_env),
+                   teacher.concurrency, teacher.timeout_s, teacher.retries, teacher.backoff_s)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- the trainer's calls -----------------------------------------------------------------------------
+
+    def submit(self, rows: list[list[int]]) -> concurrent.futures.Future:
+        """Score `rows` (token ids, prompt and response) in the background: a future of (per row, the log-prob of
+        each token after the first; TeacherStats)."""
+        return self._pool.submit(lambda: asyncio.run(self._score_all(rows)))
+
+    def score(self, rows: list[list[int]]) -> tuple[list[list[float]], TeacherStats]:
+        return self.submit(rows).result()
+
+    def check(self) -> str:
+        """The model name the server serves (`teacher.endpoint_model`, else the first /v1/models lists), asked
+        with the same retries: a server that is not there fails in one line before the workers start."""
+        return self._pool.submit(lambda: asyncio.run(self._model_name())).result()
+
+    # ---- over HTTP ---------------------------------------------------------------------------------------
+
+    def _client(self):
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
+        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=self.timeout_s, limits=limits)
+
+    async def _model_name(self) -> str:
+        if self.model:
+            return self.model
+        async with self._client() as client:
+            body = await self._request(client, "GET", "/models", None, TeacherStats(), "the model list")
+        names = [m.get("id") for m in body.get("data") or []]
+        if not names:
+            raise TeacherEndpointError(f"teacher.endpoint {self.url} lists no model at /models; set "
+                                       "teacher.endpoint_model")
+        self.model = names[0]
+        return self.model
+
+    async def _score_all(self, rows: list[list[int]]) -> tuple[list[list[float]], TeacherStats]:
+        stats, start = TeacherStats(), time.perf_counter()
+        model = await self._model_name()
+        gate = asyncio.Semaphore(self.concurrency)
+        async with self._client() as client:
+            async def one(i: int, ids: list[int]) -> list[float]:
+                async with gate:
+                    body = {"model": model, "prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 1,
+                            "temperature": 1.0}
+                    t0 = time.perf_counter()
+                    answer = await self._request(client, "POST", "/completions", body, stats, f"row {i}")
+                    stats.latencies.append(time.perf_counter() - t0)
+                    return self._prompt_log_probs(answer, ids, i)
+
+            out = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(rows)))
+        stats.seconds = time.perf_counter() - start
+        return out, stats
+
+    def _prompt_log_probs(self, answer: dict, ids: list[int], i: int) -> list[float]:
+        """log p(ids[k] | ids[:k]) for k >= 1 from an echoed completion (its first len(ids) entries)."""
+        try:
+            choice = answer["choices"][0]
+            lps = choice["logprobs"]["token_logprobs"][:len(ids)]
+            echoed = choice.get("prompt_token_ids") or answer.get("prompt_token_ids")
+        except (KeyError, IndexError, TypeError):
+            raise TeacherEndpointError(f"teacher.endpoint {self.url}: row {i}'s answer has no echoed logprobs "
+                                       "(choices[0].logprobs.token_logprobs); it must be an OpenAI-compatible "
+                                       "completions server that supports echo (vllm serve, megappo serve)") from None
+        if len(lps) < len(ids) or any(lp is None for lp in lps[1:]) or echoed is not None and list(echoed) != ids:
+            raise TeacherEndpointError(f"teacher.endpoint {self.url}: row {i}'s {len(ids)} token ids came back as "
+                                       f"{len(lps)} log-probs or other ids: the server must score the ids as sent "
+                                       "(the teacher shares the student's tokenizer)")
+        return [float(lp) for lp in lps[1:]]
+
+    async def _request(self, client, method: str, path: str, body, stats: TeacherStats, what: str) -> dict:
+        import httpx
+
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                stats.retries += 1
+                await asyncio.sleep(min(MAX_BACKOFF_S, self.backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5))
+            stats.requests += 1
+            try:
+                r = await client.request(method, path, json=body)
+            except httpx.TransportError as e:  # refused, reset, timed out
+                last = f"{type(e).__name__}: {e}".strip(": ")
+                continue
+            if r.status_code == 200:
+                try:
+                    return r.json()
+                except ValueError:
+                    last = "an answer that is not JSON"
+                    continue
+            line = _error_line(r)
+            if r.status_code in RETRY_STATUS or r.status_code >= 500:
+                last = f"HTTP {r.status_code}: {line}"
+                continue
+            raise TeacherEndpointError(f"teacher.endpoint {self.url} refused {what}: HTTP {r.status_code}: {line}")
+        raise TeacherEndpointError(f"teacher.endpoint {self.url} failed {what} {self.retries + 1} times (last: {last}); "
+                                   "check the server, or raise teacher.retries / teacher.timeout_s")
+
+
+def _error_line(r) -> str:
+    try:
+        err = r.json().get("error")
+        text = err.get("message") if isinstance(err, dict) else (err or r.text)
+    except (ValueError, AttributeError):
+        text = r.text
+    return " ".join(str(text).split())[:300]
+
+
+def place(rows_log_probs: list[list[float]], attention_mask, prompt_width: int):
+    """The teacher's log-probs as a [B, R] tensor beside the batch's responses: row i's response token j is
+    its (real prompt length + j)-th token, scored from the log-probs of its tokens after the first."""
+    import torch
+
+    b, width = attention_mask.shape
+    out = torch.zeros(b, width - prompt_width, dtype=torch.float32)
+    for i, lps in enumerate(rows_log_probs):
+        p = int(attention_mask[i, :prompt_width].sum())
+        n = int(attention_mask[i, prompt_width:].sum())
+        out[i, :n] = torch.tensor(lps[p - 1:p - 1 + n], dtype=torch.float32)
+    return out
+
+
+def rows_of(input_ids, attention_mask) -> list[list[int]]:
+    """Each row's real tokens (its prompt, then every response token: sampled, tool results, text an agent
+    inserted), which the teacher scores as context."""
+    return [ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask)]
