@@ -12,7 +12,8 @@ The model (stated so it can be checked by hand):
   weight sync sends every expert into every rollout GPU (merged; rollout.lora_sync=adapter: no expert, below).
 - Trained roles (actor, critic), megatron mixed precision with the distributed optimizer:
   weights bf16 2 B/param + fp32 grad buffer 4 B/param (full: DDP reduce-scatters into it)
-  + fp32 main params and Adam m, v 12 B/param sharded over dp.  Frozen roles (ref, RM): 2 B/param.
+  + fp32 main params and Adam m, v 12 B/param sharded over dp.  Frozen roles (ref, RM, an on-policy
+  distillation teacher.model, planned with teacher.arch's shapes, else the student's): 2 B/param.
 - Activations (Korthikanti et al. 2022, flash attention, sequence parallel), bf16, per micro-batch:
   34*s*b*h/tp bytes per layer; a MoE layer's MLP (19 of the 34) is replaced by its top-k routed copies of
   each token: k*(4h + 6f) bytes per token (permuted input and fc2 output bf16, fc1's gated 2f output and the
@@ -43,7 +44,7 @@ The model (stated so it can be checked by hand):
   the weight sync is the whole adapter in peft's layout, bf16, into each rollout GPU (adapter_sync_params);
   vLLM keeps the base it loaded.
 - Overhead per GPU: 3 GB (NCCL buffers, fragmentation) + a CUDA context of 0.6 GB per process on the
-  GPU (one per worker group sharing the pool: actor/rollout/ref fused, critic, reward model).
+  GPU (one per worker group sharing the pool: actor/rollout/ref fused, critic, reward model, teacher).
 - Host memory (pinned, per node): an offloaded role's weights and optimizer states (main params +
   Adam; its grad buffer is dropped, not copied), vLLM's sleeping weights with sleep_level 1, and on GPU
   a checkpoint save's snapshot: megatron's preload copies the actor's and critic's weights + optimizer
@@ -227,9 +228,10 @@ def adapter_sync_params(a, lora) -> int:
 def role_memory(cfg, role: str) -> RoleMemory:
     rcfg = cfg[role]
     par = rcfg.parallel
-    dense, experts = stage_split(cfg, par.tp, par.pp, par.ep, "value" if role == "critic" else "lm")
+    shapes = teacher_shapes(cfg) if role == "teacher" else cfg
+    dense, experts = stage_split(shapes, par.tp, par.pp, par.ep, "value" if role == "critic" else "lm")
     n = dense + experts
-    if role == "ref":
+    if role in ("ref", "teacher"):  # frozen: weights only
         return RoleMemory(n, experts, 2 * n / GB, 0.0, 0.0, 0.0)
     if role == "actor" and lora_rank(cfg):  # frozen base + adapters (trained; Adam sharded as their base's)
         k, k_exp = lora_params(cfg.model.arch, cfg.actor.lora, par.tp, par.pp, par.ep)
@@ -243,12 +245,26 @@ def role_memory(cfg, role: str) -> RoleMemory:
                       activation_bytes(cfg, rcfg, par, lm_head=(role == "actor")) / GB)
 
 
+def teacher_shapes(cfg):
+    """The config with the teacher's shapes as model.arch (teacher.arch, else the student's own)."""
+    if cfg.teacher.arch is None:
+        return cfg
+    c = copy.deepcopy(cfg)
+    c.model.arch = cfg.teacher.arch
+    return c
+
+
+def planned_roles(cfg) -> list[str]:
+    """The Megatron models the run builds: the actor, the critic and reference when enabled (with LoRA the
+    reference is the actor's base with the adapters off: no model), an on-policy distillation teacher.model."""
+    return [r for r in ROLES if r == "actor" or cfg[r].enable and not (r == "ref" and lora_rank(cfg))] + \
+        (["teacher"] if cfg.teacher.model else [])
+
+
 def plan(cfg) -> dict:
     """The per-GPU memory of each phase, the peak, and the weight-sync volume."""
     gpu_gb = cfg.resources.gpu_memory_gb
-    # with LoRA the reference is the actor's base with the adapters off: no ref model is built
-    roles = {r: role_memory(cfg, r) for r in ROLES
-             if r == "actor" or cfg[r].enable and not (r == "ref" and lora_rank(cfg))}
+    roles = {r: role_memory(cfg, r) for r in planned_roles(cfg)}
     offload = {r: bool(cfg[r].offload) for r in roles}
     vllm_gb = cfg.rollout.gpu_memory_utilization * gpu_gb
     vllm_weights_gb = 2 * total_params(cfg) / cfg.rollout.tp / GB
@@ -266,13 +282,14 @@ def plan(cfg) -> dict:
     actor_for_sync = a.weights_gb if offload["actor"] else a.resident_gb + a.activations_gb
     phases = {"weight_sync": resident("actor") + actor_for_sync + vllm_weights_gb + bucket_gb,
               "rollout": resident(None) + vllm_gb}
-    if "ref" in roles:
-        phases["ref_log_prob"] = resident("ref") + roles["ref"].weights_gb + sleeping_vllm()
+    for frozen in ("ref", "teacher"):
+        if frozen in roles:
+            phases[f"{frozen}_log_prob"] = resident(frozen) + roles[frozen].weights_gb + sleeping_vllm()
     if "critic" in roles:
         c = roles["critic"]
         phases["critic_update"] = resident("critic") + c.resident_gb + c.activations_gb + sleeping_vllm()
     phases["actor_update"] = resident("actor") + a.resident_gb + a.activations_gb + sleeping_vllm()
-    processes = 1 + sum(1 for r in ("critic",) if r in roles) + int(bool(cfg.reward.model.enable)) + \
+    processes = 1 + sum(1 for r in ("critic", "teacher") if r in roles) + int(bool(cfg.reward.model.enable)) + \
         int("ref" in roles and not same_layout(cfg.ref.parallel, cfg.actor.parallel))
     overhead = OVERHEAD_GB + CUDA_CONTEXT_GB * processes
     phases = {k: v + overhead for k, v in phases.items()}
@@ -335,7 +352,7 @@ def with_pool(cfg, nodes: int | None, gpus_per_node: int | None, gpu_mem_gb: flo
     if gpu_mem_gb:
         cfg.resources.gpu_memory_gb = gpu_mem_gb
     world = cfg.resources.nodes * cfg.resources.workers_per_node
-    for r in ROLES:
+    for r in ROLES + (("teacher",) if cfg.teacher.model else ()):
         par = cfg[r].parallel
         if world % (par.tp * par.pp):
             raise ConfigError(f"{r}.parallel tp*pp = {par.tp * par.pp} does not divide the {world} GPUs; "

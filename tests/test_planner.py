@@ -301,3 +301,27 @@ def test_adapter_sync_count_equals_the_gathered_peft_adapter(tiny_assets):
                                                     f"actor.lora.experts={str(experts).lower()}"], validate=False)
         counts = spawn_local(_count_peft_adapter, 2, path, 4, experts, timeout=300)
         assert counts == [adapter_sync_params(cfg.model.arch, cfg.actor.lora)] * 2, (name, counts)
+
+
+def test_a_distillation_teacher_is_a_frozen_role_of_its_own_shapes():
+    """teacher.model: its own worker group (one more process per GPU), frozen weights of teacher.arch's shapes at
+    its own layout (2 B/param: Llama-2-70B's shapes at TP8, hand-computed), resident in every phase unless
+    offloaded, with a teacher_log_prob phase of its own."""
+    seventy = ["teacher.arch.hidden_size=8192", "teacher.arch.intermediate_size=28672", "teacher.arch.num_layers=80",
+               "teacher.arch.num_attention_heads=64", "teacher.arch.num_kv_heads=8", "teacher.arch.vocab_size=32000"]
+    base = plan(load_config(REPO / "configs/ppo_7b.yaml", []))
+    cfg = load_config(REPO / "configs/ppo_7b.yaml", ["teacher.model=/models/teacher", "teacher.parallel.tp=8",
+                                                       "teacher.parallel.dp=1", *seventy])
+    got = plan(cfg)
+    # one layer: qkv 8192*(64+2*8)*128 = 83,886,080; proj 8192*8192 = 67,108,864; SwiGLU 3*8192*28672 =
+    # 704,643,072; norms 16,384 -> 855,654,400; 80 of them / 8, embedding + output 32000*8192/8 each, final norm
+    params = 80 * 855_654_400 // 8 + 2 * 32000 * 8192 // 8 + 8192
+    teacher = got["roles"]["teacher"]
+    assert teacher["params_per_gpu_m"] == round(params / 1e6, 1) and teacher["grads_gb"] == 0
+    assert teacher["weights_gb"] == round(2 * params / GB, 2) and got["layout"]["teacher"] == "TP8xPP1xDP1"
+    assert got["processes_per_gpu"] == base["processes_per_gpu"] + 1
+    assert abs(got["phases_gb"]["rollout"] - base["phases_gb"]["rollout"] - 2 * params / GB - 0.6) < 0.02
+    assert "teacher_log_prob" in got["phases_gb"] and "teacher_log_prob" not in base["phases_gb"]
+    cfg.teacher.offload = True
+    off = plan(cfg)
+    assert abs(off["phases_gb"]["rollout"] - base["phases_gb"]["rollout"] - 0.6) < 0.02  # only its CUDA context

@@ -217,6 +217,7 @@ class TeacherConfig:
     (ppo/distillation.py). Set one of `model` (a frozen Megatron role) or `endpoint` (a server); it shares the
     student's tokenizer."""
     model: Optional[str] = None  # a HF dir of any supported family, its own layout; may be larger than the student
+    arch: Optional[ArchConfig] = None  # its shapes for `megappo plan` (None: the student's model.arch)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     log_prob_micro_batch_size: int = 4
     offload: bool = False  # weights in host memory outside the teacher's forward
