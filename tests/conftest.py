@@ -66,3 +66,19 @@ def sync_baseline(ray_session, tiny_assets, data_dir, tmp_path_factory):
     history = run(config(tiny_assets, data_dir, out))
     assert WARM.started == started + 1  # a fresh start, kept warm for the next run
     return history, out
+
+
+@pytest.fixture
+def fake_teacher():
+    """make(*faults): a stand-in teacher server on loopback (distill_helpers.FakeTeacher), closed after the test."""
+    from distill_helpers import FakeTeacher
+
+    servers = []
+
+    def make(*faults, slow_s: float = 0.0):
+        servers.append(FakeTeacher(faults, slow_s))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()

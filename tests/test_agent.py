@@ -395,18 +395,25 @@ def _check_eval_with_and_without_tools(model, out):
     assert reports["tools"]["max_prompt_length"] == reports["plain"]["max_prompt_length"] == 300
 
 
-def test_async_grpo_on_multi_turn_samples(ray_session, tiny_assets, data_dir, tmp_path):
+def test_async_grpo_on_multi_turn_samples(ray_session, tiny_assets, data_dir, tmp_path, fake_teacher):
     """Async mode (a separate rollout pool fed over the weight-sync group) with GRPO and no critic: the
-    pool's engines run the same agent loop; step 1's samples come from the weights it trains from."""
-    from trainer_utils import config, run
+    pool's engines run the same agent loop; step 1's samples come from the weights it trains from. A teacher
+    server beside the reward (on-policy distillation) scores every row, the tool results as context only."""
+    from distill_helpers import check_teacher_rows
+    from trainer_utils import config, recording_updates, run
 
+    teacher = fake_teacher()
     cfg = config(tiny_assets, data_dir, tmp_path, "rollout.max_new_tokens=200", "data.max_prompt_length=300",
                  "rollout.multi_turn.enable=true", "rollout.multi_turn.tool_choice=required",
                  "rollout.multi_turn.tool_prompt='You can use tools: {tools}'", "trainer.mode=async",
                  "resources.rollout_workers=1", "algorithm.adv_estimator=grpo", "critic.enable=false",
+                 f"teacher.endpoint={teacher.url}",
                  "trainer.total_steps=2", "trainer.save_every=0", "trainer.val_every=0", "trainer.export_hf=false")
-    history = run(cfg)
+    batches = []
+    history, _ = run(cfg, setup=recording_updates(batches))
     assert len(history) == 2 and "critic/grad_norm" not in history[0]
+    for batch in batches:
+        check_teacher_rows(batch)
     for h in history:
         assert h["rollout/tool_calls_mean"] == 1.0 and h["rollout/tokens_tool"] > 0
         assert h["rollout/weights_fingerprint_ok"] == 1.0

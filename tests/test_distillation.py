@@ -6,12 +6,11 @@ retried and counted, or fails the step in one line."""
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 
+from distill_helpers import check_teacher_rows, fake_log_prob
 from megappo.ppo import core_algos as algos
 
 
@@ -70,90 +69,6 @@ def test_tokens_nobody_trained_carry_no_term_and_no_metric():
 
 # ---- a teacher server -----------------------------------------------------------------------------------
 
-def fake_log_prob(k: int, token: int) -> float:
-    """What the stand-in server says of the k-th token of a prompt: a value tied to its place and id."""
-    return -(1.0 + k / 100 + token / 100_000)
-
-
-class FakeTeacher:
-    """A stand-in OpenAI-compatible teacher on loopback (the client's retries are under test, not a model):
-    /v1/models lists "teacher"; /v1/completions answers an echoed completion, the k-th prompt token's log-prob
-    fake_log_prob(k, id). `faults` lists what the next requests get ("503", "drop": the connection closed
-    unanswered, "400", "slow": an answer after `slow_s`); it counts requests and the most in flight."""
-
-    def __init__(self, faults=(), slow_s: float = 0.0):
-        self.faults, self.slow_s = list(faults), slow_s
-        self.requests, self.in_flight, self.most_in_flight, self.bodies = 0, 0, 0, []
-        self.lock = threading.Lock()
-        owner = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _send(self, code: int, body: dict):
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                self._send(200, {"object": "list", "data": [{"id": "teacher", "object": "model"}]})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with owner.lock:
-                    owner.requests += 1
-                    owner.in_flight += 1
-                    owner.most_in_flight = max(owner.most_in_flight, owner.in_flight)
-                    fault = owner.faults.pop(0) if owner.faults else None
-                    owner.bodies.append(body)
-                try:
-                    import time
-
-                    time.sleep(0.02)  # long enough for requests to overlap
-                    if fault == "503":
-                        return self._send(503, {"error": {"message": "overloaded", "code": 503}})
-                    if fault == "400":
-                        return self._send(400, {"error": {"message": "prompt is longer than max_model_len 64"}})
-                    if fault == "drop":
-                        self.close_connection = True
-                        return self.connection.shutdown(2)
-                    if fault == "slow":
-                        time.sleep(owner.slow_s)
-                    ids = body["prompt"]
-                    lps = [None] + [fake_log_prob(k, t) for k, t in enumerate(ids)][1:] + [-0.5]
-                    self._send(200, {"choices": [{"index": 0, "text": "", "token_ids": [7],
-                                                  "logprobs": {"token_logprobs": lps}}],
-                                     "prompt_token_ids": ids})
-                finally:
-                    with owner.lock:
-                        owner.in_flight -= 1
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def fake_teacher():
-    servers = []
-
-    def make(*faults, slow_s: float = 0.0):
-        servers.append(FakeTeacher(faults, slow_s))
-        return servers[-1]
-
-    yield make
-    for s in servers:
-        s.close()
-
-
 def test_the_servers_log_probs_land_on_each_rows_response_tokens(fake_teacher):
     """rows_of sends each row's real tokens (left-padded prompts of different widths, every response token
     including those nobody sampled); place puts the log-prob of the row's k-th token at its response column."""
@@ -170,7 +85,7 @@ def test_the_servers_log_probs_land_on_each_rows_response_tokens(fake_teacher):
         lps, stats = client.score(rows_of(ids, attn))
     finally:
         client.close()
-    assert [b["prompt"] for b in server.bodies] == [r[m.bool()].tolist() for r, m in zip(ids, attn)]
+    assert sorted(b["prompt"] for b in server.bodies) == sorted(r[m.bool()].tolist() for r, m in zip(ids, attn))
     assert all(b["echo"] is True and b["logprobs"] == 0 and b["model"] == "teacher" for b in server.bodies)
     placed = place(lps, attn, prompts.shape[1])
     for i in range(3):
@@ -257,38 +172,19 @@ def test_teacher_config_errors(tiny_assets, tmp_path):
 
 # ---- trained ----------------------------------------------------------------------------------------------
 
-def spy_batches(batches: list):
-    """A trainer setup hook keeping each step's batch (the reward manager's input; the trainer adds the
-    advantages to the same batch afterwards)."""
-    def setup(trainer):
-        score = trainer.reward_fn
-
-        class Spy:
-            def __getattr__(self, name):
-                return getattr(score, name)
-
-            def __call__(self, batch):
-                batches.append(batch)
-                return score(batch)
-
-        trainer.reward_fn = Spy()
-
-    return setup
-
-
 def test_opd_from_a_teacher_equal_to_the_student_moves_nothing(ray_session, tiny_assets, data_dir, tmp_path):
     """algorithm.adv_estimator=opd with teacher.model = the student's own dir (a Megatron group of its own),
     2 sync steps (fp32): the teacher's log-probs are the student's pi_old bit for bit, every advantage is exactly
     0, so the actor's gradient is exactly 0 at every update (the weights stay where a zero-advantage update
     leaves them) and distill/reverse_kl is 0; the teacher's time is logged with its share of the step."""
-    from trainer_utils import config, run
+    from trainer_utils import config, recording_updates, run
 
     cfg = config(tiny_assets, data_dir, tmp_path / "run", "algorithm.adv_estimator=opd", "critic.enable=false",
                  "ref.enable=false", "algorithm.use_kl_in_reward=false", "actor.entropy_coeff=0",
                  f"teacher.model={tiny_assets['tiny-llama']}", "teacher.parallel.dp=2",
                  "trainer.total_steps=2", "trainer.save_every=0", "trainer.val_every=0", "trainer.export_hf=false")
     batches = []
-    history, _ = run(cfg, setup=spy_batches(batches))
+    history, _ = run(cfg, setup=recording_updates(batches))
     assert len(history) == 2
     for h, batch in zip(history, batches):
         b = batch.batch
@@ -303,26 +199,20 @@ def test_a_teacher_server_beside_the_reward_survives_its_failures(ray_session, t
     """teacher.endpoint beside PPO's GAE (slime's form: A_t - coef * (log pi - log pi_teacher)), 2 sync steps, a
     server whose first requests fail (503, a dropped connection): each row's teacher log-probs are the server's
     for its tokens, retried requests are counted and the steps finish, distill/reverse_kl over the trained tokens."""
-    from trainer_utils import config, run
+    from trainer_utils import config, recording_updates, run
 
     server = fake_teacher("503", "drop", "503")
     cfg = config(tiny_assets, data_dir, tmp_path / "run", f"teacher.endpoint={server.url}", "teacher.retries=3",
                  "teacher.backoff_s=0.01", "teacher.concurrency=4", "algorithm.distill_coef=0.5",
                  "trainer.total_steps=2", "trainer.save_every=0", "trainer.val_every=0", "trainer.export_hf=false")
     batches = []
-    history, _ = run(cfg, setup=spy_batches(batches))
+    history, _ = run(cfg, setup=recording_updates(batches))
     assert len(history) == 2 and server.most_in_flight <= 4
     assert [h["distill/teacher_retries"] for h in history] == [3, 0]
     assert [h["distill/teacher_requests"] for h in history] == [len(batches[0]) + 3, len(batches[1])]
     for h, batch in zip(history, batches):
+        check_teacher_rows(batch)
         b = batch.batch
-        width = b["prompts"].shape[1]
-        for i in range(len(batch)):
-            p = int(b["attention_mask"][i, :width].sum())
-            ids = b["responses"][i].tolist()
-            n = int(b["attention_mask"][i, width:].sum())
-            want = torch.tensor([fake_log_prob(p + j, ids[j]) for j in range(n)])
-            assert torch.allclose(b["teacher_log_prob"][i, :n], want, atol=1e-6)
         mask = b["response_mask"]
         d = (b["old_log_probs"] - b["teacher_log_prob"]) * mask
         assert h["distill/reverse_kl"] == pytest.approx((d.sum() / mask.sum()).item(), rel=1e-5)

@@ -278,17 +278,22 @@ def _agent_run(tiny_assets, data_dir, tmp_path, agent_source: str, *extra) -> tu
     # CI keeps tp2 (the same agents on the same stream, plus the follower's replay); tp1 in `make test-all`
     pytest.param([], marks=pytest.mark.long, id="tp1"),
     pytest.param(["resources.rollout_workers=2", "rollout.tp=2"], id="tp2")])
-def test_your_own_agent_streams_in_fully_async(ray_session, tiny_assets, data_dir, tmp_path, pool):
+def test_your_own_agent_streams_in_fully_async(ray_session, tiny_assets, data_dir, tmp_path, pool, fake_teacher):
     """rollout.agent in fully_async: each sample is the user's openai-SDK agent (tools=, a tool result between
     two calls) in its own gateway session on the rollout worker's stream, while weights load under it. Every
     trained row is exactly a session the agent ran (the gateway's prompt, the sampled ids, the tool tokens
     masked out), each sampled token carries the version that sampled it, every sample stays within the bound,
     and an agent that raises costs its sample only. tp2: one vLLM replica over two rollout workers; the agents'
-    requests reach the leader's gateway and the follower replays its engine calls (rollout/lockstep.py)."""
+    requests reach the leader's gateway and the follower replays its engine calls (rollout/lockstep.py). A
+    teacher server beside the reward (on-policy distillation) scores every row as trained, the tool results
+    as context only."""
+    from distill_helpers import check_teacher_rows
     from test_agent import SDK_AGENT
 
+    teacher = fake_teacher()
     history, batches, sessions = _agent_run(tiny_assets, data_dir, tmp_path, SDK_AGENT,
-                                            "rollout.multi_turn.tool_prompt='You can use tools: {tools}'", *pool)
+                                            "rollout.multi_turn.tool_prompt='You can use tools: {tools}'",
+                                            f"teacher.endpoint={teacher.url}", *pool)
     expected = set()
     for first, second in sessions:
         sent = first["prompt"] + first["sampled"]
@@ -297,8 +302,10 @@ def test_your_own_agent_streams_in_fully_async(ray_session, tiny_assets, data_di
         expected.add((tuple(first["prompt"]), tuple(first["sampled"] + tool + second["sampled"])))
     trained = []
     for h, batch in zip(history, batches):
+        check_teacher_rows(batch)
         b = batch.batch
         rows, width = b["responses"].shape[0], b["prompts"].shape[1]
+        assert h["distill/teacher_requests"] == rows
         errors = h["rollout/agent_errors"]
         assert 0 < errors < rows and h["objective/scores"] == pytest.approx(0.5 * (1 - errors / rows))
         assert h["async/sample_staleness_max"] <= 1 and h["rollout/agent_fallbacks"] == 0

@@ -372,18 +372,25 @@ def test_adapter_checkpoint_exports_merged_hf_and_peft(engine_runs, tiny_assets)
     assert gaps["float32"] <= 1e-4 < gaps["bfloat16"]  # the rounding the float32 default avoids
 
 
-def test_a_lora_ppo_run_end_to_end(ray_session, tiny_assets, data_dir, tmp_path):
+def test_a_lora_ppo_run_end_to_end(ray_session, tiny_assets, data_dir, tmp_path, fake_teacher):
     """`megappo train` with actor.lora on the tiny demo (sync, hybrid engine, TP1 x DP2, GRPO-style KL loss):
     the reference is the actor's own base (no ref model), every step's merged weights reach vLLM
     (fingerprints), the KL to the base starts near 0 and grows, the actor's checkpoint is adapters + their
     optimizer state only (far smaller than the full critic's), and the final export is the merged HF model
-    with the peft adapter beside it."""
-    from trainer_utils import config, run
+    with the peft adapter beside it. A LoRA student distils too: a teacher server beside the reward scores its
+    rows."""
+    from distill_helpers import check_teacher_rows
+    from trainer_utils import config, recording_updates, run
 
+    teacher, batches = fake_teacher(), []
     cfg = config(tiny_assets, data_dir, tmp_path, "actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=1e-3",
                  "actor.use_kl_loss=true", "algorithm.use_kl_in_reward=false", "trainer.total_steps=2",
-                 "trainer.save_every=2", "trainer.val_every=0")
-    history, trainer = run(cfg, setup=lambda t: None)
+                 "trainer.save_every=2", "trainer.val_every=0", f"teacher.endpoint={teacher.url}",
+                 "algorithm.distill_coef=0.01")
+    history, trainer = run(cfg, setup=recording_updates(batches))
+    for batch, h in zip(batches, history):
+        check_teacher_rows(batch)
+        assert h["distill/teacher_requests"] == len(batch)
     assert trainer.ref_wg is None or trainer.ref_wg is trainer.actor_wg  # no reference model of its own
     assert all(h["rollout/weights_fingerprint_ok"] == 1.0 for h in history)
     # step 1's first mini-batch sees pi == base (KL 0); the mean over its mini-batches is small, then grows
