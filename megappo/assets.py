@@ -39,7 +39,11 @@ TINY_SHAPES = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
+# families added for 2026's MoE models: a model vocabulary one past the tokenizer's (odd, and padded) and
+# routers whose logits are spread (std ROUTER_STD), so no top-k choice is a near-tie between fp32 implementations
+ODD_VOCAB_FAMILIES = ("qwen2_moe",)
+ROUTER_STD = 0.5
 
 
 def _corpus(seed: int = 0) -> list[str]:
@@ -94,8 +98,10 @@ def make_tokenizer(out_dir: str | os.PathLike) -> Path:
 
 
 def _hf_config(family: str, vocab_size: int, eos_id: int, pad_id: int, **overrides):
-    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig)
 
+    vocab_size += family in ODD_VOCAB_FAMILIES
     common = dict(TINY_SHAPES, vocab_size=vocab_size, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
     if family == "llama":
         cfg = LlamaConfig(**common, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
@@ -111,6 +117,11 @@ def _hf_config(family: str, vocab_size: int, eos_id: int, pad_id: int, **overrid
     elif family == "mixtral":  # every layer routed: 4 experts of intermediate_size, top-2 renormalised
         cfg = MixtralConfig(**common, rms_norm_eps=1e-5, rope_theta=1000000.0, tie_word_embeddings=False,
                             num_local_experts=4, num_experts_per_tok=2, sliding_window=None, router_jitter_noise=0.0)
+    elif family == "qwen2_moe":  # every layer routed: 4 experts top-2, not renormalised; a gated shared expert
+        cfg = Qwen2MoeConfig(**common, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                             shared_expert_intermediate_size=96, decoder_sparse_step=1, mlp_only_layers=[],
+                             norm_topk_prob=False, qkv_bias=True, use_sliding_window=False)
     elif family == "mistral":
         cfg = MistralConfig(**common, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
                             sliding_window=None)
@@ -138,7 +149,9 @@ def make_model(out_dir: str | os.PathLike, family: str = "llama", seed: int = 0,
         # A larger std gives peaked, seed-dependent distributions that catch layout bugs.
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if p.dim() > 1:
+                if family in ODD_VOCAB_FAMILIES and name.endswith("mlp.gate.weight"):  # a router
+                    p.normal_(0.0, ROUTER_STD)
+                elif p.dim() > 1:
                     p.normal_(0.0, 0.08)
                 elif "norm" in name:
                     p.uniform_(0.8, 1.2)

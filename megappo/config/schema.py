@@ -53,6 +53,7 @@ class ArchConfig:
     decoder_sparse_step: int = 1  # MoE layers where (i + 1) % step == 0 ...
     mlp_only_layers: list = field(default_factory=list)  # ... except these (dense)
     norm_topk_prob: bool = True  # the top-k weights renormalised to sum to 1
+    shared_expert_intermediate_size: int = 0  # qwen2_moe: the shared expert's FFN size, beside the routed ones
 
 
 @dataclass

@@ -38,7 +38,8 @@ def _arch_moe_as_hf(arch) -> dict:
     dense family has none)."""
     fam = MOE_FAMILIES.get(arch.family)
     return fam.hf_keys(arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size,
-                       arch.decoder_sparse_step, arch.mlp_only_layers, arch.norm_topk_prob) if fam else {}
+                       arch.decoder_sparse_step, arch.mlp_only_layers, arch.norm_topk_prob,
+                       arch.shared_expert_intermediate_size) if fam else {}
 
 
 def model_dims(cfg) -> ModelDims:

@@ -45,12 +45,14 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": ("qwen3", "causal-lm"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "causal-lm"),
     "MixtralForCausalLM": ("mixtral", "causal-lm"),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", "causal-lm"),
     "LlamaForSequenceClassification": ("llama", "reward"),
     "Qwen2ForSequenceClassification": ("qwen2", "reward"),
     "MistralForSequenceClassification": ("mistral", "reward"),
     "Qwen3ForSequenceClassification": ("qwen3", "reward"),
     "Qwen3MoeForSequenceClassification": ("qwen3_moe", "reward"),
     "MixtralForSequenceClassification": ("mixtral", "reward"),
+    "Qwen2MoeForSequenceClassification": ("qwen2_moe", "reward"),
 }
 CAUSAL_LM = {fam: arch for arch, (fam, k) in ARCHITECTURES.items() if k == "causal-lm"}
 SEQ_CLS = {fam: arch for arch, (fam, k) in ARCHITECTURES.items() if k == "reward"}
@@ -109,6 +111,10 @@ def megatron_shape(name: str, d: ModelDims) -> tuple:
     h, hd = d.hidden_size, d.head_dim
     if ".mlp.experts.local_experts." in name:  # one routed expert: a dense MLP of moe_ffn_hidden_size
         return (2 * d.moe_ffn_hidden_size, h) if name.endswith("linear_fc1.weight") else (h, d.moe_ffn_hidden_size)
+    if ".mlp.shared_experts." in name:  # the shared expert: a dense MLP of its own size (and its gate)
+        f = d.shared_expert_ffn
+        return {"linear_fc1.weight": (2 * f, h), "linear_fc2.weight": (h, f), "gate_weight": (1, h)}[
+            name.rsplit("shared_experts.", 1)[1]]
     if name.endswith("mlp.router.weight"):
         return (d.num_experts, h)
     if name == "embedding.word_embeddings.weight" or (name == "output_layer.weight" and not d.value_head):
@@ -136,6 +142,10 @@ def megatron_shape(name: str, d: ModelDims) -> tuple:
 
 def hf_shape(name: str, d: ModelDims) -> tuple:
     h, hd = d.hidden_size, d.head_dim
+    mname = megatron_name(name, d) if d.shared_expert_ffn and ".layers." in name else ""
+    if ".mlp.shared_experts." in mname:  # HF's shape of the shared expert's tensors: megatron's, split back
+        shape = megatron_shape(mname, d)
+        return (shape[0] // 2, h) if mname.endswith("linear_fc1.weight") else shape
     if is_hf_moe_tensor(name):
         if ".experts." not in name:  # the router
             return (d.num_experts, h)
@@ -230,6 +240,9 @@ def extra_state_items(d: ModelDims) -> list[Item]:
         p = f"decoder.layers.{layer}."
         if d.is_moe_layer(layer):
             items += [Item(f"{p}{m}._extra_state", None, None, 0, 1) for m in EXTRA_STATE_MODULES[:2]]
+            if d.shared_expert_ffn:
+                items += [Item(f"{p}mlp.shared_experts.{fc}._extra_state", None, None, 0, 1)
+                          for fc in ("linear_fc1", "linear_fc2")]
             items += [Item(f"{p}mlp.experts.experts.{fc}._extra_state", None, None, e, d.num_experts)
                       for fc in ("linear_fc1", "linear_fc2") for e in range(d.num_experts)]
         else:

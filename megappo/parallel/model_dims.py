@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
 
 # LoRA (models/lora.py, config actor.lora): megatron's fused / parallel linears an adapter may wrap, by how
 # their weight is split over TP (column: along the output; row: along the input), and the inits of A
@@ -34,6 +34,11 @@ class MoeFamily:
     sparse_layers: bool  # routed layers by decoder_sparse_step / mlp_only_layers (else every layer)
     norm_topk_prob: Optional[bool] = None  # the family's fixed top-k renormalisation; None: config.json's
     refused: tuple = ()  # (config.json key, what a non-zero value means): refused when set
+    # a shared expert beside the routed ones (every token through it): its HF module under the layer's `mlp.`,
+    # its FFN size's config.json key, and whether a sigmoid gate scales it (`mlp.{shared}_gate.weight` [1, H])
+    shared: Optional[str] = None
+    shared_ffn_key: str = ""
+    shared_gate: bool = False
 
     def dims(self, hf_config) -> dict:
         """ModelDims' expert fields from a HF config of this family."""
@@ -52,14 +57,17 @@ class MoeFamily:
         else:
             moe_layers = (True,) * layers
         norm = self.norm_topk_prob if self.norm_topk_prob is not None else bool(getattr(hf_config, "norm_topk_prob", False))
+        shared = int(getattr(hf_config, self.shared_ffn_key, 0) or 0) if self.shared else 0
         return dict(num_experts=int(experts), moe_topk=int(hf_config.num_experts_per_tok),
                     moe_ffn_hidden_size=int(getattr(hf_config, self.ffn_key)), norm_topk_prob=norm,
-                    moe_layers=moe_layers)
+                    moe_layers=moe_layers, shared_expert_ffn=shared, shared_expert_gate=bool(shared) and self.shared_gate)
 
     def hf_keys(self, num_experts: int, topk: int, ffn: int, decoder_sparse_step: int = 1,
-                mlp_only_layers=(), norm_topk_prob: bool = False) -> dict:
+                mlp_only_layers=(), norm_topk_prob: bool = False, shared_ffn: int = 0) -> dict:
         """The config.json keys this family reads (`dims`), from the fields of a config's model.arch."""
         d = {self.experts_keys[0]: num_experts, "num_experts_per_tok": topk, self.ffn_key: ffn}
+        if self.shared:
+            d[self.shared_ffn_key] = shared_ffn
         if self.ffn_key == "intermediate_size":  # experts of the dense FFN size: model.arch's intermediate_size
             del d[self.ffn_key]
         if self.sparse_layers:
@@ -77,6 +85,12 @@ MOE_FAMILIES = {
     "mixtral": MoeFamily("block_sparse_moe", {"linear_fc1": ["w1", "w3"], "linear_fc2": ["w2"]},
                          experts_keys=("num_local_experts",), ffn_key="intermediate_size", sparse_layers=False,
                          norm_topk_prob=True, refused=(("router_jitter_noise", "random routing in training"),)),
+    # Qwen1.5/2-MoE: qwen3_moe's routing (norm_topk_prob false in the released models) plus one shared expert
+    # behind a sigmoid gate; q/k/v biases
+    "qwen2_moe": MoeFamily("mlp", {"linear_fc1": ["gate_proj", "up_proj"], "linear_fc2": ["down_proj"]},
+                           experts_keys=("num_experts",), ffn_key="moe_intermediate_size", sparse_layers=True,
+                           shared="shared_expert", shared_ffn_key="shared_expert_intermediate_size",
+                           shared_gate=True),
 }
 
 
@@ -130,6 +144,8 @@ class ModelDims:
     moe_layers: tuple = ()  # per layer: True where the MLP is the routed experts
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities (softmax over the k)
     grouped_experts: bool = False  # experts named as TE's TEGroupedMLP names them (expert_param_name)
+    shared_expert_ffn: int = 0  # the shared expert's FFN size (0: none; megatron's mlp.shared_experts)
+    shared_expert_gate: bool = False  # a sigmoid gate [1, hidden] scales the shared expert (Qwen2-MoE)
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
@@ -143,6 +159,11 @@ class ModelDims:
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         qkv_bias = mt == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
+        if mt == "qwen2_moe":  # config.json's qkv_bias (true when absent, as in the released models)
+            qkv_bias = bool(getattr(hf_config, "qkv_bias", True))
+            if not qkv_bias:
+                raise ValueError("qwen2_moe with qkv_bias=false is not supported (vLLM's qwen2_moe always loads q/k/v "
+                                 "biases); set qkv_bias true")
         if mt != "qwen2" and getattr(hf_config, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported")
         moe = MOE_FAMILIES[mt].dims(hf_config) if mt in MOE_FAMILIES else {}
@@ -203,6 +224,9 @@ def transformer_config_kwargs(hf_config) -> dict:
             # RL fine-tuning keeps the pretrained routing: no load-balancing or z-loss term (as slime's RL
             # recipes: --moe-aux-loss-coeff 0); megatron's defaults would add an aux loss to the PPO loss
             moe_router_load_balancing_type="none",
+            # the shared expert (every token; Qwen2-MoE: scaled by sigmoid(gate . x)), beside the routed ones
+            **(dict(moe_shared_expert_intermediate_size=dims.shared_expert_ffn,
+                    moe_shared_expert_gate=dims.shared_expert_gate) if dims.shared_expert_ffn else {}),
             moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=False,  # SequentialMLP: megatron's local spec on CPU
             # alltoall: ranks of an expert-parallel group may hold different token counts (the engine cuts

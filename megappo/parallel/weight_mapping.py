@@ -27,6 +27,9 @@ Layouts (per TP rank r of T):
   (`expert_param_name`; both spellings are read everywhere). The router
   (`mlp.router`, HF `mlp.gate`) is replicated. Mixtral: the same megatron model, HF names
   `block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1|w3|w2` (gate, up, down): `MOE_FAMILIES`.
+- A shared expert (megatron's `mlp.shared_experts.linear_fc1` / `linear_fc2`, laid out like a dense MLP's;
+  Qwen2-MoE's sigmoid gate `mlp.shared_experts.gate_weight` [1, hidden], replicated): the family's HF module
+  (`mlp.shared_expert.*`, `mlp.shared_expert_gate.weight`).
 """
 
 from __future__ import annotations
@@ -93,6 +96,19 @@ _TOP_MAP = {
 _VALUE_HEAD_MAP = {"output_layer.weight": ["score.weight"], "output_layer.bias": ["score.bias"]}
 
 
+def _shared_expert_map(dims: ModelDims) -> dict:
+    """megatron's shared expert (`mlp.shared_experts.*`, a dense MLP's layout; its sigmoid gate [1, hidden]
+    replicated) -> the family's HF names (Qwen2-MoE: `mlp.shared_expert.*` and `mlp.shared_expert_gate`)."""
+    if not dims.shared_expert_ffn:
+        return {}
+    h = f"mlp.{_moe_hf(dims).shared}"
+    out = {"mlp.shared_experts.linear_fc1.weight": [f"{h}.gate_proj.weight", f"{h}.up_proj.weight"],
+           "mlp.shared_experts.linear_fc2.weight": [f"{h}.down_proj.weight"]}
+    if dims.shared_expert_gate:
+        out["mlp.shared_experts.gate_weight"] = [f"{h}_gate.weight"]
+    return out
+
+
 def megatron_param_names(dims: ModelDims, te_fused_norms: bool = False) -> list[str]:
     """Every (global-layer) megatron parameter name of the full model, in model order."""
     names = ["embedding.word_embeddings.weight"]
@@ -110,6 +126,7 @@ def megatron_param_names(dims: ModelDims, te_fused_norms: bool = False) -> list[
             names.append(p + "mlp.router.weight")
             for e in range(dims.num_experts):
                 names += [p + expert_param_name(e, fc, dims.grouped_experts) for fc in ("linear_fc1", "linear_fc2")]
+            names += [p + n for n in _shared_expert_map(dims)]
             continue
         names.append(p + ("mlp.linear_fc1.layer_norm_weight" if te_fused_norms else "pre_mlp_layernorm.weight"))
         names.append(p + "mlp.linear_fc1.weight")
@@ -132,6 +149,9 @@ def hf_names(mcore_name: str, dims: ModelDims) -> list[str]:
             return hf_expert_names(f"model.layers.{layer}.{_moe_hf(dims).block}.experts.", e[0], dims.model_type, e[1])
         if suffix == "mlp.router.weight":  # the router [experts, hidden]
             return [f"model.layers.{layer}.{_moe_hf(dims).block}.gate.weight"]
+        shared = _shared_expert_map(dims).get(suffix)
+        if shared:
+            return [f"model.layers.{layer}.{h}" for h in shared]
         if suffix not in _LAYER_MAP:
             raise KeyError(f"no HF mapping for megatron parameter {mcore_name!r}")
         return [f"model.layers.{layer}.{s}" for s in _LAYER_MAP[suffix]]
@@ -182,6 +202,9 @@ def megatron_name(hf_name: str, dims: ModelDims, te_fused_norms: bool = False) -
                 return f"decoder.layers.{layer}.{expert_param_name(int(e.group(2)), fc, dims.grouped_experts)}"
         if dims.model_type in MOE_FAMILIES and suffix == f"{_moe_hf(dims).block}.gate.weight":
             return f"decoder.layers.{layer}.mlp.router.weight"
+        shared = next((m for m, hs in _shared_expert_map(dims).items() if suffix in hs), None)
+        if shared:
+            return f"decoder.layers.{layer}.{shared}"
         if dims.is_moe_layer(int(layer)) and suffix == "post_attention_layernorm.weight":
             return f"decoder.layers.{layer}.pre_mlp_layernorm.weight"
         for msuffix, sources in _LAYER_MAP.items():
