@@ -39,10 +39,10 @@ TINY_SHAPES = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe")
 # families added for 2026's MoE models: a model vocabulary one past the tokenizer's (odd, and padded) and
 # routers whose logits are spread (std ROUTER_STD), so no top-k choice is a near-tie between fp32 implementations
-ODD_VOCAB_FAMILIES = ("qwen2_moe",)
+ODD_VOCAB_FAMILIES = ("qwen2_moe", "glm4_moe")
 ROUTER_STD = 0.5
 
 
@@ -98,8 +98,8 @@ def make_tokenizer(out_dir: str | os.PathLike) -> Path:
 
 
 def _hf_config(family: str, vocab_size: int, eos_id: int, pad_id: int, **overrides):
-    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (Glm4MoeConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig)
 
     vocab_size += family in ODD_VOCAB_FAMILIES
     common = dict(TINY_SHAPES, vocab_size=vocab_size, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
@@ -122,6 +122,14 @@ def _hf_config(family: str, vocab_size: int, eos_id: int, pad_id: int, **overrid
                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                              shared_expert_intermediate_size=96, decoder_sparse_step=1, mlp_only_layers=[],
                              norm_topk_prob=False, qkv_bias=True, use_sliding_window=False)
+    elif family == "glm4_moe":  # GLM-4.5's shape: layer 0 dense, then 8 experts under a sigmoid router with a
+        # correction bias, top-2 renormalised and scaled 2.5, one shared expert; q/k/v biases, q/k norms, RoPE on
+        # half of each head (16 of 32); no MTP layer (a real checkpoint's is skipped)
+        cfg = Glm4MoeConfig(**common, head_dim=32, rms_norm_eps=1e-5, rope_theta=1000000.0, tie_word_embeddings=False,
+                            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1,
+                            first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+                            norm_topk_prob=True, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5,
+                            num_nextn_predict_layers=0)
     elif family == "mistral":
         cfg = MistralConfig(**common, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
                             sliding_window=None)
@@ -157,6 +165,9 @@ def make_model(out_dir: str | os.PathLike, family: str = "llama", seed: int = 0,
                     p.uniform_(0.8, 1.2)
                 else:
                     p.normal_(0.0, 0.05)
+            for name, b in model.named_buffers():  # a sigmoid router's correction bias: non-zero, so it counts
+                if name.endswith("e_score_correction_bias"):
+                    b.normal_(0.0, 0.5)
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out, safe_serialization=True)
         tok.save_pretrained(out)

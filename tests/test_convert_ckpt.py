@@ -66,10 +66,11 @@ def _source(name, tiny_assets, reward_dir) -> Path:
     return reward_dir if name == "reward" else tiny_assets[f"tiny-{name}"]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "reward"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe",
+                                  "reward"])
 def test_roundtrip_tp2_pp2_is_bit_exact(name, tiny_assets, reward_dir, tmp_path):
     src = _source(name, tiny_assets, reward_dir)
-    moe = name in ("qwen3_moe", "mixtral", "qwen2_moe")
+    moe = name in ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe")
     info = hf_to_mcore(src, tmp_path / "mc", tp=2, pp=2, ep=2 if moe else 1, progress=False)
     mc = tmp_path / "mc"
     # what MegatronEngine.is_dist_checkpoint and megatron's loader need, plus the recorded provenance
@@ -93,11 +94,16 @@ def test_roundtrip_tp2_pp2_is_bit_exact(name, tiny_assets, reward_dir, tmp_path)
         assert shapes["decoder.layers.3.mlp.shared_experts.linear_fc2.weight"] == [128, 96]
         assert shapes["decoder.layers.2.mlp.shared_experts.gate_weight"] == [1, 128]
         assert shapes["decoder.layers.0.self_attention.linear_qkv.bias"] == [256]
+    elif name == "glm4_moe":  # layer 0 dense; the router's fp32 correction bias (a buffer) saved beside its weight
+        assert shapes["decoder.layers.0.mlp.linear_fc1.weight"] == [512, 128]
+        assert shapes["decoder.layers.1.mlp.router.expert_bias"] == [8]
+        assert shapes["decoder.layers.3.mlp.shared_experts.linear_fc1.weight"] == [128, 128]
+        assert shapes["decoder.layers.0.self_attention.q_layernorm.weight"] == [32]
     else:
         assert shapes["decoder.layers.mlp.linear_fc1.weight"] == [4, 512, 128]  # [layers, gate+up, hidden]
     assert shapes["embedding.word_embeddings.weight"] == [1024, 128]  # vocab padded
     assert ("output_layer.weight" in shapes) == (name in ("llama", "mistral", "qwen3_moe", "mixtral", "qwen2_moe",
-                                                          "reward"))  # tied: none
+                                                          "glm4_moe", "reward"))  # tied: none
     assert ("decoder.layers.self_attention.q_layernorm.weight" in shapes) == (name == "qwen3")
     if name == "qwen3":  # per-head norms over head_dim 64 (explicit, != hidden / heads)
         assert shapes["decoder.layers.self_attention.q_layernorm.weight"] == [4, 64]
@@ -142,7 +148,22 @@ def test_small_shards_and_dtype_cast(tiny_assets, tmp_path):
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+def test_a_bf16_export_keeps_the_router_correction_bias_in_fp32(tiny_assets, tmp_path):
+    """GLM-4.5 / DeepSeek-V3's e_score_correction_bias is fp32 in every checkpoint (transformers keeps it so):
+    --dtype bfloat16 casts every other tensor, not that one; buffers round-trip with the weights."""
+    src = tiny_assets["tiny-glm4_moe"]
+    hf_to_mcore(src, tmp_path / "mc", ep=2, progress=False)
+    mcore_to_hf(tmp_path / "mc", tmp_path / "bf16", dtype="bfloat16", progress=False)
+    got, ref = _hf_tensors(tmp_path / "bf16"), _hf_tensors(src)
+    bias = [k for k in ref if k.endswith("e_score_correction_bias")]
+    assert len(bias) == 3 and all(got[k].dtype == torch.float32 and torch.equal(got[k], ref[k]) for k in bias)
+    assert ref[bias[0]].abs().min() > 0  # a non-zero bias: one that would change the routing if lost
+    assert all(got[k].dtype == torch.bfloat16 for k in ref if k not in bias)
+
+
 @pytest.mark.parametrize("name,layout", [("qwen2", ["--tp", "2", "--pp", "2"]),
+                                         # the router's correction bias (a buffer) read from the checkpoint
+                                         ("glm4_moe", ["--dp", "2", "--ep", "2"]),
                                          # 36 s; CI keeps the EP2 engine parity and test_moe_ppo's scoring of a
                                          # trainer-saved MoE checkpoint at EP2; a converted one at TP2xEP2 only here
                                          pytest.param("qwen3_moe", ["--tp", "2", "--dp", "2", "--ep", "2"],

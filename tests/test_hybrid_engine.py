@@ -138,6 +138,11 @@ def _job(rank, world, port, model_dir, layout_name, rollout_tp, weight_load, cpu
     report = {"rounds": [], "buckets": hybrid.resharder.num_buckets, "sliced": hybrid.resharder.sliced,
               "chunks": len(engine.inner_chunks()),
               "transport": hybrid.resharder.transport}
+    def router_biases():
+        return {n: b.detach().clone() for c in engine.inner_chunks() for n, b in c.named_buffers()
+                if n.endswith("router.expert_bias")}
+
+    bias_before = router_biases()
     prev_state = None
     for step in range(2):  # the initial weights, then after a real optimizer step
         # a real optimizer step on the last rollout (round 0: on the prompts' greedy continuation)
@@ -212,6 +217,22 @@ def _job(rank, world, port, model_dir, layout_name, rollout_tp, weight_load, cpu
         if rank == 0:
             report["collective"]["hf_greedy_diff"], report["collective"]["hf_greedy_tokens_equal"] = _hf_check(
                 _hf_model(model_dir, state), greedy, 1.0)
+    if bias_before:  # a sigmoid router's correction bias: frozen through optimizer steps (bit for bit), and
+        # synced like a weight: moved on the trainer, vLLM routes with the moved one (or the fingerprint fails)
+        report["bias_frozen"] = all(torch.equal(b, router_biases()[n]) for n, b in bias_before.items())
+        with torch.no_grad():
+            for c in engine.inner_chunks():
+                for n, b in c.named_buffers():
+                    if n.endswith("router.expert_bias"):
+                        b.add_(torch.linspace(-0.5, 0.5, b.numel()))
+        with hybrid:
+            greedy = hybrid.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch,
+                                                         {"sampling": spec.greedy()}))
+        report["bias_sync"] = {"ok": hybrid.metrics["rollout/weights_fingerprint_ok"], "n": len(bias_before),
+                               "parity": hybrid.logprob_parity(greedy, micro_batch_size=3)}
+        state = _full_hf_state(engine)  # a collective: every rank
+        if rank == 0:
+            report["bias_sync"]["hf_greedy_diff"], _ = _hf_check(_hf_model(model_dir, state), greedy, 1.0)
     report["stats"] = dict(hybrid.resharder.stats)
     # which tensor bucket 2 starts with (same plan on every rank)
     for b in hybrid.resharder.buckets():
@@ -291,15 +312,23 @@ def _check(reports, layout_name, rollout_tp, repack):
     ("tiny-qwen3_moe", "tp2dp2ep2", 2, "direct", "packed", "shm"),
     # Qwen2-MoE: a shared expert (vLLM fuses its gate/up) behind its [1, hidden] sigmoid gate, qkv bias
     ("tiny-qwen2_moe", "tp2dp2ep2", 2, "direct", "packed", "shm"),
+    # GLM-4.5: a sigmoid router whose fp32 correction bias (a buffer) is synced and fingerprinted, a shared
+    # expert, q/k norms, partial RoPE
+    ("tiny-glm4_moe", "tp2dp2ep2", 2, "direct", "packed", "shm"),
 ])
 def test_hybrid_engine(tiny_assets, family, layout_name, rollout_tp, weight_load, cpu_linear, transport):
     reports = _run(tiny_assets[family], layout_name, rollout_tp, weight_load, cpu_linear, transport)
     assert reports[0]["transport"] == transport
     _check(reports, layout_name, rollout_tp, repack=weight_load == "direct" and cpu_linear == "packed")
-    if family in ("tiny-qwen3_moe", "tiny-qwen2_moe"):
+    if family in ("tiny-qwen3_moe", "tiny-qwen2_moe", "tiny-glm4_moe"):
         err = reports[0]["stale_experts_error"]
         assert err and "differ from the trainer" in err and ".mlp.experts.0." in err, err
         c = reports[0]["collective"]
         assert c["ok"] == 1.0 and c["ep_bytes"] > 0, c
         assert c["hf_greedy_tokens_equal"] and c["hf_greedy_diff"] <= TOL, c
         assert c["parity"]["rollout/logprob_diff_max"] <= TOL, c
+    if family == "tiny-glm4_moe":
+        assert all(r["bias_frozen"] for r in reports)
+        b = reports[0]["bias_sync"]
+        assert b["n"] > 0 and b["ok"] == 1.0 and b["parity"]["rollout/logprob_diff_max"] <= TOL, b
+        assert b["hf_greedy_diff"] <= TOL, b

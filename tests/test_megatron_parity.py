@@ -2,7 +2,9 @@
 transformers forward on the same weights (fp32, CPU, gloo), for tiny llama, qwen2 (tied embeddings, qkv
 bias), mistral, qwen3 (q/k norms, head_dim 64), qwen3-moe (4 experts, top-2, a dense first layer;
 vocab 1000 padded to 1024), mixtral (every layer 4 experts, top-2) and qwen2-moe (top-2 not renormalised, a
-gated shared expert, qkv bias, vocab 1001); the MoE models also with their
+gated shared expert, qkv bias, vocab 1001) and glm4-moe (GLM-4.5: a dense first layer, 8 experts under a sigmoid
+router with a non-zero correction bias, top-2 renormalised and scaled 2.5, a shared expert, q/k norms, RoPE on half
+of each head); the MoE models also with their
 experts split over 2 expert-parallel ranks, with TP2 and with PP2. Left- and right-padded rows are compared with HF run on each row WITHOUT
 padding. One 4-process launch does every check."""
 
@@ -18,8 +20,9 @@ from megappo.parallel.layout import ParallelLayout
 
 LAYOUTS = [ParallelLayout(tp=2, pp=2), ParallelLayout(pp=2, vpp=2, dp=2),
            ParallelLayout(tp=2, dp=2, ep=2), ParallelLayout(pp=2, dp=2, ep=2)]  # expert parallel: MoE only
-FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3", "tiny-qwen3_moe", "tiny-mixtral", "tiny-qwen2_moe"]
-MOE = ("tiny-qwen3_moe", "tiny-mixtral", "tiny-qwen2_moe")
+FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3", "tiny-qwen3_moe", "tiny-mixtral", "tiny-qwen2_moe",
+            "tiny-glm4_moe"]
+MOE = ("tiny-qwen3_moe", "tiny-mixtral", "tiny-qwen2_moe", "tiny-glm4_moe")
 CASES = [(fam, li) for li, layout in enumerate(LAYOUTS) for fam in FAMILIES if layout.ep == 1 or fam in MOE]
 TEMPERATURE = 0.7
 B, S, R = 4, 16, 7

@@ -46,6 +46,7 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "causal-lm"),
     "MixtralForCausalLM": ("mixtral", "causal-lm"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "causal-lm"),
+    "Glm4MoeForCausalLM": ("glm4_moe", "causal-lm"),
     "LlamaForSequenceClassification": ("llama", "reward"),
     "Qwen2ForSequenceClassification": ("qwen2", "reward"),
     "MistralForSequenceClassification": ("mistral", "reward"),
@@ -117,6 +118,8 @@ def megatron_shape(name: str, d: ModelDims) -> tuple:
             name.rsplit("shared_experts.", 1)[1]]
     if name.endswith("mlp.router.weight"):
         return (d.num_experts, h)
+    if name.endswith("mlp.router.expert_bias"):
+        return (d.num_experts,)
     if name == "embedding.word_embeddings.weight" or (name == "output_layer.weight" and not d.value_head):
         return (d.padded_vocab_size, h)
     if name == "output_layer.weight":
@@ -147,6 +150,8 @@ def hf_shape(name: str, d: ModelDims) -> tuple:
         shape = megatron_shape(mname, d)
         return (shape[0] // 2, h) if mname.endswith("linear_fc1.weight") else shape
     if is_hf_moe_tensor(name):
+        if name.endswith("e_score_correction_bias"):  # the router's correction bias
+            return (d.num_experts,)
         if ".experts." not in name:  # the router
             return (d.num_experts, h)
         down = megatron_name(name, d).endswith("linear_fc2.weight")

@@ -48,7 +48,10 @@ def mcore_to_hf(ckpt_dir, out_dir, config: Optional[str] = None, dtype: Optional
     if kind == "actor" and d.tied_embeddings and "output_layer.weight" in tensors:
         log("config ties the embeddings: the checkpoint's separate output_layer.weight is not exported")
     keep_bias = kind == "critic" and _value_bias_nonzero(reader)
-    specs = [(n, hf_shape(n, d), cast or tensors[u.key].properties.dtype)
+    def cast_of(name: str):  # a router's correction bias stays fp32, as transformers keeps it (_keep_in_fp32)
+        return None if name.endswith(FP32_TENSOR_SUFFIX) else cast
+
+    specs = [(n, hf_shape(n, d), cast_of(n) or tensors[u.key].properties.dtype)
              for u in units for n in u.hf if n != "score.bias" or keep_bias]
     out_cfg = _hf_output_config(raw, kind, src_kind, family, cast)
     side_src = ckpt if any((ckpt / f).exists() for f in SIDE_FILES) else cfg_file.parent
@@ -59,7 +62,7 @@ def mcore_to_hf(ckpt_dir, out_dir, config: Optional[str] = None, dtype: Optional
             bar = Progress(f"mcore-to-hf {ckpt.name}", writer.total_bytes, len(specs), progress)
             for name, tensor in _hf_tensors(reader, units, d):
                 if name != "score.bias" or keep_bias:
-                    bar.step(writer.write(name, tensor if cast is None else tensor.to(cast)))
+                    bar.step(writer.write(name, tensor if cast_of(name) is None else tensor.to(cast)))
             writer.finish()
             if out_cfg == raw:
                 shutil.copy2(cfg_file, tmp / "config.json")
@@ -72,6 +75,9 @@ def mcore_to_hf(ckpt_dir, out_dir, config: Optional[str] = None, dtype: Optional
     return {"direction": "mcore-to-hf", "model": kind, "architecture": out_cfg["architectures"][0],
             "tensors": len(specs), "bytes": writer.total_bytes, "shards": len(set(writer.index["weight_map"].values())),
             "side_files": copied, "seconds": round(time.monotonic() - t0, 3)}
+
+
+FP32_TENSOR_SUFFIX = "e_score_correction_bias"
 
 
 def _cast_dtype(dtype: Optional[str]) -> Optional[torch.dtype]:

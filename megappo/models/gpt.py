@@ -230,6 +230,7 @@ def build_gpt_chunks(hf_config, config, layout: ParallelLayout, value_head: bool
             share_embeddings_and_output_weights=dims.tied_embeddings,
             position_embedding_type="rope",
             rotary_base=rope_theta(hf_config),
+            rotary_percent=dims.rotary_percent,  # GLM-4.5: the first half of each head, NeoX halves
             vp_stage=vp_stage,
         )
         model.model_type = ModelType.encoder_or_decoder

@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from megappo.parallel.weight_mapping import LORA_INITS as INITS, LORA_TARGETS as TARGETS  # the one list (also config's)
-from megappo.parallel.weight_mapping import global_named_parameters, global_namer
+from megappo.parallel.weight_mapping import global_named_parameters, global_namer, local_named_weights
 
 _HF_HINT = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
             "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
@@ -449,8 +449,8 @@ def merged_named_parameters(model, lazy: bool = False) -> Iterator[tuple[str, to
         for name, mod in inner.named_modules():
             if isinstance(mod, _LoraMixin):
                 merged[name + ".weight"] = mod
-        local = [n for n, _ in inner.named_parameters()]
-        for (gname, p), lname in zip(global_named_parameters(inner), local):
+        local = [n for n, _ in local_named_weights(inner)]
+        for (gname, p), lname in zip(global_named_parameters(inner), local, strict=True):
             if is_lora_param(lname):
                 continue
             mod = merged.get(lname)
@@ -470,6 +470,6 @@ def base_named_parameters(model) -> Iterator[tuple[str, torch.Tensor]]:
     not listed): the frozen base, e.g. to fingerprint what vLLM holds under rollout.lora_sync=adapter."""
     for chunk in _as_chunks(model):
         inner = getattr(chunk, "module", chunk)
-        for (gname, p), (lname, _) in zip(global_named_parameters(inner), inner.named_parameters()):
+        for (gname, p), (lname, _) in zip(global_named_parameters(inner), local_named_weights(inner), strict=True):
             if not is_lora_param(lname):
                 yield gname, p.detach()

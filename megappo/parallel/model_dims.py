@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe")
 
 # LoRA (models/lora.py, config actor.lora): megatron's fused / parallel linears an adapter may wrap, by how
 # their weight is split over TP (column: along the output; row: along the input), and the inits of A
@@ -39,6 +39,15 @@ class MoeFamily:
     shared: Optional[str] = None
     shared_ffn_key: str = ""
     shared_gate: bool = False
+    # DeepSeek-style shared experts: `n_shared_experts` of the routed experts' FFN size, one MLP of their sum
+    shared_count_key: str = ""
+    # routed layers from `first_k_dense_replace` on (the first k dense), the DeepSeek / GLM rule
+    first_dense_key: str = ""
+    # the router: "softmax" (over all experts, top-k) or "sigmoid" (per expert; the top-k renormalised, times
+    # routed_scaling_factor; n_group / topk_group limit the choice to the best groups), and whether the choice
+    # adds the fp32 buffer `{block}.gate.e_score_correction_bias` (aux-loss-free balancing; frozen in RL)
+    router: str = "softmax"
+    expert_bias: bool = False
 
     def dims(self, hf_config) -> dict:
         """ModelDims' expert fields from a HF config of this family."""
@@ -50,24 +59,48 @@ class MoeFamily:
             if getattr(hf_config, key, 0):
                 raise ValueError(f"{mt} {key} > 0 ({why}) is not supported; set 0")
         layers = hf_config.num_hidden_layers
-        if self.sparse_layers:  # transformers' rule (Qwen3MoeDecoderLayer): (i+1) % step == 0, except mlp_only_layers
+        if self.first_dense_key:
+            k = int(getattr(hf_config, self.first_dense_key, 0) or 0)
+            moe_layers = tuple(i >= k for i in range(layers))
+        elif self.sparse_layers:  # transformers' rule (Qwen3MoeDecoderLayer): (i+1) % step == 0, except mlp_only_layers
             step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
             dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
             moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
         else:
             moe_layers = (True,) * layers
         norm = self.norm_topk_prob if self.norm_topk_prob is not None else bool(getattr(hf_config, "norm_topk_prob", False))
-        shared = int(getattr(hf_config, self.shared_ffn_key, 0) or 0) if self.shared else 0
-        return dict(num_experts=int(experts), moe_topk=int(hf_config.num_experts_per_tok),
-                    moe_ffn_hidden_size=int(getattr(hf_config, self.ffn_key)), norm_topk_prob=norm,
-                    moe_layers=moe_layers, shared_expert_ffn=shared, shared_expert_gate=bool(shared) and self.shared_gate)
+        ffn = int(getattr(hf_config, self.ffn_key))
+        if self.shared_count_key:
+            shared = int(getattr(hf_config, self.shared_count_key, 0) or 0) * ffn
+        else:
+            shared = int(getattr(hf_config, self.shared_ffn_key, 0) or 0) if self.shared else 0
+        topk = int(hf_config.num_experts_per_tok)
+        router = dict(router_score=self.router, expert_bias=self.expert_bias)
+        if self.router == "sigmoid":
+            if not norm:  # megatron renormalises a sigmoid router's top-k whenever k > 1
+                raise ValueError(f"{mt} norm_topk_prob=false with a sigmoid router is not supported (megatron-core "
+                                 "always renormalises its top-k); set norm_topk_prob true")
+            groups, group_topk = int(getattr(hf_config, "n_group", 1) or 1), int(getattr(hf_config, "topk_group", 1) or 1)
+            if groups > 1 and topk != 2 * group_topk:  # HF scores a group by its top-2, megatron by top-(k / groups)
+                raise ValueError(f"{mt} n_group={groups} with num_experts_per_tok={topk} != 2 * topk_group="
+                                 f"{group_topk} is not supported (megatron scores a group by its top-(k/topk_group) "
+                                 "experts, transformers and vLLM by its top-2)")
+            router.update(moe_scaling=float(getattr(hf_config, "routed_scaling_factor", 1.0) or 1.0),
+                          moe_groups=groups if groups > 1 else 0, moe_group_topk=group_topk if groups > 1 else 0)
+        return dict(num_experts=int(experts), moe_topk=topk, moe_ffn_hidden_size=ffn, norm_topk_prob=norm,
+                    moe_layers=moe_layers, shared_expert_ffn=shared, shared_expert_gate=bool(shared) and self.shared_gate,
+                    **router)
 
     def hf_keys(self, num_experts: int, topk: int, ffn: int, decoder_sparse_step: int = 1,
-                mlp_only_layers=(), norm_topk_prob: bool = False, shared_ffn: int = 0) -> dict:
+                mlp_only_layers=(), norm_topk_prob: bool = False, shared_ffn: int = 0, first_dense: int = 0) -> dict:
         """The config.json keys this family reads (`dims`), from the fields of a config's model.arch."""
         d = {self.experts_keys[0]: num_experts, "num_experts_per_tok": topk, self.ffn_key: ffn}
-        if self.shared:
+        if self.shared_count_key:
+            d[self.shared_count_key] = shared_ffn // ffn if ffn else 0
+        elif self.shared:
             d[self.shared_ffn_key] = shared_ffn
+        if self.first_dense_key:
+            d[self.first_dense_key] = first_dense
         if self.ffn_key == "intermediate_size":  # experts of the dense FFN size: model.arch's intermediate_size
             del d[self.ffn_key]
         if self.sparse_layers:
@@ -91,6 +124,13 @@ MOE_FAMILIES = {
                            experts_keys=("num_experts",), ffn_key="moe_intermediate_size", sparse_layers=True,
                            shared="shared_expert", shared_ffn_key="shared_expert_intermediate_size",
                            shared_gate=True),
+    # GLM-4.5 / 4.6 / 4.5-Air: the first k layers dense, then routed experts under DeepSeek-V3's router (sigmoid,
+    # e_score_correction_bias, routed_scaling_factor, n_group), n_shared_experts beside them; q/k/v biases,
+    # per-head q/k norms (use_qk_norm), RoPE on half of each head (partial_rotary_factor)
+    "glm4_moe": MoeFamily("mlp", {"linear_fc1": ["gate_proj", "up_proj"], "linear_fc2": ["down_proj"]},
+                          experts_keys=("n_routed_experts",), ffn_key="moe_intermediate_size", sparse_layers=False,
+                          shared="shared_experts", shared_count_key="n_shared_experts",
+                          first_dense_key="first_k_dense_replace", router="sigmoid", expert_bias=True),
 }
 
 
@@ -117,6 +157,16 @@ def rope_theta(hf_config) -> float:
         raise ValueError(f"rope_type {rope_type!r} is not supported (only default RoPE)")
     theta = params.get("rope_theta") if isinstance(params, dict) else None
     return float(theta if theta is not None else getattr(hf_config, "rope_theta", 10000.0))
+
+
+def rotary_percent(hf_config) -> float:
+    """The share of each head's dims RoPE rotates (the first ones, NeoX-style halves): partial_rotary_factor,
+    at the top level or in rope_parameters (transformers 5), else 1."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    value = getattr(hf_config, "partial_rotary_factor", None)
+    if value is None and isinstance(params, dict):
+        value = params.get("partial_rotary_factor")
+    return float(value) if value is not None else 1.0
 
 
 @dataclass(frozen=True)
@@ -146,6 +196,12 @@ class ModelDims:
     grouped_experts: bool = False  # experts named as TE's TEGroupedMLP names them (expert_param_name)
     shared_expert_ffn: int = 0  # the shared expert's FFN size (0: none; megatron's mlp.shared_experts)
     shared_expert_gate: bool = False  # a sigmoid gate [1, hidden] scales the shared expert (Qwen2-MoE)
+    router_score: str = "softmax"  # MoeFamily.router
+    expert_bias: bool = False  # the router's fp32 e_score_correction_bias buffer (megatron's router.expert_bias)
+    moe_scaling: float = 1.0  # routed_scaling_factor: the renormalised top-k weights times this
+    moe_groups: int = 0  # n_group > 1: group-limited top-k over moe_group_topk (topk_group) groups; 0: none
+    moe_group_topk: int = 0
+    rotary_percent: float = 1.0  # the share of each head RoPE rotates (GLM-4.5: partial_rotary_factor 0.5)
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
@@ -159,6 +215,8 @@ class ModelDims:
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         qkv_bias = mt == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
+        if mt == "glm4_moe" and getattr(hf_config, "head_dim", None) is None:  # vLLM's glm4_moe reads it directly
+            raise ValueError("a glm4_moe config needs head_dim (its config.json)")
         if mt == "qwen2_moe":  # config.json's qkv_bias (true when absent, as in the released models)
             qkv_bias = bool(getattr(hf_config, "qkv_bias", True))
             if not qkv_bias:
@@ -180,7 +238,8 @@ class ModelDims:
             tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head,
             qkv_bias=qkv_bias,
             value_head=value_head,
-            qk_norm=mt in ("qwen3", "qwen3_moe"),
+            qk_norm=mt in ("qwen3", "qwen3_moe") or bool(getattr(hf_config, "use_qk_norm", False)),
+            rotary_percent=rotary_percent(hf_config),
             **moe,
         )
 
@@ -194,6 +253,20 @@ class ModelDims:
     @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+
+def _sigmoid_router_kwargs(dims: ModelDims) -> dict:
+    """DeepSeek-V3 / GLM-4.5's router in megatron's names: the expert bias enters the choice only; RL keeps it
+    where pretraining left it (update rate 0, so megatron's finalize_model_grads adds exactly 0: it stays bit
+    for bit, as slime's scripts run it); the top-k renormalised (megatron always does for a sigmoid router),
+    then scaled; group-limited top-k when n_group > 1."""
+    if dims.router_score != "sigmoid":
+        return {}
+    out = dict(moe_router_enable_expert_bias=dims.expert_bias, moe_router_bias_update_rate=0.0,
+               moe_router_topk_scaling_factor=dims.moe_scaling if dims.moe_scaling != 1.0 else None)
+    if dims.moe_groups:
+        out.update(moe_router_num_groups=dims.moe_groups, moe_router_group_topk=dims.moe_group_topk)
+    return out
 
 
 def transformer_config_kwargs(hf_config) -> dict:
@@ -218,9 +291,10 @@ def transformer_config_kwargs(hf_config) -> dict:
             moe_layer_freq=[int(m) for m in dims.moe_layers],  # explicit: megatron's int rule is i % N == 0
             # transformers: softmax over all experts in fp32, top-k, then (norm_topk_prob) renormalised over
             # the k. megatron: pre_softmax=False is a softmax over the top-k logits, the same numbers.
-            moe_router_score_function="softmax",
-            moe_router_pre_softmax=not dims.norm_topk_prob,
+            moe_router_score_function=dims.router_score,
+            moe_router_pre_softmax=not dims.norm_topk_prob and dims.router_score == "softmax",
             moe_router_dtype="fp32",
+            **_sigmoid_router_kwargs(dims),
             # RL fine-tuning keeps the pretrained routing: no load-balancing or z-loss term (as slime's RL
             # recipes: --moe-aux-loss-coeff 0); megatron's defaults would add an aux loss to the PPO loss
             moe_router_load_balancing_type="none",

@@ -29,7 +29,9 @@ Layouts (per TP rank r of T):
   `block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1|w3|w2` (gate, up, down): `MOE_FAMILIES`.
 - A shared expert (megatron's `mlp.shared_experts.linear_fc1` / `linear_fc2`, laid out like a dense MLP's;
   Qwen2-MoE's sigmoid gate `mlp.shared_experts.gate_weight` [1, hidden], replicated): the family's HF module
-  (`mlp.shared_expert.*`, `mlp.shared_expert_gate.weight`).
+  (`mlp.shared_expert.*`, `mlp.shared_expert_gate.weight`; GLM / DeepSeek: `mlp.shared_experts.*`).
+- A sigmoid router's correction bias (megatron's fp32 buffer `mlp.router.expert_bias` [experts], HF's
+  `mlp.gate.e_score_correction_bias`): replicated, kept fp32 in a bf16 model.
 """
 
 from __future__ import annotations
@@ -124,6 +126,8 @@ def megatron_param_names(dims: ModelDims, te_fused_norms: bool = False) -> list[
         if dims.is_moe_layer(layer):  # megatron keeps a separate pre-MLP norm in front of the router
             names.append(p + "pre_mlp_layernorm.weight")
             names.append(p + "mlp.router.weight")
+            if dims.expert_bias:  # a fp32 buffer, not a parameter: global_named_parameters yields it too
+                names.append(p + ROUTER_BIAS)
             for e in range(dims.num_experts):
                 names += [p + expert_param_name(e, fc, dims.grouped_experts) for fc in ("linear_fc1", "linear_fc2")]
             names += [p + n for n in _shared_expert_map(dims)]
@@ -149,6 +153,8 @@ def hf_names(mcore_name: str, dims: ModelDims) -> list[str]:
             return hf_expert_names(f"model.layers.{layer}.{_moe_hf(dims).block}.experts.", e[0], dims.model_type, e[1])
         if suffix == "mlp.router.weight":  # the router [experts, hidden]
             return [f"model.layers.{layer}.{_moe_hf(dims).block}.gate.weight"]
+        if suffix == ROUTER_BIAS and dims.expert_bias:  # [experts], fp32
+            return [f"model.layers.{layer}.{_moe_hf(dims).block}.gate.e_score_correction_bias"]
         shared = _shared_expert_map(dims).get(suffix)
         if shared:
             return [f"model.layers.{layer}.{h}" for h in shared]
@@ -178,9 +184,9 @@ def hf_expert_names(base: str, expert: int, model_type: str = "qwen3_moe", fc: O
 
 
 def is_hf_moe_tensor(hf_name: str) -> bool:
-    """A HF router or routed-expert tensor (of any MoE family)."""
+    """A HF router (its weight or its correction bias) or routed-expert tensor (of any MoE family)."""
     return any(f".{f.block}.experts." in hf_name or hf_name.endswith(f".{f.block}.gate.weight")
-               for f in MOE_FAMILIES.values())
+               or hf_name.endswith(f".{f.block}.gate.e_score_correction_bias") for f in MOE_FAMILIES.values())
 
 
 def routed_expert(mcore_name: str) -> Optional[int]:
@@ -202,6 +208,8 @@ def megatron_name(hf_name: str, dims: ModelDims, te_fused_norms: bool = False) -
                 return f"decoder.layers.{layer}.{expert_param_name(int(e.group(2)), fc, dims.grouped_experts)}"
         if dims.model_type in MOE_FAMILIES and suffix == f"{_moe_hf(dims).block}.gate.weight":
             return f"decoder.layers.{layer}.mlp.router.weight"
+        if dims.expert_bias and suffix == f"{_moe_hf(dims).block}.gate.e_score_correction_bias":
+            return f"decoder.layers.{layer}.{ROUTER_BIAS}"
         shared = next((m for m, hs in _shared_expert_map(dims).items() if suffix in hs), None)
         if shared:
             return f"decoder.layers.{layer}.{shared}"
@@ -269,10 +277,24 @@ def global_namer(chunk):
     return name_of
 
 
+ROUTER_BIAS = "mlp.router.expert_bias"  # megatron's name of the router's correction bias (HF e_score_correction_bias)
+
+
+def local_named_weights(chunk):
+    """(local name, tensor) of every weight of one megatron model chunk: its parameters, then the routers'
+    expert_bias buffers (model weights that no optimizer moves: loaded, exported, synced to vLLM and
+    fingerprinted with the rest)."""
+    yield from chunk.named_parameters()
+    for name, b in chunk.named_buffers():
+        if name.endswith(ROUTER_BIAS):
+            yield name, b
+
+
 def global_named_parameters(chunk):
-    """(global megatron name, param) for one megatron model chunk (layer and expert indices made global)."""
+    """(global megatron name, tensor) of every weight of one megatron model chunk (local_named_weights, the
+    layer and expert indices made global)."""
     name_of = global_namer(chunk)
-    for name, p in chunk.named_parameters():
+    for name, p in local_named_weights(chunk):
         yield name_of(name), p
 
 

@@ -272,6 +272,11 @@ def vllm_model_fingerprints(model: torch.nn.Module) -> dict[str, tuple[float, fl
         fps_of = next((fn for cls, fn in kinds if isinstance(layer, cls)), None)
         if fps_of is not None:
             values = fps_of(layer, mod_name, base, packed.get(leaf, [leaf]), getattr(layer, "tp_rank", tp_rank))
+            # a sigmoid router's correction bias rides on its gate linear (GLM-4.5 / DeepSeek-V3): a plain fp32
+            # tensor, replicated over TP, that the routing reads directly
+            values += [(f"{mod_name}.{pname}", tensor_fingerprint(p) if tp_rank == 0 else (0.0, 0.0))
+                       for pname, p in layer.named_parameters(recurse=False)
+                       if pname == "e_score_correction_bias" and leaf == "gate"]  # the experts hold it too
             handled.update(id(p) for p in layer.parameters(recurse=False))
         else:  # norms: replicated over TP, counted on rank 0
             values = []
