@@ -86,7 +86,7 @@ def _attention_params(a) -> int:
     qkv = a.hidden_size * (a.num_attention_heads + 2 * a.num_kv_heads) * head_dim
     qkv_bias = (a.num_attention_heads + 2 * a.num_kv_heads) * head_dim if a.qkv_bias else 0
     proj = a.num_attention_heads * head_dim * a.hidden_size
-    qk_norm = 2 * head_dim if a.family in ("qwen3", "qwen3_moe") else 0
+    qk_norm = 2 * head_dim if a.family in ("qwen3", "qwen3_moe") or a.qk_norm else 0
     return qkv + qkv_bias + proj + 2 * a.hidden_size + qk_norm
 
 
@@ -94,6 +94,8 @@ def moe_layers(a) -> int:
     """How many layers are mixture-of-experts (transformers' rule: (i + 1) % step == 0, not in mlp_only_layers)."""
     if not a.num_experts or a.family not in MOE_FAMILIES:  # a dense family: ModelDims ignores experts too
         return 0
+    if MOE_FAMILIES[a.family].first_dense_key:  # the first k dense (glm4_moe)
+        return max(0, a.num_layers - a.first_k_dense_replace)
     if not MOE_FAMILIES[a.family].sparse_layers:  # every layer routed (mixtral)
         return a.num_layers
     dense = set(a.mlp_only_layers or [])

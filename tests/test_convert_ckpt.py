@@ -399,3 +399,33 @@ def test_smollm2_135m_converts_and_scores_like_transformers(tmp_path):
         assert ref.mean() > -3.0  # a real model: its own answers are likely
     print(f"SmolLM2-135M converted, scored at TP3 vs HF: max |logprob diff| {worst:.2e}")
     assert worst <= 1e-4
+
+
+def test_a_multi_token_prediction_layer_is_skipped_in_one_line(tiny_assets, tmp_path, capfd):
+    """GLM-4.5 / DeepSeek-V3 checkpoints carry their MTP module as layer num_hidden_layers (experts and all):
+    the import says it skips it and converts the rest; the export has no such layer. An FP8 checkpoint is
+    refused in one line naming the bf16 conversion."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "glm_mtp"
+    shutil.copytree(tiny_assets["tiny-glm4_moe"], src)
+    cfg = json.loads((src / "config.json").read_text())
+    layers = cfg["num_hidden_layers"]
+    (src / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=1)))
+    state = load_file(str(src / "model.safetensors"))
+    mtp = {k.replace(f"model.layers.{layers - 1}.", f"model.layers.{layers}."): v.clone()
+           for k, v in state.items() if k.startswith(f"model.layers.{layers - 1}.")}
+    mtp[f"model.layers.{layers}.eh_proj.weight"] = torch.zeros(128, 256)
+    save_file({**state, **mtp}, str(src / "model.safetensors"))
+    hf_to_mcore(src, tmp_path / "mc", progress=False)
+    err = capfd.readouterr().err
+    assert f"skipping the multi-token-prediction layer(s) ['model.layers.{layers}'] ({len(mtp)} tensors)" in err, err
+    mcore_to_hf(tmp_path / "mc", tmp_path / "hf", progress=False)
+    _assert_bit_exact(state, _hf_tensors(tmp_path / "hf"))  # everything but the MTP layer, bit for bit
+
+    (src / "config.json").write_text(json.dumps(dict(cfg, quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]})))
+    with pytest.raises(ConvertError, match=r"^glm4_moe: a fp8 quantized checkpoint .*convert it to bf16 first"):
+        hf_to_mcore(src, tmp_path / "mc2", progress=False)

@@ -358,3 +358,32 @@ def test_shared_experts_are_counted_as_dense_parameters(tiny_assets):
         "model.arch.norm_topk_prob=false", "model.arch.shared_expert_intermediate_size=5632",
         "actor.parallel.ep=2", "critic.parallel.ep=2", "ref.parallel.ep=2"])
     assert round(total_params(a27b) / 1e9, 1) == 14.3
+
+
+def test_glm45_dense_first_layers_and_shared_experts_against_transformers(tiny_assets):
+    """glm4_moe: the first first_k_dense_replace layers dense, n_shared_experts x moe_intermediate_size beside the
+    routed ones, q/k norms: the tiny model's count equals transformers' numel (the router's correction bias is
+    a buffer, not a parameter); GLM-4.5-Air's shapes give its 106B, GLM-4.5's 352.8B (its published 355B also
+    counts the MTP layer megappo skips); configs/grpo_glm45_air.yaml fits its 4 x 8 H200."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = AutoConfig.from_pretrained(tiny_assets["tiny-glm4_moe"])
+    arch = [f"model.arch.{k}={v}" for k, v in dict(
+        family="glm4_moe", hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers, num_attention_heads=hf.num_attention_heads, head_dim=hf.head_dim,
+        num_kv_heads=hf.num_key_value_heads, vocab_size=hf.vocab_size, tie_word_embeddings=hf.tie_word_embeddings,
+        qkv_bias=hf.attention_bias, qk_norm=hf.use_qk_norm, num_experts=hf.n_routed_experts,
+        num_experts_per_tok=hf.num_experts_per_tok, moe_intermediate_size=hf.moe_intermediate_size,
+        shared_expert_intermediate_size=hf.n_shared_experts * hf.moe_intermediate_size,
+        first_k_dense_replace=hf.first_k_dense_replace).items()]
+    arch += [f"{r}.parallel.{k}={v}" for r in ("actor", "critic", "ref") for k, v in (("tp", 2), ("dp", 4))]
+    cfg = load_config(REPO / "configs/ppo_7b.yaml", ["model.path=null", *arch])
+    assert total_params(cfg) == sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
+
+    air = load_config(REPO / "configs/grpo_glm45_air.yaml")
+    assert round(total_params(air) / 1e9) == 107 and plan(air)["fits"]
+    full = load_config(REPO / "configs/grpo_glm45_air.yaml", [  # GLM-4.5 (355B-A32B)'s config.json
+        "model.arch.hidden_size=5120", "model.arch.intermediate_size=12288", "model.arch.moe_intermediate_size=1536",
+        "model.arch.num_layers=92", "model.arch.num_experts=160", "model.arch.shared_expert_intermediate_size=1536",
+        "model.arch.first_k_dense_replace=3", "model.arch.qk_norm=true"])
+    assert round(total_params(full) / 1e9, 1) == 352.8

@@ -53,7 +53,11 @@ class ArchConfig:
     decoder_sparse_step: int = 1  # MoE layers where (i + 1) % step == 0 ...
     mlp_only_layers: list = field(default_factory=list)  # ... except these (dense)
     norm_topk_prob: bool = True  # the top-k weights renormalised to sum to 1
-    shared_expert_intermediate_size: int = 0  # qwen2_moe: the shared expert's FFN size, beside the routed ones
+    # the shared expert(s)' FFN size beside the routed ones (qwen2_moe: shared_expert_intermediate_size; glm4_moe:
+    # n_shared_experts x moe_intermediate_size)
+    shared_expert_intermediate_size: int = 0
+    first_k_dense_replace: int = 0  # glm4_moe: the first k layers dense, every later one routed
+    qk_norm: bool = False  # per-head q/k RMSNorms (glm4_moe's use_qk_norm; the qwen3 families always have them)
 
 
 @dataclass

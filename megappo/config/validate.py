@@ -30,6 +30,7 @@ def _arch_as_hf(arch) -> dict:
             "num_key_value_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "vocab_size": arch.vocab_size,
             "max_position_embeddings": arch.max_position_embeddings,
             "tie_word_embeddings": arch.tie_word_embeddings, "attention_bias": arch.qkv_bias,
+            "use_qk_norm": arch.qk_norm,
             **(_arch_moe_as_hf(arch) if arch.num_experts else {})}
 
 
@@ -39,7 +40,7 @@ def _arch_moe_as_hf(arch) -> dict:
     fam = MOE_FAMILIES.get(arch.family)
     return fam.hf_keys(arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size,
                        arch.decoder_sparse_step, arch.mlp_only_layers, arch.norm_topk_prob,
-                       arch.shared_expert_intermediate_size) if fam else {}
+                       arch.shared_expert_intermediate_size, arch.first_k_dense_replace) if fam else {}
 
 
 def model_dims(cfg) -> ModelDims:

@@ -202,9 +202,16 @@ class ModelDims:
     moe_groups: int = 0  # n_group > 1: group-limited top-k over moe_group_topk (topk_group) groups; 0: none
     moe_group_topk: int = 0
     rotary_percent: float = 1.0  # the share of each head RoPE rotates (GLM-4.5: partial_rotary_factor 0.5)
+    # multi-token-prediction layers a checkpoint stores after the decoder (`model.layers.{num_layers + i}.*`,
+    # num_nextn_predict_layers): not part of the policy, skipped on import and not exported
+    mtp_layers: int = 0
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
+
+    def is_mtp_tensor(self, hf_name: str) -> bool:
+        """A HF tensor of a multi-token-prediction layer (`model.layers.{num_layers + i}.`, i < mtp_layers)."""
+        return any(hf_name.startswith(f"model.layers.{self.num_layers + i}.") for i in range(self.mtp_layers))
 
     @classmethod
     def from_hf_config(cls, hf_config, tp: int = 1, value_head: bool = False,
@@ -212,6 +219,12 @@ class ModelDims:
         mt = hf_config.model_type
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {mt!r} not supported; choose one of {', '.join(SUPPORTED_MODEL_TYPES)}")
+        quant = getattr(hf_config, "quantization_config", None)
+        if quant:
+            method = (quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)) or "a"
+            raise ValueError(f"{mt}: a {method} quantized checkpoint (config.json quantization_config) is not supported; "
+                             "convert it to bf16 first (DeepSeek-V3's FP8 weights: inference/fp8_cast_bf16.py in its "
+                             "repository) and drop quantization_config")
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         qkv_bias = mt == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
@@ -240,6 +253,7 @@ class ModelDims:
             value_head=value_head,
             qk_norm=mt in ("qwen3", "qwen3_moe") or bool(getattr(hf_config, "use_qk_norm", False)),
             rotary_percent=rotary_percent(hf_config),
+            mtp_layers=int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0),
             **moe,
         )
 
