@@ -67,6 +67,10 @@ def test_moe_ppo_expert_parallel_resume_at_another_ep_and_export(ray_session, ti
         steps = cfg.data.train_batch_size * cfg.rollout.n // cfg.actor.ppo_mini_batch_size * cfg.actor.ppo_epochs
         per_step = h["actor/moe_tokens_routed"]
         assert per_step * steps == h["tokens/actor_real"] * layers * top_k, (per_step, h["tokens/actor_real"])
+        # GLM-4.5's shared expert, reported apart: every real token once per MoE layer (none in the routed counts)
+        shared = h.get("actor/moe_shared_tokens")
+        assert (shared is not None) == (family == "tiny-glm4_moe")
+        assert shared is None or shared * steps == h["tokens/actor_real"] * layers, (shared, h["tokens/actor_real"])
 
     # resume from step 2 at EP1: step 3 as the uninterrupted EP2 run
     resumed = tmp_path / "ep1"
