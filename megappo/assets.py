@@ -39,11 +39,15 @@ TINY_SHAPES = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3",
+            "deepseek_v3_lite")  # deepseek_v3_lite: model_type deepseek_v3 without q_lora_rank (V2-Lite's attention)
 # families added for 2026's MoE models: a model vocabulary one past the tokenizer's (odd, and padded) and
 # routers whose logits are spread (std ROUTER_STD), so no top-k choice is a near-tie between fp32 implementations
-ODD_VOCAB_FAMILIES = ("qwen2_moe", "glm4_moe")
+ODD_VOCAB_FAMILIES = ("qwen2_moe", "glm4_moe", "deepseek_v3", "deepseek_v3_lite")
 ROUTER_STD = 0.5
+# a sigmoid router (GLM-4.5, DeepSeek-V3) saturates at that spread: scores of 1.0 in fp32, and group scores
+# (sums of a group's top-2) tied to 1e-7; this keeps the scores inside (0, 1), the bias deciding between them
+SIGMOID_ROUTER_STD = 0.1
 
 
 def _corpus(seed: int = 0) -> list[str]:
@@ -98,7 +102,7 @@ def make_tokenizer(out_dir: str | os.PathLike) -> Path:
 
 
 def _hf_config(family: str, vocab_size: int, eos_id: int, pad_id: int, **overrides):
-    from transformers import (Glm4MoeConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig,
+    from transformers import (DeepseekV3Config, Glm4MoeConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig,
                               Qwen3Config, Qwen3MoeConfig)
 
     vocab_size += family in ODD_VOCAB_FAMILIES
@@ -130,6 +134,19 @@ def _hf_config(family: str, vocab_size: int, eos_id: int, pad_id: int, **overrid
                             first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
                             norm_topk_prob=True, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5,
                             num_nextn_predict_layers=0)
+    elif family in ("deepseek_v3", "deepseek_v3_lite"):  # DeepSeek-V3's shape: multi-latent attention with the
+        # rank vLLM's CPU MLA kernel needs (kv_lora 512, RoPE dims 64; q through a rank-64 latent, or a plain q_proj
+        # for _lite), YaRN with its mscale; layer 0 dense, then 8 experts in 2 groups (the best group, then top-2
+        # in it) under the sigmoid router with its correction bias, scaled 2.5, one shared expert
+        cfg = DeepseekV3Config(**dict(common, num_key_value_heads=4), rms_norm_eps=1e-6, tie_word_embeddings=False,
+                               q_lora_rank=None if family == "deepseek_v3_lite" else 64, kv_lora_rank=512,
+                               qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, n_routed_experts=8,
+                               num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=64,
+                               n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                               norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid",
+                               num_nextn_predict_layers=0, rope_theta=10000.0,
+                               rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
     elif family == "mistral":
         cfg = MistralConfig(**common, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
                             sliding_window=None)
@@ -158,7 +175,7 @@ def make_model(out_dir: str | os.PathLike, family: str = "llama", seed: int = 0,
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if family in ODD_VOCAB_FAMILIES and name.endswith("mlp.gate.weight"):  # a router
-                    p.normal_(0.0, ROUTER_STD)
+                    p.normal_(0.0, SIGMOID_ROUTER_STD if hasattr(cfg, "routed_scaling_factor") else ROUTER_STD)
                 elif p.dim() > 1:
                     p.normal_(0.0, 0.08)
                 elif "norm" in name:

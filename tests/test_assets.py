@@ -50,3 +50,32 @@ def test_tiny_models_load_and_run(tiny_assets):
         assert out.shape == (1, 4, cfg.vocab_size) and torch.isfinite(out).all()
         # peaked enough that layout bugs show: the top token is far from uniform
         assert out.softmax(-1).max() > 5.0 / cfg.vocab_size
+
+
+def test_sigmoid_routers_have_no_near_ties(tiny_assets):
+    """The tiny GLM-4.5 / DeepSeek-V3 routers choose with room to spare on the parity tests' tokens: the k-th
+    and (k+1)-th biased scores, and the best and second group scores, differ by far more than fp32 noise
+    between layouts (1e-6). A saturated sigmoid (router std 0.5) tied DeepSeek's groups to 2.4e-7 and flipped
+    one token's experts at TP2 x EP2."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    for fam in ("tiny-glm4_moe", "tiny-deepseek_v3", "tiny-deepseek_v3_lite"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_assets[fam], dtype=torch.float32).eval()
+        cfg, gaps = model.config, []
+
+        def hook(mod, args, out):
+            h = args[0].reshape(-1, args[0].shape[-1])
+            biased = torch.sigmoid(torch.nn.functional.linear(h.float(), mod.weight.float())) + mod.e_score_correction_bias
+            top = biased.sort(-1, descending=True).values
+            gaps.append((top[:, cfg.num_experts_per_tok - 1] - top[:, cfg.num_experts_per_tok]).min().item())
+            if cfg.n_group > 1:
+                groups = biased.view(biased.shape[0], cfg.n_group, -1).topk(2, -1).values.sum(-1).sort(-1, descending=True).values
+                gaps.append((groups[:, cfg.topk_group - 1] - groups[:, cfg.topk_group]).min().item())
+
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.register_forward_hook(hook)
+        with torch.no_grad():
+            model(torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed(0)))
+        assert gaps and min(gaps) > 1e-4, (fam, min(gaps))

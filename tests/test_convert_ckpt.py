@@ -67,10 +67,10 @@ def _source(name, tiny_assets, reward_dir) -> Path:
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe",
-                                  "reward"])
+                                  "deepseek_v3", "deepseek_v3_lite", "reward"])
 def test_roundtrip_tp2_pp2_is_bit_exact(name, tiny_assets, reward_dir, tmp_path):
     src = _source(name, tiny_assets, reward_dir)
-    moe = name in ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe")
+    moe = name in ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3", "deepseek_v3_lite")
     info = hf_to_mcore(src, tmp_path / "mc", tp=2, pp=2, ep=2 if moe else 1, progress=False)
     mc = tmp_path / "mc"
     # what MegatronEngine.is_dist_checkpoint and megatron's loader need, plus the recorded provenance
@@ -99,11 +99,22 @@ def test_roundtrip_tp2_pp2_is_bit_exact(name, tiny_assets, reward_dir, tmp_path)
         assert shapes["decoder.layers.1.mlp.router.expert_bias"] == [8]
         assert shapes["decoder.layers.3.mlp.shared_experts.linear_fc1.weight"] == [128, 128]
         assert shapes["decoder.layers.0.self_attention.q_layernorm.weight"] == [32]
+    elif name.startswith("deepseek_v3"):  # multi-latent attention: q (through a rank-64 latent, or not), the kv
+        # latent 512 + the RoPE key 64, per head k_nope 32 + v 32; the norms under their own names
+        p = "decoder.layers.1.self_attention."
+        if name == "deepseek_v3":
+            assert shapes[p + "linear_q_down_proj.weight"] == [64, 128] and shapes[p + "q_layernorm.weight"] == [64]
+            assert shapes[p + "linear_q_up_proj.weight"] == [4 * 96, 64]
+        else:
+            assert shapes[p + "linear_q_proj.weight"] == [4 * 96, 128] and p + "q_layernorm.weight" not in shapes
+        assert shapes[p + "linear_kv_down_proj.weight"] == [576, 128] and shapes[p + "kv_layernorm.weight"] == [512]
+        assert shapes[p + "linear_kv_up_proj.weight"] == [4 * 64, 512]
+        assert shapes["decoder.layers.0.pre_mlp_layernorm.weight"] == [128]
     else:
         assert shapes["decoder.layers.mlp.linear_fc1.weight"] == [4, 512, 128]  # [layers, gate+up, hidden]
     assert shapes["embedding.word_embeddings.weight"] == [1024, 128]  # vocab padded
     assert ("output_layer.weight" in shapes) == (name in ("llama", "mistral", "qwen3_moe", "mixtral", "qwen2_moe",
-                                                          "glm4_moe", "reward"))  # tied: none
+                                                          "glm4_moe", "deepseek_v3", "deepseek_v3_lite", "reward"))  # tied: none
     assert ("decoder.layers.self_attention.q_layernorm.weight" in shapes) == (name == "qwen3")
     if name == "qwen3":  # per-head norms over head_dim 64 (explicit, != hidden / heads)
         assert shapes["decoder.layers.self_attention.q_layernorm.weight"] == [4, 64]
@@ -164,6 +175,7 @@ def test_a_bf16_export_keeps_the_router_correction_bias_in_fp32(tiny_assets, tmp
 @pytest.mark.parametrize("name,layout", [("qwen2", ["--tp", "2", "--pp", "2"]),
                                          # the router's correction bias (a buffer) read from the checkpoint
                                          ("glm4_moe", ["--dp", "2", "--ep", "2"]),
+                                         ("deepseek_v3", ["--tp", "2", "--dp", "2", "--ep", "2"]),
                                          # 36 s; CI keeps the EP2 engine parity and test_moe_ppo's scoring of a
                                          # trainer-saved MoE checkpoint at EP2; a converted one at TP2xEP2 only here
                                          pytest.param("qwen3_moe", ["--tp", "2", "--dp", "2", "--ep", "2"],

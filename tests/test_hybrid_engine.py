@@ -233,6 +233,21 @@ def _job(rank, world, port, model_dir, layout_name, rollout_tp, weight_load, cpu
         state = _full_hf_state(engine)  # a collective: every rank
         if rank == 0:
             report["bias_sync"]["hf_greedy_diff"], _ = _hf_check(_hf_model(model_dir, state), greedy, 1.0)
+    if engine.dims.mla:  # vLLM's MLA decodes with W_UK_T / W_UV derived from kv_b_proj after loading: with
+        # storage of their own (bf16, GPU), a sync that does not derive them again leaves decoding on the old
+        # weights, which the fingerprint names; deriving them again (the default) repairs it
+        from megappo.workers.rollout.vllm_weights import detach_mla_derived
+
+        report["mla_detached"] = rollout.llm.collective_rpc(detach_mla_derived)[0]
+        _train_on(engine, last)
+        rollout.refresh_mla = False
+        report["stale_mla_error"] = _sync_error(hybrid, WeightSyncError)
+        rollout.refresh_mla = True
+        with hybrid:
+            greedy = hybrid.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch,
+                                                         {"sampling": spec.greedy()}))
+        report["mla_refreshed"] = {"ok": hybrid.metrics["rollout/weights_fingerprint_ok"],
+                                   "parity": hybrid.logprob_parity(greedy, micro_batch_size=3)}
     report["stats"] = dict(hybrid.resharder.stats)
     # which tensor bucket 2 starts with (same plan on every rank)
     for b in hybrid.resharder.buckets():
@@ -315,19 +330,28 @@ def _check(reports, layout_name, rollout_tp, repack):
     # GLM-4.5: a sigmoid router whose fp32 correction bias (a buffer) is synced and fingerprinted, a shared
     # expert, q/k norms, partial RoPE
     ("tiny-glm4_moe", "tp2dp2ep2", 2, "direct", "packed", "shm"),
+    # DeepSeek-V3: multi-latent attention (vLLM's CPU_MLA; its absorbed W_UK_T / W_UV derived again after each
+    # sync), group-limited top-k over the biased sigmoid scores, a shared expert
+    ("tiny-deepseek_v3", "tp2dp2ep2", 2, "direct", "packed", "shm"),
 ])
 def test_hybrid_engine(tiny_assets, family, layout_name, rollout_tp, weight_load, cpu_linear, transport):
     reports = _run(tiny_assets[family], layout_name, rollout_tp, weight_load, cpu_linear, transport)
     assert reports[0]["transport"] == transport
     _check(reports, layout_name, rollout_tp, repack=weight_load == "direct" and cpu_linear == "packed")
-    if family in ("tiny-qwen3_moe", "tiny-qwen2_moe", "tiny-glm4_moe"):
+    if family in ("tiny-qwen3_moe", "tiny-qwen2_moe", "tiny-glm4_moe", "tiny-deepseek_v3"):
         err = reports[0]["stale_experts_error"]
         assert err and "differ from the trainer" in err and ".mlp.experts.0." in err, err
         c = reports[0]["collective"]
         assert c["ok"] == 1.0 and c["ep_bytes"] > 0, c
         assert c["hf_greedy_tokens_equal"] and c["hf_greedy_diff"] <= TOL, c
         assert c["parity"]["rollout/logprob_diff_max"] <= TOL, c
-    if family == "tiny-glm4_moe":
+    if family == "tiny-deepseek_v3":
+        assert reports[0]["mla_detached"] == 4
+        err = reports[0]["stale_mla_error"]
+        assert err and "W_UK_T (derived from an older kv_b_proj" in err, err
+        m = reports[0]["mla_refreshed"]
+        assert m["ok"] == 1.0 and m["parity"]["rollout/logprob_diff_max"] <= TOL, m
+    if family in ("tiny-glm4_moe", "tiny-deepseek_v3"):
         assert all(r["bias_frozen"] for r in reports)
         b = reports[0]["bias_sync"]
         assert b["n"] > 0 and b["ok"] == 1.0 and b["parity"]["rollout/logprob_diff_max"] <= TOL, b

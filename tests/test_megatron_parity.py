@@ -21,8 +21,8 @@ from megappo.parallel.layout import ParallelLayout
 LAYOUTS = [ParallelLayout(tp=2, pp=2), ParallelLayout(pp=2, vpp=2, dp=2),
            ParallelLayout(tp=2, dp=2, ep=2), ParallelLayout(pp=2, dp=2, ep=2)]  # expert parallel: MoE only
 FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3", "tiny-qwen3_moe", "tiny-mixtral", "tiny-qwen2_moe",
-            "tiny-glm4_moe"]
-MOE = ("tiny-qwen3_moe", "tiny-mixtral", "tiny-qwen2_moe", "tiny-glm4_moe")
+            "tiny-glm4_moe", "tiny-deepseek_v3", "tiny-deepseek_v3_lite"]
+MOE = ("tiny-qwen3_moe", "tiny-mixtral", "tiny-qwen2_moe", "tiny-glm4_moe", "tiny-deepseek_v3", "tiny-deepseek_v3_lite")
 CASES = [(fam, li) for li, layout in enumerate(LAYOUTS) for fam in FAMILIES if layout.ep == 1 or fam in MOE]
 TEMPERATURE = 0.7
 B, S, R = 4, 16, 7

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Optional
 
 from megappo.parallel.weight_mapping import (ModelDims, hf_names, is_hf_moe_tensor, megatron_name,
-                                             megatron_param_names, routed_expert, transformer_config_kwargs)
+                                             megatron_param_names, mla_attention_names, routed_expert,
+                                             transformer_config_kwargs)
 from megappo.conversion.dcp_io import Item
 from megappo.conversion.errors import ConvertError, read_json
 
@@ -47,6 +48,7 @@ ARCHITECTURES = {
     "MixtralForCausalLM": ("mixtral", "causal-lm"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "causal-lm"),
     "Glm4MoeForCausalLM": ("glm4_moe", "causal-lm"),
+    "DeepseekV3ForCausalLM": ("deepseek_v3", "causal-lm"),
     "LlamaForSequenceClassification": ("llama", "reward"),
     "Qwen2ForSequenceClassification": ("qwen2", "reward"),
     "MistralForSequenceClassification": ("mistral", "reward"),
@@ -108,8 +110,20 @@ def checked_dims(hf_config, tp: int, value_head: bool) -> ModelDims:
         raise ConvertError(str(e)) from None
 
 
+def _mla_shapes(d: ModelDims) -> dict:
+    """Multi-latent attention's tensors (megatron suffix -> shape; HF's are the same tensors)."""
+    h, heads, qk = d.hidden_size, d.num_heads, d.qk_nope_dim + d.qk_rope_dim
+    return {"linear_q_down_proj.weight": (d.q_lora_rank, h), "q_layernorm.weight": (d.q_lora_rank,),
+            "linear_q_up_proj.weight": (heads * qk, d.q_lora_rank), "linear_q_proj.weight": (heads * qk, h),
+            "linear_kv_down_proj.weight": (d.kv_lora_rank + d.qk_rope_dim, h), "kv_layernorm.weight": (d.kv_lora_rank,),
+            "linear_kv_up_proj.weight": (heads * (d.qk_nope_dim + d.head_dim), d.kv_lora_rank),
+            "linear_proj.weight": (h, heads * d.head_dim)}
+
+
 def megatron_shape(name: str, d: ModelDims) -> tuple:
     h, hd = d.hidden_size, d.head_dim
+    if d.mla and ".self_attention." in name:
+        return _mla_shapes(d)[name.rsplit(".self_attention.", 1)[1]]
     if ".mlp.experts.local_experts." in name:  # one routed expert: a dense MLP of moe_ffn_hidden_size
         return (2 * d.moe_ffn_hidden_size, h) if name.endswith("linear_fc1.weight") else (h, d.moe_ffn_hidden_size)
     if ".mlp.shared_experts." in name:  # the shared expert: a dense MLP of its own size (and its gate)
@@ -145,6 +159,8 @@ def megatron_shape(name: str, d: ModelDims) -> tuple:
 
 def hf_shape(name: str, d: ModelDims) -> tuple:
     h, hd = d.hidden_size, d.head_dim
+    if d.mla and ".self_attn." in name:
+        return megatron_shape(megatron_name(name, d), d)
     mname = megatron_name(name, d) if d.shared_expert_ffn and ".layers." in name else ""
     if ".mlp.shared_experts." in mname:  # HF's shape of the shared expert's tensors: megatron's, split back
         shape = megatron_shape(mname, d)
@@ -229,6 +245,8 @@ def megatron_units(d: ModelDims) -> list[Unit]:
             units.append(Unit(name, name.replace(f".local_experts.{e}.", ".experts."), e, d.num_experts, shape, hf))
         elif m and not per_layer:
             units.append(Unit(name, f"decoder.layers.{m.group(2)}", int(m.group(1)), d.num_layers, shape, hf))
+        elif d.mla:  # megatron's MLA layer spec keeps its norms under their own names
+            units.append(Unit(name, name, None, 0, shape, hf))
         else:  # the local spec stores a MoE layer's separate pre-MLP norm under the fused name, as a dense one's
             key = name.replace(".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight")
             units.append(Unit(name, key, None, 0, shape, hf))
@@ -241,17 +259,21 @@ def extra_state_items(d: ModelDims) -> list[Item]:
         return [Item(f"decoder.layers.{m}._extra_state", None, None, layer, d.num_layers)
                 for layer in range(d.num_layers) for m in EXTRA_STATE_MODULES]
     items = []
+    attention = EXTRA_STATE_MODULES[:2]
+    if d.mla:
+        attention = tuple(f"self_attention.{n.split('.')[1]}" for n in mla_attention_names(d)
+                          if ".linear_" in n)
     for layer in range(d.num_layers):
         p = f"decoder.layers.{layer}."
         if d.is_moe_layer(layer):
-            items += [Item(f"{p}{m}._extra_state", None, None, 0, 1) for m in EXTRA_STATE_MODULES[:2]]
+            items += [Item(f"{p}{m}._extra_state", None, None, 0, 1) for m in attention]
             if d.shared_expert_ffn:
                 items += [Item(f"{p}mlp.shared_experts.{fc}._extra_state", None, None, 0, 1)
                           for fc in ("linear_fc1", "linear_fc2")]
             items += [Item(f"{p}mlp.experts.experts.{fc}._extra_state", None, None, e, d.num_experts)
                       for fc in ("linear_fc1", "linear_fc2") for e in range(d.num_experts)]
         else:
-            items += [Item(f"{p}{m}._extra_state", None, None, 0, 1) for m in EXTRA_STATE_MODULES]
+            items += [Item(f"{p}{m}._extra_state", None, None, 0, 1) for m in attention + EXTRA_STATE_MODULES[2:]]
     return items
 
 

@@ -119,23 +119,68 @@ def build_transformer_config(hf_config, layout: ParallelLayout, *, device: str =
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if kw["autocast_dtype"] is None:
         kw.pop("autocast_dtype")
+    if kw.pop("multi_latent_attention", False):  # DeepSeek-V3: the MLA fields weight_mapping set
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        return MLATransformerConfig(**kw)
     return TransformerConfig(**kw)
+
+
+def _mla_core_attention(cls):
+    """megatron's local core attention under MLA: MLASelfAttention passes k_channels / v_channels, which the
+    local DotProductAttention (and so PackedCausalAttention) does not take; its head sizes come from the
+    tensors, its output width from kv_channels (= v's head dim)."""
+    class MLACoreAttention(cls):
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    MLACoreAttention.__name__ = f"MLA{cls.__name__}"
+    return MLACoreAttention
+
+
+def _mla_without_q_lora():
+    """MLASelfAttention for q_lora_rank None (DeepSeek-V2-Lite style): megatron's local spec resolves the
+    kv latent's norm only beside a q one, or asks TE for a fused norm + linear; keep kv_layernorm, no q norm."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from megappo.parallel.cpu_compat import SequenceParallelTorchNorm
+
+    class MLASelfAttentionNoQLora(MLASelfAttention):
+        def _resolve_qk_norm_config(self, submodules):
+            return dict(linear_q_proj=ColumnParallelLinear, linear_q_up_proj=IdentityOp,
+                        linear_kv_up_proj=ColumnParallelLinear, q_layernorm=IdentityOp,
+                        kv_layernorm=submodules.kv_layernorm)
+
+    return MLASelfAttentionNoQLora, SequenceParallelTorchNorm
 
 
 def _local_layer(spec, config, packed: bool):
     """Patch one layer spec of megatron's local (no TE) spec in place for what megappo runs on CPU."""
+    attn = spec.submodules.self_attention.submodules
     if packed:  # packed rows: attention within each row's span (models/packed_attention.py)
         from megappo.models.packed_attention import PackedCausalAttention
 
-        spec.submodules.self_attention.submodules.core_attention = PackedCausalAttention
+        attn.core_attention = PackedCausalAttention
+    mla = getattr(config, "multi_latent_attention", False)
+    if mla:
+        attn.core_attention = _mla_core_attention(attn.core_attention)
+        if config.q_lora_rank is None:
+            spec.submodules.self_attention.module, norm = _mla_without_q_lora()
+            attn.kv_layernorm = norm  # megatron's local norm would be TE's fused one; ours takes SP too
     if config.sequence_parallel:
         from megappo.parallel.cpu_compat import SequenceParallelTorchNorm
 
         spec.submodules.input_layernorm = SequenceParallelTorchNorm
         spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
         if config.qk_layernorm:  # per-head norms see whole sequences, but their grads are summed over TP
-            attn = spec.submodules.self_attention.submodules  # either way (finalize_model_grads)
-            attn.q_layernorm = attn.k_layernorm = SequenceParallelTorchNorm
+            if mla:  # either way (finalize_model_grads); MLA's latent norms run on this rank's rows
+                attn.kv_layernorm = SequenceParallelTorchNorm
+                if config.q_lora_rank is not None:
+                    attn.q_layernorm = SequenceParallelTorchNorm
+            else:
+                attn.q_layernorm = attn.k_layernorm = SequenceParallelTorchNorm
     return spec
 
 

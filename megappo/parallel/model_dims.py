@@ -10,7 +10,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe",
+                         "deepseek_v3")
+MLA_MODEL_TYPES = ("deepseek_v3",)  # multi-latent attention (megatron's MLASelfAttention)
 
 # LoRA (models/lora.py, config actor.lora): megatron's fused / parallel linears an adapter may wrap, by how
 # their weight is split over TP (column: along the output; row: along the input), and the inits of A
@@ -131,6 +133,12 @@ MOE_FAMILIES = {
                           experts_keys=("n_routed_experts",), ffn_key="moe_intermediate_size", sparse_layers=False,
                           shared="shared_experts", shared_count_key="n_shared_experts",
                           first_dense_key="first_k_dense_replace", router="sigmoid", expert_bias=True),
+    # DeepSeek-V3 / R1 / V3.1 and Kimi-K2: GLM-4.5's experts and router (n_group > 1: group-limited top-k) under
+    # multi-latent attention (ModelDims' MLA fields)
+    "deepseek_v3": MoeFamily("mlp", {"linear_fc1": ["gate_proj", "up_proj"], "linear_fc2": ["down_proj"]},
+                             experts_keys=("n_routed_experts",), ffn_key="moe_intermediate_size", sparse_layers=False,
+                             shared="shared_experts", shared_count_key="n_shared_experts",
+                             first_dense_key="first_k_dense_replace", router="sigmoid", expert_bias=True),
 }
 
 
@@ -150,13 +158,57 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCA
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def rope_theta(hf_config) -> float:
+def rope_params(hf_config) -> dict:
+    """The RoPE parameters: transformers 5's rope_parameters, else a checkpoint's rope_scaling ({} when none)."""
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
-    if rope_type not in ("default", None):
-        raise ValueError(f"rope_type {rope_type!r} is not supported (only default RoPE)")
-    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    return params if isinstance(params, dict) else {}
+
+
+def rope_type(hf_config) -> str:
+    params = rope_params(hf_config)
+    return params.get("rope_type", params.get("type", "default")) or "default"
+
+
+def rope_theta(hf_config) -> float:
+    """RoPE's base. Default RoPE everywhere; YaRN only under multi-latent attention (megatron's MLA applies it)."""
+    allowed = ("default", "yarn") if getattr(hf_config, "model_type", None) in MLA_MODEL_TYPES else ("default",)
+    if rope_type(hf_config) not in allowed:
+        raise ValueError(f"rope_type {rope_type(hf_config)!r} is not supported (only {' and '.join(allowed)} RoPE)")
+    theta = rope_params(hf_config).get("rope_theta")
     return float(theta if theta is not None else getattr(hf_config, "rope_theta", 10000.0))
+
+
+def _mla_dims(hf_config) -> dict:
+    """ModelDims' multi-latent-attention fields of a DeepSeek-V3 config, or a one-line refusal of what megatron
+    or vLLM would compute differently."""
+    mt = hf_config.model_type
+    if getattr(hf_config, "topk_method", None) != "noaux_tc" or getattr(hf_config, "scoring_func", None) != "sigmoid":
+        raise ValueError(f"{mt} config.json needs topk_method 'noaux_tc' and scoring_func 'sigmoid' (DeepSeek-V3's "
+                         "router; without them vLLM routes by softmax with no correction bias); add them")
+    if getattr(hf_config, "attention_bias", False):
+        raise ValueError(f"{mt} attention_bias=true is not supported (megatron's MLA has no projection biases)")
+    if getattr(hf_config, "rope_interleave", True) is False:
+        raise ValueError(f"{mt} rope_interleave=false is not supported (megatron's and vLLM's MLA rotate "
+                         "interleaved pairs); set it true")
+    if int(getattr(hf_config, "moe_layer_freq", 1) or 1) != 1:
+        raise ValueError(f"{mt} moe_layer_freq != 1 is not supported (transformers ignores it, vLLM does not)")
+    return dict(q_lora_rank=int(getattr(hf_config, "q_lora_rank", None) or 0), kv_lora_rank=int(hf_config.kv_lora_rank),
+                qk_nope_dim=int(hf_config.qk_nope_head_dim), qk_rope_dim=int(hf_config.qk_rope_head_dim))
+
+
+def _mla_kwargs(dims: "ModelDims", hf_config) -> dict:
+    """megatron's MLATransformerConfig fields of a DeepSeek-V3 model: the q/kv latent ranks and head dims, the
+    a-layernorms (megatron's qk_layernorm: without it MLA silently drops them), kv_channels = v's head dim (the
+    core attention's output), YaRN as the checkpoint sets it (megatron's softmax mscale^2 only with YaRN)."""
+    params, yarn = rope_params(hf_config), rope_type(hf_config) == "yarn"
+    return dict(multi_latent_attention=True, q_lora_rank=dims.q_lora_rank or None, kv_lora_rank=dims.kv_lora_rank,
+                qk_head_dim=dims.qk_nope_dim, qk_pos_emb_head_dim=dims.qk_rope_dim, v_head_dim=dims.head_dim,
+                qk_layernorm=True, rope_type="yarn" if yarn else "rope", rotary_base=rope_theta(hf_config),
+                rotary_scaling_factor=float(params.get("factor", 1.0)) if yarn else 1.0,
+                original_max_position_embeddings=int(params.get("original_max_position_embeddings", 4096)),
+                beta_fast=float(params.get("beta_fast", 32)), beta_slow=float(params.get("beta_slow", 1)),
+                mscale=float(params.get("mscale", 1.0)) if yarn else 1.0,
+                mscale_all_dim=float(params.get("mscale_all_dim", 0.0) or 0.0) if yarn else 0.0)
 
 
 def rotary_percent(hf_config) -> float:
@@ -202,9 +254,20 @@ class ModelDims:
     moe_groups: int = 0  # n_group > 1: group-limited top-k over moe_group_topk (topk_group) groups; 0: none
     moe_group_topk: int = 0
     rotary_percent: float = 1.0  # the share of each head RoPE rotates (GLM-4.5: partial_rotary_factor 0.5)
+    # multi-latent attention (DeepSeek-V3; kv_lora_rank 0: none): q through a rank-q_lora_rank bottleneck (0: a
+    # plain q_proj, V2-Lite style), k/v from one shared latent of kv_lora_rank plus a qk_rope_dim RoPE key; per
+    # head q/k of qk_nope_dim + qk_rope_dim, v of v_head_dim (= head_dim)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
     # multi-token-prediction layers a checkpoint stores after the decoder (`model.layers.{num_layers + i}.*`,
     # num_nextn_predict_layers): not part of the policy, skipped on import and not exported
     mtp_layers: int = 0
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
@@ -238,13 +301,17 @@ class ModelDims:
         if mt != "qwen2" and getattr(hf_config, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported")
         moe = MOE_FAMILIES[mt].dims(hf_config) if mt in MOE_FAMILIES else {}
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        mla = _mla_dims(hf_config) if mt in MLA_MODEL_TYPES else {}
+        if mla:  # keys of every head (num_query_groups = heads); head_dim is v's (megatron's kv_channels)
+            kv_heads, head_dim = heads, int(hf_config.v_head_dim)
         return cls(
             model_type=mt,
             hidden_size=hf_config.hidden_size,
             ffn_hidden_size=hf_config.intermediate_size,
             num_layers=hf_config.num_hidden_layers,
             num_heads=heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
             vocab_size=hf_config.vocab_size,
             padded_vocab_size=padded_vocab_size(hf_config.vocab_size, tp, vocab_divisible_by),
@@ -255,6 +322,7 @@ class ModelDims:
             rotary_percent=rotary_percent(hf_config),
             mtp_layers=int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0),
             **moe,
+            **mla,
         )
 
     @classmethod
@@ -323,6 +391,7 @@ def transformer_config_kwargs(hf_config) -> dict:
             moe_token_dispatcher_type="alltoall",
         )
     return dict(
+        **(_mla_kwargs(dims, hf_config) if dims.mla else dict(qk_layernorm=dims.qk_norm)),
         num_layers=dims.num_layers,
         hidden_size=dims.hidden_size,
         ffn_hidden_size=dims.ffn_hidden_size,
@@ -335,7 +404,6 @@ def transformer_config_kwargs(hf_config) -> dict:
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=dims.qkv_bias,
-        qk_layernorm=dims.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),

@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 from megappo.parallel.layout import ParallelLayout
 from megappo.parallel.weight_mapping import ModelDims, global_named_parameters, hf_names, megatron_shard_hf_slices, \
-    megatron_shards_to_hf, routed_expert, tp_split_dim
+    megatron_shards_to_hf, routed_expert, tp_split_dim, whole_in_rollout
 
 
 @dataclass
@@ -203,7 +203,7 @@ class Resharder:
         d = self.dims
         dim = tp_split_dim(name, d)
         vocab = name in ("embedding.word_embeddings.weight", "output_layer.weight") and not d.value_head
-        gather = self.layout.tp > 1 and dim is not None and (not self.sliced or vocab)
+        gather = self.layout.tp > 1 and dim is not None and (not self.sliced or vocab or whole_in_rollout(name, d))
         hfn = hf_names(name, d)
         # full HF shapes, from the shard shape and weight_mapping's own conversion
         zeros = [torch.empty(shape, dtype=torch.float32, device="meta")] * (self.layout.tp if dim is not None else 1)

@@ -40,7 +40,7 @@ import re
 from typing import TYPE_CHECKING, Mapping, Optional
 
 from megappo.parallel.model_dims import (  # noqa: F401 (re-exported: the model's facts, read with its names)
-    DEFAULT_VOCAB_DIVISOR, LORA_COLUMN_TARGETS, LORA_INITS, LORA_ROW_TARGETS, LORA_TARGETS, MOE_FAMILIES,
+    DEFAULT_VOCAB_DIVISOR, LORA_COLUMN_TARGETS, LORA_INITS, LORA_ROW_TARGETS, LORA_TARGETS, MLA_MODEL_TYPES, MOE_FAMILIES,
     SUPPORTED_MODEL_TYPES, ModelDims, MoeFamily, num_routed_experts, padded_vocab_size, rope_theta,
     transformer_config_kwargs)
 
@@ -90,6 +90,38 @@ _LAYER_MAP = {
     "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
     "mlp.linear_fc2.weight": ["mlp.down_proj.weight"],
 }
+# multi-latent attention (DeepSeek-V3): megatron's MLASelfAttention <-> transformers' DeepseekV3Attention, every
+# tensor the same rows (no fusion); the down / up projections are column-parallel (split along dim 0: q_up and
+# kv_up by heads; the down projections by rows of the latent, gathered back before the norms), the a-layernorms
+# replicated
+_MLA_MAP = {
+    "self_attention.linear_q_down_proj.weight": ["self_attn.q_a_proj.weight"],
+    "self_attention.q_layernorm.weight": ["self_attn.q_a_layernorm.weight"],
+    "self_attention.linear_q_up_proj.weight": ["self_attn.q_b_proj.weight"],
+    "self_attention.linear_q_proj.weight": ["self_attn.q_proj.weight"],  # q_lora_rank None
+    "self_attention.linear_kv_down_proj.weight": ["self_attn.kv_a_proj_with_mqa.weight"],
+    "self_attention.kv_layernorm.weight": ["self_attn.kv_a_layernorm.weight"],
+    "self_attention.linear_kv_up_proj.weight": ["self_attn.kv_b_proj.weight"],
+    "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
+}
+_MLA_COLUMN = ("linear_q_down_proj", "linear_q_up_proj", "linear_q_proj", "linear_kv_down_proj", "linear_kv_up_proj")
+
+
+def whole_in_rollout(mcore_name: str, dims: ModelDims) -> bool:
+    """A TP-split megatron weight that vLLM keeps whole on every rollout TP rank: MLA's down projections
+    (vLLM's replicated fused_qkv_a_proj / kv_a_proj_with_mqa), which a sliced weight sync must gather."""
+    return dims.mla and any(mcore_name.endswith(f"self_attention.{c}.weight")
+                            for c in ("linear_q_down_proj", "linear_kv_down_proj"))
+
+
+def mla_attention_names(dims: ModelDims) -> list[str]:
+    """One MLA layer's attention parameters (suffixes), in model order."""
+    q = (["self_attention.linear_q_down_proj.weight", "self_attention.q_layernorm.weight",
+          "self_attention.linear_q_up_proj.weight"] if dims.q_lora_rank else ["self_attention.linear_q_proj.weight"])
+    return q + ["self_attention.linear_kv_down_proj.weight", "self_attention.kv_layernorm.weight",
+                "self_attention.linear_kv_up_proj.weight", "self_attention.linear_proj.weight"]
+
+
 _TOP_MAP = {
     "embedding.word_embeddings.weight": ["model.embed_tokens.weight"],
     "decoder.final_layernorm.weight": ["model.norm.weight"],
@@ -116,13 +148,17 @@ def megatron_param_names(dims: ModelDims, te_fused_norms: bool = False) -> list[
     names = ["embedding.word_embeddings.weight"]
     for layer in range(dims.num_layers):
         p = f"decoder.layers.{layer}."
-        names.append(p + ("self_attention.linear_qkv.layer_norm_weight" if te_fused_norms else "input_layernorm.weight"))
-        names.append(p + "self_attention.linear_qkv.weight")
-        if dims.qkv_bias:
-            names.append(p + "self_attention.linear_qkv.bias")
-        if dims.qk_norm:
-            names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
-        names.append(p + "self_attention.linear_proj.weight")
+        if dims.mla:  # megatron's MLA layer keeps its input norm apart (no fused linear_qkv)
+            names.append(p + "input_layernorm.weight")
+            names += [p + n for n in mla_attention_names(dims)]
+        else:
+            names.append(p + ("self_attention.linear_qkv.layer_norm_weight" if te_fused_norms else "input_layernorm.weight"))
+            names.append(p + "self_attention.linear_qkv.weight")
+            if dims.qkv_bias:
+                names.append(p + "self_attention.linear_qkv.bias")
+            if dims.qk_norm:
+                names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
+            names.append(p + "self_attention.linear_proj.weight")
         if dims.is_moe_layer(layer):  # megatron keeps a separate pre-MLP norm in front of the router
             names.append(p + "pre_mlp_layernorm.weight")
             names.append(p + "mlp.router.weight")
@@ -132,7 +168,8 @@ def megatron_param_names(dims: ModelDims, te_fused_norms: bool = False) -> list[
                 names += [p + expert_param_name(e, fc, dims.grouped_experts) for fc in ("linear_fc1", "linear_fc2")]
             names += [p + n for n in _shared_expert_map(dims)]
             continue
-        names.append(p + ("mlp.linear_fc1.layer_norm_weight" if te_fused_norms else "pre_mlp_layernorm.weight"))
+        names.append(p + ("mlp.linear_fc1.layer_norm_weight" if te_fused_norms and not dims.mla
+                          else "pre_mlp_layernorm.weight"))
         names.append(p + "mlp.linear_fc1.weight")
         names.append(p + "mlp.linear_fc2.weight")
     names.append("decoder.final_layernorm.weight")
@@ -158,6 +195,8 @@ def hf_names(mcore_name: str, dims: ModelDims) -> list[str]:
         shared = _shared_expert_map(dims).get(suffix)
         if shared:
             return [f"model.layers.{layer}.{h}" for h in shared]
+        if dims.mla and suffix in _MLA_MAP:
+            return [f"model.layers.{layer}.{_MLA_MAP[suffix][0]}"]
         if suffix not in _LAYER_MAP:
             raise KeyError(f"no HF mapping for megatron parameter {mcore_name!r}")
         return [f"model.layers.{layer}.{s}" for s in _LAYER_MAP[suffix]]
@@ -215,6 +254,14 @@ def megatron_name(hf_name: str, dims: ModelDims, te_fused_norms: bool = False) -
             return f"decoder.layers.{layer}.{shared}"
         if dims.is_moe_layer(int(layer)) and suffix == "post_attention_layernorm.weight":
             return f"decoder.layers.{layer}.pre_mlp_layernorm.weight"
+        if dims.mla:  # megatron's MLA layer spec names its norms apart (no fused linear_qkv / linear_fc1 norm)
+            if suffix == "input_layernorm.weight":
+                return f"decoder.layers.{layer}.input_layernorm.weight"
+            if suffix == "post_attention_layernorm.weight":
+                return f"decoder.layers.{layer}.pre_mlp_layernorm.weight"
+            mla = next((m for m, hs in _MLA_MAP.items() if suffix in hs), None)
+            if mla:
+                return f"decoder.layers.{layer}.{mla}"
         for msuffix, sources in _LAYER_MAP.items():
             is_norm = "layernorm" in suffix
             if suffix in sources and (not is_norm or msuffix.endswith("layer_norm_weight") == te_fused_norms):
@@ -305,6 +352,8 @@ def _kind(mcore_name: str, dims: ModelDims) -> str:
         return "fc1" if e[1] == "linear_fc1" else "row"
     if mcore_name.endswith("linear_qkv.weight") or mcore_name.endswith("linear_qkv.bias"):
         return "qkv"
+    if dims.mla and any(mcore_name.endswith(f"self_attention.{c}.weight") for c in _MLA_COLUMN):
+        return "column"
     if mcore_name.endswith("linear_fc1.weight"):
         return "fc1"
     if mcore_name.endswith("linear_proj.weight") or mcore_name.endswith("linear_fc2.weight"):
@@ -316,7 +365,7 @@ def _kind(mcore_name: str, dims: ModelDims) -> str:
 
 def tp_split_dim(mcore_name: str, dims: ModelDims) -> Optional[int]:
     """Which dim of the megatron tensor TP splits (None: replicated)."""
-    return {"qkv": 0, "fc1": 0, "vocab": 0, "row": 1, "replicated": None}[_kind(mcore_name, dims)]
+    return {"qkv": 0, "fc1": 0, "vocab": 0, "column": 0, "row": 1, "replicated": None}[_kind(mcore_name, dims)]
 
 
 def _pad_vocab(t: torch.Tensor, dims: ModelDims) -> torch.Tensor:
@@ -340,6 +389,8 @@ def hf_to_megatron_shard(mcore_name: str, hf: Mapping[str, torch.Tensor], dims: 
         return srcs[0].clone()
     if kind == "row":
         return srcs[0].chunk(tp_size, dim=1)[tp_rank].clone()
+    if kind == "column":
+        return srcs[0].chunk(tp_size, dim=0)[tp_rank].clone()
     if kind == "vocab":
         return _pad_vocab(srcs[0], dims).chunk(tp_size, dim=0)[tp_rank].clone()
     if kind == "fc1":
@@ -379,6 +430,9 @@ def megatron_shards_to_hf(mcore_name: str, shards: list[torch.Tensor], dims: Mod
     if kind == "row":
         t = cat(1)
         return {names[0]: t.clone() if copy and one else t}
+    if kind == "column":
+        t = cat(0)
+        return {names[0]: t.clone() if copy and one else t}
     if kind == "vocab":
         t = cat(0)[: dims.vocab_size]
         return {names[0]: t.clone() if copy else t}
@@ -415,6 +469,9 @@ def megatron_shard_hf_slices(mcore_name: str, shard: torch.Tensor, dims: ModelDi
     if kind == "row":
         k = shard.shape[1]
         return [(names[0], (slice(None), slice(r * k, (r + 1) * k)), shard)]
+    if kind == "column":
+        n = shard.shape[0]
+        return [(names[0], (slice(r * n, (r + 1) * n),), shard)]
     if kind == "vocab":
         n = shard.shape[0]
         lo, hi = r * n, min((r + 1) * n, dims.vocab_size)

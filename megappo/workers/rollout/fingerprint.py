@@ -234,6 +234,21 @@ def _experts_fps(layer, mod_name: str, base: str, subs: list, tp_rank: int, mode
                                tensor_fingerprint_on_device, model_type or "qwen3_moe")
 
 
+def _mla_derived_fps(layer, mod_name: str, base: str, subs: list, tp_rank: int):
+    """vLLM's MLA absorbs kv_b_proj into W_UK_T / W_UV once after loading (process_weights_after_loading), and
+    decoding reads those: derived, not sent by the trainer, so they are checked against kv_b_proj here, and
+    named as a mismatch when a sync left them on the old weights."""
+    from vllm.model_executor.layers.attention.mla_attention import split_kv_b_proj
+
+    if not hasattr(layer, "W_UK_T") or not hasattr(layer, "W_UV"):  # a backend that keeps its own copies
+        return []
+    W_UK, W_UV = split_kv_b_proj(layer.kv_b_proj, layer.W_UV.dtype, layer.kv_lora_rank, layer.num_heads,
+                                 layer.qk_nope_head_dim, layer.v_head_dim)
+    fresh = torch.equal(layer.W_UV, W_UV.transpose(0, 1)) and torch.equal(layer.W_UK_T, W_UK.permute(1, 2, 0))
+    return [] if fresh else [(f"{mod_name}.W_UK_T (derived from an older kv_b_proj: process_weights_after_loading "
+                              "was not rerun after the load)", (float("nan"), 0.0))]
+
+
 def _layer_kinds(model_type: Optional[str] = None) -> list:
     """(vLLM class, fingerprint function) of every layer kind read specially; anything else holding
     parameters directly (norms) is read as plain, TP-replicated tensors. `model_type` (HF): how the
@@ -242,8 +257,11 @@ def _layer_kinds(model_type: Optional[str] = None) -> list:
     from vllm.model_executor.layers.linear import LinearBase, RowParallelLinear
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
     return [(VocabParallelEmbedding, _embedding_fps), (RowParallelLinear, _row_parallel_fps),
-            (LinearBase, _column_parallel_fps), (RoutedExperts, functools.partial(_experts_fps, model_type=model_type))]
+            (LinearBase, _column_parallel_fps), (RoutedExperts, functools.partial(_experts_fps, model_type=model_type)),
+            (MLAAttention, _mla_derived_fps)]
 
 
 def _vllm_tp_rank() -> int:
@@ -272,6 +290,8 @@ def vllm_model_fingerprints(model: torch.nn.Module) -> dict[str, tuple[float, fl
         fps_of = next((fn for cls, fn in kinds if isinstance(layer, cls)), None)
         if fps_of is not None:
             values = fps_of(layer, mod_name, base, packed.get(leaf, [leaf]), getattr(layer, "tp_rank", tp_rank))
+            if getattr(layer, "disable_tp", False) and tp_rank != 0:  # replicated over TP (DeepSeek's fused
+                values = [(name, (0.0, 0.0)) for name, _ in values]  # q_a / kv_a projection): counted once
             # a sigmoid router's correction bias rides on its gate linear (GLM-4.5 / DeepSeek-V3): a plain fp32
             # tensor, replicated over TP, that the routing reads directly
             values += [(f"{mod_name}.{pname}", tensor_fingerprint(p) if tp_rank == 0 else (0.0, 0.0))

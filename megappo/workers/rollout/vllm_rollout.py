@@ -61,13 +61,14 @@ import typing
 import contextlib
 import os
 import uuid
+from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 import numpy as np
 import torch
 
 from megappo.parallel import cpu_compat
-from megappo.parallel.weight_mapping import num_routed_experts
+from megappo.parallel.weight_mapping import MLA_MODEL_TYPES, num_routed_experts
 from megappo.protocol import DataProto
 from megappo.utils.checkpoint import preserved_rng
 from megappo.workers.rollout.cpu_moe import keep_plain_experts
@@ -131,6 +132,7 @@ class VLLMRollout:
         mode = LoadMode.of(self.config, gpu=on_gpu())
         # what each load_weights does (tests flip repack / repack_experts to leave a kernel stale on purpose)
         self.direct_load, self.repack, self.repack_experts = mode.direct, mode.repack, mode.repack_experts
+        self.refresh_mla = True  # tests: False leaves vLLM's absorbed MLA matrices on the old kv_b_proj
         with preserved_rng(), cpu_compat.vllm_cpu_linear_dispatch(mode.linear_dispatch), \
                 (keep_plain_experts() if mode.repack_experts else contextlib.nullcontext()):
             from vllm import LLM
@@ -197,6 +199,10 @@ class VLLMRollout:
             # its seeded generator with Generator.set_offset, which CPU generators do not have
             # ("CPU Generator does not use offset"): with per-request seeds, prefill whole prompts only.
             kwargs["enable_chunked_prefill"] = False
+            if _model_type(self.model_path) in MLA_MODEL_TYPES:
+                # vLLM picks AMX_MLA on an AMX CPU, which drops kv_b_proj after loading (no weight sync into it);
+                # CPU_MLA keeps it and derives W_UK_T / W_UV from it (vllm_weights.refresh_mla after each sync)
+                kwargs["attention_backend"] = "CPU_MLA"
         return kwargs
 
     def _external_launcher_env(self) -> None:
@@ -226,7 +232,7 @@ class VLLMRollout:
         weights = list(weights)
         with cpu_compat.suspended():
             if weights and self.direct_load:
-                self.llm.collective_rpc(direct_load, args=(weights, self.repack, self.repack_experts))
+                self.llm.collective_rpc(direct_load, args=(weights, self.repack, self.repack_experts, self.refresh_mla))
             elif weights:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
                 if self.tie_word_embeddings and any(n == "model.embed_tokens.weight" for n, _ in weights):
@@ -479,3 +485,10 @@ def left_pad_prompts(parts: list, pad_id: int) -> list:
 
 
 __all__ = ["VLLMRollout", "setup_env", "left_pad", "left_pad_prompts", "on_gpu", "repack_cpu_linears"]
+
+
+def _model_type(model_path) -> str | None:
+    import json
+
+    cfg = Path(model_path) / "config.json"
+    return json.loads(cfg.read_text()).get("model_type") if cfg.is_file() else None

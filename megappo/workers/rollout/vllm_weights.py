@@ -126,7 +126,7 @@ def repack_cpu_linears(model: torch.nn.Module, loaded: Optional[set]) -> int:
     return n
 
 
-def direct_load(worker, weights, repack: bool, repack_experts: bool = False) -> None:
+def direct_load(worker, weights, repack: bool, repack_experts: bool = False, refresh: bool = True) -> None:
     """collective_rpc target: the model's own weight loaders, straight into the live parameters;
     then (CPU, packed linears) re-pack the kernels of what was loaded. CPU routed experts are loaded
     into their plain copies and re-packed (cpu_moe.plain_experts_loaded)."""
@@ -142,3 +142,36 @@ def direct_load(worker, weights, repack: bool, repack_experts: bool = False) -> 
                 experts_loaded.update(n for n, _ in model.named_parameters())
         if repack:
             repack_cpu_linears(model, loaded if isinstance(loaded, set) else None)
+        if refresh:
+            refresh_mla(model, worker.vllm_config.model_config.dtype)
+
+
+def refresh_mla(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """DeepSeek-V3: vLLM's MLA decodes with W_UK_T / W_UV, which process_weights_after_loading derives from
+    kv_b_proj once after the checkpoint load; a direct load writes kv_b_proj only, so derive them again (in
+    place) or the rollout decodes with the previous weights. Returns the MLA layers refreshed."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    n = 0  # (fp32 on CPU, W_UK_T / W_UV may be views of kv_b_proj and follow it; bf16 / GPU copies do not)
+    for mod in model.modules():
+        if isinstance(mod, MLAAttention):
+            if getattr(mod, "is_amx_bmm_enabled", False):
+                raise RuntimeError("vLLM's AMX_MLA backend drops kv_b_proj after loading, so weights cannot be synced "
+                                   "into it; megappo asks for CPU_MLA on CPU (VLLMRollout)")
+            mod.process_weights_after_loading(dtype)
+            n += 1
+    return n
+
+
+def detach_mla_derived(worker) -> int:
+    """collective_rpc target (tests): give W_UK_T / W_UV storage of their own, as a bf16 or GPU engine has
+    them (fp32 on CPU derives them as views of kv_b_proj, which follow its loads)."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    n = 0
+    for mod in worker.model_runner.get_model().modules():
+        if isinstance(mod, MLAAttention) and hasattr(mod, "W_UK_T"):
+            mod.W_UK_T.data = mod.W_UK_T.data.clone()
+            mod.W_UV.data = mod.W_UV.data.clone()
+            n += 1
+    return n
