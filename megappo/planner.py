@@ -80,8 +80,30 @@ CUDA_CONTEXT_GB = 0.6
 ROLES = ("actor", "critic", "ref")
 
 
+def _mla_params(a) -> int:
+    """Multi-latent attention's projections and latent norms (DeepSeek-V3: q through its latent or not, the
+    shared k/v latent plus the RoPE key, per-head k_nope / v out of the latent, the output projection)."""
+    h, heads, qk = a.hidden_size, a.num_attention_heads, a.qk_nope_head_dim + a.qk_rope_head_dim
+    q = (h * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * heads * qk) if a.q_lora_rank else h * heads * qk
+    kv = h * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank \
+        + a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.head_dim)
+    return q + kv + heads * a.head_dim * h
+
+
+def kv_cache_bytes_per_token(cfg) -> int:
+    """vLLM's KV cache per token on one rollout GPU (2-byte cache): k and v of the kv heads split over rollout TP
+    (replicated when TP exceeds them), or MLA's one latent (kv_lora_rank + the RoPE key) per layer on every rank."""
+    a, tp = cfg.model.arch, cfg.rollout.tp
+    if a.kv_lora_rank:
+        return 2 * a.num_layers * (a.kv_lora_rank + a.qk_rope_head_dim)
+    head_dim = a.head_dim or a.hidden_size // a.num_attention_heads
+    return 2 * a.num_layers * 2 * max(1, a.num_kv_heads // tp) * head_dim
+
+
 def _attention_params(a) -> int:
     """Attention + the two norms of one layer (+ q/k norms for qwen3)."""
+    if a.kv_lora_rank:
+        return _mla_params(a) + 2 * a.hidden_size
     head_dim = a.head_dim or a.hidden_size // a.num_attention_heads
     qkv = a.hidden_size * (a.num_attention_heads + 2 * a.num_kv_heads) * head_dim
     qkv_bias = (a.num_attention_heads + 2 * a.num_kv_heads) * head_dim if a.qkv_bias else 0
@@ -316,6 +338,11 @@ def plan(cfg) -> dict:
     adapter_sync = bool(lora_rank(cfg)) and cfg.rollout.lora_sync == "adapter"  # vLLM keeps its base: adapters only
     sync_bytes_per_gpu = 2 * adapter_sync_params(cfg.model.arch, cfg.actor.lora) if adapter_sync else vllm_weights_gb * GB
     replicas = cfg.resources.nodes * cfg.resources.workers_per_node // cfg.rollout.tp
+    # what the KV cache left beside the weights holds (workspace: this module's overhead), and one engine's
+    # share of the step's samples, each at its longest (reported; vLLM queues what does not fit)
+    kv_tokens = int(max(0.0, vllm_gb - vllm_weights_gb) * GB // kv_cache_bytes_per_token(cfg))
+    kv_needed = -(-cfg.data.train_batch_size * cfg.rollout.n // replicas) * (cfg.data.max_prompt_length
+                                                                            + cfg.rollout.max_new_tokens)
     return {
         "layout": {r: _layout_str(cfg[r].parallel) for r in roles} | {"rollout": f"TP{cfg.rollout.tp}"},
         "gpus": cfg.resources.nodes * cfg.resources.workers_per_node,
@@ -330,6 +357,9 @@ def plan(cfg) -> dict:
                   for r, m in roles.items()}
         | {"rollout": {"vllm_gb": round(vllm_gb, 2), "weights_gb": round(vllm_weights_gb, 2),
                        "kv_cache_and_workspace_gb": round(vllm_gb - vllm_weights_gb, 2),
+                       "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg),
+                       "kv_cache_tokens": kv_tokens,
+                       "kv_cache_tokens_needed": kv_needed,
                        "sleeps_outside_rollout": bool(cfg.rollout.free_cache_engine)}},
         "phases_gb": {k: round(v, 2) for k, v in phases.items()},
         "peak_phase": peak_phase,
@@ -518,6 +548,9 @@ def render(result: dict) -> str:
     v = result["roles"]["rollout"]
     lines.append(f"vLLM     {v['vllm_gb']:.2f}G (weights {v['weights_gb']:.2f}G + KV/workspace "
                  f"{v['kv_cache_and_workspace_gb']:.2f}G), sleeps outside rollout: {v['sleeps_outside_rollout']}")
+    lines.append(f"vLLM KV cache: {v['kv_cache_bytes_per_token'] / 1024:.1f} KiB per token per GPU, room for "
+                 f"{v['kv_cache_tokens']:,} tokens; a step's samples need {v['kv_cache_tokens_needed']:,} per engine"
+                 + ("" if v["kv_cache_tokens"] >= v["kv_cache_tokens_needed"] else " (vLLM queues the rest)"))
     lines.append("phases (GB/GPU incl. overhead): " + ", ".join(f"{k} {g:.1f}" for k, g in result["phases_gb"].items()))
     ws = result["weight_sync"]
     experts = f"; every one of {ws['experts_per_rollout_gpu']} (layer, expert) pairs, TP-sliced" \

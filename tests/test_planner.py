@@ -387,3 +387,34 @@ def test_glm45_dense_first_layers_and_shared_experts_against_transformers(tiny_a
         "model.arch.num_layers=92", "model.arch.num_experts=160", "model.arch.shared_expert_intermediate_size=1536",
         "model.arch.first_k_dense_replace=3", "model.arch.qk_norm=true"])
     assert round(total_params(full) / 1e9, 1) == 352.8
+
+
+def test_deepseek_v3_multi_latent_attention_and_its_kv_cache(tiny_assets):
+    """deepseek_v3: MLA's projections and latent norms, the dense first layers, the shared expert: the tiny
+    model's count equals transformers' numel (both q forms); DeepSeek-V3's shapes give 671.0B (its 685B on the
+    hub counts the MTP layer); configs/grpo_deepseek_v3.yaml fits 16 x 8 H200 with rollout TP16, whose MLA KV
+    cache is one (kv_lora_rank + RoPE dims) latent per layer on every TP rank."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for name in ("tiny-deepseek_v3", "tiny-deepseek_v3_lite"):
+        hf = AutoConfig.from_pretrained(tiny_assets[name])
+        arch = [f"model.arch.{k}={v}" for k, v in dict(
+            family="deepseek_v3", hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers, num_attention_heads=hf.num_attention_heads, head_dim=hf.v_head_dim,
+            num_kv_heads=hf.num_attention_heads, vocab_size=hf.vocab_size, num_experts=hf.n_routed_experts,
+            num_experts_per_tok=hf.num_experts_per_tok, moe_intermediate_size=hf.moe_intermediate_size,
+            shared_expert_intermediate_size=hf.n_shared_experts * hf.moe_intermediate_size,
+            first_k_dense_replace=hf.first_k_dense_replace, q_lora_rank=hf.q_lora_rank or 0,
+            kv_lora_rank=hf.kv_lora_rank, qk_nope_head_dim=hf.qk_nope_head_dim,
+            qk_rope_head_dim=hf.qk_rope_head_dim).items()]
+        arch += [f"{r}.parallel.{k}={v}" for r in ("actor", "critic", "ref") for k, v in (("tp", 2), ("dp", 4))]
+        cfg = load_config(REPO / "configs/ppo_7b.yaml", ["model.path=null", *arch])
+        assert total_params(cfg) == sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters()), name
+
+    v3 = load_config(REPO / "configs/grpo_deepseek_v3.yaml")
+    result = plan(v3)
+    assert round(total_params(v3) / 1e9, 1) == 671.0 and result["fits"] and result["gpus"] == 128
+    rollout = result["roles"]["rollout"]
+    assert rollout["kv_cache_bytes_per_token"] == 2 * 61 * (512 + 64)  # per GPU, whatever rollout.tp
+    assert rollout["kv_cache_tokens"] >= rollout["kv_cache_tokens_needed"]
+    assert not plan(load_config(REPO / "configs/grpo_deepseek_v3.yaml", ["rollout.tp=8"]))["fits"]  # 157 GB of weights

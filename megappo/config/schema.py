@@ -58,6 +58,12 @@ class ArchConfig:
     shared_expert_intermediate_size: int = 0
     first_k_dense_replace: int = 0  # glm4_moe: the first k layers dense, every later one routed
     qk_norm: bool = False  # per-head q/k RMSNorms (glm4_moe's use_qk_norm; the qwen3 families always have them)
+    # multi-latent attention (deepseek_v3; kv_lora_rank 0: none): the q latent's rank (0: a plain q projection),
+    # the shared k/v latent's, per-head q/k dims without and with RoPE; v's head dim is head_dim
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
 
 
 @dataclass

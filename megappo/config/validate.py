@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from megappo.config.errors import ConfigError
 from megappo.config.schema import CHOICES, GROUP_ESTIMATORS, LOGGERS, LORA_TARGETS
 from megappo.parallel.layout import check_layout, same_layout
-from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS, MOE_FAMILIES, ModelDims
+from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS, MLA_MODEL_TYPES, MOE_FAMILIES, ModelDims
 from megappo.utils.checkpoint import is_dist_checkpoint
 
 
@@ -30,8 +30,17 @@ def _arch_as_hf(arch) -> dict:
             "num_key_value_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "vocab_size": arch.vocab_size,
             "max_position_embeddings": arch.max_position_embeddings,
             "tie_word_embeddings": arch.tie_word_embeddings, "attention_bias": arch.qkv_bias,
-            "use_qk_norm": arch.qk_norm,
+            "use_qk_norm": arch.qk_norm, **_arch_mla_as_hf(arch),
             **(_arch_moe_as_hf(arch) if arch.num_experts else {})}
+
+
+def _arch_mla_as_hf(arch) -> dict:
+    """model.arch's multi-latent attention fields in DeepSeek-V3's config.json names (its router's two keys)."""
+    if arch.family not in MLA_MODEL_TYPES:
+        return {}
+    return {"q_lora_rank": arch.q_lora_rank or None, "kv_lora_rank": arch.kv_lora_rank,
+            "qk_nope_head_dim": arch.qk_nope_head_dim, "qk_rope_head_dim": arch.qk_rope_head_dim,
+            "v_head_dim": arch.head_dim, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 
 
 def _arch_moe_as_hf(arch) -> dict:
