@@ -70,7 +70,7 @@ def main(argv=None) -> None:
 
     from megappo.config.schema import RolloutConfig
     from megappo.gateway.app import Gateway, make_app
-    from megappo.gateway.engine import AsyncTokenEngine
+    from megappo.workers.rollout.async_engine import AsyncTokenEngine
     from megappo.gateway.serve import GatewayServer
     from megappo.workers.rollout.vllm_rollout import VLLMRollout
 

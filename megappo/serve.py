@@ -137,7 +137,7 @@ def main(args: argparse.Namespace) -> int:
 
     from megappo.config.schema import RolloutConfig
     from megappo.gateway.app import Gateway, make_app
-    from megappo.gateway.engine import AsyncTokenEngine
+    from megappo.workers.rollout.async_engine import AsyncTokenEngine
     from megappo.workers.rollout.vllm_rollout import VLLMRollout
 
     key = args.api_key or os.environ.get("MEGAPPO_API_KEY") or "mp-" + secrets.token_urlsafe(24)

@@ -77,7 +77,7 @@ def served_gateway(tiny_assets):
     yields (rollout, engine, gateway, url). A test that loads other weights puts the old back."""
     from megappo.config.schema import RolloutConfig
     from megappo.gateway.app import Gateway, make_app
-    from megappo.gateway.engine import AsyncTokenEngine
+    from megappo.workers.rollout.async_engine import AsyncTokenEngine
     from megappo.gateway.serve import GatewayServer
     from megappo.workers.rollout.vllm_rollout import VLLMRollout
 

@@ -132,7 +132,7 @@ def test_chat_replies_parse_the_models_tool_calls(tokenizer):
 
     from megappo.gateway.agents import _trajectory
     from megappo.gateway.app import Gateway, GatewayError
-    from megappo.gateway.engine import Completion
+    from megappo.workers.rollout.async_engine import Completion
 
     turns = ['Let me add.<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>',
              "It is 5.\n\n"]
@@ -195,7 +195,7 @@ def _scripted_reply(tokenizer, text: str, parser, tools, stop=None, *, eos=False
     import asyncio
 
     from megappo.gateway.app import Gateway
-    from megappo.gateway.engine import Completion
+    from megappo.workers.rollout.async_engine import Completion
 
     sampled = tokenizer.encode(text, add_special_tokens=False) + ([tokenizer.eos_token_id] if eos else [])
 

@@ -144,7 +144,7 @@ def test_tokens_sampled_after_a_weight_load_carry_the_new_version(rollout):
     weights leaves the samples exactly as an uninterrupted run's (same seeds)."""
     from safetensors.torch import load_file
 
-    from megappo.gateway.engine import AsyncTokenEngine
+    from megappo.workers.rollout.async_engine import AsyncTokenEngine
 
     engine = AsyncTokenEngine.for_llm(rollout.llm)
     try:

@@ -519,6 +519,7 @@ def test_bring_your_own_agent_trajectories(served, tmp_path):
     from megappo.agent.environment import Environments
     from megappo.config.schema import MultiTurnConfig
     from megappo.gateway.agents import AgentRunner, load_agent
+    from megappo.workers.rollout.async_engine import AsyncTokenEngine
     from megappo.rewards.rules import DEFAULT_SCORERS
     from megappo.workers.rollout.sampling import SamplingSpec
 
@@ -529,7 +530,8 @@ def test_bring_your_own_agent_trajectories(served, tmp_path):
              "mode": mode} for k, mode in enumerate(modes)]
     prompts = [gateway.renderer.prompt_ids(r["messages"]) for r in rows]
     spec = SamplingSpec(n=1, temperature=1.0, max_new_tokens=64, seed=11)
-    runner = AgentRunner(rollout.llm, rollout.tokenizer, f"{tmp_path / 'agents.py'}:by_mode", max_model_len=MAX_LEN,
+    runner = AgentRunner(AsyncTokenEngine.for_llm(rollout.llm), rollout.tokenizer, f"{tmp_path / 'agents.py'}:by_mode",
+                         max_model_len=MAX_LEN,
                          max_tokens=MAX_TOKENS, concurrency=8, timeout_s=3)
     try:
         trajs = runner.run(prompts, spec, 11, rows)  # all nine at once: the engine batches them
@@ -600,6 +602,7 @@ def test_your_own_agent_in_any_form_samples_with_the_rollouts_settings(served, t
     whatever they ask: the rollout's temperature, its top_k and stop_token_ids (top_k was not applied at all): with
     top_k 1 and the same seed every sample is the greedy one."""
     from megappo.gateway.agents import AgentRunner
+    from megappo.workers.rollout.async_engine import AsyncTokenEngine
     from megappo.workers.rollout.sampling import SamplingSpec
 
     rollout, _, gateway, _ = served
@@ -607,7 +610,8 @@ def test_your_own_agent_in_any_form_samples_with_the_rollouts_settings(served, t
     rows = [{"messages": [{"role": "user", "content": f"What is {k} + 3?"}], "log": str(tmp_path / f"{k}.json")}
             for k in range(4)]
     prompts = [gateway.renderer.prompt_ids(r["messages"]) for r in rows]
-    runner = AgentRunner(rollout.llm, rollout.tokenizer, f"{tmp_path / 'forms.py'}:{target}", max_model_len=MAX_LEN,
+    runner = AgentRunner(AsyncTokenEngine.for_llm(rollout.llm), rollout.tokenizer, f"{tmp_path / 'forms.py'}:{target}",
+                         max_model_len=MAX_LEN,
                          max_tokens=MAX_TOKENS, concurrency=4, timeout_s=30)
 
     def greedy(seed, **kw):  # top_k 1 (the rollout's): whatever the seed, the greedy tokens
@@ -733,6 +737,7 @@ def test_an_agent_that_gives_up_mid_request_leaves_nothing_running_in_the_engine
     ended is aborted, not decoded on to max_tokens into the weight sync that follows the rollout (the server does
     not stop a request whose client went away)."""
     from megappo.gateway.agents import AgentRunner
+    from megappo.workers.rollout.async_engine import AsyncTokenEngine
     from megappo.workers.rollout.sampling import SamplingSpec
 
     rollout, engine, gateway, _ = served
@@ -747,7 +752,7 @@ def test_an_agent_that_gives_up_mid_request_leaves_nothing_running_in_the_engine
 
     row = {"messages": [{"role": "user", "content": "count to a thousand"}]}
     prompt = gateway.renderer.prompt_ids(row["messages"])
-    runner = AgentRunner(rollout.llm, rollout.tokenizer, gives_up, max_model_len=MAX_LEN, max_tokens=440,
+    runner = AgentRunner(AsyncTokenEngine.for_llm(rollout.llm), rollout.tokenizer, gives_up, max_model_len=MAX_LEN, max_tokens=440,
                          concurrency=1, timeout_s=30)
     requests = engine.requests
     try:

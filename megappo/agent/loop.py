@@ -135,7 +135,7 @@ class AgentLoop:
         return [x.trajectory() for x in samples]
 
     async def sample(self, engine, prompt: list[int], spec, seed: int, tools=None) -> Trajectory:
-        """One sample's loop through `engine` (gateway/engine.AsyncTokenEngine: its requests batched with every
+        """One sample's loop through `engine` (workers/rollout/async_engine.AsyncTokenEngine: requests batched with every
         other in flight, weights loaded under them), seeded as `run` seeds request k when seed = base_seed + k,
         each model token with the policy version that sampled it (Trajectory.versions; -1 for tool tokens)."""
         import asyncio

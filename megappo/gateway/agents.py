@@ -13,7 +13,8 @@ the trajectories the trainer trains on (the same shape megappo/agent/loop.AgentL
             for call in msg.tool_calls:
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": my_tool(call)})
 
-    runner = AgentRunner(llm, tokenizer, "my_pkg.my_agent:run", max_model_len=..., concurrency=32, timeout_s=60)
+    runner = AgentRunner(AsyncTokenEngine.for_llm(llm), tokenizer, "my_pkg.my_agent:run", max_model_len=...,
+                         concurrency=32, timeout_s=60)
     trajectories = runner.run(prompt_ids, spec, base_seed, rows)
 
 Each sample gets its own session (its own key; the gateway's sampling: the rollout's temperature / top_p
@@ -49,19 +50,20 @@ STATS = ("agent_requests", "agent_segments", "agent_fallbacks", "agent_errors", 
          "agent_own_prompt", "agent_s", "agent_segment")  # agent_segment: a row's place in its session (0: first)
 
 
-def agent_builder(rollout) -> Optional[Callable]:
+def agent_builder(rollout, engine_for: Callable) -> Optional[Callable]:
     """What a rollout engine samples with, as a builder `(llm, tokenizer) -> agent` (VLLMRollout calls it once its
-    engine exists): your own agent (rollout.agent) run against a gateway on the engine, else the built-in
-    multi-turn loop (rollout.multi_turn, agent/factory.py), else None (single-turn)."""
+    engine exists): your own agent (rollout.agent) run against a gateway on the engine (`engine_for(llm)`: the
+    rollout's asynchronous front, workers/rollout/async_engine.py), else the built-in multi-turn loop
+    (rollout.multi_turn, agent/factory.py), else None (single-turn)."""
     if getattr(rollout, "agent", None):
-        return partial(_runner_for, rollout=rollout)
+        return partial(_runner_for, rollout=rollout, engine_for=engine_for)
     from megappo.agent.factory import agent_loop_builder
 
     return agent_loop_builder(getattr(rollout, "multi_turn", None))
 
 
-def _runner_for(llm, tokenizer, rollout) -> "AgentRunner":
-    return AgentRunner(llm, tokenizer, rollout.agent, max_model_len=llm.llm_engine.model_config.max_model_len,
+def _runner_for(llm, tokenizer, rollout, engine_for: Callable) -> "AgentRunner":
+    return AgentRunner(engine_for(llm), tokenizer, rollout.agent, max_model_len=llm.llm_engine.model_config.max_model_len,
                        max_tokens=rollout.max_new_tokens, concurrency=rollout.agent_concurrency,
                        timeout_s=rollout.agent_timeout_s, tool_prompt=rollout.multi_turn.tool_prompt,
                        tool_parser=rollout.agent_tool_parser, max_segments=rollout.agent_max_segments)
@@ -83,16 +85,15 @@ def sample_rows(non_tensor: dict, n: int) -> list[dict]:
 
 
 class AgentRunner:
-    def __init__(self, llm, tokenizer, agent: str | Callable, *, max_model_len: int, max_tokens: int,
+    def __init__(self, engine, tokenizer, agent: str | Callable, *, max_model_len: int, max_tokens: int,
                  concurrency: int = 32, timeout_s: float = 60.0, tool_prompt: Optional[str] = None,
                  tool_parser: Optional[str] = None, max_segments: Optional[int] = 8):
         from megappo.gateway.app import Gateway, make_app
-        from megappo.gateway.engine import AsyncTokenEngine
         from megappo.gateway.serve import GatewayServer
 
         self.fn = load_agent(agent) if isinstance(agent, str) else agent
         self.max_segments = max_segments
-        self.engine = AsyncTokenEngine.for_llm(llm)
+        self.engine = engine  # the rollout's AsyncTokenEngine (workers/rollout/async_engine.py)
         self.gateway = Gateway(self.engine, tokenizer, model_name="policy", max_model_len=max_model_len,
                                max_tokens=max_tokens, tool_prompt=tool_prompt, tool_parser=tool_parser)
         self.server = GatewayServer(make_app(self.gateway))

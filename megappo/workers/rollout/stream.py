@@ -43,7 +43,7 @@ from megappo.protocol import DataProto
 
 class RolloutStream:
     def __init__(self, rollout, version: int = 0):
-        from megappo.gateway.engine import AsyncTokenEngine
+        from megappo.workers.rollout.async_engine import AsyncTokenEngine
 
         self.rollout = rollout
         self.engine = AsyncTokenEngine.for_llm(rollout.llm)

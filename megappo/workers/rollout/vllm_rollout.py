@@ -166,12 +166,13 @@ class VLLMRollout:
         """The rollout engine of a run's config (model, rollout section, seed, dtype, lengths). `load_format`
         "dummy": the weights are not read from model.path (the trainer's arrive with the first weight sync)."""
         from megappo.gateway.agents import agent_builder
+        from megappo.workers.rollout.async_engine import AsyncTokenEngine
 
         return cls(cfg.model.path, cfg.rollout, seed=cfg.trainer.seed, load_format=load_format,
                    dtype={"auto": None, "fp32": "float32", "bf16": "bfloat16"}[cfg.model.dtype],
                    max_model_len=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
                    tokenizer_path=cfg.model.tokenizer or cfg.model.path,
-                   agent=agent_builder(cfg.rollout),
+                   agent=agent_builder(cfg.rollout, engine_for=AsyncTokenEngine.for_llm),
                    lora_rank=cfg.actor.lora.rank if cfg.rollout.lora_sync == "adapter" else 0,
                    stepwise=cfg.trainer.mode == "fully_async")
 
@@ -247,7 +248,7 @@ class VLLMRollout:
         it, their ids so far re-prefilled (AsyncTokenEngine.resubmit_running); returns how many."""
         from vllm.lora.request import LoRARequest
 
-        from megappo.gateway.engine import AsyncTokenEngine
+        from megappo.workers.rollout.async_engine import AsyncTokenEngine
 
         engine = AsyncTokenEngine.existing(self.llm)  # the gateway's stepping thread, if one runs: not under it
         moved = 0
@@ -334,7 +335,7 @@ class VLLMRollout:
         trajs = None
         with preserved_rng(), cpu_compat.suspended():  # vLLM needs no megatron shim
             if self.agent is None:
-                from megappo.gateway.engine import sampled_logprobs
+                from megappo.workers.rollout.async_engine import sampled_logprobs
 
                 outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
                 res = self.response_tensors([(o.outputs[0].token_ids, sampled_logprobs(o.outputs[0]),
