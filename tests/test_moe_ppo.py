@@ -29,7 +29,7 @@ EP1 = ["actor.parallel.ep=1", "critic.parallel.ep=1", "ref.parallel.ep=1"]
 # and DeepSeek-V3's shape (multi-latent attention, group-limited top-k) and GLM-4.5's: a sigmoid router's
 # correction bias, frozen, through syncs, checkpoints, resume and export (PPO: the tiny random models score alike
 # within a group, where GRPO's advantages would be 0 and nothing moves)
-FAMILIES = {"tiny-qwen3_moe": [], "tiny-deepseek_v3": [], "tiny-glm4_moe": []}
+FAMILIES = {"tiny-qwen3_moe": [], "tiny-deepseek_v3": [], "tiny-glm4_moe": [], "tiny-qwen2_moe": []}
 SIGMOID = ("tiny-deepseek_v3", "tiny-glm4_moe")
 
 
@@ -45,7 +45,9 @@ def _config(tiny_assets, data_dir, out, *extra, family="tiny-qwen3_moe"):
 
 @pytest.mark.parametrize("family", ["tiny-qwen3_moe", "tiny-deepseek_v3",
                                     # 50 s; CI keeps DeepSeek's run (the same router and shared expert)
-                                    pytest.param("tiny-glm4_moe", marks=pytest.mark.long)])
+                                    pytest.param("tiny-glm4_moe", marks=pytest.mark.long),
+                                    # 45 s; CI keeps Qwen2-MoE's hybrid engine check (its gated shared expert)
+                                    pytest.param("tiny-qwen2_moe", marks=pytest.mark.long)])
 def test_moe_ppo_expert_parallel_resume_at_another_ep_and_export(ray_session, tiny_assets, data_dir, tmp_path, family):
     import torch
 
@@ -59,7 +61,8 @@ def test_moe_ppo_expert_parallel_resume_at_another_ep_and_export(ray_session, ti
     roles = ("actor", "critic") if cfg.critic.enable else ("actor",)
     history = run(cfg)
     assert len(history) == 3
-    layers, top_k = 3, 2  # both tiny models: layers 1-3 routed, top-2
+    # the tiny models: layers 1-3 routed (every layer in Qwen2-MoE's), top-2
+    layers, top_k = 4 if family == "tiny-qwen2_moe" else 3, 2
     for h in history:
         assert h["rollout/weights_fingerprint_ok"] == 1.0 and h["rollout/weight_sync_shm"] == 1.0
         assert h["rollout/logprob_diff_max"] <= 1e-4, h["rollout/logprob_diff_max"]
@@ -71,9 +74,11 @@ def test_moe_ppo_expert_parallel_resume_at_another_ep_and_export(ray_session, ti
         steps = cfg.data.train_batch_size * cfg.rollout.n // cfg.actor.ppo_mini_batch_size * cfg.actor.ppo_epochs
         per_step = h["actor/moe_tokens_routed"]
         assert per_step * steps == h["tokens/actor_real"] * layers * top_k, (per_step, h["tokens/actor_real"])
-        # GLM-4.5's shared expert, reported apart: every real token once per MoE layer (none in the routed counts)
+        # a shared expert, reported apart: every real token once per MoE layer (none in the routed counts); Qwen2-MoE
+        # also reports the mean of the sigmoid gate that scales it
         shared = h.get("actor/moe_shared_tokens")
-        assert (shared is not None) == (family in SIGMOID)
+        assert (shared is not None) == (family != "tiny-qwen3_moe")
+        assert ("actor/moe_shared_gate_mean" in h) == (family == "tiny-qwen2_moe")
         assert shared is None or shared * steps == h["tokens/actor_real"] * layers, (shared, h["tokens/actor_real"])
 
     # resume from step 2 at EP1: step 3 as the uninterrupted EP2 run
@@ -105,7 +110,7 @@ def test_moe_ppo_expert_parallel_resume_at_another_ep_and_export(ray_session, ti
 
     src, out = tensors(tiny_assets[family]), tensors(full / "hf_final")
     bias = [k for k in src if k.endswith("e_score_correction_bias")]
-    assert len(bias) == (3 if family in SIGMOID else 0)
+    assert len(bias) == (3 if family in SIGMOID else 0)  # (Qwen2-MoE's softmax router has none)
     assert all(torch.equal(src[k], out[k]) for k in bias) and all(src[k].abs().sum() > 0 for k in bias)
     moved = [k for k in src if not k.endswith("e_score_correction_bias") and not torch.equal(src[k], out[k])]
     assert len(moved) > len(src) // 2  # while the weights did move
