@@ -90,6 +90,12 @@ def _mla_params(a) -> int:
     return q + kv + heads * a.head_dim * h
 
 
+def rollout_whole_params(a) -> int:
+    """Parameters every rollout TP rank holds whole: MLA's down projections (vLLM's replicated fused_qkv_a_proj
+    / kv_a_proj_with_mqa; weight_mapping.whole_in_rollout)."""
+    return a.num_layers * a.hidden_size * (a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim) if a.kv_lora_rank else 0
+
+
 def kv_cache_bytes_per_token(cfg) -> int:
     """vLLM's KV cache per token on one rollout GPU (2-byte cache): k and v of the kv heads split over rollout TP
     (replicated when TP exceeds them), or MLA's one latent (kv_lora_rank + the RoPE key) per layer on every rank."""
@@ -303,7 +309,8 @@ def plan(cfg) -> dict:
     roles = {r: role_memory(cfg, r) for r in planned_roles(cfg)}
     offload = {r: bool(cfg[r].offload) for r in roles}
     vllm_gb = cfg.rollout.gpu_memory_utilization * gpu_gb
-    vllm_weights_gb = 2 * total_params(cfg) / cfg.rollout.tp / GB
+    tp = cfg.rollout.tp
+    vllm_weights_gb = 2 * (total_params(cfg) + (tp - 1) * rollout_whole_params(cfg.model.arch)) / tp / GB
 
     def resident(active: str | None) -> float:
         """What the other roles hold on the GPU: weights + grads + optimizer, and the activation peak

@@ -230,3 +230,33 @@ def test_a_mixture_of_experts_checkpoint_missing_an_expert_or_with_more_is_refus
         with pytest.raises(ConfigError) as info:
             load_config(REPO / "configs/ppo_tiny_moe.yaml", [f"model.path={model}"], check_paths=True)
         assert expected in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_deepseek_v3_refusals_are_one_line():
+    """Multi-latent attention is mapped on megatron's local spec (TE's MLA spec is another mapping), and a
+    model.arch without MLA's dims says which keys it needs."""
+    cfg = REPO / "configs" / "grpo_deepseek_v3.yaml"
+    with pytest.raises(ConfigError, match=r"^model.transformer_engine=true is not supported for multi-latent "
+                                          r"attention \(deepseek_v3\).*leave it null$"):
+        load_config(cfg, ["model.transformer_engine=true"])
+    with pytest.raises(ConfigError, match=r"^model.arch: a deepseek_v3 config needs v_head_dim "):
+        load_config(cfg, ["model.arch.head_dim=null"])
+
+
+def test_sigmoid_router_refusals_are_one_line(tiny_assets):
+    """What megatron-core or vLLM would compute differently from transformers is refused before anything runs."""
+    import json
+
+    from megappo.parallel.model_dims import ModelDims
+
+    raw = json.loads((tiny_assets["tiny-deepseek_v3"] / "config.json").read_text())
+    assert ModelDims.from_hf_dict(raw).moe_groups == 2
+    for change, line in [
+        (dict(num_experts_per_tok=4), r"^deepseek_v3 n_group=2 with num_experts_per_tok=4 != 2 \* topk_group=1 is not "
+                                      r"supported \(megatron scores a group by its top-\(k/topk_group\) experts"),
+        (dict(norm_topk_prob=False), r"^deepseek_v3 norm_topk_prob=false with a sigmoid router is not supported"),
+        (dict(topk_method="greedy"), r"^deepseek_v3 config.json needs topk_method 'noaux_tc' and scoring_func "),
+        (dict(rope_interleave=False), r"^deepseek_v3 rope_interleave=false is not supported"),
+    ]:
+        with pytest.raises(ValueError, match=line):
+            ModelDims.from_hf_dict(dict(raw, **change))

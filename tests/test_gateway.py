@@ -745,15 +745,14 @@ def test_an_agent_that_gives_up_mid_request_leaves_nothing_running_in_the_engine
     async def gives_up(client, row):
         call = asyncio.ensure_future(client.chat.completions.create(model="policy", messages=row["messages"],
                                                                     max_tokens=440))  # 440 tokens: seconds
-        while engine.in_flight == 0:  # decoding
-            await asyncio.sleep(0.001)
+        await until(lambda: engine.in_flight > 0, "the agent's request to reach the engine")  # decoding
         call.cancel()
         raise RuntimeError("gave up on it")
 
     row = {"messages": [{"role": "user", "content": "count to a thousand"}]}
     prompt = gateway.renderer.prompt_ids(row["messages"])
-    runner = AgentRunner(AsyncTokenEngine.for_llm(rollout.llm), rollout.tokenizer, gives_up, max_model_len=MAX_LEN, max_tokens=440,
-                         concurrency=1, timeout_s=30)
+    runner = AgentRunner(AsyncTokenEngine.for_llm(rollout.llm), rollout.tokenizer, gives_up, max_model_len=MAX_LEN,
+                         max_tokens=440, concurrency=1, timeout_s=30)
     requests = engine.requests
     try:
         (t,) = runner.run([prompt], SamplingSpec(n=1, temperature=1.0, max_new_tokens=440, seed=3), 3, [row])

@@ -233,6 +233,15 @@ def _job(rank, world, port, model_dir, layout_name, rollout_tp, weight_load, cpu
         state = _full_hf_state(engine)  # a collective: every rank
         if rank == 0:
             report["bias_sync"]["hf_greedy_diff"], _ = _hf_check(_hf_model(model_dir, state), greedy, 1.0)
+        # a bf16 transfer (a bf16 run on GPU) rounds the buckets; the biases follow in fp32, as the last bucket
+        from megappo.parallel.resharding import Resharder
+
+        sent = {}
+        for b in Resharder(engine.inner_chunks(), engine.dims, engine.layout, rollout_tp=rollout.tp,
+                           dtype=torch.bfloat16, transport="collective").buckets():
+            sent.update((n, (t.dtype, t.clone())) for n, t in b.tensors if n.endswith("e_score_correction_bias"))
+        report["bias_bf16_exact"] = bool(sent) and all(
+            d == torch.float32 and torch.equal(t, state[n]) for n, (d, t) in sent.items())
     if engine.dims.mla:  # vLLM's MLA decodes with W_UK_T / W_UV derived from kv_b_proj after loading: with
         # storage of their own (bf16, GPU), a sync that does not derive them again leaves decoding on the old
         # weights, which the fingerprint names; deriving them again (the default) repairs it
@@ -356,3 +365,4 @@ def test_hybrid_engine(tiny_assets, family, layout_name, rollout_tp, weight_load
         b = reports[0]["bias_sync"]
         assert b["n"] > 0 and b["ok"] == 1.0 and b["parity"]["rollout/logprob_diff_max"] <= TOL, b
         assert b["hf_greedy_diff"] <= TOL, b
+        assert all(r["bias_bf16_exact"] for r in reports)

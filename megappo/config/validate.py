@@ -125,6 +125,9 @@ def validate_config(cfg, check_paths: bool = False) -> None:
         raise ConfigError("model.transformer_engine=true needs resources.device=cuda (Transformer Engine has no CPU "
                           "kernels); leave it null (TE when usable on GPU)")
     dims = model_dims(cfg)
+    if cfg.model.transformer_engine and dims.mla:
+        raise ConfigError("model.transformer_engine=true is not supported for multi-latent attention (deepseek_v3): "
+                          "megappo maps MLA on megatron's local spec; leave it null")
     _check_layouts(cfg, dims)
     _check_rollout(cfg, dims)
     _check_algorithm(cfg)

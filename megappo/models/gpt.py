@@ -20,13 +20,21 @@ from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS, ModelDims, glob
     hf_to_megatron_shard, rope_theta, transformer_config_kwargs
 
 
-def use_transformer_engine(device: str, want: Optional[bool] = None, packed: bool = False, lora=None) -> bool:
+def use_transformer_engine(device: str, want: Optional[bool] = None, packed: bool = False, lora=None,
+                          mla: bool = False) -> bool:
     """Whether the engine builds TE's layer spec (model.transformer_engine). None: on GPU when TE is usable
     (the local spec otherwise, said once), and never for packed rows (`packed`: pack_sequences, whose
     attention is the local spec's; TE's needs the THD path, not wired) nor for a LoRA (`lora`: a
     models.lora.LoraConfig) that TE's spec cannot take: a column-parallel target (TE fuses linear_qkv's /
     linear_fc1's input norm into the linear) or routed experts (TE's grouped GEMM); True: TE, or a one-line
-    error naming what is missing; False: the local spec. Never on CPU (TE has no CPU kernels)."""
+    error naming what is missing; False: the local spec. Never on CPU (TE has no CPU kernels), nor for
+    multi-latent attention (`mla`: TE's MLA spec fuses the latent norms into the up projections and keeps the
+    down projections whole on every rank; megappo's weight mapping is the local spec's)."""
+    if mla:
+        if want:
+            raise ValueError("model.transformer_engine=true is not supported for multi-latent attention "
+                             "(deepseek_v3): megappo maps MLA on megatron's local spec; leave it null")
+        return False
     lora_local = lora is not None and (lora.experts or bool(set(lora.target_modules) & set(LORA_COLUMN_TARGETS)))
     if want is None and (packed or lora_local):
         return False

@@ -182,6 +182,10 @@ def _mla_dims(hf_config) -> dict:
     """ModelDims' multi-latent-attention fields of a DeepSeek-V3 config, or a one-line refusal of what megatron
     or vLLM would compute differently."""
     mt = hf_config.model_type
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if not getattr(hf_config, key, None):
+            raise ValueError(f"a {mt} config needs {key} (its config.json; model.arch: kv_lora_rank, qk_nope_head_dim, "
+                             "qk_rope_head_dim and head_dim = v_head_dim)")
     if getattr(hf_config, "topk_method", None) != "noaux_tc" or getattr(hf_config, "scoring_func", None) != "sigmoid":
         raise ValueError(f"{mt} config.json needs topk_method 'noaux_tc' and scoring_func 'sigmoid' (DeepSeek-V3's "
                          "router; without them vLLM routes by softmax with no correction bias); add them")

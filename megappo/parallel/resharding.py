@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 from megappo.parallel.layout import ParallelLayout
 from megappo.parallel.weight_mapping import ModelDims, global_named_parameters, hf_names, megatron_shard_hf_slices, \
-    megatron_shards_to_hf, routed_expert, tp_split_dim, whole_in_rollout
+    megatron_shards_to_hf, routed_expert, tp_split_dim, whole_in_rollout, ROUTER_BIAS
 
 
 @dataclass
@@ -408,6 +408,11 @@ class Resharder:
             yield bucket
             consumer_s += time.perf_counter() - t_y
             del tensors, bucket
+        exact = self._exact_tensors()
+        if exact:  # after the rounded copies the buckets carried: vLLM keeps these values
+            t_y = time.perf_counter()
+            yield Bucket(len(self._plan), -1, exact, sum(t.numel() * t.element_size() for _, t in exact))
+            consumer_s += time.perf_counter() - t_y
         if self.fingerprint:
             dist.all_reduce(fp)
             k = len(names)
@@ -419,6 +424,21 @@ class Resharder:
                       "bytes_broadcast_received": run["broadcast_received"], "bytes_tp_gathered": run["tp_gathered"],
                       "bytes_shm_read": run["shm_read"], "seconds": time.perf_counter() - t0,
                       "peak_bucket_bytes": peak, "comm_s": run["comm_s"], "consumer_s": consumer_s}
+
+    def _exact_tensors(self) -> list:
+        """The routers' fp32 correction biases (GLM-4.5, DeepSeek-V3) at full precision, when the buckets travel
+        in 16 bits: a bf16 transfer rounds them by ~4e-3, and vLLM routes with its fp32 copy; a few KiB, so one
+        last bucket gathered from their owners (collective over the actor world)."""
+        if not self.dims.expert_bias or self.dtype == torch.float32:
+            return []
+        mine = {}
+        if self.tp_rank == 0 and self.dp_rank == 0:  # replicated over TP, DP and EP: one copy per pipeline stage
+            mine = {hf_names(n, self.dims)[0]: t.detach().to("cpu", torch.float32)
+                    for n, t in self._local.items() if n.endswith(ROUTER_BIAS)}
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, mine)
+        merged = {k: v for d in everyone for k, v in d.items()}
+        return [(n, merged[n].to(self.device)) for n in sorted(merged)]
 
     def _shm_tensors(self, bi: int, add_fingerprints) -> tuple[list, int]:
         """Bucket `bi` through the shared-memory slots: its full HF tensors (views of the slot)."""

@@ -166,7 +166,7 @@ class MegatronEngine:
         self.dp_rank = mpu.get_data_parallel_rank()
         self.uses_te = use_transformer_engine(self.config.device, self.config.transformer_engine,
                                               packed=self.config.pack_sequences,
-                                              lora=self.config.lora)
+                                              lora=self.config.lora, mla=self.dims.mla)
         self.tf_config = build_transformer_config(self.hf_config, layout, device=self.config.device,
                                                   params_dtype=self.config.params_dtype,
                                                   recompute=self.config.recompute,

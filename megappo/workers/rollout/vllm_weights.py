@@ -143,18 +143,21 @@ def direct_load(worker, weights, repack: bool, repack_experts: bool = False, ref
         if repack:
             repack_cpu_linears(model, loaded if isinstance(loaded, set) else None)
         if refresh:
-            refresh_mla(model, worker.vllm_config.model_config.dtype)
+            refresh_mla(model, worker.vllm_config.model_config.dtype, loaded if isinstance(loaded, set) else None)
 
 
-def refresh_mla(model: torch.nn.Module, dtype: torch.dtype) -> int:
+def refresh_mla(model: torch.nn.Module, dtype: torch.dtype, loaded: Optional[set] = None) -> int:
     """DeepSeek-V3: vLLM's MLA decodes with W_UK_T / W_UV, which process_weights_after_loading derives from
     kv_b_proj once after the checkpoint load; a direct load writes kv_b_proj only, so derive them again (in
-    place) or the rollout decodes with the previous weights. Returns the MLA layers refreshed."""
+    place) or the rollout decodes with the previous weights: for the layers whose kv_b_proj this load wrote
+    (`loaded`: vLLM parameter names; None: every layer). Returns the MLA layers refreshed."""
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
+    params = dict(model.named_parameters(remove_duplicate=False))
+    touched = None if loaded is None else {id(params[n]) for n in loaded if n in params}
     n = 0  # (fp32 on CPU, W_UK_T / W_UV may be views of kv_b_proj and follow it; bf16 / GPU copies do not)
     for mod in model.modules():
-        if isinstance(mod, MLAAttention):
+        if isinstance(mod, MLAAttention) and (touched is None or id(mod.kv_b_proj.weight) in touched):
             if getattr(mod, "is_amx_bmm_enabled", False):
                 raise RuntimeError("vLLM's AMX_MLA backend drops kv_b_proj after loading, so weights cannot be synced "
                                    "into it; megappo asks for CPU_MLA on CPU (VLLMRollout)")
