@@ -241,6 +241,12 @@ def test_deepseek_v3_refusals_are_one_line():
         load_config(cfg, ["model.transformer_engine=true"])
     with pytest.raises(ConfigError, match=r"^model.arch: a deepseek_v3 config needs v_head_dim "):
         load_config(cfg, ["model.arch.head_dim=null"])
+    with pytest.raises(ConfigError, match=r"^actor.lora with multi-latent attention \(deepseek_v3\) is not supported "
+                                          r"yet: .*set actor.lora.rank 0$"):
+        load_config(cfg, ["actor.lora.rank=16"])
+    with pytest.raises(ConfigError, match=r"^actor.pack_sequences with multi-latent attention \(deepseek_v3\) is not "
+                                          r"supported yet .*set it false$"):
+        load_config(cfg, ["actor.pack_sequences=true"])
 
 
 def test_sigmoid_router_refusals_are_one_line(tiny_assets):

@@ -133,7 +133,7 @@ def validate_config(cfg, check_paths: bool = False) -> None:
     _check_algorithm(cfg)
     _check_teacher(cfg)
     _check_data_and_batches(cfg)
-    _check_packing(cfg)
+    _check_packing(cfg, dims)
     _check_lora(cfg, dims)
     _check_multi_turn(cfg)
     _check_reward_rules(cfg)
@@ -400,7 +400,7 @@ def _check_reward_rules(cfg) -> None:
             raise ConfigError(str(e)) from None
 
 
-def _check_packing(cfg) -> None:
+def _check_packing(cfg, dims: ModelDims) -> None:
     for role in ("actor", "critic", "ref"):
         section = getattr(cfg, role)
         budget = section.max_tokens_per_micro_batch
@@ -413,6 +413,9 @@ def _check_packing(cfg) -> None:
             raise ConfigError(f"{role}.max_tokens_per_micro_batch with {role}.parallel.ep={section.parallel.ep}: the ranks "
                               "of an expert-parallel group exchange tokens in every micro-batch, so they must run the "
                               "same number of them; set max_tokens_per_micro_batch null (row-count micro-batches) or ep=1")
+        if section.pack_sequences and dims.mla:
+            raise ConfigError(f"{role}.pack_sequences with multi-latent attention (deepseek_v3) is not supported yet "
+                              "(the packed attention assumes one head size for q/k and v); set it false")
         if section.pack_sequences and cfg.model.transformer_engine:
             raise ConfigError(f"{role}.pack_sequences with model.transformer_engine=true needs megatron's THD path, "
                               "not wired yet; leave model.transformer_engine null or false")
@@ -426,6 +429,10 @@ def _check_lora(cfg, dims: ModelDims) -> None:
     _check_lora_sync(cfg, dims)
     if not lo.rank:
         return
+    if dims.mla:
+        raise ConfigError("actor.lora with multi-latent attention (deepseek_v3) is not supported yet: its q / kv latent "
+                          "projections are no LoRA target (linear_qkv names a fused projection MLA does not have); "
+                          "set actor.lora.rank 0")
     if lo.alpha <= 0:
         raise ConfigError(f"actor.lora.alpha={lo.alpha} must be > 0 (scaling = alpha / rank)")
     if not 0 <= lo.dropout < 1:
