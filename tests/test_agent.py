@@ -453,7 +453,7 @@ def test_ppo_run_with_your_own_openai_sdk_agent(ray_session, tiny_assets, data_d
     ids the gateway rendered for the agent's first request (tools included), its model tokens the ids the engine
     sampled, the tool result's tokens attended but masked out; vLLM and Megatron agree on those tokens (fp32);
     the agent's reward is the score, and an agent that raises on a row costs that row only (counted)."""
-    from trainer_utils import config, run
+    from trainer_utils import config, recording_rewarded, run
 
     log = tmp_path / "agent_log.jsonl"
     (tmp_path / "sdk_agent.py").write_text(f"LOG = {str(log)!r}\n" + SDK_AGENT)
@@ -462,21 +462,7 @@ def test_ppo_run_with_your_own_openai_sdk_agent(ray_session, tiny_assets, data_d
                  "rollout.multi_turn.tool_prompt='You can use tools: {tools}'", "reward.non_stop_penalty=false",
                  "trainer.total_steps=2", "trainer.save_every=0", "trainer.val_every=0", "trainer.export_hf=false")
     batches = []
-
-    def spy_rewards(trainer):
-        score = trainer.reward_fn
-
-        class Spy:
-            def __getattr__(self, name):
-                return getattr(score, name)
-
-            def __call__(self, batch):
-                batches.append(batch)
-                return score(batch)
-
-        trainer.reward_fn = Spy()
-
-    history, _ = run(cfg, setup=spy_rewards)
+    history, _ = run(cfg, setup=recording_rewarded(batches))
     sessions = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(history) == 2 and len(batches) == 2
     # the failures are visible beside their count: each step's distinct errors in <output_dir>/agent_errors.log

@@ -38,7 +38,7 @@ def test_each_frameworks_agent_trains_on_exactly_the_sampled_tokens(ray_session,
     session sent and was sampled (prompt ids as rendered for its first request, tools and instructions included;
     the engine's sampled ids trained, the ids sent between two requests attended only)."""
     from test_agent import trained_rows
-    from trainer_utils import config, run
+    from trainer_utils import config, recording_rewarded, run
 
     log = tmp_path / "sessions.jsonl"
     source = (Path(__file__).parent / "framework_agents.py").read_text()
@@ -48,21 +48,7 @@ def test_each_frameworks_agent_trains_on_exactly_the_sampled_tokens(ray_session,
                  "rollout.multi_turn.tool_prompt='You can use tools: {tools}'", "reward.non_stop_penalty=false",
                  "trainer.total_steps=2", "trainer.save_every=0", "trainer.val_every=0", "trainer.export_hf=false")
     batches = []
-
-    def spy_rewards(trainer):
-        score = trainer.reward_fn
-
-        class Spy:
-            def __getattr__(self, name):
-                return getattr(score, name)
-
-            def __call__(self, batch):
-                batches.append(batch)
-                return score(batch)
-
-        trainer.reward_fn = Spy()
-
-    history, _ = run(cfg, setup=spy_rewards)
+    history, _ = run(cfg, setup=recording_rewarded(batches))
     sessions = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(history) == 2 and len(batches) == 2
     for h in history:

@@ -71,6 +71,23 @@ def run(cfg, fault_hook=None, setup=None, warm: bool = True):
     return (history, trainer) if fault_hook is not None or setup is not None else history
 
 
+def recording_rewarded(batches: list):
+    """A run's setup hook: every batch the trainer scores (the reward function's input) -> batches."""
+    def setup(trainer):
+        score = trainer.reward_fn
+
+        class Recorded:
+            def __getattr__(self, name):
+                return getattr(score, name)
+
+            def __call__(self, batch):
+                batches.append(batch)
+                return score(batch)
+
+        trainer.reward_fn = Recorded()
+    return setup
+
+
 def recording_updates(batches: list):
     """A run's setup hook: every batch the trainer updates on (after rewards and advantages) -> batches."""
     def setup(trainer):
