@@ -163,6 +163,8 @@ def make_model(out_dir: str | os.PathLike, family: str = "llama", seed: int = 0,
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from megappo.parallel.weight_mapping import HF_ROUTER_BIAS
+
     out = Path(out_dir)
     with tempfile.TemporaryDirectory() as tmp:
         tok_dir = Path(tokenizer_dir) if tokenizer_dir else make_tokenizer(Path(tmp) / "tok")
@@ -183,7 +185,7 @@ def make_model(out_dir: str | os.PathLike, family: str = "llama", seed: int = 0,
                 else:
                     p.normal_(0.0, 0.05)
             for name, b in model.named_buffers():  # a sigmoid router's correction bias: non-zero, so it counts
-                if name.endswith("e_score_correction_bias"):
+                if name.endswith(HF_ROUTER_BIAS):
                     b.normal_(0.0, 0.5)
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out, safe_serialization=True)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megappo.parallel.weight_mapping import (ModelDims, hf_names, is_hf_moe_tensor, megatron_name,
+from megappo.parallel.weight_mapping import (HF_ROUTER_BIAS, ModelDims, hf_names, is_hf_moe_tensor, megatron_name,
                                              megatron_param_names, mla_attention_names, routed_expert,
                                              transformer_config_kwargs)
 from megappo.conversion.dcp_io import Item
@@ -166,7 +166,7 @@ def hf_shape(name: str, d: ModelDims) -> tuple:
         shape = megatron_shape(mname, d)
         return (shape[0] // 2, h) if mname.endswith("linear_fc1.weight") else shape
     if is_hf_moe_tensor(name):
-        if name.endswith("e_score_correction_bias"):  # the router's correction bias
+        if name.endswith(HF_ROUTER_BIAS):  # the router's correction bias
             return (d.num_experts,)
         if ".experts." not in name:  # the router
             return (d.num_experts, h)

@@ -105,7 +105,7 @@ def _check_hf_tensors(st, units: list["Unit"], d: ModelDims, src: Path, kind: st
     if mtp:  # DeepSeek-V3 / GLM-4.5 ship their multi-token-prediction module as one more layer
         log(f"skipping the multi-token-prediction layer(s) {sorted({'.'.join(n.split('.')[:3]) for n in mtp})} "
             f"({len(mtp)} tensors): not part of the policy RL trains, and not exported")
-        unused = [n for n in unused if n not in set(mtp)]
+        unused = sorted(set(unused) - set(mtp))
     extra = [n for n in unused if is_hf_moe_tensor(n)]
     if extra:  # never drop experts: a config / checkpoint mismatch, not unused heads
         raise ConvertError(f"{src} holds {extra[0]} (and {len(extra) - 1} more expert tensors) beyond its config's "

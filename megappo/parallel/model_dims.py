@@ -112,6 +112,11 @@ class MoeFamily:
         return d
 
 
+_DEEPSEEK_EXPERTS = MoeFamily("mlp", {"linear_fc1": ["gate_proj", "up_proj"], "linear_fc2": ["down_proj"]},
+                              experts_keys=("n_routed_experts",), ffn_key="moe_intermediate_size", sparse_layers=False,
+                              shared="shared_experts", shared_count_key="n_shared_experts",
+                              first_dense_key="first_k_dense_replace", router="sigmoid", expert_bias=True)
+
 MOE_FAMILIES = {
     "qwen3_moe": MoeFamily("mlp", {"linear_fc1": ["gate_proj", "up_proj"], "linear_fc2": ["down_proj"]},
                            experts_keys=("num_experts", "num_local_experts"), ffn_key="moe_intermediate_size",
@@ -126,19 +131,12 @@ MOE_FAMILIES = {
                            experts_keys=("num_experts",), ffn_key="moe_intermediate_size", sparse_layers=True,
                            shared="shared_expert", shared_ffn_key="shared_expert_intermediate_size",
                            shared_gate=True),
-    # GLM-4.5 / 4.6 / 4.5-Air: the first k layers dense, then routed experts under DeepSeek-V3's router (sigmoid,
-    # e_score_correction_bias, routed_scaling_factor, n_group), n_shared_experts beside them; q/k/v biases,
-    # per-head q/k norms (use_qk_norm), RoPE on half of each head (partial_rotary_factor)
-    "glm4_moe": MoeFamily("mlp", {"linear_fc1": ["gate_proj", "up_proj"], "linear_fc2": ["down_proj"]},
-                          experts_keys=("n_routed_experts",), ffn_key="moe_intermediate_size", sparse_layers=False,
-                          shared="shared_experts", shared_count_key="n_shared_experts",
-                          first_dense_key="first_k_dense_replace", router="sigmoid", expert_bias=True),
-    # DeepSeek-V3 / R1 / V3.1 and Kimi-K2: GLM-4.5's experts and router (n_group > 1: group-limited top-k) under
-    # multi-latent attention (ModelDims' MLA fields)
-    "deepseek_v3": MoeFamily("mlp", {"linear_fc1": ["gate_proj", "up_proj"], "linear_fc2": ["down_proj"]},
-                             experts_keys=("n_routed_experts",), ffn_key="moe_intermediate_size", sparse_layers=False,
-                             shared="shared_experts", shared_count_key="n_shared_experts",
-                             first_dense_key="first_k_dense_replace", router="sigmoid", expert_bias=True),
+    # DeepSeek-V3's experts (V3 / R1 / V3.1, Kimi-K2; under multi-latent attention: ModelDims' MLA fields), which
+    # GLM-4.5 / 4.6 / 4.5-Air share: the first k layers dense, then routed experts under a sigmoid router with the
+    # e_score_correction_bias, routed_scaling_factor and n_group, n_shared_experts beside them (GLM adds q/k/v
+    # biases, per-head q/k norms (use_qk_norm) and RoPE on half of each head (partial_rotary_factor))
+    "deepseek_v3": _DEEPSEEK_EXPERTS,
+    "glm4_moe": _DEEPSEEK_EXPERTS,
 }
 
 
@@ -218,10 +216,9 @@ def _mla_kwargs(dims: "ModelDims", hf_config) -> dict:
 def rotary_percent(hf_config) -> float:
     """The share of each head's dims RoPE rotates (the first ones, NeoX-style halves): partial_rotary_factor,
     at the top level or in rope_parameters (transformers 5), else 1."""
-    params = getattr(hf_config, "rope_parameters", None) or {}
     value = getattr(hf_config, "partial_rotary_factor", None)
-    if value is None and isinstance(params, dict):
-        value = params.get("partial_rotary_factor")
+    if value is None:
+        value = rope_params(hf_config).get("partial_rotary_factor")
     return float(value) if value is not None else 1.0
 
 

@@ -52,6 +52,9 @@ if TYPE_CHECKING:  # torch is imported where a tensor is built: the driver valid
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# a sigmoid router's correction bias: megatron's fp32 buffer, and its name in transformers' (and vLLM's) gate
+ROUTER_BIAS = "mlp.router.expert_bias"
+HF_ROUTER_BIAS = "e_score_correction_bias"
 # routed experts (global expert index e): megatron SequentialMLP's or TEGroupedMLP's names <-> transformers'
 # per-expert names on disk
 _EXPERT_RE = re.compile(r"^mlp\.experts\.(?:local_experts\.(?P<e>\d+)\.(?P<fc>linear_fc1|linear_fc2)\.weight|"
@@ -104,14 +107,14 @@ _MLA_MAP = {
     "self_attention.linear_kv_up_proj.weight": ["self_attn.kv_b_proj.weight"],
     "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
 }
-_MLA_COLUMN = ("linear_q_down_proj", "linear_q_up_proj", "linear_q_proj", "linear_kv_down_proj", "linear_kv_up_proj")
+_MLA_DOWN = ("linear_q_down_proj", "linear_kv_down_proj")  # vLLM keeps these whole on every rank
+_MLA_COLUMN = _MLA_DOWN + ("linear_q_up_proj", "linear_q_proj", "linear_kv_up_proj")
 
 
 def whole_in_rollout(mcore_name: str, dims: ModelDims) -> bool:
     """A TP-split megatron weight that vLLM keeps whole on every rollout TP rank: MLA's down projections
     (vLLM's replicated fused_qkv_a_proj / kv_a_proj_with_mqa), which a sliced weight sync must gather."""
-    return dims.mla and any(mcore_name.endswith(f"self_attention.{c}.weight")
-                            for c in ("linear_q_down_proj", "linear_kv_down_proj"))
+    return dims.mla and any(mcore_name.endswith(f"self_attention.{c}.weight") for c in _MLA_DOWN)
 
 
 def mla_attention_names(dims: ModelDims) -> list[str]:
@@ -191,7 +194,7 @@ def hf_names(mcore_name: str, dims: ModelDims) -> list[str]:
         if suffix == "mlp.router.weight":  # the router [experts, hidden]
             return [f"model.layers.{layer}.{_moe_hf(dims).block}.gate.weight"]
         if suffix == ROUTER_BIAS and dims.expert_bias:  # [experts], fp32
-            return [f"model.layers.{layer}.{_moe_hf(dims).block}.gate.e_score_correction_bias"]
+            return [f"model.layers.{layer}.{_moe_hf(dims).block}.gate.{HF_ROUTER_BIAS}"]
         shared = _shared_expert_map(dims).get(suffix)
         if shared:
             return [f"model.layers.{layer}.{h}" for h in shared]
@@ -225,7 +228,7 @@ def hf_expert_names(base: str, expert: int, model_type: str = "qwen3_moe", fc: O
 def is_hf_moe_tensor(hf_name: str) -> bool:
     """A HF router (its weight or its correction bias) or routed-expert tensor (of any MoE family)."""
     return any(f".{f.block}.experts." in hf_name or hf_name.endswith(f".{f.block}.gate.weight")
-               or hf_name.endswith(f".{f.block}.gate.e_score_correction_bias") for f in MOE_FAMILIES.values())
+               or hf_name.endswith(f".{f.block}.gate.{HF_ROUTER_BIAS}") for f in MOE_FAMILIES.values())
 
 
 def routed_expert(mcore_name: str) -> Optional[int]:
@@ -247,7 +250,7 @@ def megatron_name(hf_name: str, dims: ModelDims, te_fused_norms: bool = False) -
                 return f"decoder.layers.{layer}.{expert_param_name(int(e.group(2)), fc, dims.grouped_experts)}"
         if dims.model_type in MOE_FAMILIES and suffix == f"{_moe_hf(dims).block}.gate.weight":
             return f"decoder.layers.{layer}.mlp.router.weight"
-        if dims.expert_bias and suffix == f"{_moe_hf(dims).block}.gate.e_score_correction_bias":
+        if dims.expert_bias and suffix == f"{_moe_hf(dims).block}.gate.{HF_ROUTER_BIAS}":
             return f"decoder.layers.{layer}.{ROUTER_BIAS}"
         shared = next((m for m, hs in _shared_expert_map(dims).items() if suffix in hs), None)
         if shared:
@@ -322,9 +325,6 @@ def global_namer(chunk):
         return global_param_name(local, off, experts.get(int(m.group(1)), 0) if m else 0)
 
     return name_of
-
-
-ROUTER_BIAS = "mlp.router.expert_bias"  # megatron's name of the router's correction bias (HF e_score_correction_bias)
 
 
 def local_named_weights(chunk):

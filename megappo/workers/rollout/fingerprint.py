@@ -36,6 +36,8 @@ from typing import Iterable, Mapping, Optional
 
 import torch
 
+from megappo.parallel.weight_mapping import HF_ROUTER_BIAS
+
 _PHI = (math.sqrt(5.0) - 1.0) / 2.0
 _SQRT2 = math.sqrt(2.0) - 1.0
 
@@ -296,7 +298,7 @@ def vllm_model_fingerprints(model: torch.nn.Module) -> dict[str, tuple[float, fl
             # tensor, replicated over TP, that the routing reads directly
             values += [(f"{mod_name}.{pname}", tensor_fingerprint(p) if tp_rank == 0 else (0.0, 0.0))
                        for pname, p in layer.named_parameters(recurse=False)
-                       if pname == "e_score_correction_bias" and leaf == "gate"]  # the experts hold it too
+                       if pname == HF_ROUTER_BIAS and leaf == "gate"]  # the experts hold it too
             handled.update(id(p) for p in layer.parameters(recurse=False))
         else:  # norms: replicated over TP, counted on rank 0
             values = []
