@@ -241,12 +241,20 @@ def test_deepseek_v3_refusals_are_one_line():
         load_config(cfg, ["model.transformer_engine=true"])
     with pytest.raises(ConfigError, match=r"^model.arch: a deepseek_v3 config needs v_head_dim "):
         load_config(cfg, ["model.arch.head_dim=null"])
-    with pytest.raises(ConfigError, match=r"^actor.lora with multi-latent attention \(deepseek_v3\) is not supported "
-                                          r"yet: .*set actor.lora.rank 0$"):
+    # LoRA: MLA's projections, not linear_qkv (the default targets' fused q/k/v), and no vLLM adapter under MLA
+    mla = "[linear_q_down_proj,linear_q_up_proj,linear_kv_down_proj,linear_kv_up_proj,linear_proj]"
+    load_config(cfg, ["actor.lora.rank=16", f"actor.lora.target_modules={mla}"])
+    with pytest.raises(ConfigError, match=r"^actor.lora.target_modules \['linear_qkv'\] name no linear of deepseek_v3: "
+                                          r"its attention's are linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj, "
+                                          r"linear_kv_up_proj and linear_proj; set actor.lora.target_modules"):
         load_config(cfg, ["actor.lora.rank=16"])
-    with pytest.raises(ConfigError, match=r"^actor.pack_sequences with multi-latent attention \(deepseek_v3\) is not "
-                                          r"supported yet .*set it false$"):
-        load_config(cfg, ["actor.pack_sequences=true"])
+    with pytest.raises(ConfigError, match=r"^rollout.lora_sync=adapter does not reach multi-latent attention: .*"
+                                          r"use rollout.lora_sync=merged$"):
+        load_config(cfg, ["actor.lora.rank=16", f"actor.lora.target_modules={mla}", "rollout.lora_sync=adapter"])
+    with pytest.raises(ConfigError, match=r"^actor.lora.target_modules \['linear_q_up_proj'\] name no linear of llama: "
+                                          r"those are multi-latent attention's"):
+        load_config(REPO / "configs" / "ppo_tiny.yaml", ["actor.lora.rank=4", "actor.lora.target_modules=[linear_q_up_proj]"])
+    load_config(cfg, ["actor.pack_sequences=true"])  # packed rows: each layer's YaRN RoPE by token position
 
 
 def test_sigmoid_router_refusals_are_one_line(tiny_assets):

@@ -381,12 +381,15 @@ def _packing_worker(rank, world, port, path, layout):
     return report
 
 
-@pytest.mark.parametrize("layout", [ParallelLayout(tp=2), ParallelLayout(pp=2)], ids=["tp2", "pp2"])
-def test_packed_sequences_equal_the_padded_path(tiny_assets, layout):
+@pytest.mark.parametrize("family,layout", [("tiny-llama", ParallelLayout(tp=2)), ("tiny-llama", ParallelLayout(pp=2)),
+                                           ("tiny-deepseek_v3", ParallelLayout(tp=2))],
+                         ids=["tp2", "pp2", "deepseek_v3-tp2"])
+def test_packed_sequences_equal_the_padded_path(tiny_assets, family, layout):
     """Loss, gradients (via the updated weights) and log-probs / entropy / values of packed micro-batches
     equal the padded path's within fp32 rounding (<= 1e-5), at TP2 and PP2, for the actor's LM head and
-    the critic's value head; the packed runs compute only the real tokens."""
-    reports = spawn_local(_packing_worker, 2, str(tiny_assets["tiny-llama"]), layout)
+    the critic's value head; the packed runs compute only the real tokens. DeepSeek-V3's multi-latent
+    attention too: v's head is narrower than q/k's, and each layer has its own YaRN RoPE (by token position)."""
+    reports = spawn_local(_packing_worker, 2, str(tiny_assets[family]), layout)
     real = int(make_batch()["attention_mask"].sum())
     m = make_batch()["response_mask"]  # outputs at padding positions are nobody's (every use masks them)
     for r in reports:

@@ -139,7 +139,9 @@ class LoraSection:
     rank: int = 0  # r; 0 = full fine-tuning
     alpha: float = 16.0  # scaling = alpha / rank
     dropout: float = 0.0  # on the adapter's input, training only; in [0, 1)
-    target_modules: list = field(default_factory=lambda: list(LORA_TARGETS))  # megatron's names (LORA_TARGETS)
+    # megatron's names (LORA_TARGETS); multi-latent attention (deepseek_v3) has no linear_qkv: name its
+    # projections instead (LORA_MLA_TARGETS: linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj, ...)
+    target_modules: list = field(default_factory=lambda: list(LORA_TARGETS))
     init: str = "kaiming"  # A's init (LORA_INITS): kaiming = peft's default, gaussian = normal(0, 1/r); B = 0
     # MoE models: also each routed expert's linear_fc1 / linear_fc2 (its own adapter per expert, split as the
     # expert is: by actor.parallel.ep and tp). false: attention, dense layers and shared experts only

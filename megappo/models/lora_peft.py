@@ -12,7 +12,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 from megappo.models.lora import LoraConfig, _group_rank, iter_lora_modules
-from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS as COLUMN_TARGETS, LORA_TARGETS as TARGETS
+from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS, LORA_MLA_TARGETS, LORA_TARGETS
 from megappo.parallel.weight_mapping import MOE_FAMILIES, ModelDims, hf_names, hf_to_megatron_shard, \
     megatron_shards_to_hf
 
@@ -20,9 +20,9 @@ from megappo.parallel.weight_mapping import MOE_FAMILIES, ModelDims, hf_names, h
 
 def _is_column(mcore_module: str) -> bool:
     leaf = mcore_module.rsplit(".", 1)[-1]
-    if leaf not in TARGETS:
-        raise KeyError(f"{mcore_module!r} is not a LoRA target ({list(TARGETS)})")
-    return leaf in COLUMN_TARGETS
+    if leaf not in LORA_TARGETS + LORA_MLA_TARGETS:
+        raise KeyError(f"{mcore_module!r} is not a LoRA target ({list(LORA_TARGETS + LORA_MLA_TARGETS)})")
+    return leaf in LORA_COLUMN_TARGETS + LORA_MLA_TARGETS  # MLA's projections: each one column-parallel linear
 
 
 def hf_modules_of(mcore_module: str, dims: ModelDims) -> list[str]:

@@ -96,7 +96,7 @@ class PackedLayout:
             self.mask = (ids[:, None] == ids[None, :]) & (pos[:, None] >= pos[None, :])
 
     def attend(self, q, k, v, scale):
-        """q [T, np, hn], k / v [T, ng, hn] -> context [T, np, hn]."""
+        """q / k [T, np | ng, hn], v [T, ng, hv] -> context [T, np, hv] (multi-latent attention: hv < hn)."""
         gqa = q.shape[1] != k.shape[1]
         if self.impl == "grid":
             n, w = self.rows, self.width
@@ -107,7 +107,7 @@ class PackedLayout:
 
             out = F.scaled_dot_product_attention(to_grid(q), to_grid(k), to_grid(v), is_causal=True, scale=scale,
                                                  enable_gqa=gqa)
-            return out.transpose(1, 2).reshape(n * w, q.shape[1], q.shape[2]).index_select(0, self.index)
+            return out.transpose(1, 2).reshape(n * w, q.shape[1], v.shape[2]).index_select(0, self.index)
         if self.impl == "mask":
             q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scale, enable_gqa=gqa)

@@ -14,11 +14,18 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mix
                          "deepseek_v3")
 MLA_MODEL_TYPES = ("deepseek_v3",)  # multi-latent attention (megatron's MLASelfAttention)
 
+# multi-latent attention's projections in megatron's names, each column-parallel on megatron's local spec (split
+# along the output); vLLM keeps the down projections whole on every rank
+MLA_DOWN_LINEARS = ("linear_q_down_proj", "linear_kv_down_proj")
+MLA_COLUMN_LINEARS = MLA_DOWN_LINEARS + ("linear_q_up_proj", "linear_q_proj", "linear_kv_up_proj")
+
 # LoRA (models/lora.py, config actor.lora): megatron's fused / parallel linears an adapter may wrap, by how
-# their weight is split over TP (column: along the output; row: along the input), and the inits of A
-LORA_COLUMN_TARGETS = ("linear_qkv", "linear_fc1")
+# their weight is split over TP (column: along the output; row: along the input), and the inits of A.
+# LORA_TARGETS (the default) is a GQA model's attention and MLP; under MLA its projections take linear_qkv's place.
+LORA_COLUMN_TARGETS = ("linear_qkv", "linear_fc1")  # fused: q/k/v, gate/up
 LORA_ROW_TARGETS = ("linear_proj", "linear_fc2")
 LORA_TARGETS = LORA_COLUMN_TARGETS + LORA_ROW_TARGETS
+LORA_MLA_TARGETS = MLA_COLUMN_LINEARS
 LORA_INITS = ("kaiming", "gaussian")
 DEFAULT_VOCAB_DIVISOR = 128
 

@@ -40,8 +40,8 @@ import re
 from typing import TYPE_CHECKING, Mapping, Optional
 
 from megappo.parallel.model_dims import (  # noqa: F401 (re-exported: the model's facts, read with its names)
-    DEFAULT_VOCAB_DIVISOR, LORA_COLUMN_TARGETS, LORA_INITS, LORA_ROW_TARGETS, LORA_TARGETS, MLA_MODEL_TYPES, MOE_FAMILIES,
-    SUPPORTED_MODEL_TYPES, ModelDims, MoeFamily, num_routed_experts, padded_vocab_size, rope_theta,
+    DEFAULT_VOCAB_DIVISOR, LORA_COLUMN_TARGETS, LORA_INITS, LORA_MLA_TARGETS, LORA_ROW_TARGETS, LORA_TARGETS,
+    MLA_COLUMN_LINEARS, MLA_DOWN_LINEARS, MLA_MODEL_TYPES, MOE_FAMILIES, SUPPORTED_MODEL_TYPES, ModelDims, MoeFamily, num_routed_experts, padded_vocab_size, rope_theta,
     transformer_config_kwargs)
 
 if TYPE_CHECKING:  # torch is imported where a tensor is built: the driver validates its config
@@ -107,14 +107,12 @@ _MLA_MAP = {
     "self_attention.linear_kv_up_proj.weight": ["self_attn.kv_b_proj.weight"],
     "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
 }
-_MLA_DOWN = ("linear_q_down_proj", "linear_kv_down_proj")  # vLLM keeps these whole on every rank
-_MLA_COLUMN = _MLA_DOWN + ("linear_q_up_proj", "linear_q_proj", "linear_kv_up_proj")
 
 
 def whole_in_rollout(mcore_name: str, dims: ModelDims) -> bool:
     """A TP-split megatron weight that vLLM keeps whole on every rollout TP rank: MLA's down projections
     (vLLM's replicated fused_qkv_a_proj / kv_a_proj_with_mqa), which a sliced weight sync must gather."""
-    return dims.mla and any(mcore_name.endswith(f"self_attention.{c}.weight") for c in _MLA_DOWN)
+    return dims.mla and any(mcore_name.endswith(f"self_attention.{c}.weight") for c in MLA_DOWN_LINEARS)
 
 
 def mla_attention_names(dims: ModelDims) -> list[str]:
@@ -352,7 +350,7 @@ def _kind(mcore_name: str, dims: ModelDims) -> str:
         return "fc1" if e[1] == "linear_fc1" else "row"
     if mcore_name.endswith("linear_qkv.weight") or mcore_name.endswith("linear_qkv.bias"):
         return "qkv"
-    if dims.mla and any(mcore_name.endswith(f"self_attention.{c}.weight") for c in _MLA_COLUMN):
+    if dims.mla and any(mcore_name.endswith(f"self_attention.{c}.weight") for c in MLA_COLUMN_LINEARS):
         return "column"
     if mcore_name.endswith("linear_fc1.weight"):
         return "fc1"

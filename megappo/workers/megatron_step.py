@@ -208,20 +208,26 @@ def head_on_outputs(*, hidden_states, output_layer, output_weight, runtime_gathe
 def packed_rope(model, positions: Optional[torch.Tensor]):
     """For one model call: megatron's RoPE is indexed by column; a packed micro-batch's rows restart at
     their own positions (`positions` [T]), so the chunk's RotaryEmbedding looks the frequencies up per
-    token. None: the chunk's own RoPE."""
+    token: the GPTModel's one, or under multi-latent attention each layer's own (a YaRN embedding, which
+    returns (frequencies, mscale)). None: the chunk's own RoPE."""
     if positions is None:
         yield
         return
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     def by_position(module, args, output):
         full = type(module).forward(module, int(positions.max()) + 1)  # [max position + 1, 1, 1, d] (no hooks)
+        if isinstance(full, tuple):  # YaRN: (frequencies, mscale)
+            return (full[0].index_select(0, positions.to(full[0].device)),) + tuple(full[1:])
         return full.index_select(0, positions.to(full.device))
 
-    handle = getattr(model, "module", model).rotary_pos_emb.register_forward_hook(by_position)
+    handles = [m.register_forward_hook(by_position)
+               for m in getattr(model, "module", model).modules() if isinstance(m, RotaryEmbedding)]
     try:
         yield
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
 
 
 def expert_tokens(expert_load, mb: dict, packed: bool):
