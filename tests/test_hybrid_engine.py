@@ -235,13 +235,21 @@ def _job(rank, world, port, model_dir, layout_name, rollout_tp, weight_load, cpu
             report["bias_sync"]["hf_greedy_diff"], _ = _hf_check(_hf_model(model_dir, state), greedy, 1.0)
         # a bf16 transfer (a bf16 run on GPU) rounds the buckets; the biases follow in fp32, as the last bucket
         from megappo.parallel.resharding import Resharder
+        from megappo.workers.rollout.fingerprint import compare, tensor_fingerprint, tolerance_for
 
         sent = {}
-        for b in Resharder(engine.inner_chunks(), engine.dims, engine.layout, rollout_tp=rollout.tp,
-                           dtype=torch.bfloat16, transport="collective").buckets():
+        bf16 = Resharder(engine.inner_chunks(), engine.dims, engine.layout, rollout_tp=rollout.tp, dtype=torch.bfloat16,
+                         transport="collective", fingerprint_fn=tensor_fingerprint)
+        for b in bf16.buckets():
             sent.update((n, (t.dtype, t.clone())) for n, t in b.tensors if n.endswith("e_score_correction_bias"))
         report["bias_bf16_exact"] = bool(sent) and all(
             d == torch.float32 and torch.equal(t, state[n]) for n, (d, t) in sent.items())
+        # ... and fingerprinted at fp32's tolerance: the full-precision values pass, a 0.2 % change (which bf16's 2e-2
+        # would let through) is named
+        expected, rtol = {n: bf16.expected_fingerprints[n] for n in sent}, tolerance_for(torch.bfloat16)
+        report["bias_bf16_fingerprint"] = (
+            compare(expected, {n: tensor_fingerprint(state[n]) for n in sent}, rtol),
+            len(compare(expected, {n: tensor_fingerprint(state[n] * 1.002) for n in sent}, rtol)), len(sent))
     if engine.dims.mla:  # vLLM's MLA decodes with W_UK_T / W_UV derived from kv_b_proj after loading: with
         # storage of their own (bf16, GPU), a sync that does not derive them again leaves decoding on the old
         # weights, which the fingerprint names; deriving them again (the default) repairs it
@@ -366,3 +374,5 @@ def test_hybrid_engine(tiny_assets, family, layout_name, rollout_tp, weight_load
         assert b["n"] > 0 and b["ok"] == 1.0 and b["parity"]["rollout/logprob_diff_max"] <= TOL, b
         assert b["hf_greedy_diff"] <= TOL, b
         assert all(r["bias_bf16_exact"] for r in reports)
+        assert all(r["bias_bf16_fingerprint"][0] == [] and r["bias_bf16_fingerprint"][1] == r["bias_bf16_fingerprint"][2]
+                   for r in reports), [r["bias_bf16_fingerprint"] for r in reports]

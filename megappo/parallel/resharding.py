@@ -417,6 +417,8 @@ class Resharder:
             dist.all_reduce(fp)
             k = len(names)
             self.expected_fingerprints = {n: (float(fp[i]), float(fp[k + i])) for i, n in enumerate(names)}
+            for n, t in exact:  # what vLLM keeps: the full-precision values (the same on every rank), not the rounded
+                self.expected_fingerprints[n] = tuple(float(x) for x in torch.as_tensor(self.fingerprint_fn(t)).tolist())
         run = self._run
         self.stats = {"buckets": len(self._plan), "transport": self.transport, "sliced": self.sliced,
                       "bytes_received": run["broadcast_received"] + run["tp_gathered"] + run["shm_read"]
