@@ -12,8 +12,8 @@ from omegaconf import OmegaConf
 from megappo.config.errors import ConfigError
 from megappo.config.schema import CHOICES, GROUP_ESTIMATORS, LOGGERS, LORA_TARGETS
 from megappo.parallel.layout import check_layout, same_layout
-from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS, LORA_MLA_TARGETS, MLA_MODEL_TYPES, MOE_FAMILIES, \
-    ModelDims
+from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS, LORA_MLA_TARGETS, MLA_MODEL_TYPES, MLA_WITHOUT_TE, \
+    MOE_FAMILIES, ModelDims
 from megappo.utils.checkpoint import is_dist_checkpoint
 
 
@@ -127,8 +127,7 @@ def validate_config(cfg, check_paths: bool = False) -> None:
                           "kernels); leave it null (TE when usable on GPU)")
     dims = model_dims(cfg)
     if cfg.model.transformer_engine and dims.mla:
-        raise ConfigError("model.transformer_engine=true is not supported for multi-latent attention (deepseek_v3): "
-                          "megappo maps MLA on megatron's local spec; leave it null")
+        raise ConfigError(MLA_WITHOUT_TE)
     _check_layouts(cfg, dims)
     _check_rollout(cfg, dims)
     _check_algorithm(cfg)

@@ -16,7 +16,7 @@ import torch
 
 from megappo.parallel.device import transformer_engine_problem
 from megappo.parallel.layout import ParallelLayout
-from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS, ModelDims, global_named_parameters, hf_names, \
+from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS, MLA_WITHOUT_TE, ModelDims, global_named_parameters, hf_names, \
     hf_to_megatron_shard, rope_theta, transformer_config_kwargs
 
 
@@ -32,8 +32,7 @@ def use_transformer_engine(device: str, want: Optional[bool] = None, packed: boo
     down projections whole on every rank; megappo's weight mapping is the local spec's)."""
     if mla:
         if want:
-            raise ValueError("model.transformer_engine=true is not supported for multi-latent attention "
-                             "(deepseek_v3): megappo maps MLA on megatron's local spec; leave it null")
+            raise ValueError(MLA_WITHOUT_TE)
         return False
     lora_local = lora is not None and (lora.experts or bool(set(lora.target_modules) & set(LORA_COLUMN_TARGETS)))
     if want is None and (packed or lora_local):

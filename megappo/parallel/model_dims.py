@@ -13,6 +13,9 @@ from typing import Optional
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe",
                          "deepseek_v3")
 MLA_MODEL_TYPES = ("deepseek_v3",)  # multi-latent attention (megatron's MLASelfAttention)
+# TE's MLA spec fuses the latent norms into the up projections and keeps the down projections whole: another mapping
+MLA_WITHOUT_TE = ("model.transformer_engine=true is not supported for multi-latent attention (deepseek_v3): "
+                  "megappo maps MLA on megatron's local spec; leave it null")
 
 # multi-latent attention's projections in megatron's names, each column-parallel on megatron's local spec (split
 # along the output); vLLM keeps the down projections whole on every rank

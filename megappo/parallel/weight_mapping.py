@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Mapping, Optional
 
 from megappo.parallel.model_dims import (  # noqa: F401 (re-exported: the model's facts, read with its names)
     DEFAULT_VOCAB_DIVISOR, LORA_COLUMN_TARGETS, LORA_INITS, LORA_MLA_TARGETS, LORA_ROW_TARGETS, LORA_TARGETS,
-    MLA_COLUMN_LINEARS, MLA_DOWN_LINEARS, MLA_MODEL_TYPES, MOE_FAMILIES, SUPPORTED_MODEL_TYPES, ModelDims, MoeFamily, num_routed_experts, padded_vocab_size, rope_theta,
+    MLA_COLUMN_LINEARS, MLA_DOWN_LINEARS, MLA_MODEL_TYPES, MLA_WITHOUT_TE, MOE_FAMILIES, SUPPORTED_MODEL_TYPES, ModelDims, MoeFamily, num_routed_experts, padded_vocab_size, rope_theta,
     transformer_config_kwargs)
 
 if TYPE_CHECKING:  # torch is imported where a tensor is built: the driver validates its config
