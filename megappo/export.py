@@ -128,7 +128,7 @@ def export_lora(role_dir, out, base, dtype: Optional[str] = None, overwrite: boo
     from megappo.models.lora import LoraConfig
     from megappo.models.lora_peft import PeftLayoutError, save_peft_adapter
     from megappo.utils.checkpoint import LORA_FORMAT, LORA_META, is_base_of
-    from megappo.parallel.weight_mapping import ModelDims
+    from megappo.parallel.weight_mapping import ModelDims, kept_in_fp32
 
     role_dir, out, base = Path(role_dir), Path(out), Path(base)
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -164,7 +164,7 @@ def export_lora(role_dir, out, base, dtype: Optional[str] = None, overwrite: boo
                 w = tensors[name]
                 tensors[name] = (w.double() + cfg.scaling * (b.double() @ a.double())).to(cast)
                 merged += 1
-            if tensors[name].is_floating_point():
+            if tensors[name].is_floating_point() and not kept_in_fp32(name):
                 tensors[name] = tensors[name].to(cast)
         save_file(tensors, str(out / f.name), metadata={"format": "pt"})
     if merged != len(adapter):

@@ -11,6 +11,7 @@ and up projections (each one column-parallel linear) and on linear_proj, at TP2 
 """
 
 import os
+from pathlib import Path
 
 from test_lora_ppo import _hf_gap
 
@@ -67,6 +68,8 @@ def _worker(rank, world, port, path, peft_dir):
                                     if k in dict(c.named_parameters()))
     out["lp1"] = engine.forward_only(batch, R, 4)["logprobs"]
     engine.export_lora_adapter(peft_dir)
+    engine.save_checkpoint(peft_dir + "_ckpt")
+    engine.finish_save()
     return out
 
 
@@ -95,3 +98,17 @@ def test_lora_on_multi_latent_attention_through_vllm_and_peft(tiny_assets, tmp_p
     gap = _hf_gap(model, r["lp1"])
     print(f"peft on HF DeepseekV3 vs megatron LoRA (MLA) log-probs after one step: {gap:.2e}")
     assert gap <= 1e-4
+
+    # megappo export of the adapter checkpoint in bf16: every adapted MLA projection merged, the routers'
+    # correction biases kept fp32 and bit for bit (they were rounded with every other tensor)
+    from safetensors.torch import load_file
+
+    from megappo.export import export_lora
+
+    info = export_lora(tmp_path / "peft_ckpt", tmp_path / "merged", path, dtype="bfloat16")
+    assert info["merged_modules"] == len(MLA_TARGETS) * 4  # the tiny model's 4 layers
+    src = {k: v for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    got = {k: v for f in sorted((tmp_path / "merged").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    bias = [k for k in got if k.endswith("e_score_correction_bias")]
+    assert bias and all(got[k].dtype == torch.float32 and torch.equal(got[k], src[k]) for k in bias)
+    assert got["model.layers.0.self_attn.kv_b_proj.weight"].dtype == torch.bfloat16

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from megappo.parallel.weight_mapping import HF_ROUTER_BIAS, ModelDims, megatron_shards_to_hf
+from megappo.parallel.weight_mapping import ModelDims, kept_in_fp32, megatron_shards_to_hf
 from megappo.conversion.core import (SEQ_CLS, SIDE_FILES, Progress, Unit, atomic_dir, check_out, checked_dims,
                                      copy_side_files, fast_kind, hf_shape, load_config_object, log,
                                      megatron_units, read_hf_config)
@@ -49,7 +49,7 @@ def mcore_to_hf(ckpt_dir, out_dir, config: Optional[str] = None, dtype: Optional
         log("config ties the embeddings: the checkpoint's separate output_layer.weight is not exported")
     keep_bias = kind == "critic" and _value_bias_nonzero(reader)
     def cast_of(name: str):  # a router's correction bias stays fp32, as transformers keeps it (_keep_in_fp32)
-        return None if name.endswith(HF_ROUTER_BIAS) else cast
+        return None if kept_in_fp32(name) else cast
 
     specs = [(n, hf_shape(n, d), cast_of(n) or tensors[u.key].properties.dtype)
              for u in units for n in u.hf if n != "score.bias" or keep_bias]

@@ -55,6 +55,12 @@ _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # a sigmoid router's correction bias: megatron's fp32 buffer, and its name in transformers' (and vLLM's) gate
 ROUTER_BIAS = "mlp.router.expert_bias"
 HF_ROUTER_BIAS = "e_score_correction_bias"
+
+
+def kept_in_fp32(hf_name: str) -> bool:
+    """An HF tensor held in fp32 whatever the model's dtype: a sigmoid router's correction bias (transformers'
+    _keep_in_fp32, vLLM's gate): exports keep it so, and the rollout's fingerprint compares it at fp32's tolerance."""
+    return hf_name.endswith(HF_ROUTER_BIAS)
 # routed experts (global expert index e): megatron SequentialMLP's or TEGroupedMLP's names <-> transformers'
 # per-expert names on disk
 _EXPERT_RE = re.compile(r"^mlp\.experts\.(?:local_experts\.(?P<e>\d+)\.(?P<fc>linear_fc1|linear_fc2)\.weight|"

@@ -36,7 +36,7 @@ from typing import Iterable, Mapping, Optional
 
 import torch
 
-from megappo.parallel.weight_mapping import HF_ROUTER_BIAS
+from megappo.parallel.weight_mapping import HF_ROUTER_BIAS, kept_in_fp32
 
 _PHI = (math.sqrt(5.0) - 1.0) / 2.0
 _SQRT2 = math.sqrt(2.0) - 1.0
@@ -118,7 +118,7 @@ def compare(expected: Mapping[str, tuple[float, float]], actual: Mapping[str, tu
             bad.append(f"{name}: held by vLLM but not sent by the trainer")
             continue
         (e, es), (a, _) = expected[name], actual[name]
-        tol = min(rtol, tolerance_for(torch.float32)) if name.endswith(HF_ROUTER_BIAS) else rtol
+        tol = min(rtol, tolerance_for(torch.float32)) if kept_in_fp32(name) else rtol
         if not math.isfinite(a) or abs(a - e) > tol * max(es, 1e-12):
             bad.append(f"{name}: trainer {e:.10g} vs vLLM {a:.10g}")
     return bad
