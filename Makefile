@@ -97,8 +97,9 @@ smollm2: install
 	  --out $(SMOLLM2_RUN)/trained_eval.json --baseline $(SMOLLM2_RUN)/base_eval.json
 
 # On-policy distillation (docs/distillation.md, configs/opd_smollm2_135m.yaml): the GRPO recipe's policy
-# (`make smollm2`, run first when missing) teaches the base model; pure OPD and GRPO + OPD at the GRPO recipe's
-# batch, evaluated every 2 steps; their curves beside GRPO's and the samples each needed (bench JSON).
+# (`make smollm2`, run first when missing) teaches the base model; pure OPD, GRPO + OPD, and GRPO alone at the OPD
+# config's learning rate (no teacher, 20 steps: the matched-learning-rate baseline beside the recipe's own GRPO run),
+# each evaluated every 2 steps; their curves and the samples each needed (bench JSON, PNG).
 OPD_CONFIG ?= configs/opd_smollm2_135m.yaml
 smollm2-opd: install
 	test -f $(SMOLLM2_RUN)/hf_final/config.json || $(MAKE) smollm2
@@ -106,10 +107,14 @@ smollm2-opd: install
 	  trainer.output_dir=outputs/opd_smollm2_135m $(SMOLLM2_ARGS)
 	$(VENV)/bin/megappo train --config $(OPD_CONFIG) teacher.model=$(SMOLLM2_RUN)/hf_final \
 	  algorithm.adv_estimator=grpo trainer.output_dir=outputs/grpo_opd_smollm2_135m $(SMOLLM2_ARGS)
+	$(VENV)/bin/megappo train --config $(OPD_CONFIG) teacher.model=null algorithm.adv_estimator=grpo \
+	  trainer.total_steps=20 trainer.output_dir=outputs/grpo_at_opd_lr_smollm2_135m $(SMOLLM2_ARGS)
 	$(PY) bench/opd_smollm2.py --config $(SMOLLM2_CONFIG) --teacher $(SMOLLM2_RUN) \
+	  --grpo grpo_at_opd_lr=outputs/grpo_at_opd_lr_smollm2_135m \
 	  --runs opd=outputs/opd_smollm2_135m grpo_opd=outputs/grpo_opd_smollm2_135m | tee outputs/opd_smollm2_135m/vs_grpo.json
-	$(PY) tools/compare_runs.py $(SMOLLM2_RUN):GRPO outputs/opd_smollm2_135m:OPD outputs/grpo_opd_smollm2_135m:"GRPO + OPD" \
-	  --keys eval/verifiable_correct_rate --title "held-out accuracy, SmolLM2-135M" --out outputs/opd_smollm2_135m/vs_grpo.png
+	$(PY) tools/compare_runs.py $(SMOLLM2_RUN):"GRPO (recipe)" outputs/grpo_at_opd_lr_smollm2_135m:"GRPO (OPD's lr)" \
+	  outputs/opd_smollm2_135m:OPD outputs/grpo_opd_smollm2_135m:"GRPO + OPD" --keys eval/verifiable_correct_rate \
+	  --title "held-out accuracy, SmolLM2-135M" --out outputs/opd_smollm2_135m/vs_grpo.png
 
 # SmolLM2-135M learning to use a calculator (README "Multi-turn, tool-using rollouts"): held-out 3-digit
 # addition with one worked calculator exchange per prompt; evaluates the base model with the tools and
