@@ -353,7 +353,7 @@ def value_loss(out, mb):
     return (((out["values"] - mb["advantages"]) ** 2) * m).sum(), {"tokens": m.sum()}
 
 
-def _packing_worker(rank, world, port, path, layout):
+def _packing_worker(rank, world, port, path, layout, heads=("lm", "value")):
     """The padded engine, a packed one (micro-batches of 2 rows) and a packed one with a 30-token budget
     (rows regrouped longest first), from the same weights, LM head and value head: forward outputs in
     the caller's row order and one optimizer step each (loss, grad norm, updated weights)."""
@@ -367,7 +367,7 @@ def _packing_worker(rank, world, port, path, layout):
     batch = make_batch()
     norm = batch["response_mask"].sum().item()
     report = {}
-    for head, loss in (("lm", pg_loss), ("value", value_loss)):
+    for head, loss in [(h, {"lm": pg_loss, "value": value_loss}[h]) for h in heads]:
         variants = {"padded": {}, "packed": {"pack_sequences": True},
                     "budget": {"pack_sequences": True, "max_tokens_per_micro_batch": 30}}
         for name, kw in variants.items():
@@ -381,19 +381,21 @@ def _packing_worker(rank, world, port, path, layout):
     return report
 
 
-@pytest.mark.parametrize("family,layout", [("tiny-llama", ParallelLayout(tp=2)), ("tiny-llama", ParallelLayout(pp=2)),
-                                           ("tiny-deepseek_v3", ParallelLayout(tp=2))],
+@pytest.mark.parametrize("family,layout,heads", [("tiny-llama", ParallelLayout(tp=2), ("lm", "value")),
+                                                 ("tiny-llama", ParallelLayout(pp=2), ("lm", "value")),
+                                                 ("tiny-deepseek_v3", ParallelLayout(tp=2), ("lm",))],
                          ids=["tp2", "pp2", "deepseek_v3-tp2"])
-def test_packed_sequences_equal_the_padded_path(tiny_assets, family, layout):
+def test_packed_sequences_equal_the_padded_path(tiny_assets, family, layout, heads):
     """Loss, gradients (via the updated weights) and log-probs / entropy / values of packed micro-batches
     equal the padded path's within fp32 rounding (<= 1e-5), at TP2 and PP2, for the actor's LM head and
     the critic's value head; the packed runs compute only the real tokens. DeepSeek-V3's multi-latent
-    attention too: v's head is narrower than q/k's, and each layer has its own YaRN RoPE (by token position)."""
-    reports = spawn_local(_packing_worker, 2, str(tiny_assets[family]), layout)
+    attention too (the LM head: the heads share the attention): v's head is narrower than q/k's, and each
+    layer has its own YaRN RoPE (by token position)."""
+    reports = spawn_local(_packing_worker, 2, str(tiny_assets[family]), layout, heads)
     real = int(make_batch()["attention_mask"].sum())
     m = make_batch()["response_mask"]  # outputs at padding positions are nobody's (every use masks them)
     for r in reports:
-        for head in ("lm", "value"):
+        for head in heads:
             base = r[(head, "padded")]
             for name in ("packed", "budget"):
                 got = r[(head, name)]
