@@ -224,7 +224,8 @@ def lora_rank(cfg) -> int:
 
 def lora_params(a, lora, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[int, int]:
     """(dense, expert) adapter parameters on one GPU of a pipeline stage (layers / pp of them): A [r, in] and
-    B [out, r] per targeted linear, the split one of the two divided by tp. Routed experts carry adapters
+    B [out, r] per targeted linear, the split one of the two divided by tp (a MoE layer's shared expert too, as
+    a dense MLP; multi-latent attention's projections by their own shapes). Routed experts carry adapters
     only with lora.experts (each of the num_experts / ep local experts its fc1 / fc2's, split as a dense MLP's
     over expert TP = tp)."""
     r = int(lora.rank)
@@ -233,6 +234,12 @@ def lora_params(a, lora, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[int, in
     ffn = a.intermediate_size
     shapes = {"linear_qkv": (h, (a.num_attention_heads + 2 * a.num_kv_heads) * head_dim, "column"),
               "linear_proj": (q, h, "row"), "linear_fc1": (h, 2 * ffn, "column"), "linear_fc2": (ffn, h, "row")}
+    if a.kv_lora_rank:  # multi-latent attention's projections (each column-parallel; head_dim is v's)
+        heads, qk = a.num_attention_heads, a.qk_nope_head_dim + a.qk_rope_head_dim
+        shapes.update(linear_q_down_proj=(h, a.q_lora_rank, "column"),
+                      linear_q_up_proj=(a.q_lora_rank, heads * qk, "column"), linear_q_proj=(h, heads * qk, "column"),
+                      linear_kv_down_proj=(h, a.kv_lora_rank + a.qk_rope_head_dim, "column"),
+                      linear_kv_up_proj=(a.kv_lora_rank, heads * (a.qk_nope_head_dim + head_dim), "column"))
     n_moe = moe_layers(a)
 
     def per_linear(fan_in, fan_out, split) -> float:  # column: B split with the output; row: A with the input
@@ -242,6 +249,9 @@ def lora_params(a, lora, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[int, in
     for name in lora.target_modules:
         layers = a.num_layers - n_moe if name in ("linear_fc1", "linear_fc2") else a.num_layers
         total += per_linear(*shapes[name]) * layers / pp
+    fs = a.shared_expert_intermediate_size if n_moe else 0  # a MoE layer's shared expert: a dense MLP's adapters
+    shared = {"linear_fc1": (h, 2 * fs, "column"), "linear_fc2": (fs, h, "row")}
+    total += sum(per_linear(*shared[t]) for t in lora.target_modules if t in shared and fs) * n_moe / pp
     experts = 0.0
     if getattr(lora, "experts", False) and n_moe:
         f = getattr(a, MOE_FAMILIES[a.family].ffn_key)

@@ -177,7 +177,7 @@ def test_lora_frozen_base_no_reference_copy_against_hand_calculation():
         assert gb < full["phases_gb"][phase], phase
 
 
-def _count_adapters(rank, world, port, path, lora_rank):
+def _count_adapters(rank, world, port, path, lora_rank, targets=None):
     from megappo.models.gpt import build_gpt_chunks, build_transformer_config, load_hf_config
     from megappo.models.lora import LoraConfig, apply_lora, lora_parameters
     from megappo.parallel.layout import ParallelLayout
@@ -188,7 +188,7 @@ def _count_adapters(rank, world, port, path, lora_rank):
     init_megatron(layout)
     hf_config = load_hf_config(path)
     chunks = build_gpt_chunks(hf_config, build_transformer_config(hf_config, layout), layout)
-    apply_lora(chunks, LoraConfig(rank=lora_rank))
+    apply_lora(chunks, LoraConfig(rank=lora_rank, **({"target_modules": targets} if targets else {})))
     n = sum(p.numel() for p in lora_parameters(chunks))
     destroy()
     return n
@@ -204,6 +204,31 @@ def test_lora_adapter_count_equals_apply_lora_on_the_tiny_model(tiny_assets):
     for tp in (1, 2):
         counts = spawn_local(_count_adapters, tp, path, 4, timeout=300)
         assert counts == [sum(lora_params(cfg.model.arch, cfg.actor.lora, tp=tp))] * tp, (tp, counts)
+
+
+def test_mla_lora_adapter_count_equals_apply_lora(tiny_assets):
+    """LoRA on multi-latent attention's projections (and its dense layers' MLP): the planner's adapter parameters per
+    GPU are apply_lora's on the tiny DeepSeek-V3 at TP2 (every MLA projection column-parallel: B split)."""
+    from megappo.parallel.launch import spawn_local
+    from megappo.planner import lora_params
+
+    path = str(tiny_assets["tiny-deepseek_v3"])
+    targets = ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj",
+               "linear_fc1", "linear_fc2"]
+    cfg = load_config(REPO / "configs/grpo_deepseek_v3.yaml", ["actor.lora.rank=4",
+                                                               f"actor.lora.target_modules=[{','.join(targets)}]"])
+    hf = json.loads((tiny_assets["tiny-deepseek_v3"] / "config.json").read_text())
+    a = cfg.model.arch
+    a.hidden_size, a.intermediate_size, a.num_layers = hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"]
+    a.num_attention_heads, a.head_dim, a.first_k_dense_replace = hf["num_attention_heads"], hf["v_head_dim"], \
+        hf["first_k_dense_replace"]
+    a.q_lora_rank, a.kv_lora_rank = hf["q_lora_rank"], hf["kv_lora_rank"]
+    a.qk_nope_head_dim, a.qk_rope_head_dim = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
+    a.num_experts, a.num_kv_heads = hf["n_routed_experts"], hf["num_attention_heads"]
+    a.moe_intermediate_size = hf["moe_intermediate_size"]
+    a.shared_expert_intermediate_size = hf["n_shared_experts"] * hf["moe_intermediate_size"]  # its fc1 / fc2 adapted too
+    counts = spawn_local(_count_adapters, 2, path, 4, targets, timeout=300)
+    assert counts == [sum(lora_params(a, cfg.actor.lora, tp=2))] * 2, counts
 
 
 def _count_moe_adapters(rank, world, port, path, lora_rank):
