@@ -22,7 +22,7 @@ admin), `GET /megappo/v1/sessions/{id}`, `POST /megappo/v1/sessions/{id}/close`,
 A key reaches its own session only (401 for an unknown key, 403 for another session's); `open_key`
 (for `megappo serve`) is a key whose requests are served and not recorded. Every bad input is a 4xx
 whose body is OpenAI's error object with one line: malformed JSON, an unknown key, `n` > 1 in a session,
-a field this server does not do (UNSUPPORTED: response_format other than text, the legacy functions API, ...),
+a field this server does not do (rq.UNSUPPORTED: response_format other than text, the legacy functions API, ...),
 max_tokens < 1 or past the server's budget, a prompt past max_model_len, a request the engine refuses
 (token ids out of the vocabulary), a reward that is not a finite number, an unknown route or method; an
 unexpected failure is a 500 with one line. Loopback by default (serve.py).
@@ -52,17 +52,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megappo.agent.capture import ChatRenderer, Session
+from megappo.gateway import requests as rq
+from megappo.gateway.requests import GatewayError  # noqa: F401 (re-exported)
 from megappo.gateway.tool_calls import ToolCallReader
 from megappo.rewards.rules import as_reward as rules_as_reward
-
-ROLES = ("system", "user", "assistant", "tool")
-
-
-class GatewayError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", headers: Optional[dict] = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.headers = status, message, kind, headers
-
 
 LATENCIES_KEPT = 10_000  # the gateway's latency stats: over its latest requests (a server runs for weeks)
 
@@ -159,7 +152,7 @@ class Gateway:
 
     def _caller(self, authorization: Optional[str]) -> Optional[SessionState]:
         """The session a key belongs to; None for the admin or the open key."""
-        key = _bearer(authorization)
+        key = rq.bearer(authorization)
         if not key:
             raise GatewayError(401, "missing API key: send Authorization: Bearer <your session's key>",
                                "authentication_error")
@@ -175,7 +168,7 @@ class Gateway:
         return secrets.compare_digest(key, self.admin_key)
 
     def _admin(self, authorization: Optional[str]) -> None:
-        if self._caller(authorization) is not None or not self._is_admin(_bearer(authorization)):
+        if self._caller(authorization) is not None or not self._is_admin(rq.bearer(authorization)):
             raise GatewayError(403, "this endpoint needs the gateway's admin key", "permission_error")
 
     def _own(self, authorization: Optional[str], sid: str) -> SessionState:
@@ -183,16 +176,16 @@ class Gateway:
         state = self._state(sid)
         if caller is not None and caller.id != sid:
             raise GatewayError(403, "this key belongs to another session", "permission_error")
-        if caller is None and not self._is_admin(_bearer(authorization)):
+        if caller is None and not self._is_admin(rq.bearer(authorization)):
             raise GatewayError(403, "this endpoint needs the session's own key or the admin key", "permission_error")
         return state
 
     # ---- the OpenAI API --------------------------------------------------------------------------------
     async def chat(self, body: dict, authorization: Optional[str]) -> dict:
         state = self._caller(authorization)
-        messages, tools = _messages(body.get("messages")), _tools(body.get("tools"))
-        n, top = _n(body, state), _top_logprobs(body)
-        outs = await asyncio.gather(*(self._chat_one(_nth(body, j), state, messages, tools, top) for j in range(n)))
+        messages, tools = rq.messages(body.get("messages")), rq.tools(body.get("tools"))
+        n, top = rq.n(body, state), rq.top_logprobs(body)
+        outs = await asyncio.gather(*(self._chat_one(rq.nth(body, j), state, messages, tools, top) for j in range(n)))
         choices = [dict(choice, index=j) for j, (choice, _) in enumerate(outs)]
         return self._envelope("chat.completion", choices, [out for _, out in outs], n)
 
@@ -205,7 +198,7 @@ class Gateway:
                     parsing, constraint = self.tool_calls.prepare(body)
                     prompt = session.chat_prompt(messages, tools)
             except ValueError as e:  # or tools= for a template without a tools section and no tool_prompt
-                raise GatewayError(400, _one_line(e)) from None
+                raise GatewayError(400, rq.one_line(e)) from None
             out, latency = await self._generate(prompt, body, state, constraint, top_logprobs=top or 0)
             content, calls, unread = self.tool_calls.read(parsing, out.ids, out.finish_reason, out.stop_string)
             reply = {"role": "assistant", "content": content}
@@ -235,18 +228,18 @@ class Gateway:
         samples of each, `logprobs` k (each token's log-prob and its top k), `echo` (the prompt first, with its
         log-probs), `max_tokens: 0` with echo (the prompt's log-probs alone: what a log-likelihood harness asks)."""
         state = self._caller(authorization)
-        prompts, n, echo = self._prompts(body.get("prompt")), _n(body, state), bool(body.get("echo"))
+        prompts, n, echo = self._prompts(body.get("prompt")), rq.n(body, state), bool(body.get("echo"))
         k = body.get("logprobs")
-        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
-            raise GatewayError(400, f"logprobs={k!r} must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token)")
-        only_prompt = _max_tokens(body, None) == 0
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= rq.MAX_LOGPROBS):
+            raise GatewayError(400, f"logprobs={k!r} must be an integer in [0, {rq.MAX_LOGPROBS}] (alternatives per token)")
+        only_prompt = rq.max_tokens(body, None) == 0
         if only_prompt and not echo:
             raise GatewayError(400, "max_tokens=0 samples nothing: with echo=true it returns the prompt's log-probs")
         if state is not None and (len(prompts) > 1 or only_prompt):
             raise GatewayError(400, "a session is one conversation: one prompt per request, sampled (no batch, no "
                                     "max_tokens=0)")
         jobs = [(ids, j) for ids in prompts for j in range(n)]
-        outs = await asyncio.gather(*(self._complete_one(ids, _nth(body, j), state, echo, k, only_prompt)
+        outs = await asyncio.gather(*(self._complete_one(ids, rq.nth(body, j), state, echo, k, only_prompt)
                                       for ids, j in jobs))
         choices = [dict(choice, index=i) for i, (choice, _) in enumerate(outs)]
         return self._envelope("text_completion", choices, [out for _, out in outs], n)
@@ -277,7 +270,7 @@ class Gateway:
                 with turn.lock:
                     full = session.completion_prompt(ids)
             except ValueError as e:  # a training session's segment cap
-                raise GatewayError(400, _one_line(e)) from None
+                raise GatewayError(400, rq.one_line(e)) from None
             out, latency = await self._generate(full, body, state, top_logprobs=k or 0,
                                                 prompt_logprobs=(k or 0) if echo and k is not None else None)
             turn.record(latency, out.ids, out.logprobs, out.versions, finish_reason=out.finish_reason)
@@ -309,7 +302,7 @@ class Gateway:
             out = await request
         except VLLMClientError as e:  # refused by vLLM's input checks (e.g. ids out of the vocabulary); an engine-
             # wide failure (any other exception a step raises for every request in flight) stays a 500
-            raise GatewayError(400, f"the engine refused this request: {_one_line(e)}") from None
+            raise GatewayError(400, f"the engine refused this request: {rq.one_line(e)}") from None
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():  # this request's own handler is cancelled (the server stops)
                 raise
@@ -328,7 +321,7 @@ class Gateway:
         if state is None or (not state.forced and state.budget is None):
             return body
         if state.forced:  # the rollout's sampling (forced below) is what the trainer's log-probs assume
-            changed = [k for k, default in SESSION_FIXED.items() if body.get(k) not in (None, default)]
+            changed = [k for k, default in rq.SESSION_FIXED.items() if body.get(k) not in (None, default)]
             if changed:
                 raise GatewayError(400, f"{changed[0]}={body[changed[0]]!r} would change what a training session "
                                         "samples from (the rollout's sampling, which the trainer scores): drop it")
@@ -343,7 +336,7 @@ class Gateway:
             if left <= 0:
                 raise GatewayError(400, f"this session's response budget ({state.budget} tokens, model and tool "
                                         "tokens together, over all its segments) is spent: end the episode")
-            asked = _max_tokens(body, left)
+            asked = rq.max_tokens(body, left)
             body["max_tokens"], body["max_completion_tokens"] = min(asked, left) if isinstance(asked, int) else asked, None
         return body
 
@@ -357,8 +350,8 @@ class Gateway:
 
         if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
             raise GatewayError(400, 'stream_options must be an object such as {"include_usage": true}')
-        _refuse_unsupported(body)
-        max_tokens = _max_tokens(body, None)
+        rq.refuse_unsupported(body)
+        max_tokens = rq.max_tokens(body, None)
         room = self.max_model_len - prompt_len
         if max_tokens is None:  # vLLM's server: whatever the context has left (within this server's budget)
             if room < 1:
@@ -381,11 +374,11 @@ class Gateway:
             seed = secrets.randbits(63)  # each (utils/checkpoint.preserved_rng), so an unseeded draw repeated itself
         bias = body.get("logit_bias")
         try:
-            return SamplingParams(temperature=_given(body, "temperature", 1.0), top_p=_given(body, "top_p", 1.0),
-                                  top_k=int(_given(body, "top_k", -1)), min_p=_given(body, "min_p", 0.0),
-                                  presence_penalty=_given(body, "presence_penalty", 0.0),
-                                  frequency_penalty=_given(body, "frequency_penalty", 0.0),
-                                  repetition_penalty=_given(body, "repetition_penalty", 1.0),
+            return SamplingParams(temperature=rq.given(body, "temperature", 1.0), top_p=rq.given(body, "top_p", 1.0),
+                                  top_k=int(rq.given(body, "top_k", -1)), min_p=rq.given(body, "min_p", 0.0),
+                                  presence_penalty=rq.given(body, "presence_penalty", 0.0),
+                                  frequency_penalty=rq.given(body, "frequency_penalty", 0.0),
+                                  repetition_penalty=rq.given(body, "repetition_penalty", 1.0),
                                   logit_bias={int(k): float(v) for k, v in bias.items()} if bias else None,
                                   max_tokens=max_tokens, seed=seed, logprobs=top_logprobs,
                                   prompt_logprobs=prompt_logprobs,
@@ -393,7 +386,7 @@ class Gateway:
                                   stop_token_ids=list(body.get("stop_token_ids") or []) or None,
                                   structured_outputs=constraint)
         except (TypeError, ValueError, AttributeError) as e:
-            raise GatewayError(400, f"bad sampling parameters: {_one_line(e)}") from None
+            raise GatewayError(400, f"bad sampling parameters: {rq.one_line(e)}") from None
 
     def _token(self, t: int) -> str:
         return self.tokenizer.decode([t])
@@ -517,105 +510,6 @@ class _Turn:
             self.state.pending = None
 
 
-# what a request may ask for that this server does not do (refused in one line, not ignored): field -> what it is
-UNSUPPORTED = {"response_format": "structured output formats other than text", "suffix": "insertion",
-               "best_of": "best-of-n ranking", "functions": "the legacy functions API: send tools",
-               "function_call": "the legacy functions API: send tool_choice", "prediction": "predicted outputs",
-               "audio": "audio output", "modalities": "output modalities other than text", "logprobs_mode": ""}
-# what would change the distribution a training session samples from -> the value that changes nothing
-SESSION_FIXED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0, "logit_bias": {}}
-
-
-MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's cap)
-MAX_N = 16  # samples per prompt one request may ask for
-
-
-def _n(body: dict, state: Optional["SessionState"]) -> int:
-    """Samples per prompt (null: 1). A session is one conversation: one sample per request."""
-    n = body.get("n")
-    n = 1 if n is None else n
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
-        raise GatewayError(400, f"n={n!r} must be an integer in [1, {MAX_N}]")
-    if n > 1 and state is not None:
-        raise GatewayError(400, "n must be 1 in a session (one conversation): open one session per sample")
-    return n
-
-
-def _nth(body: dict, j: int) -> dict:
-    """Sample j of a request with n > 1: the request's seed + j (every sample its own stream), or none."""
-    return body if j == 0 or body.get("seed") is None else {**body, "seed": body["seed"] + j}
-
-
-def _top_logprobs(body: dict) -> Optional[int]:
-    """Chat: alternatives per sampled token (top_logprobs, which needs logprobs: true)."""
-    top = body.get("top_logprobs")
-    if top is None:
-        return None
-    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_LOGPROBS:
-        raise GatewayError(400, f"top_logprobs={top!r} must be an integer in [0, {MAX_LOGPROBS}]")
-    if not body.get("logprobs"):
-        raise GatewayError(400, "top_logprobs needs logprobs: true")
-    return top
-
-
-def _refuse_unsupported(body: dict) -> None:
-    for key, what in UNSUPPORTED.items():
-        value = body.get(key)
-        if value is None or (key == "response_format" and isinstance(value, dict) and value.get("type") == "text") \
-                or (key == "best_of" and value == 1) or (key == "modalities" and value == ["text"]):
-            continue
-        raise GatewayError(400, f"{key} is not supported by this server ({what}); drop it" if what else
-                                f"{key} is not supported by this server; drop it")
-
-
-def _given(body: dict, key: str, default: float) -> float:
-    """A number the request gives, or the default for one it leaves out or sends as null (as vLLM's server)."""
-    value = body.get(key)
-    return default if value is None else float(value)
-
-
-def _max_tokens(body: dict, default: int):
-    """What the request asks for (max_completion_tokens, else max_tokens; 0 is an ask, refused later), else default."""
-    for key in ("max_completion_tokens", "max_tokens"):
-        if body.get(key) is not None:
-            return body[key]
-    return default
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
-
-
-def _bearer(authorization: Optional[str]) -> str:
-    """The key of an `Authorization: Bearer <key>` header ('' when there is none)."""
-    return (authorization or "").removeprefix("Bearer ").strip()
-
-
-def _messages(messages) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise GatewayError(400, "messages must be a non-empty list of {role, content} objects")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise GatewayError(400, f"messages[{i}] must be an object with a role in {', '.join(ROLES)}")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: the text ones, joined
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-        if content is not None and not isinstance(content, str):
-            raise GatewayError(400, f"messages[{i}].content must be a string, a list of text parts or null")
-        out.append({**m, "content": content})
-    return out
-
-
-def _tools(tools) -> Optional[list]:
-    if tools is None:
-        return None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
-                                              and t["function"].get("name") for t in tools):
-        raise GatewayError(400, 'tools must be a list of {"type": "function", "function": {"name", ...}}')
-    return tools
-
-
 def make_app(gateway: Gateway):
     """The FastAPI app: the routes above, every error as OpenAI's error object with one line."""
     app = FastAPI(title="megappo rollout gateway", docs_url=None, redoc_url=None)
@@ -636,14 +530,14 @@ def make_app(gateway: Gateway):
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):  # a bug of ours: still one line, as OpenAI's error
-        return await _error(request, GatewayError(500, f"internal error: {type(e).__name__}: {_one_line(e)}",
+        return await _error(request, GatewayError(500, f"internal error: {type(e).__name__}: {rq.one_line(e)}",
                                                   "server_error"))
 
     async def body_of(request: Request) -> dict:
         try:
             body = json.loads(await request.body())
         except ValueError as e:  # not JSON, not UTF-8, or an integer past Python's digit limit
-            raise GatewayError(400, f"the request body is not valid JSON ({_one_line(e)})") from None
+            raise GatewayError(400, f"the request body is not valid JSON ({rq.one_line(e)})") from None
         if not isinstance(body, dict):
             raise GatewayError(400, "the request body must be a JSON object")
         return body
