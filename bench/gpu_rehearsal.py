@@ -28,6 +28,7 @@ activations (whole-sequence at TP1). Prints one JSON object; on CPU the phases r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -84,34 +85,27 @@ class Meter:
     """Peak device memory per phase: allocated (tensors) and reserved (torch's caching allocator), in GiB."""
 
     def __init__(self, device: str):
-        import torch
-
         self.cuda = device == "cuda"
-        self.torch = torch
         self.phases: dict = {}
 
+    @contextlib.contextmanager
     def __call__(self, name: str):
-        meter = self
+        import torch
 
-        class _Phase:
-            def __enter__(self):
-                if meter.cuda:
-                    meter.torch.cuda.synchronize()
-                    meter.torch.cuda.reset_peak_memory_stats()
-
-            def __exit__(self, *exc):
-                if exc[0] is None:
-                    meter.phases[name] = meter.read()
-
-        return _Phase()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        yield
+        self.phases[name] = self.read()
 
     def read(self) -> dict:
         if not self.cuda:
             return {"allocated_peak_gib": None, "reserved_peak_gib": None}
-        c = self.torch.cuda
-        c.synchronize()
-        return {"allocated_peak_gib": round(c.max_memory_allocated() / 2**30, 2),
-                "reserved_peak_gib": round(c.max_memory_reserved() / 2**30, 2)}
+        import torch
+
+        torch.cuda.synchronize()
+        return {"allocated_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                "reserved_peak_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)}
 
 
 def random_weights(chunks, *_args) -> list:

@@ -80,14 +80,20 @@ CUDA_CONTEXT_GB = 0.6
 ROLES = ("actor", "critic", "ref")
 
 
-def _mla_params(a) -> int:
-    """Multi-latent attention's projections and latent norms (DeepSeek-V3: q through its latent or not, the
-    shared k/v latent plus the RoPE key, per-head k_nope / v out of the latent, the output projection)."""
+def _mla_projections(a) -> dict[str, tuple[int, int]]:
+    """Multi-latent attention's projections, megatron's name -> (fan_in, fan_out) (DeepSeek-V3: q through its latent
+    or not, the shared k/v latent plus the RoPE key, per-head k_nope / v out of the latent; head_dim is v's)."""
     h, heads, qk = a.hidden_size, a.num_attention_heads, a.qk_nope_head_dim + a.qk_rope_head_dim
-    q = (h * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * heads * qk) if a.q_lora_rank else h * heads * qk
-    kv = h * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank \
-        + a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.head_dim)
-    return q + kv + heads * a.head_dim * h
+    q = {"linear_q_down_proj": (h, a.q_lora_rank), "linear_q_up_proj": (a.q_lora_rank, heads * qk)} \
+        if a.q_lora_rank else {"linear_q_proj": (h, heads * qk)}
+    return q | {"linear_kv_down_proj": (h, a.kv_lora_rank + a.qk_rope_head_dim),
+                "linear_kv_up_proj": (a.kv_lora_rank, heads * (a.qk_nope_head_dim + a.head_dim))}
+
+
+def _mla_params(a) -> int:
+    """Multi-latent attention's projections, latent norms and output projection."""
+    return sum(i * o for i, o in _mla_projections(a).values()) + a.q_lora_rank + a.kv_lora_rank \
+        + a.num_attention_heads * a.head_dim * a.hidden_size
 
 
 def rollout_whole_params(a) -> int:
@@ -234,12 +240,8 @@ def lora_params(a, lora, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[int, in
     ffn = a.intermediate_size
     shapes = {"linear_qkv": (h, (a.num_attention_heads + 2 * a.num_kv_heads) * head_dim, "column"),
               "linear_proj": (q, h, "row"), "linear_fc1": (h, 2 * ffn, "column"), "linear_fc2": (ffn, h, "row")}
-    if a.kv_lora_rank:  # multi-latent attention's projections (each column-parallel; head_dim is v's)
-        heads, qk = a.num_attention_heads, a.qk_nope_head_dim + a.qk_rope_head_dim
-        shapes.update(linear_q_down_proj=(h, a.q_lora_rank, "column"),
-                      linear_q_up_proj=(a.q_lora_rank, heads * qk, "column"), linear_q_proj=(h, heads * qk, "column"),
-                      linear_kv_down_proj=(h, a.kv_lora_rank + a.qk_rope_head_dim, "column"),
-                      linear_kv_up_proj=(a.kv_lora_rank, heads * (a.qk_nope_head_dim + head_dim), "column"))
+    if a.kv_lora_rank:  # multi-latent attention's projections, each column-parallel
+        shapes.update({name: (i, o, "column") for name, (i, o) in _mla_projections(a).items()})
     n_moe = moe_layers(a)
 
     def per_linear(fan_in, fan_out, split) -> float:  # column: B split with the output; row: A with the input

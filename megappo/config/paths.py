@@ -19,6 +19,7 @@ def hf_config_json(cfg) -> dict | None:
         return json.loads((Path(path) / "config.json").read_text())
     return None
 
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 

@@ -14,7 +14,7 @@ from megappo.config.paths import check_on_disk, hf_config_json
 from megappo.config.schema import CHOICES, GROUP_ESTIMATORS, LOGGERS, LORA_TARGETS
 from megappo.parallel.layout import check_layout, same_layout
 from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS, LORA_MLA_TARGETS, MLA_MODEL_TYPES, MLA_WITHOUT_TE, \
-    MOE_FAMILIES, ModelDims
+    MOE_FAMILIES, ModelDims, mla_attention_names
 from megappo.utils.checkpoint import is_dist_checkpoint
 
 
@@ -127,7 +127,7 @@ def validate_config(cfg, check_paths: bool = False) -> None:
     _check_algorithm(cfg)
     _check_teacher(cfg)
     _check_data_and_batches(cfg)
-    _check_packing(cfg, dims)
+    _check_packing(cfg)
     _check_lora(cfg, dims)
     _check_multi_turn(cfg)
     _check_reward_rules(cfg)
@@ -394,7 +394,7 @@ def _check_reward_rules(cfg) -> None:
             raise ConfigError(str(e)) from None
 
 
-def _check_packing(cfg, dims: ModelDims) -> None:
+def _check_packing(cfg) -> None:
     for role in ("actor", "critic", "ref"):
         section = getattr(cfg, role)
         budget = section.max_tokens_per_micro_batch
@@ -454,9 +454,8 @@ def _check_lora(cfg, dims: ModelDims) -> None:
 
 def _check_lora_attention(targets, dims: ModelDims) -> None:
     """Attention targets this model has: linear_qkv (fused q/k/v) or, under multi-latent attention, its projections."""
-    mla = ((["linear_q_down_proj", "linear_q_up_proj"] if dims.q_lora_rank else ["linear_q_proj"])
-           + ["linear_kv_down_proj", "linear_kv_up_proj"])
-    if dims.mla:
+    if dims.mla:  # this model's MLA projections (q through its latent or not), weight_mapping's list
+        mla = [n.split(".")[1] for n in mla_attention_names(dims) if n.split(".")[1] in LORA_MLA_TARGETS]
         absent = [t for t in targets if t == "linear_qkv" or (t in LORA_MLA_TARGETS and t not in mla)]
         fix = f"its attention's are {', '.join(mla)} and linear_proj"
     else:

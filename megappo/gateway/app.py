@@ -22,7 +22,7 @@ admin), `GET /megappo/v1/sessions/{id}`, `POST /megappo/v1/sessions/{id}/close`,
 A key reaches its own session only (401 for an unknown key, 403 for another session's); `open_key`
 (for `megappo serve`) is a key whose requests are served and not recorded. Every bad input is a 4xx
 whose body is OpenAI's error object with one line: malformed JSON, an unknown key, `n` > 1 in a session,
-a field this server does not do (rq.UNSUPPORTED: response_format other than text, the legacy functions API, ...),
+a field this server does not do (requests.py's UNSUPPORTED: response_format other than text, the legacy functions API, ...),
 max_tokens < 1 or past the server's budget, a prompt past max_model_len, a request the engine refuses
 (token ids out of the vocabulary), a reward that is not a finite number, an unknown route or method; an
 unexpected failure is a 500 with one line. Loopback by default (serve.py).

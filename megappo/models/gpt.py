@@ -16,8 +16,8 @@ import torch
 
 from megappo.parallel.device import transformer_engine_problem
 from megappo.parallel.layout import ParallelLayout
-from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS, MLA_WITHOUT_TE, ModelDims, global_named_parameters, hf_names, \
-    hf_to_megatron_shard, rope_theta, transformer_config_kwargs
+from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS, MLA_WITHOUT_TE, ModelDims, global_named_parameters, \
+    hf_names, hf_to_megatron_shard, rope_theta, transformer_config_kwargs
 
 
 def use_transformer_engine(device: str, want: Optional[bool] = None, packed: bool = False, lora=None,

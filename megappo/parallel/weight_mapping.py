@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Mapping, Optional
 
 from megappo.parallel.model_dims import (  # noqa: F401 (re-exported: the model's facts, read with its names)
     DEFAULT_VOCAB_DIVISOR, LORA_COLUMN_TARGETS, LORA_INITS, LORA_MLA_TARGETS, LORA_ROW_TARGETS, LORA_TARGETS,
-    MLA_COLUMN_LINEARS, MLA_DOWN_LINEARS, MLA_MODEL_TYPES, MLA_WITHOUT_TE, MOE_FAMILIES, SUPPORTED_MODEL_TYPES, ModelDims, MoeFamily, num_routed_experts, padded_vocab_size, rope_theta,
-    transformer_config_kwargs)
+    MLA_COLUMN_LINEARS, MLA_DOWN_LINEARS, MLA_MODEL_TYPES, MLA_WITHOUT_TE, MOE_FAMILIES, SUPPORTED_MODEL_TYPES,
+    ModelDims, MoeFamily, num_routed_experts, padded_vocab_size, rope_theta, transformer_config_kwargs)
 
 if TYPE_CHECKING:  # torch is imported where a tensor is built: the driver validates its config
     import torch   # before Ray (and torch) start
@@ -61,6 +61,8 @@ def kept_in_fp32(hf_name: str) -> bool:
     """An HF tensor held in fp32 whatever the model's dtype: a sigmoid router's correction bias (transformers'
     _keep_in_fp32, vLLM's gate): exports keep it so, and the rollout's fingerprint compares it at fp32's tolerance."""
     return hf_name.endswith(HF_ROUTER_BIAS)
+
+
 # routed experts (global expert index e): megatron SequentialMLP's or TEGroupedMLP's names <-> transformers'
 # per-expert names on disk
 _EXPERT_RE = re.compile(r"^mlp\.experts\.(?:local_experts\.(?P<e>\d+)\.(?P<fc>linear_fc1|linear_fc2)\.weight|"
