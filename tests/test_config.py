@@ -94,6 +94,9 @@ INVALID = [
      "choose one of: acc, score"),
     (["data.max_prompt_length=600"], "exceeds the model's 512 positions"),
     (["bogus"], "is not key=value"),
+    (["trainer.rollout_check=ignore"], "choose one of: stop, warn, off"),
+    (["trainer.rollout_logprob_bound=0"], "must be > 0 (null: the bound measured for the run's dtype)"),
+    (["trainer.rollout_check_every=-1"], "must be >= 0"),
     (["model.path=null", "model.arch.family=gemma3"], "choose one of: llama, qwen2, mistral, qwen3, qwen3_moe"),
 ]
 
@@ -274,3 +277,20 @@ def test_sigmoid_router_refusals_are_one_line(tiny_assets):
     ]:
         with pytest.raises(ValueError, match=line):
             ModelDims.from_hf_dict(dict(raw, **change))
+
+
+def test_warm_workers_rebuild_for_an_optimizer_build_key_and_reuse_for_its_hyper_parameters():
+    """ppo/workers.build_key: the optimizer's hyper-parameters are run-level (the reset rebuilds the optimizer from
+    them), distributed_optimizer is not (the DP wrapper is built with it): a run changing it gets new workers. Every
+    field of the optimizer section is one or the other."""
+    from dataclasses import fields
+
+    from megappo.config.schema import OptimConfig
+    from megappo.ppo.workers import _OPTIM_RUN_KEYS, build_key
+
+    base = build_key(load_config(TINY))
+    assert build_key(load_config(TINY, ["actor.optim.lr=1e-2", "critic.optim.warmup_steps=3"])) == base
+    assert build_key(load_config(TINY, ["trainer.rollout_check=warn"])) == base
+    for role in ("actor", "critic"):
+        assert build_key(load_config(TINY, [f"{role}.optim.distributed_optimizer=false"])) != base
+    assert {f.name for f in fields(OptimConfig)} - set(_OPTIM_RUN_KEYS) == {"distributed_optimizer"}

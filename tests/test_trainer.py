@@ -299,6 +299,37 @@ def test_rollout_log_probs_as_pi_old(sync_baseline, tiny_assets, data_dir, tmp_p
         assert got[key] == pytest.approx(base[key], rel=1e-4, abs=1e-4), key
 
 
+def test_rollout_guard_stops_a_run_whose_rollout_is_not_its_policy(sync_baseline, tiny_assets, data_dir, tmp_path):
+    """trainer.rollout_check (ppo/rollout_guard.py): with a bound below the real fp32 gap of vLLM and Megatron on
+    the same weights (~1e-6), the run stops at step 1 in one line naming the metric and the value the baseline
+    logged for that step, before any update (no step logged, no checkpoint); `warn` trains on, flagging every step,
+    and trains exactly as the baseline. The baseline itself (the default fp32 bound) was checked on its first two
+    steps, and on a resume's first two steps."""
+    from megappo.ppo.rollout_guard import RolloutGapError
+    from megappo.utils.tracking import read_metrics
+
+    base, _ = sync_baseline
+    quick = ("trainer.total_steps=2", "trainer.save_every=0", "trainer.val_every=0", "trainer.export_hf=false")
+    out = tmp_path / "stopped"
+    with pytest.raises(RolloutGapError) as e:
+        _run(_config(tiny_assets, data_dir, out, "trainer.rollout_logprob_bound=1e-12", *quick))
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("step 1: rollout/logprob_diff_mean=") and "for fp32" in line, line
+    assert float(line.split("=")[1].split()[0]) == pytest.approx(base[0]["rollout/logprob_diff_mean"], rel=1e-3)
+    assert "trainer.rollout_check=warn" in line and "Likely causes" in line
+    assert not read_metrics(out) and not (out / "checkpoints").exists()  # nothing trained on it
+
+    warned, trainer = _run(_config(tiny_assets, data_dir, tmp_path / "warned", "trainer.rollout_logprob_bound=1e-12",
+                                   "trainer.rollout_check=warn", *quick), setup=lambda t: None)
+    assert trainer.rollout_guard.steps_checked == [1, 2]
+    assert [h.pop("rollout/gap_past_bound") for h in warned] == [1.0, 1.0]
+    assert_same_steps([{k: v for k, v in h.items() if not k.startswith("eval/")} for h in base[:2]], warned)
+    again, trainer = _run(_config(tiny_assets, data_dir, tmp_path / "again", "trainer.total_steps=3",
+                                  "trainer.rollout_check_every=3", *quick[1:]), setup=lambda t: None)
+    assert trainer.rollout_guard.steps_checked == [1, 2, 3]  # the first two, then every third
+    assert "rollout/gap_past_bound" not in again[0]
+
+
 def test_packed_sequences_in_a_run(sync_baseline, tiny_assets, data_dir, tmp_path):
     """Every role packed, the actor and critic updates by token budget: step 1 (same weights, same
     rollout) trains like the padded baseline's step 1 within fp32 rounding, computing no more tokens (these

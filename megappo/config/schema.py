@@ -423,6 +423,15 @@ class TrainerConfig:
     output_dir: str = "outputs/run"
     resume: str = "auto"  # auto (newest complete checkpoint) | never | <path to a checkpoint dir>
     on_nan: str = "skip"  # a non-finite loss in an update: skip that optimizer step (counted) | stop the run
+    # the guard on the sampler/trainer gap (ppo/rollout_guard.py): rollout/logprob_diff_mean over the tokens the
+    # current weights sampled, read on the first rollout_check_steps steps of a run (a resume's too) and every
+    # rollout_check_every steps after (0 = only the first). stop: past the bound, the run stops in one line
+    # naming the likely causes; warn: trains on, warning every step it is past; off: no check
+    rollout_check: str = "stop"
+    rollout_check_steps: int = 2
+    rollout_check_every: int = 10
+    # null: the bound measured for the run's dtype (rollout_guard.BOUNDS: fp32 1e-3, bf16 0.1; docs/training.md)
+    rollout_logprob_bound: Optional[float] = None
     save_every: int = 0  # 0 = never
     # a checkpoint costs the step only the copy of its tensors: worker threads write the files during
     # the next step, whose end makes it whole (manifest); the last step's and a preemption's save wait
@@ -489,5 +498,6 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "trainer.mode": ("sync", "async", "fully_async"),
     "trainer.pause_mode": ("keep", "recompute"),
     "trainer.on_nan": ("skip", "stop"),
+    "trainer.rollout_check": ("stop", "warn", "off"),
 }
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")

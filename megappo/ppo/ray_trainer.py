@@ -66,6 +66,7 @@ from megappo.ppo.dynamic_sampling import filter_groups
 from megappo.ppo.losses import PolicyLoss, ValueLoss
 from megappo.ppo.metrics import CONSOLE_KEYS, distill_metrics, eval_metrics, kl_metrics, step_metrics
 from megappo.ppo.reward_curve import plot_reward_curve
+from megappo.ppo.rollout_guard import RolloutGapError, RolloutGuard, on_policy_gap, update_gap
 from megappo.ppo.run_control import PreemptionSignals, StepProgress
 from megappo.ppo.segments import Segments
 from megappo.ppo.staleness import batch_token_versions, loglinear_proximal_alpha
@@ -222,6 +223,10 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
                     restart = False
                 self._fit_once(history, self.preemption)
                 break
+            except RolloutGapError:  # the guard stopped the run between two worker calls: the workers are sound,
+                self.finish_checkpoint()  # and the previous step's background save is made whole
+                self.clean_finish = not self.async_mode  # (the async modes have a rollout in flight)
+                raise
             except Exception as err:  # noqa: BLE001 - a worker failure restarts; anything else propagates
                 self._abandon_checkpoint()  # its writers may be dead: never commit what they left
                 e = err if isinstance(err, WorkerError) else self._dead_worker_behind(err)
@@ -262,6 +267,7 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
 
         cfg, total = self.config, self.config.trainer.total_steps
         self._resume()
+        self.rollout_guard = RolloutGuard.from_config(cfg, self.on_gpu())  # each fit (a restart too) checks afresh
         if self._failed_at is not None:
             self.steps_redone += self._failed_at - self.global_step
             self._failed_at = None
@@ -338,14 +344,22 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
                 inflight = self._launch_rollout(step + 1) if step < total else None
         gen_metrics = batch.meta_info.pop("metrics", {})
         self._report_agent_errors(step, batch)
-        # 2-3. pi_old (+ entropy), reference log-probs, values of the sampled tokens
+        # 2-3. pi_old (+ entropy), reference log-probs, values of the sampled tokens; the guard: a rollout that is
+        #      not the policy stops the run here, before anything trains on it (ppo/rollout_guard.py)
         batch = self._score_tokens(batch, timing)
+        pi_old_recomputed = PolicyLoss.recomputes_old_log_probs(cfg.actor)
+        if pi_old_recomputed:
+            counts.update(self.rollout_guard.check(step, on_policy_gap(batch, self.global_step)))
         # 4-5. rewards (+ KL penalty) and advantages, here on the driver
         with self._phase("reward_adv", timing):
             scores, reward_metrics = self._rewards(batch)
             kl = self._advantages(batch, scores, baselines)
         # 6. critic and actor updates
         critic_metrics, actor_metrics = self._update(batch, timing)
+        if not pi_old_recomputed:  # the gap the update's first mini-batch measured, when the batch is on-policy
+            versions = batch_token_versions(batch, self.global_step)[batch.batch["response_mask"].bool()]
+            gap = update_gap(actor_metrics) if bool((versions == self.global_step).all()) else None
+            counts.update(self.rollout_guard.check(step, gap, "the update"))
         if self.stream is not None:  # 6b. the new weights to the rollout pool, its generation in flight
             timing.update(self.stream.after_update())
         self.global_step = step
@@ -359,7 +373,7 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
             timing["timing/rollout_overlap_frac"] = timing["timing/rollout_overlap_s"] / max(rollout_s, 1e-9)
         metrics = step_metrics(step=step, batch=batch, reward_metrics=reward_metrics, kl=kl,
                                actor=actor_metrics, critic=critic_metrics,
-                               pi_old_recomputed=PolicyLoss.recomputes_old_log_probs(cfg.actor),
+                               pi_old_recomputed=pi_old_recomputed,
                                prompts_per_step=cfg.data.train_batch_size,
                                responses_per_step=cfg.data.train_batch_size * cfg.rollout.n,
                                dataset_size=len(self.train_dataset), step_s=timing["timing/step_s"],

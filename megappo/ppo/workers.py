@@ -17,14 +17,19 @@ from megappo.parallel.layout import same_layout
 from megappo.workers.roles import Role, fused_role  # Role: what a worker group does (one group per role)
 
 # What a new run on warm workers may change: keys the workers read per call or never (the driver's data,
-# rewards, algorithm and schedule; the update's batch sizes and loss), and the optimizers (rebuilt by the
-# reset). Every other key builds something in the workers (model, layouts, engines, vLLM, the modes).
-_RUN_PREFIXES = ("algorithm.", "reward.", "data.", "actor.optim.", "critic.optim.")
+# rewards, algorithm and schedule; the update's batch sizes and loss), and the optimizers' hyper-parameters (the
+# reset rebuilds the schedule and zeroes the state; distributed_optimizer is not one: the DP wrapper is built
+# with it). Every other key builds something in the workers (model, layouts, engines, vLLM, the modes).
+_RUN_PREFIXES = ("algorithm.", "reward.", "data.")
 _BUILD_KEYS = ("reward.model.", "data.max_prompt_length")  # under those prefixes, but the workers build from them
+_OPTIM_RUN_KEYS = ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "lr_schedule",
+                   "warmup_steps")
 _RUN_KEYS = {f"trainer.{k}" for k in ("total_steps", "output_dir", "resume", "save_every", "async_save", "val_every",
                                       "project", "experiment", "loggers", "max_restarts", "export_hf",
                                       "phase_timeout_s", "worker_timeout_s", "max_staleness", "partial_rollout",
-                                      "pause_mode")} | \
+                                      "pause_mode", "rollout_check", "rollout_check_steps", "rollout_check_every",
+                                      "rollout_logprob_bound")} | \
+    {f"{role}.optim.{k}" for role in ("actor", "critic") for k in _OPTIM_RUN_KEYS} | \
     {f"actor.{k}" for k in ("ppo_mini_batch_size", "micro_batch_size", "log_prob_micro_batch_size", "ppo_epochs",
                             "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "entropy_coeff",
                             "loss_agg_mode", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "use_rollout_log_probs",
@@ -121,12 +126,7 @@ class WorkersMixin:
         if self.async_mode:
             spec["rollout"] = [res.rollout_workers]
             mapping[Role.Rollout] = "rollout"
-        # one decision for every worker (parallel/device.py): auto = GPUs when the Ray cluster has them
-        import ray
-
-        from megappo.parallel import device
-        use_gpu = device.resolve(res.device, gpus_available=ray.cluster_resources().get("GPU", 0) > 0) == "cuda"
-        mgr = self.resource_pool_manager = ResourcePoolManager(spec, mapping, use_gpu=use_gpu,
+        mgr = self.resource_pool_manager = ResourcePoolManager(spec, mapping, use_gpu=self.on_gpu(),
                                                                cpus_per_bundle=res.cpus_per_worker)
         mgr.create_resource_pool()
         print(f"placement: {mgr.describe()}", flush=True)
@@ -164,6 +164,15 @@ class WorkersMixin:
         if self.warm is not None and build_key(cfg) is not None:  # what reset_run will put back
             for c in [g.submit("keep_initial_state") for g in self.groups]:
                 c.result(timeout_s=t.worker_timeout_s)
+
+    def on_gpu(self) -> bool:
+        """One decision for every worker (parallel/device.py): resources.device, auto = GPUs when the Ray cluster
+        has them."""
+        import ray
+
+        from megappo.parallel import device
+        gpus = ray.cluster_resources().get("GPU", 0) > 0
+        return device.resolve(self.config.resources.device, gpus_available=gpus) == "cuda"
 
     def _reuse_warm_workers(self) -> bool:
         """Take warm workers built for this config and reset them for this run (WarmWorkers)."""
