@@ -20,7 +20,9 @@ the trajectories the trainer trains on (the same shape megappo/agent/loop.AgentL
 Each sample gets its own session (its own key; the gateway's sampling: the rollout's temperature / top_p
 are enforced, so the trainer's log-probs are taken at what sampled; a seed per request from the sample's
 seed; max_tokens capped to what is left of the response budget, spec.max_new_tokens, model and
-observation tokens together). Up to `concurrency` agents run at once; the engine batches their requests.
+observation tokens together). Up to `concurrency` agents run at once; the engine batches their requests. A plain
+function runs in a thread of its own (in_thread), so all of them run at once, each timed from its start; one
+that hangs past its timeout is abandoned, not waited for.
 A trajectory is the session's first segment, which must start from the row's prompt ids (the row's
 messages sent as they are): its tokens after the prompt, model tokens masked in with their sampled
 log-probs. A later segment (the agent rewrote history: agent/capture.py) is trained as a row of its own,
@@ -38,6 +40,8 @@ its reward to `/megappo/v1/sessions/{session_id}/reward` with the same key (test
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import threading
 import time
 from functools import partial
 from typing import Callable, Optional
@@ -138,7 +142,7 @@ class AgentRunner:
             try:
                 # its own task: an agent that cancels itself cancels that task, not the rollout's; a synchronous
                 # one runs off the event loop, so the other samples' agents (and the gateway) go on meanwhile
-                job = asyncio.to_thread(self.fn, client, {**row, "session_id": state.id}) if blocking \
+                job = in_thread(self.fn, client, {**row, "session_id": state.id}) if blocking \
                     else self.fn(client, {**row, "session_id": state.id})
                 run = asyncio.ensure_future(job)
                 returned = await asyncio.wait_for(run, self.timeout_s)
@@ -182,6 +186,33 @@ class AgentRunner:
 
     def close(self) -> None:
         self.server.stop()  # the engine stays: it is the LLM's own (AsyncTokenEngine.for_llm)
+
+
+async def in_thread(fn: Callable, *args):
+    """`fn(*args)` in a daemon thread of its own, started at once: a synchronous agent (or an environment's blocking
+    call, gateway/adapters.py) off the event loop. Not asyncio's default pool, whose min(32, cpus + 4) threads
+    (6 on 2 cores) would queue the rest of `concurrency` agents, their timeouts running as they wait, and whose
+    shutdown waits (asyncio.run: 300 s) for a hung one. Cancelling the await (a timeout) abandons the thread, which
+    runs on with nothing waiting for it: a thread cannot be killed, and no shutdown joins it."""
+    loop, context = asyncio.get_running_loop(), contextvars.copy_context()
+    done = loop.create_future()
+
+    def settle(result, error) -> None:
+        if not done.done():  # not cancelled meanwhile
+            done.set_exception(error) if error is not None else done.set_result(result)
+
+    def work() -> None:
+        try:
+            result, error = context.run(fn, *args), None
+        except BaseException as e:  # noqa: BLE001 - raised where it is awaited, as asyncio.to_thread does
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # its loop is closed: the run it belonged to is over
+            pass
+
+    threading.Thread(target=work, name="megappo-agent", daemon=True).start()
+    return await done
 
 
 def _trajectory(record: dict, prompt: list[int], reward, error: Optional[str], timed_out: bool, seconds: float,
