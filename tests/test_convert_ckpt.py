@@ -413,17 +413,21 @@ def test_smollm2_135m_converts_and_scores_like_transformers(tmp_path):
     assert worst <= 1e-4
 
 
-def test_a_multi_token_prediction_layer_is_skipped_in_one_line(tiny_assets, tmp_path, capfd):
+@pytest.mark.parametrize("name", ["glm4_moe", "deepseek_v3"])
+def test_a_multi_token_prediction_layer_is_skipped_in_one_line(name, tiny_assets, tmp_path, capfd):
     """GLM-4.5 / DeepSeek-V3 checkpoints carry their MTP module as layer num_hidden_layers (experts and all):
-    the import says it skips it and converts the rest; the export has no such layer. An FP8 checkpoint is
-    refused in one line naming the bf16 conversion."""
+    the import says it skips it and converts the rest; the export has no such layer and says so in its config
+    (num_nextn_predict_layers 0: vLLM's MTP drafting of the export would look for its weights); a DeepSeek-V3
+    config without its router keys gets them (rollout/vllm_quirks.py: vLLM would route by softmax). An FP8
+    checkpoint is refused in one line naming the bf16 conversion."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    src = tmp_path / "glm_mtp"
-    shutil.copytree(tiny_assets["tiny-glm4_moe"], src)
-    cfg = json.loads((src / "config.json").read_text())
+    src = tmp_path / f"{name}_mtp"
+    shutil.copytree(tiny_assets[f"tiny-{name}"], src)
+    cfg = {k: v for k, v in json.loads((src / "config.json").read_text()).items()
+           if k not in ("topk_method", "scoring_func")}
     layers = cfg["num_hidden_layers"]
     (src / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=1)))
     state = load_file(str(src / "model.safetensors"))
@@ -436,8 +440,13 @@ def test_a_multi_token_prediction_layer_is_skipped_in_one_line(tiny_assets, tmp_
     assert f"skipping the multi-token-prediction layer(s) ['model.layers.{layers}'] ({len(mtp)} tensors)" in err, err
     mcore_to_hf(tmp_path / "mc", tmp_path / "hf", progress=False)
     _assert_bit_exact(state, _hf_tensors(tmp_path / "hf"))  # everything but the MTP layer, bit for bit
+    out = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert out["num_nextn_predict_layers"] == 0, out
+    router = {k: out.get(k) for k in ("topk_method", "scoring_func")}
+    assert router == ({"topk_method": "noaux_tc", "scoring_func": "sigmoid"} if name == "deepseek_v3" else
+                      {"topk_method": None, "scoring_func": None}), router
 
     (src / "config.json").write_text(json.dumps(dict(cfg, quantization_config={
         "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]})))
-    with pytest.raises(ConvertError, match=r"^glm4_moe: a fp8 quantized checkpoint .*convert it to bf16 first"):
+    with pytest.raises(ConvertError, match=rf"^{name}: a fp8 quantized checkpoint .*convert it to bf16 first"):
         hf_to_mcore(src, tmp_path / "mc2", progress=False)

@@ -19,6 +19,7 @@ from megappo.conversion.core import (SEQ_CLS, SIDE_FILES, Progress, Unit, atomic
 from megappo.conversion.dcp_io import CheckpointReader
 from megappo.conversion.errors import ConvertError
 from megappo.conversion.safetensors_io import ShardedWriter, parse_size
+from megappo.workers.rollout.vllm_quirks import vllm_config_fixes
 
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -54,6 +55,9 @@ def mcore_to_hf(ckpt_dir, out_dir, config: Optional[str] = None, dtype: Optional
     specs = [(n, hf_shape(n, d), cast_of(n) or tensors[u.key].properties.dtype)
              for u in units for n in u.hf if n != "score.bias" or keep_bias]
     out_cfg = _hf_output_config(raw, kind, src_kind, family, cast)
+    if d.mtp_layers:  # megatron holds the decoder's layers only: vLLM's MTP drafting would find no weights
+        out_cfg["num_nextn_predict_layers"] = 0
+        log(f"the {d.mtp_layers} multi-token-prediction layer(s) are not exported: num_nextn_predict_layers 0")
     side_src = ckpt if any((ckpt / f).exists() for f in SIDE_FILES) else cfg_file.parent
     bar = None
     try:
@@ -133,8 +137,12 @@ def _value_bias_nonzero(reader) -> bool:
 
 
 def _hf_output_config(raw: dict, kind: str, src_kind: str, family: str, cast: Optional[torch.dtype]) -> dict:
-    """config.json of the export: a critic saved from a causal-LM config becomes *ForSequenceClassification."""
-    out_cfg = dict(raw)
+    """config.json of the export: a critic saved from a causal-LM config becomes *ForSequenceClassification; the
+    keys vLLM reads otherwise than transformers are written as transformers reads them (rollout/vllm_quirks.py)."""
+    fixes, note = vllm_config_fixes(raw)
+    if fixes:
+        log(note)
+    out_cfg = dict(raw, **fixes)
     if kind == "critic" and src_kind == "causal-lm":
         out_cfg["architectures"] = [SEQ_CLS[family]]
         out_cfg["id2label"] = {"0": "LABEL_0"}
