@@ -62,14 +62,15 @@ import json
 import math
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from megappo.config import ConfigError, load_config
-from megappo.config.schema import MegappoConfig
+from megappo.config.schema import ArchConfig, MegappoConfig
 from megappo.parallel.layout import same_layout
 from megappo.parallel.weight_mapping import MOE_FAMILIES, padded_vocab_size
-from megappo.config.validate import validate_config
+from megappo.config.validate import arch_from_hf, validate_config
 
 GB = 1024**3  # "GB" in this module is GiB, as the GPU reports its memory (resources.gpu_memory_gb)
 # a layout fits only with this share of the GPU left free: allocator fragmentation, NCCL's buffers past the
@@ -300,11 +301,18 @@ def role_memory(cfg, role: str) -> RoleMemory:
 
 
 def teacher_shapes(cfg):
-    """The config with the teacher's shapes as model.arch (teacher.arch, else the student's own)."""
-    if cfg.teacher.arch is None:
-        return cfg
+    """The config with the teacher's shapes as model.arch: teacher.arch, else teacher.model's config.json (a config
+    planned without the teacher's dir at hand and no teacher.arch is refused: the student's shapes would be a
+    guess)."""
     c = copy.deepcopy(cfg)
-    c.model.arch = cfg.teacher.arch
+    if cfg.teacher.arch is not None:
+        c.model.arch = cfg.teacher.arch
+        return c
+    hf = Path(cfg.teacher.model) / "config.json"
+    if not hf.is_file():
+        raise ConfigError(f"teacher.model {cfg.teacher.model} has no config.json to plan it from; set teacher.arch "
+                          "(its shapes, as model.arch) or point teacher.model at the teacher's HF dir")
+    c.model.arch = OmegaConf.merge(OmegaConf.structured(ArchConfig), arch_from_hf(json.loads(hf.read_text())))
     return c
 
 
@@ -312,7 +320,18 @@ def planned_roles(cfg) -> list[str]:
     """The Megatron models the run builds: the actor, the critic and reference when enabled (with LoRA the
     reference is the actor's base with the adapters off: no model), an on-policy distillation teacher.model."""
     return [r for r in ROLES if r == "actor" or cfg[r].enable and not (r == "ref" and lora_rank(cfg))] + \
-        (["teacher"] if cfg.teacher.model else [])
+        (["teacher"] if cfg.teacher.model and not cfg.resources.teacher_workers else [])
+
+
+def teacher_pool(cfg) -> dict | None:
+    """resources.teacher_workers: the teacher alone on its GPUs (its weights, the overhead, one CUDA context)."""
+    if not (cfg.teacher.model and cfg.resources.teacher_workers):
+        return None
+    m = role_memory(cfg, "teacher")
+    peak = m.weights_gb + OVERHEAD_GB + CUDA_CONTEXT_GB
+    return {"gpus": cfg.resources.teacher_workers, "layout": _layout_str(cfg.teacher.parallel),
+            "params_per_gpu_m": round(m.params_per_gpu / 1e6, 1), "weights_gb": round(m.weights_gb, 2),
+            "peak_gpu_gb": round(peak, 2), "fits": peak <= (1 - HEADROOM) * cfg.resources.gpu_memory_gb}
 
 
 def plan(cfg) -> dict:
@@ -359,6 +378,7 @@ def plan(cfg) -> dict:
     replicas = cfg.resources.nodes * cfg.resources.workers_per_node // cfg.rollout.tp
     # what the KV cache left beside the weights holds (workspace: this module's overhead), and one engine's
     # share of the step's samples, each at its longest (reported; vLLM queues what does not fit)
+    own_teacher = teacher_pool(cfg)
     kv_tokens = int(max(0.0, vllm_gb - vllm_weights_gb) * GB // kv_cache_bytes_per_token(cfg))
     kv_needed = -(-cfg.data.train_batch_size * cfg.rollout.n // replicas) * (cfg.data.max_prompt_length
                                                                             + cfg.rollout.max_new_tokens)
@@ -384,7 +404,9 @@ def plan(cfg) -> dict:
         "peak_phase": peak_phase,
         "peak_gpu_gb": round(phases[peak_phase], 2),
         "usable_gpu_gb": round((1 - HEADROOM) * gpu_gb, 2),
-        "fits": phases[peak_phase] <= (1 - HEADROOM) * gpu_gb and vllm_gb > vllm_weights_gb,
+        "fits": phases[peak_phase] <= (1 - HEADROOM) * gpu_gb and vllm_gb > vllm_weights_gb and
+        (own_teacher is None or own_teacher["fits"]),
+        "teacher_pool": own_teacher,
         "processes_per_gpu": processes,
         "host_offload_gb_per_gpu": round(host_gb, 2),
         "host_offload_gb_per_node": round(host_gb * cfg.resources.workers_per_node, 1),
@@ -415,7 +437,7 @@ def with_pool(cfg, nodes: int | None, gpus_per_node: int | None, gpu_mem_gb: flo
     if gpu_mem_gb:
         cfg.resources.gpu_memory_gb = gpu_mem_gb
     world = cfg.resources.nodes * cfg.resources.workers_per_node
-    for r in ROLES + (("teacher",) if cfg.teacher.model else ()):
+    for r in ROLES + (("teacher",) if cfg.teacher.model and not cfg.resources.teacher_workers else ()):
         par = cfg[r].parallel
         if world % (par.tp * par.pp):
             raise ConfigError(f"{r}.parallel tp*pp = {par.tp * par.pp} does not divide the {world} GPUs; "
@@ -535,6 +557,11 @@ def main(args: argparse.Namespace) -> int:
 
 
 def refusal(result: dict) -> str:
+    t = result.get("teacher_pool")
+    if t and not t["fits"] and result["peak_gpu_gb"] <= result["usable_gpu_gb"]:
+        return (f"the teacher does not fit its pool: {t['peak_gpu_gb']:.1f} GiB per GPU at {t['layout']} but "
+                f"{result['usable_gpu_gb']:g} GiB are usable; raise teacher.parallel.tp or pp (and "
+                "resources.teacher_workers)")
     phase = result["peak_phase"]
     msg = (f"layout does not fit: the {phase} phase needs {result['peak_gpu_gb']:.1f} GiB per GPU but the GPU has "
            f"{result['gpu_mem_gb']:g} GiB, {result['usable_gpu_gb']:g} of them usable ({HEADROOM:.0%} kept free)")
@@ -581,5 +608,9 @@ def render(result: dict) -> str:
         lines.append(f"pinned host memory: offloaded roles {result['host_offload_gb_per_gpu']:.1f} GB + vLLM asleep "
                      f"{result['host_vllm_sleep_gb_per_gpu']:.1f} GB + checkpoint snapshot "
                      f"{result['host_save_snapshot_gb_per_gpu']:.1f} GB per GPU, {result['host_gb_per_node']:.0f} GB per node")
+    t = result.get("teacher_pool")
+    if t:
+        lines.append(f"teacher pool: {t['gpus']} GPUs at {t['layout']}, {t['params_per_gpu_m']:.1f}M params/GPU, "
+                     f"peak {t['peak_gpu_gb']:.1f} GB: " + ("fits" if t["fits"] else "DOES NOT FIT"))
     lines.append(f"peak {result['peak_gpu_gb']:.1f} GB ({result['peak_phase']}): " + ("fits" if result["fits"] else "DOES NOT FIT"))
     return "\n".join(lines)

@@ -24,6 +24,7 @@ class FakeTeacher:
 
     def __init__(self, faults=(), slow_s: float = 0.0):
         self.faults, self.slow_s = list(faults), slow_s
+        self.models_body = {"object": "list", "data": [{"id": "teacher", "object": "model"}]}  # GET /v1/models
         self.requests, self.in_flight, self.most_in_flight, self.bodies = 0, 0, 0, []
         self.lock = threading.Lock()
         owner = self
@@ -41,7 +42,7 @@ class FakeTeacher:
                 self.wfile.write(data)
 
             def do_GET(self):
-                self._send(200, {"object": "list", "data": [{"id": "teacher", "object": "model"}]})
+                self._send(200, owner.models_body)
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))

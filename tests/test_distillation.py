@@ -126,6 +126,13 @@ def test_a_failing_server_is_retried_and_counted_or_fails_in_one_line(fake_teach
     client.close()
     assert dead.requests == 3 and "\n" not in str(e.value)
     assert f"teacher.endpoint {dead.url} failed row 0 3 times (last: HTTP 503: overloaded)" in str(e.value)
+    odd = fake_teacher()
+    for body in ({"object": "list", "data": {"id": "teacher"}}, ["teacher"], {"data": [None, "teacher"]}):
+        odd.models_body = body  # a /models reply that is not OpenAI's list: one line, never an AttributeError
+        client = TeacherEndpoint(odd.url, retries=0)
+        with pytest.raises(TeacherEndpointError, match="lists no model at /models; set teacher.endpoint_model"):
+            client.check()
+        client.close()
     gone = TeacherEndpoint("http://127.0.0.1:9/v1", retries=1, backoff_s=0.01)
     with pytest.raises(TeacherEndpointError, match="failed the model list 2 times .*ConnectError"):
         gone.check()
@@ -156,7 +163,13 @@ def test_teacher_config_errors(tiny_assets, tmp_path):
     assert "is not a URL" in err(*opd, "teacher.endpoint=h:1")
     assert "teacher.endpoint scores at temperature 1 but rollout.temperature=0.6" in err(
         *opd, "teacher.endpoint=http://h:1/v1", "rollout.temperature=0.6")
-    assert "teacher.parallel tp*pp*dp = 1*1*1 = 1 but the pool has 2" in err(*opd, f"teacher.model={tiny}")
+    assert "teacher.parallel tp*pp*dp = 1*1*1 = 1 but the pool has 2" in err(*opd, f"teacher.model={tiny}",
+                                                                              "teacher.parallel.dp=1")
+    mla_teacher = err(*opd, f"teacher.model={tiny_assets['tiny-deepseek_v3']}", "model.transformer_engine=true",
+                      "resources.device=cuda")  # refused here, not inside the teacher's workers
+    assert mla_teacher.startswith(f"teacher.model {tiny_assets['tiny-deepseek_v3']}: model.transformer_engine=true is "
+                                  "not supported for multi-latent attention"), mla_teacher
+    assert "set teacher.model, or 0" in err(*opd, "teacher.endpoint=http://h:1/v1", "resources.teacher_workers=1")
     other = tmp_path / "other_tokenizer"  # the student's model with another tokenizer
     other.mkdir()
     for f in tiny_assets["tiny-llama"].iterdir():

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from megappo.config import load_config
 from megappo.planner import plan, total_params, with_pool
 
@@ -350,6 +352,45 @@ def test_a_distillation_teacher_is_a_frozen_role_of_its_own_shapes():
     cfg.teacher.offload = True
     off = plan(cfg)
     assert abs(off["phases_gb"]["rollout"] - base["phases_gb"]["rollout"] - 0.6) < 0.02  # only its CUDA context
+
+
+def test_a_teacher_is_planned_from_its_own_config_json_and_may_have_a_pool_of_its_own(tmp_path, tiny_assets):
+    """teacher.model without teacher.arch: its config.json's shapes (a 70B teacher of a 7B student planned as 70B,
+    the same figures as teacher.arch gives), not the student's; no teacher.parallel: the actor's layout (the demo's
+    2-worker pool took a teacher only with dp written out); resources.teacher_workers: the teacher on GPUs of its
+    own, out of the training pool's phases, its pool planned apart."""
+    from megappo.config import ConfigError
+
+    teacher = tmp_path / "llama70b"
+    teacher.mkdir()
+    (teacher / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 4096}))
+    seventy = ["teacher.arch.hidden_size=8192", "teacher.arch.intermediate_size=28672", "teacher.arch.num_layers=80",
+               "teacher.arch.num_attention_heads=64", "teacher.arch.num_kv_heads=8", "teacher.arch.vocab_size=32000"]
+    layout = ["teacher.parallel.tp=8", "teacher.parallel.dp=1"]
+    by_arch = plan(load_config(REPO / "configs/ppo_7b.yaml", ["teacher.model=/models/teacher", *layout, *seventy]))
+    by_dir = plan(load_config(REPO / "configs/ppo_7b.yaml", [f"teacher.model={teacher}", *layout]))
+    assert by_dir["roles"]["teacher"] == by_arch["roles"]["teacher"] and by_dir["phases_gb"] == by_arch["phases_gb"]
+    with pytest.raises(ConfigError, match="set teacher.arch"):
+        plan(load_config(REPO / "configs/ppo_7b.yaml", ["teacher.model=/models/teacher", *layout]))
+
+    tiny = load_config(REPO / "configs/ppo_tiny.yaml", [f"teacher.model={tiny_assets['tiny-llama']}"])
+    assert dict(tiny.teacher.parallel) == {"tp": 1, "pp": 1, "dp": 2, "vpp": None, "ep": 1}  # the actor's
+
+    own = load_config(REPO / "configs/ppo_7b.yaml", [f"teacher.model={teacher}", "resources.teacher_workers=8",
+                                                     "teacher.parallel.tp=8", "teacher.parallel.dp=1"])
+    got, base = plan(own), plan(load_config(REPO / "configs/ppo_7b.yaml", []))
+    assert "teacher" not in got["roles"] and got["phases_gb"] == base["phases_gb"]  # the train pool as without one
+    pool = got["teacher_pool"]
+    assert pool["gpus"] == 8 and pool["weights_gb"] == by_dir["roles"]["teacher"]["weights_gb"] and pool["fits"]
+    own.resources.teacher_workers, own.teacher.parallel.tp = 1, 1  # 70B's bf16 weights on one 80 GB GPU
+    assert not plan(own)["teacher_pool"]["fits"] and not plan(own)["fits"]
+    for overrides, line in ((["resources.teacher_workers=2"], "set teacher.model"),
+                            ([f"teacher.model={teacher}", "resources.teacher_workers=3", "teacher.parallel.tp=8",
+                              "teacher.parallel.dp=1"], "does not divide the pool's 3 workers (resources.teacher_workers)")):
+        with pytest.raises(ConfigError, match=line.replace("(", r"\(").replace(")", r"\)")):
+            load_config(REPO / "configs/ppo_7b.yaml", overrides)
 
 
 def test_shared_experts_are_counted_as_dense_parameters(tiny_assets):

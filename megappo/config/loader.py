@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megappo.config.errors import ConfigError
-from megappo.config.schema import MegappoConfig
+from megappo.config.schema import MegappoConfig, ParallelConfig
 from megappo.config.validate import validate_config
 
 
@@ -86,6 +86,7 @@ def load_config(path: str | os.PathLike, overrides: list[str] = (), validate: bo
         key = getattr(e, "full_key", None)
         raise ConfigError(f"config key '{key}': {first}" if key else first) from None
     _absolute_rule_files(cfg)
+    _default_teacher_layout(cfg, user)
     if validate:
         validate_config(cfg, check_paths=check_paths)
     return cfg
@@ -103,6 +104,15 @@ def _absolute_rule_files(cfg) -> None:
             spec.fn = absolute_target(spec.fn)
     if isinstance(cfg.rollout.agent, str):  # rollout.agent=path/to/agent.py:run, loaded by every rollout worker
         cfg.rollout.agent = absolute_target(cfg.rollout.agent)
+
+
+def _default_teacher_layout(cfg, user) -> None:
+    """A teacher.model without a teacher.parallel of its own: the actor's tp / pp / dp (the pool's workers, as every
+    colocated role), or dp over resources.teacher_workers on a pool of its own."""
+    if not cfg.teacher.model or OmegaConf.select(user, "teacher.parallel") is not None:
+        return
+    own, a = cfg.resources.teacher_workers, cfg.actor.parallel
+    cfg.teacher.parallel = ParallelConfig(dp=own) if own else ParallelConfig(tp=a.tp, pp=a.pp, dp=a.dp)
 
 
 def to_yaml(cfg) -> str:

@@ -107,6 +107,9 @@ class ResourcesConfig:
     gpu_memory_gb: float = 79.6
     # async mode: rollout runs on its own pool of this many workers (0 = colocated hybrid engine)
     rollout_workers: int = 0
+    # on-policy distillation: teacher.model on its own pool of this many workers (one node's; 0 = the training
+    # pool, its processes beside the actor's): a teacher too large to share the student's GPUs
+    teacher_workers: int = 0
     # roles with the actor's layout share its worker processes (the ref always did; the critic too
     # when true): one megatron world and one process per device instead of one per role
     colocate: bool = True
@@ -227,10 +230,11 @@ class RefConfig:
 @dataclass
 class TeacherConfig:
     """On-policy distillation's teacher: the log-probability it gives each token the student sampled
-    (ppo/distillation.py). Set one of `model` (a frozen Megatron role) or `endpoint` (a server); it shares the
+    (core_algos.add_distillation_term; docs/distillation.md). Set one of `model` (a frozen Megatron role) or `endpoint` (a server); it shares the
     student's tokenizer."""
     model: Optional[str] = None  # a HF dir of any supported family, its own layout; may be larger than the student
-    arch: Optional[ArchConfig] = None  # its shapes for `megappo plan` (None: the student's model.arch)
+    arch: Optional[ArchConfig] = None  # its shapes for `megappo plan` (None: teacher.model's config.json)
+    # its layout; left out: the actor's tp / pp / dp (resources.teacher_workers: dp over that pool)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     log_prob_micro_batch_size: int = 4
     offload: bool = False  # weights in host memory outside the teacher's forward

@@ -29,6 +29,26 @@ def arch_as_hf(arch) -> dict:
             **(_arch_moe_as_hf(arch) if arch.num_experts else {})}
 
 
+def arch_from_hf(hf: dict) -> dict:
+    """A HF config.json as model.arch's fields (arch_as_hf's inverse, through ModelDims: `megappo plan` of a model
+    dir, e.g. a teacher.model without teacher.arch). The MoE layers as the dense ones listed, whatever the family's
+    own rule (first_k_dense_replace, decoder_sparse_step)."""
+    d = ModelDims.from_hf_dict(hf)
+    dense = [i for i in range(d.num_layers) if d.num_experts and not d.is_moe_layer(i)]
+    first_dense = next((i for i in range(d.num_layers) if d.is_moe_layer(i)), d.num_layers) if d.num_experts else 0
+    return {"family": d.model_type, "hidden_size": d.hidden_size, "intermediate_size": d.ffn_hidden_size,
+            "num_layers": d.num_layers, "num_attention_heads": d.num_heads, "num_kv_heads": d.num_kv_heads,
+            "head_dim": d.head_dim, "vocab_size": d.vocab_size,
+            "max_position_embeddings": int(hf.get("max_position_embeddings", 4096)),
+            "rope_theta": float(hf.get("rope_theta", 10000.0)), "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
+            "tie_word_embeddings": d.tied_embeddings, "qkv_bias": d.qkv_bias, "num_experts": d.num_experts,
+            "num_experts_per_tok": d.moe_topk, "moe_intermediate_size": d.moe_ffn_hidden_size,
+            "decoder_sparse_step": 1, "mlp_only_layers": dense, "norm_topk_prob": d.norm_topk_prob,
+            "shared_expert_intermediate_size": d.shared_expert_ffn, "first_k_dense_replace": first_dense,
+            "qk_norm": d.qk_norm, "q_lora_rank": d.q_lora_rank, "kv_lora_rank": d.kv_lora_rank,
+            "qk_nope_head_dim": d.qk_nope_dim, "qk_rope_head_dim": d.qk_rope_dim}
+
+
 def _arch_mla_as_hf(arch) -> dict:
     """model.arch's multi-latent attention fields in DeepSeek-V3's config.json names (its router's two keys)."""
     if arch.family not in MLA_MODEL_TYPES:
@@ -77,13 +97,14 @@ def pool_size(cfg) -> int:
     return cfg.resources.nodes * cfg.resources.workers_per_node
 
 
-def check_parallel(name: str, par, dims: ModelDims, world: int) -> None:
-    """`<name>.parallel` against the model and the pool, by parallel/layout.py's check_layout (where the
-    layout rules are stated once), its error as the ConfigError line naming the role's keys."""
+def check_parallel(name: str, par, dims: ModelDims, world: int,
+                   pool: str = "resources.nodes*resources.workers_per_node") -> None:
+    """`<name>.parallel` against the model and the pool (`pool`: the keys its size comes from), by
+    parallel/layout.py's check_layout (where the layout rules are stated once), its error as the ConfigError line
+    naming the role's keys."""
     try:
         check_layout(par, dims.num_heads, dims.num_kv_heads, dims.num_layers, dims.num_experts, world,
-                     where=f"{name}.parallel", model=dims.model_type,
-                     pool="resources.nodes*resources.workers_per_node")
+                     where=f"{name}.parallel", model=dims.model_type, pool=pool)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -250,6 +271,9 @@ def _check_teacher(cfg) -> None:
     t, a = cfg.teacher, cfg.algorithm
     if t.model and t.endpoint:
         raise ConfigError("teacher.model and teacher.endpoint are both set; a run distils from one teacher: keep one")
+    if cfg.resources.teacher_workers < 0 or cfg.resources.teacher_workers and not t.model:
+        raise ConfigError(f"resources.teacher_workers={cfg.resources.teacher_workers} is the pool of teacher.model: "
+                          "set teacher.model, or 0 (the teacher on the training pool)")
     if not (t.model or t.endpoint):
         if a.adv_estimator == "opd":
             raise ConfigError("algorithm.adv_estimator=opd needs a teacher: set teacher.model (a HF dir) or "
@@ -282,7 +306,13 @@ def _check_teacher(cfg) -> None:
             dims = ModelDims.from_hf_dict(json.loads(hf.read_text()))
         except ValueError as e:
             raise ConfigError(f"teacher.model {t.model}: {e}") from None
-        check_parallel("teacher", t.parallel, dims, pool_size(cfg))
+        if cfg.model.transformer_engine and dims.mla:
+            raise ConfigError(f"teacher.model {t.model}: {MLA_WITHOUT_TE}")
+        own = cfg.resources.teacher_workers
+        if own:
+            check_parallel("teacher", t.parallel, dims, own, pool="resources.teacher_workers")
+        else:
+            check_parallel("teacher", t.parallel, dims, pool_size(cfg))
 
 
 def _check_policy_loss(actor) -> None:

@@ -86,7 +86,8 @@ class TeacherEndpoint:
             return self.model
         async with self._client() as client:
             body = await self._request(client, "GET", "/models", None, TeacherStats(), "the model list")
-        names = [m.get("id") for m in body.get("data") or []]
+        data = body.get("data") if isinstance(body, dict) else None
+        names = [m.get("id") for m in data if isinstance(m, dict) and m.get("id")] if isinstance(data, list) else []
         if not names:
             raise TeacherEndpointError(f"teacher.endpoint {self.url} lists no model at /models; set "
                                        "teacher.endpoint_model")

@@ -121,8 +121,10 @@ class WorkersMixin:
             mapping[Role.RefPolicy] = "train"
         if cfg.reward.model.enable:
             mapping[Role.RewardModel] = "train"
-        if cfg.teacher.model:
-            mapping[Role.Teacher] = "train"
+        if cfg.teacher.model:  # resources.teacher_workers: a pool of its own
+            mapping[Role.Teacher] = "teacher" if res.teacher_workers else "train"
+            if res.teacher_workers:
+                spec["teacher"] = [res.teacher_workers]
         if self.async_mode:
             spec["rollout"] = [res.rollout_workers]
             mapping[Role.Rollout] = "rollout"
@@ -145,7 +147,8 @@ class WorkersMixin:
         self.ref_wg = (self.actor_wg if fuse_ref else group(ActorRolloutRefWorker, "ref", Role.RefPolicy)) \
             if cfg.ref.enable else None
         self.rm_wg = group(RewardModelWorker, "rm") if cfg.reward.model.enable else None
-        self.teacher_wg = group(TeacherWorker, "teacher") if cfg.teacher.model else None
+        self.teacher_wg = group(TeacherWorker, "teacher", pool=mgr.pools[mapping[Role.Teacher]]) \
+            if cfg.teacher.model else None
         self.rollout_wg = group(ActorRolloutRefWorker, "rollout", Role.Rollout, wg_cls=RayWorkerGroup,
                                 pool=mgr.pools["rollout"]) if self.async_mode else self.actor_wg
         t1 = time.perf_counter()
