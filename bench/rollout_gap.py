@@ -47,7 +47,7 @@ def run(recipe: str, dtype: str, steps: int, out: Path) -> list[dict]:
                  f"data.train_files=[{data}/arith_train.parquet]", "data.val_files=[]", "data.train_batch_size=4",
                  "rollout.n=4", "actor.ppo_mini_batch_size=16", "actor.micro_batch_size=4",
                  "actor.log_prob_micro_batch_size=8", "critic.ppo_mini_batch_size=16", "critic.micro_batch_size=4",
-                 "actor.use_rollout_log_probs=false", "trainer.rollout_check=off", f"trainer.total_steps={steps}",
+                 "actor.use_rollout_log_probs=false", "trainer.rollout_check=never", f"trainer.total_steps={steps}",
                  "trainer.save_every=0", "trainer.val_every=0", "trainer.export_hf=false",
                  "trainer.loggers=[jsonl]"]
     proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", "--config", config, "--no-progress",

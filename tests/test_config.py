@@ -94,7 +94,7 @@ INVALID = [
      "choose one of: acc, score"),
     (["data.max_prompt_length=600"], "exceeds the model's 512 positions"),
     (["bogus"], "is not key=value"),
-    (["trainer.rollout_check=ignore"], "choose one of: stop, warn, off"),
+    (["trainer.rollout_check=ignore"], "choose one of: stop, warn, never"),
     (["trainer.rollout_logprob_bound=0"], "must be > 0 (null: the bound measured for the run's dtype)"),
     (["trainer.rollout_check_every=-1"], "must be >= 0"),
     (["model.path=null", "model.arch.family=gemma3"], "choose one of: llama, qwen2, mistral, qwen3, qwen3_moe"),

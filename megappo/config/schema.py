@@ -430,7 +430,7 @@ class TrainerConfig:
     # the guard on the sampler/trainer gap (ppo/rollout_guard.py): rollout/logprob_diff_mean over the tokens the
     # current weights sampled, read on the first rollout_check_steps steps of a run (a resume's too) and every
     # rollout_check_every steps after (0 = only the first). stop: past the bound, the run stops in one line
-    # naming the likely causes; warn: trains on, warning every step it is past; off: no check
+    # naming the likely causes; warn: trains on, warning every step it is past; never: no check
     rollout_check: str = "stop"
     rollout_check_steps: int = 2
     rollout_check_every: int = 10
@@ -502,6 +502,6 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "trainer.mode": ("sync", "async", "fully_async"),
     "trainer.pause_mode": ("keep", "recompute"),
     "trainer.on_nan": ("skip", "stop"),
-    "trainer.rollout_check": ("stop", "warn", "off"),
+    "trainer.rollout_check": ("stop", "warn", "never"),
 }
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")

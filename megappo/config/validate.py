@@ -554,7 +554,7 @@ def _check_trainer(cfg, check_paths: bool) -> None:
                           "trainer.mode=fully_async with trainer.partial_rollout=true; remove it or set those")
     if t.rollout_check_steps < 0 or t.rollout_check_every < 0:
         raise ConfigError("trainer.rollout_check_steps and trainer.rollout_check_every must be >= 0 (0 = none; "
-                          "trainer.rollout_check=off turns the guard off)")
+                          "trainer.rollout_check=never turns the guard off)")
     if t.rollout_logprob_bound is not None and not t.rollout_logprob_bound > 0:
         raise ConfigError(f"trainer.rollout_logprob_bound={t.rollout_logprob_bound} must be > 0 (null: the bound "
                           "measured for the run's dtype)")

@@ -6,7 +6,7 @@ embedding, a router scoring with softmax where the model uses sigmoid, weights t
 leaves the weight fingerprint intact or unseen and shows only as a gap orders of magnitude past rounding, in a
 metric nobody reads while the run trains on. The guard reads it on the run's first steps (and every
 `trainer.rollout_check_every` steps after) and stops the run in one line when it is past the bound for the
-dtypes in use (`trainer.rollout_check: warn` trains on, warning every step it is past; `off`: no check).
+dtypes in use (`trainer.rollout_check: warn` trains on, warning every step it is past; `never`: no check).
 
 The gap is measured over the tokens the current weights sampled: every token in sync mode; in the async modes
 the tokens of the trainer's own version (one-step async: its first step only; fully_async: the tokens sampled
@@ -62,7 +62,7 @@ def on_policy_gap(batch, version: int) -> Optional[float]:
 
 @dataclass
 class RolloutGuard:
-    action: str  # stop | warn | off (trainer.rollout_check)
+    action: str  # stop | warn | never (trainer.rollout_check)
     bound: float
     dtype: str
     first_steps: int  # checked steps at the start of each fit (a resume and a restart check again)
@@ -77,7 +77,7 @@ class RolloutGuard:
         return cls(t.rollout_check, float(bound), dtype, int(t.rollout_check_steps), int(t.rollout_check_every))
 
     def due(self, step: int) -> bool:
-        if self.action == "off":
+        if self.action == "never":
             return False
         return self.action == "warn" or len(self.steps_checked) < self.first_steps or \
             bool(self.every and step % self.every == 0)
