@@ -2,6 +2,9 @@
 megappo supports (dense and MoE: `MOE_FAMILIES`' HF names), the padded vocabulary, megatron's
 TransformerConfig arguments, and the LoRA targets by how TP splits them. No torch: the config schema and
 the driver read these before Ray (and torch) start. Names and tensor layouts are parallel/weight_mapping.py's.
+The config.json keys vLLM's loaders read otherwise than transformers are written for vLLM by
+workers/rollout/vllm_quirks.py; what vLLM cannot build at all (qwen2_moe without q/k/v biases) is refused here,
+where the config checks read it before anything runs.
 """
 
 from __future__ import annotations

