@@ -45,6 +45,8 @@ class FakeTeacher:
                 self._send(200, owner.models_body)
 
             def do_POST(self):
+                import time
+
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with owner.lock:
                     owner.requests += 1
@@ -52,29 +54,24 @@ class FakeTeacher:
                     owner.most_in_flight = max(owner.most_in_flight, owner.in_flight)
                     fault = owner.faults.pop(0) if owner.faults else None
                     owner.bodies.append(body)
-                try:
-                    import time
-
-                    time.sleep(0.02)  # long enough for requests to overlap
-                    if fault == "503":
-                        return self._send(503, {"error": {"message": "overloaded", "code": 503}})
-                    if fault == "400":
-                        return self._send(400, {"error": {"message": "prompt is longer than max_model_len 64"}})
-                    if fault == "drop":
-                        self.close_connection = True
-                        return self.connection.shutdown(2)
-                    if fault == "slow":
-                        time.sleep(owner.slow_s)
-                    ids = body["prompt"]
-                    lps = [None] + [fake_log_prob(k, t) for k, t in enumerate(ids)][1:] + [-0.5]
-                    self._send(200, {"choices": [{"index": 0, "text": "", "token_ids": [7],
-                                                  "logprobs": {"token_logprobs": lps}}],
-                                     "prompt_token_ids": ids})
-                finally:
-                    with owner.lock:
-                        owner.in_flight -= 1
+                time.sleep(0.02)  # long enough for requests to overlap
+                if fault == "slow":
+                    time.sleep(owner.slow_s)
+                ids = body["prompt"]
+                lps = [None] + [fake_log_prob(k, t) for k, t in enumerate(ids)][1:] + [-0.5]
+                reply = {"503": (503, {"error": {"message": "overloaded", "code": 503}}),
+                         "400": (400, {"error": {"message": "prompt is longer than max_model_len 64"}})}.get(
+                    fault, (200, {"choices": [{"index": 0, "text": "", "token_ids": [7],
+                                               "logprobs": {"token_logprobs": lps}}], "prompt_token_ids": ids}))
+                with owner.lock:  # out of flight before the client can see an answer (and send the next request)
+                    owner.in_flight -= 1
+                if fault == "drop":
+                    self.close_connection = True
+                    return self.connection.shutdown(2)
+                self._send(*reply)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True  # close() never waits for a "slow" answer nobody waits for any more
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 

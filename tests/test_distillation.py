@@ -103,8 +103,9 @@ def test_a_failing_server_is_retried_and_counted_or_fails_in_one_line(fake_teach
     from megappo.ppo.teacher_endpoint import TeacherEndpoint, TeacherEndpointError
 
     rows = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
-    server = fake_teacher("503", "drop", "slow", "503", slow_s=1.0)
-    client = TeacherEndpoint(server.url, concurrency=3, retries=4, backoff_s=0.01, timeout_s=0.5)
+    # the slow answer comes far past the timeout, every other one far within it (20 ms against 5 s)
+    server = fake_teacher("503", "drop", "slow", "503", slow_s=60.0)
+    client = TeacherEndpoint(server.url, concurrency=3, retries=4, backoff_s=0.01, timeout_s=5.0)
     try:
         lps, stats = client.score(rows)
     finally:
@@ -185,26 +186,63 @@ def test_teacher_config_errors(tiny_assets, tmp_path):
 
 # ---- trained ----------------------------------------------------------------------------------------------
 
-def test_opd_from_a_teacher_equal_to_the_student_moves_nothing(ray_session, tiny_assets, data_dir, tmp_path):
-    """algorithm.adv_estimator=opd with teacher.model = the student's own dir (a Megatron group of its own),
-    2 sync steps (fp32): the teacher's log-probs are the student's pi_old bit for bit, every advantage is exactly
-    0, so the actor's gradient is exactly 0 at every update (the weights stay where a zero-advantage update
-    leaves them) and distill/reverse_kl is 0; the teacher's time is logged with its share of the step."""
+def test_opd_from_a_teacher_of_another_family_on_a_pool_of_its_own(ray_session, tiny_assets, data_dir, tmp_path):
+    """algorithm.adv_estimator=opd, the student the tiny llama, the teacher the tiny qwen3 (another family, other
+    weights, the same tokenizer) on a worker pool of its own (resources.teacher_workers=1, its layout the default
+    dp over that pool), 2 sync steps (fp32): the teacher's log-probs of every response token are transformers' on
+    the teacher's weights (1e-5), not the student's; every advantage is exactly the reverse-KL term
+    -(log pi_old - log pi_teacher) on the trained tokens, and distill/teacher_share is the teacher's time over the
+    step's."""
+    from megappo.assets import hf_response_logprobs
     from trainer_utils import config, recording_updates, run
 
+    teacher = tiny_assets["tiny-qwen3"]
     cfg = config(tiny_assets, data_dir, tmp_path / "run", "algorithm.adv_estimator=opd", "critic.enable=false",
                  "ref.enable=false", "algorithm.use_kl_in_reward=false", "actor.entropy_coeff=0",
-                 f"teacher.model={tiny_assets['tiny-llama']}", "teacher.parallel.dp=2",
+                 f"teacher.model={teacher}", "resources.teacher_workers=1",
                  "trainer.total_steps=2", "trainer.save_every=0", "trainer.val_every=0", "trainer.export_hf=false")
+    assert cfg.teacher.parallel.dp == 1
     batches = []
-    history, _ = run(cfg, setup=recording_updates(batches))
+    history, trainer = run(cfg, setup=recording_updates(batches))
     assert len(history) == 2
     for h, batch in zip(history, batches):
         b = batch.batch
-        assert torch.equal(b["teacher_log_prob"], b["old_log_probs"])
-        assert torch.equal(b["advantages"], torch.zeros_like(b["advantages"])) and b["response_mask"].sum() > 0
-        assert h["actor/grad_norm"] == 0.0 and h["distill/reverse_kl"] == 0.0
-        assert h["timing/teacher_s"] > 0 and 0 < h["distill/teacher_share"] < 1
+        width = b["prompts"].shape[1]
+        rows, lengths = [], []
+        for i in range(len(batch)):
+            p, n = int(b["attention_mask"][i, :width].sum()), int(b["attention_mask"][i, width:].sum())
+            rows.append({"input_ids": b["input_ids"][i][b["attention_mask"][i].bool()].tolist(), "response_start": p})
+            lengths.append(n)
+        for i, ref in enumerate(hf_response_logprobs(teacher, rows)):
+            torch.testing.assert_close(b["teacher_log_prob"][i, :lengths[i]], ref, rtol=0, atol=1e-5)
+        mask = b["response_mask"].bool()
+        assert (b["teacher_log_prob"] - b["old_log_probs"]).abs()[mask].mean() > 0.1  # not the student's
+        term = 0.0 - 1.0 * (b["old_log_probs"] - b["teacher_log_prob"]) * b["response_mask"]  # distill_coef 1
+        assert torch.equal(b["advantages"], term.to(b["advantages"].dtype))
+        assert h["distill/teacher_share"] == pytest.approx(h["timing/teacher_s"] / h["timing/step_s"], rel=1e-9)
+
+
+def test_a_megappo_serve_teacher_in_a_trainer_run(ray_session, tiny_assets, data_dir, tmp_path, monkeypatch):
+    """teacher.endpoint at a real server: `megappo serve` of the student's own weights in its own process (vLLM's
+    prompt log-probs over /v1/completions with echo, the key from teacher.api_key_env) beside PPO's GAE for 1 sync
+    step (fp32, on the trainer tests' warm workers):
+    every response token's teacher log-prob is the student's pi_old (the same weights in two engines, 1e-4), so the
+    per-token term is at most that gap, and the server scored one request per row."""
+    from gateway_helpers import serve_process
+    from trainer_utils import config, recording_updates, run
+
+    monkeypatch.setenv("MEGAPPO_TEACHER_API_KEY", "k-teacher")
+    with serve_process(tiny_assets["tiny-llama"], "--max-model-len", "256", "--max-tokens", "8", "--kv-cache-mb", "32",
+                       key="k-teacher") as (proc, url):
+        cfg = config(tiny_assets, data_dir, tmp_path / "run", f"teacher.endpoint={url}/v1", "algorithm.distill_coef=0.5",
+                     "trainer.total_steps=1", "trainer.save_every=0", "trainer.val_every=0", "trainer.export_hf=false")
+        batches = []
+        history, _ = run(cfg, setup=recording_updates(batches))
+    b, h = batches[0].batch, history[0]
+    mask = b["response_mask"].bool()
+    assert mask.sum() > 0 and h["distill/teacher_requests"] == len(batches[0]) and h["distill/teacher_retries"] == 0
+    torch.testing.assert_close(b["teacher_log_prob"][mask], b["old_log_probs"][mask], rtol=0, atol=1e-4)
+    assert h["distill/reverse_kl"] == pytest.approx(0.0, abs=1e-4)
 
 
 def test_a_teacher_server_beside_the_reward_survives_its_failures(ray_session, tiny_assets, data_dir, tmp_path,
@@ -229,4 +267,5 @@ def test_a_teacher_server_beside_the_reward_survives_its_failures(ray_session, t
         mask = b["response_mask"]
         d = (b["old_log_probs"] - b["teacher_log_prob"]) * mask
         assert h["distill/reverse_kl"] == pytest.approx((d.sum() / mask.sum()).item(), rel=1e-5)
-        assert h["timing/teacher_wait_s"] >= 0 and h["timing/teacher_s"] > 0
+        # the server scored while pi_old ran: the driver waited at most as long as the scoring took
+        assert h["timing/teacher_wait_s"] <= h["timing/teacher_s"] + 0.01
