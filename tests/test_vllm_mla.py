@@ -13,11 +13,12 @@ and with a `moe_layer_freq` of 2, keys transformers' DeepseekV3 ignores. One fre
 import json
 import shutil
 
+import pytest
 import torch
 
 
 def _default_rope_dir(src, out):
-    """The tiny DeepSeek-V3 with default RoPE and no router keys in its config.json (the same weights)."""
+    """The tiny DeepSeek-V3 (the same weights) with default RoPE, no router keys and moe_layer_freq 2."""
     shutil.copytree(src, out)
     raw = json.loads((out / "config.json").read_text())
     raw["rope_parameters"] = {"rope_theta": raw["rope_parameters"]["rope_theta"], "rope_type": "default"}
@@ -60,7 +61,8 @@ def _job(rank, world, port, src, tmp_path):
         mask = gen.batch["response_mask"].bool()
         out[form] = dict(hf_diff=(lp - gen.batch["rollout_log_probs"]).abs()[mask].max().item(),
                          rope=hf_config.rope_parameters["rope_type"], note=rollout.config_note,
-                         read={k: getattr(hf_config, k, None) for k in ("topk_method", "scoring_func", "moe_layer_freq")})
+                         read={k: getattr(hf_config, k, None)
+                               for k in ("topk_method", "scoring_func", "moe_layer_freq")})
         del rollout, hf
         gc.collect()
     return out
@@ -93,22 +95,23 @@ def test_cpu_rope_kernel_misreads_mla_views_which_run_natively():
 
     T, H, nope, rope, kv_lora = 6, 4, 32, 64, 512
     g = torch.Generator().manual_seed(0)
-    q, latent, pos = torch.randn(T, H, nope + rope, generator=g), torch.randn(T, kv_lora + rope, generator=g), \
-        torch.arange(T) + 5
+    q, latent = torch.randn(T, H, nope + rope, generator=g), torch.randn(T, kv_lora + rope, generator=g)
+    pos = torch.arange(T) + 5
     with set_current_vllm_config(VllmConfig()):
         emb = RotaryEmbedding(rope, rope, 128, 10000.0, False, torch.float32)
     want_q, want_k = emb.forward_native(pos, q[..., nope:].clone(), latent[:, kv_lora:].unsqueeze(1).clone())
 
     q_in, latent_in = q.clone(), latent.clone()  # the kernel, in place on MLA's views
     ops.rotary_embedding(pos, q_in[..., nope:], latent_in[:, kv_lora:].unsqueeze(1), rope, emb.cos_sin_cache, False)
-    got_q = q_in[..., nope:].reshape(T * H, rope)
-    assert torch.allclose(got_q[0], want_q[0, 0], atol=1e-5) and torch.equal(got_q[T:], q[..., nope:].reshape(T * H, rope)[T:])
+    got_q, before = q_in[..., nope:].reshape(T * H, rope), q[..., nope:].reshape(T * H, rope)
+    assert torch.allclose(got_q[0], want_q[0, 0], atol=1e-5) and torch.equal(got_q[T:], before[T:])
     assert torch.allclose(latent_in[0, kv_lora:], want_k[0, 0], atol=1e-5)
     assert not torch.allclose(latent_in[1:, kv_lora:], want_k[1:, 0], atol=1e-3)
 
     flat_q, flat_k = q[..., nope:].reshape(T, H * rope), latent[:, kv_lora:].clone()  # 2-D: the kernel is right
     ops.rotary_embedding(pos, flat_q, flat_k, rope, emb.cos_sin_cache, False)
-    assert torch.allclose(flat_q.view(T, H, rope), want_q, atol=1e-5) and torch.allclose(flat_k, want_k[:, 0], atol=1e-5)
+    assert torch.allclose(flat_q.view(T, H, rope), want_q, atol=1e-5)
+    assert torch.allclose(flat_k, want_k[:, 0], atol=1e-5)
 
     cpu_compat.vllm_cpu_rope_layouts()
     got_q, got_k = RotaryEmbedding.forward_cpu(emb, pos, q[..., nope:], latent[:, kv_lora:].unsqueeze(1))
@@ -118,8 +121,6 @@ def test_cpu_rope_kernel_misreads_mla_views_which_run_natively():
 def test_vllm_config_fixes(tiny_assets):
     """What vLLM's loaders read otherwise than transformers is written for them, in one line; a config that agrees
     gets nothing; a DeepSeek-V3 naming another router is refused (model_dims), not overridden."""
-    import pytest
-
     from megappo.parallel.model_dims import ModelDims
     from megappo.workers.rollout.vllm_quirks import vllm_config_fixes
 
