@@ -29,16 +29,17 @@ RECIPES = {  # name -> (config, model dir, data dir)
 
 
 def ensure_assets(recipes: list[str]) -> None:
+    """The recipes' models and data (their progress to stderr: stdout is the JSON)."""
     py = sys.executable
-    subprocess.run([py, "-m", "megappo.cli", "assets", "--demo", "--demo-moe"], cwd=REPO, check=True)
+    subprocess.run([py, "-m", "megappo.cli", "assets", "--demo", "--demo-moe"], cwd=REPO, check=True, stdout=sys.stderr)
     subprocess.run([py, "-m", "megappo.data.preprocess_arithmetic", "--out", "outputs/data", "--max-operand", "3"],
-                   cwd=REPO, check=True)
+                   cwd=REPO, check=True, stdout=sys.stderr)
     if "smollm2" in recipes:
         if not (REPO / "assets/smollm2-135m-instruct/config.json").is_file():
-            subprocess.run([py, "tools/smollm2_to_hf.py", "--out", "assets/smollm2-135m-instruct"], cwd=REPO, check=True)
+            subprocess.run([py, "tools/smollm2_to_hf.py", "--out", "assets/smollm2-135m-instruct"], cwd=REPO, check=True, stdout=sys.stderr)
         subprocess.run([py, "-m", "megappo.data.preprocess_arithmetic", "--out", "outputs/data/smollm2_arith",
                         "--held-out", "--min-operand", "0", "--max-operand", "30", "--val-size", "150",
-                        "--instruction", "Give only the number."], cwd=REPO, check=True)
+                        "--instruction", "Give only the number."], cwd=REPO, check=True, stdout=sys.stderr)
 
 
 def run(recipe: str, dtype: str, steps: int, out: Path) -> list[dict]:

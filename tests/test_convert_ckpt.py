@@ -418,7 +418,7 @@ def test_a_multi_token_prediction_layer_is_skipped_in_one_line(name, tiny_assets
     """GLM-4.5 / DeepSeek-V3 checkpoints carry their MTP module as layer num_hidden_layers (experts and all):
     the import says it skips it and converts the rest; the export has no such layer and says so in its config
     (num_nextn_predict_layers 0: vLLM's MTP drafting of the export would look for its weights); a DeepSeek-V3
-    config without its router keys gets them (rollout/vllm_quirks.py: vLLM would route by softmax). An FP8
+    config without its router keys gets them (conversion/vllm_config.py: vLLM would route by softmax). An FP8
     checkpoint is refused in one line naming the bf16 conversion."""
     import shutil
 

@@ -434,7 +434,7 @@ class TrainerConfig:
     rollout_check: str = "stop"
     rollout_check_steps: int = 2
     rollout_check_every: int = 10
-    # null: the bound measured for the run's dtype (rollout_guard.BOUNDS: fp32 1e-3, bf16 0.1; docs/training.md)
+    # null: the bound measured for the run's dtype (rollout_guard.BOUNDS: fp32 1e-3, bf16 0.25; docs/training.md)
     rollout_logprob_bound: Optional[float] = None
     save_every: int = 0  # 0 = never
     # a checkpoint costs the step only the copy of its tensors: worker threads write the files during
