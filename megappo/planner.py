@@ -69,8 +69,9 @@ from omegaconf import OmegaConf
 from megappo.config import ConfigError, load_config
 from megappo.config.schema import ArchConfig, MegappoConfig
 from megappo.parallel.layout import same_layout
-from megappo.parallel.weight_mapping import MOE_FAMILIES, padded_vocab_size
-from megappo.config.validate import arch_from_hf, validate_config
+from megappo.parallel.weight_mapping import MLA_DOWN_LINEARS, MOE_FAMILIES, ModelDims, mla_shapes, \
+    padded_vocab_size
+from megappo.config.validate import arch_as_hf, arch_from_hf, validate_config
 
 GB = 1024**3  # "GB" in this module is GiB, as the GPU reports its memory (resources.gpu_memory_gb)
 # a layout fits only with this share of the GPU left free: allocator fragmentation, NCCL's buffers past the
@@ -81,26 +82,29 @@ CUDA_CONTEXT_GB = 0.6
 ROLES = ("actor", "critic", "ref")
 
 
+def _mla_shapes(a) -> dict[str, tuple]:
+    """model.arch's multi-latent attention tensors (weight_mapping.mla_shapes, the one statement of them)."""
+    return mla_shapes(ModelDims.from_hf_dict(arch_as_hf(a)))
+
+
 def _mla_projections(a) -> dict[str, tuple[int, int]]:
-    """Multi-latent attention's projections, megatron's name -> (fan_in, fan_out) (DeepSeek-V3: q through its latent
-    or not, the shared k/v latent plus the RoPE key, per-head k_nope / v out of the latent; head_dim is v's)."""
-    h, heads, qk = a.hidden_size, a.num_attention_heads, a.qk_nope_head_dim + a.qk_rope_head_dim
-    q = {"linear_q_down_proj": (h, a.q_lora_rank), "linear_q_up_proj": (a.q_lora_rank, heads * qk)} \
-        if a.q_lora_rank else {"linear_q_proj": (h, heads * qk)}
-    return q | {"linear_kv_down_proj": (h, a.kv_lora_rank + a.qk_rope_head_dim),
-                "linear_kv_up_proj": (a.kv_lora_rank, heads * (a.qk_nope_head_dim + a.head_dim))}
+    """Multi-latent attention's projections into and out of the latents, megatron's name -> (fan_in, fan_out)."""
+    return {k.removesuffix(".weight"): (shape[1], shape[0]) for k, shape in _mla_shapes(a).items()
+            if k.startswith("linear_") and k != "linear_proj.weight"}
 
 
 def _mla_params(a) -> int:
     """Multi-latent attention's projections, latent norms and output projection."""
-    return sum(i * o for i, o in _mla_projections(a).values()) + a.q_lora_rank + a.kv_lora_rank \
-        + a.num_attention_heads * a.head_dim * a.hidden_size
+    return sum(math.prod(shape) for shape in _mla_shapes(a).values())
 
 
 def rollout_whole_params(a) -> int:
     """Parameters every rollout TP rank holds whole: MLA's down projections (vLLM's replicated fused_qkv_a_proj
-    / kv_a_proj_with_mqa; weight_mapping.whole_in_rollout)."""
-    return a.num_layers * a.hidden_size * (a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim) if a.kv_lora_rank else 0
+    / kv_a_proj_with_mqa: the tensors weight_mapping.whole_in_rollout names)."""
+    if not a.kv_lora_rank:
+        return 0
+    shapes = _mla_shapes(a)
+    return a.num_layers * sum(math.prod(shapes[f"{c}.weight"]) for c in MLA_DOWN_LINEARS if f"{c}.weight" in shapes)
 
 
 def kv_cache_bytes_per_token(cfg) -> int:

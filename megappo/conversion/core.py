@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Optional
 
 from megappo.parallel.weight_mapping import (HF_ROUTER_BIAS, ModelDims, hf_names, is_hf_moe_tensor, megatron_name,
-                                             megatron_param_names, mla_attention_names, routed_expert,
+                                             megatron_param_names, mla_attention_names, mla_shapes, routed_expert,
                                              transformer_config_kwargs)
 from megappo.conversion.dcp_io import Item
 from megappo.conversion.errors import ConvertError, read_json
@@ -110,20 +110,10 @@ def checked_dims(hf_config, tp: int, value_head: bool) -> ModelDims:
         raise ConvertError(str(e)) from None
 
 
-def _mla_shapes(d: ModelDims) -> dict:
-    """Multi-latent attention's tensors (megatron suffix -> shape; HF's are the same tensors)."""
-    h, heads, qk = d.hidden_size, d.num_heads, d.qk_nope_dim + d.qk_rope_dim
-    return {"linear_q_down_proj.weight": (d.q_lora_rank, h), "q_layernorm.weight": (d.q_lora_rank,),
-            "linear_q_up_proj.weight": (heads * qk, d.q_lora_rank), "linear_q_proj.weight": (heads * qk, h),
-            "linear_kv_down_proj.weight": (d.kv_lora_rank + d.qk_rope_dim, h), "kv_layernorm.weight": (d.kv_lora_rank,),
-            "linear_kv_up_proj.weight": (heads * (d.qk_nope_dim + d.head_dim), d.kv_lora_rank),
-            "linear_proj.weight": (h, heads * d.head_dim)}
-
-
 def megatron_shape(name: str, d: ModelDims) -> tuple:
     h, hd = d.hidden_size, d.head_dim
     if d.mla and ".self_attention." in name:
-        return _mla_shapes(d)[name.rsplit(".self_attention.", 1)[1]]
+        return mla_shapes(d)[name.rsplit(".self_attention.", 1)[1]]
     if ".mlp.experts.local_experts." in name:  # one routed expert: a dense MLP of moe_ffn_hidden_size
         return (2 * d.moe_ffn_hidden_size, h) if name.endswith("linear_fc1.weight") else (h, d.moe_ffn_hidden_size)
     if ".mlp.shared_experts." in name:  # the shared expert: a dense MLP of its own size (and its gate)

@@ -123,12 +123,24 @@ def whole_in_rollout(mcore_name: str, dims: ModelDims) -> bool:
     return dims.mla and any(mcore_name.endswith(f"self_attention.{c}.weight") for c in MLA_DOWN_LINEARS)
 
 
+def mla_shapes(d: ModelDims) -> dict[str, tuple]:
+    """One MLA layer's attention tensors, in model order: megatron's name after `self_attention.` -> its shape
+    (HF's are the same tensors). q through its rank-q_lora_rank latent (its norm between) or a plain q projection;
+    the shared k/v latent plus the RoPE key; per head k_nope and v out of the latent; v's head dim is head_dim.
+    The one statement of these shapes: the converter's, the planner's counts and the names below read it."""
+    h, heads, qk = d.hidden_size, d.num_heads, d.qk_nope_dim + d.qk_rope_dim
+    q = {"linear_q_down_proj.weight": (d.q_lora_rank, h), "q_layernorm.weight": (d.q_lora_rank,),
+         "linear_q_up_proj.weight": (heads * qk, d.q_lora_rank)} if d.q_lora_rank else \
+        {"linear_q_proj.weight": (heads * qk, h)}
+    return q | {"linear_kv_down_proj.weight": (d.kv_lora_rank + d.qk_rope_dim, h),
+                "kv_layernorm.weight": (d.kv_lora_rank,),
+                "linear_kv_up_proj.weight": (heads * (d.qk_nope_dim + d.head_dim), d.kv_lora_rank),
+                "linear_proj.weight": (h, heads * d.head_dim)}
+
+
 def mla_attention_names(dims: ModelDims) -> list[str]:
     """One MLA layer's attention parameters (suffixes), in model order."""
-    q = (["self_attention.linear_q_down_proj.weight", "self_attention.q_layernorm.weight",
-          "self_attention.linear_q_up_proj.weight"] if dims.q_lora_rank else ["self_attention.linear_q_proj.weight"])
-    return q + ["self_attention.linear_kv_down_proj.weight", "self_attention.kv_layernorm.weight",
-                "self_attention.linear_kv_up_proj.weight", "self_attention.linear_proj.weight"]
+    return [f"self_attention.{n}" for n in mla_shapes(dims)]
 
 
 _TOP_MAP = {
