@@ -1,5 +1,5 @@
-"""core_algos against hand-computed numbers on tiny tensors (expected values never come from the
-function under test)."""
+"""core_algos and the per-token losses (ppo/losses.py) against hand-computed numbers on tiny tensors (expected
+values never come from the function under test)."""
 
 import math
 from types import SimpleNamespace
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from megappo.ppo import core_algos as ca
+from megappo.ppo import core_algos as ca, losses
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -160,33 +160,33 @@ MASK = T([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
 
 
 def test_agg_loss_modes_by_hand():
-    assert close(ca.agg_loss(LOSS, MASK, "token-mean"), 21.0 / 6)
-    assert close(ca.agg_loss(LOSS, MASK, "seq-mean-token-sum"), (6 + 9 + 6) / 3)
-    assert close(ca.agg_loss(LOSS, MASK, "seq-mean-token-mean"), (2 + 4.5 + 6) / 3)
-    assert close(ca.agg_loss(LOSS, MASK, "token-mean", normalizer=12), 21.0 / 12)
+    assert close(losses.agg_loss(LOSS, MASK, "token-mean"), 21.0 / 6)
+    assert close(losses.agg_loss(LOSS, MASK, "seq-mean-token-sum"), (6 + 9 + 6) / 3)
+    assert close(losses.agg_loss(LOSS, MASK, "seq-mean-token-mean"), (2 + 4.5 + 6) / 3)
+    assert close(losses.agg_loss(LOSS, MASK, "token-mean", normalizer=12), 21.0 / 12)
     with pytest.raises(ValueError, match="token-mean"):
-        ca.agg_loss(LOSS, MASK, "mean")
+        losses.agg_loss(LOSS, MASK, "mean")
 
 
-@pytest.mark.parametrize("mode", ca.LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", losses.LOSS_AGG_MODES)
 @pytest.mark.parametrize("splits", [[1, 1, 1, 1, 1], [2, 3], [4, 1], [5]])
 def test_global_normalizer_makes_micro_batch_split_invariant(mode, splits):
     g = torch.Generator().manual_seed(0)
     loss_mat = torch.rand(5, 4, generator=g, dtype=torch.float64).requires_grad_()
     lengths = [4, 1, 3, 2, 4]
     mask = torch.tensor([[1.0 if t < n else 0.0 for t in range(4)] for n in lengths], dtype=torch.float64)
-    full = ca.agg_loss(loss_mat, mask, mode)
+    full = losses.agg_loss(loss_mat, mask, mode)
     (full_grad,) = torch.autograd.grad(full, loss_mat)
-    normalizer = ca.loss_normalizer(mask, mode)  # global count, computed once per mini-batch
+    normalizer = losses.loss_normalizer(mask, mode)  # global count, computed once per mini-batch
     total, start = 0.0, 0
     for size in splits:  # micro-batches (or DP ranks)
         sl = slice(start, start + size)
-        total = total + ca.agg_loss(loss_mat[sl], mask[sl], mode, normalizer=normalizer)
+        total = total + losses.agg_loss(loss_mat[sl], mask[sl], mode, normalizer=normalizer)
         start += size
     (split_grad,) = torch.autograd.grad(total, loss_mat)
     assert close(total, full, tol=1e-12) and close(split_grad, full_grad, tol=1e-12)
     if len(splits) > 1:  # without the global normalizer the sum of micro-batch means is wrong
-        local = sum(ca.agg_loss(loss_mat[s:s + n], mask[s:s + n], mode)
+        local = sum(losses.agg_loss(loss_mat[s:s + n], mask[s:s + n], mode)
                     for s, n in zip(np.cumsum([0] + splits[:-1]), splits))
         assert not close(local, full, tol=1e-6)
 
@@ -197,7 +197,7 @@ def test_policy_loss_clip_and_dual_clip_by_hand():
     logp = T([[math.log(1.5), math.log(0.5), math.log(1.1), math.log(5.0)]])
     adv = T([[1.0, -1.0, 2.0, -1.0]])
     mask = torch.ones(1, 4)
-    loss, clipfrac, approx_kl, dual = ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2)
+    loss, clipfrac, approx_kl, dual = losses.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2)
     # token losses: max(-A r, -A clip(r)):  r=1.5,A=1 -> max(-1.5,-1.2) = -1.2 (clipped)
     # r=.5,A=-1 -> max(.5,.8) = .8 (clipped); r=1.1,A=2 -> -2.2; r=5,A=-1 -> max(5, 1.2) = 5
     assert close(loss, (-1.2 + 0.8 - 2.2 + 5.0) / 4)
@@ -205,12 +205,12 @@ def test_policy_loss_clip_and_dual_clip_by_hand():
     d = [math.log(1.5), math.log(0.5), math.log(1.1), math.log(5.0)]
     assert close(approx_kl, sum(0.5 * x * x for x in d) / 4)
     assert close(dual, 0.0)
-    loss_c, _, _, dual_c = ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, clip_ratio_c=3.0)
+    loss_c, _, _, dual_c = losses.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, clip_ratio_c=3.0)
     # dual clip bounds the last token (A<0) at -A * 3 = 3
     assert close(loss_c, (-1.2 + 0.8 - 2.2 + 3.0) / 4)
     assert close(dual_c, 0.25)
     with pytest.raises(ValueError, match="> 1"):
-        ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, clip_ratio_c=0.5)
+        losses.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, clip_ratio_c=0.5)
 
 
 def test_policy_loss_masks_padding_and_has_ppo_gradient():
@@ -218,7 +218,7 @@ def test_policy_loss_masks_padding_and_has_ppo_gradient():
     logp = T([[0.0, 3.0]]).requires_grad_()
     adv = T([[2.0, 100.0]])
     mask = T([[1.0, 0.0]])
-    loss, clipfrac, approx_kl, _ = ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2)
+    loss, clipfrac, approx_kl, _ = losses.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2)
     loss.backward()
     assert close(loss, -2.0) and close(clipfrac, 0.0) and close(approx_kl, 0.0)
     assert close(logp.grad, [[-2.0, 0.0]])  # d(-A e^{logp - old})/dlogp at ratio 1 = -A
@@ -228,12 +228,12 @@ def test_importance_weights_truncated_and_applied():
     old = T([[0.0, 0.0, 0.0]])
     rollout = T([[math.log(2.0), math.log(0.25), 0.0]])
     mask = T([[1.0, 1.0, 0.0]])
-    w, metrics = ca.compute_importance_weights(old, rollout, mask, cap=2.0)
+    w, metrics = losses.compute_importance_weights(old, rollout, mask, cap=2.0)
     assert close(w, [[0.5, 2.0, 0.0]])  # exp(0 - log 2) = .5; exp(log 4) = 4 -> capped at 2; padding 0
     assert close(metrics["rollout/tis_capped_frac"], 0.5)
     assert close(metrics["rollout/tis_weight_mean"], 1.25)
     logp, adv = T([[0.0, 0.0, 0.0]]), T([[1.0, 1.0, 1.0]])
-    loss, *_ = ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, importance_weights=w)
+    loss, *_ = losses.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, importance_weights=w)
     assert close(loss, (-1 * 0.5 + -1 * 2.0) / 2)
 
 
@@ -242,7 +242,7 @@ def test_value_loss_clipped_by_hand():
     values = T([[0.5, 0.4, 0.0]])
     returns = T([[1.0, 2.0, 5.0]])
     mask = T([[1.0, 1.0, 0.0]])
-    loss, clipfrac = ca.compute_value_loss(vpreds, values, returns, mask, cliprange_value=0.2)
+    loss, clipfrac = losses.compute_value_loss(vpreds, values, returns, mask, cliprange_value=0.2)
     # tok0: v=1, clip -> .7: max(0, .09) = .09 (clipped larger); tok1: v=.5 in range: (1.5)^2 = 2.25
     assert close(loss, 0.5 * (0.09 + 2.25) / 2)
     assert close(clipfrac, 0.5)
@@ -251,15 +251,16 @@ def test_value_loss_clipped_by_hand():
 def test_entropy_loss_aggregates():
     ent = T([[1.0, 3.0], [2.0, 8.0]])
     mask = T([[1.0, 1.0], [1.0, 0.0]])
-    assert close(ca.compute_entropy_loss(ent, mask), 2.0)
-    assert close(ca.compute_entropy_loss(ent, mask, "seq-mean-token-mean"), (2.0 + 2.0) / 2)
+    assert close(losses.compute_entropy_loss(ent, mask), 2.0)
+    assert close(losses.compute_entropy_loss(ent, mask, "seq-mean-token-mean"), (2.0 + 2.0) / 2)
 
 
-def test_core_algos_is_pure_torch():
+@pytest.mark.parametrize("module", [ca, losses], ids=["core_algos", "losses"])
+def test_core_algos_is_pure_torch(module):
     import ast
     from pathlib import Path
 
-    tree = ast.parse(Path(ca.__file__).read_text())
+    tree = ast.parse(Path(module.__file__).read_text())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not imported & {"ray", "megatron", "vllm"}
@@ -297,14 +298,14 @@ def test_policy_loss_micro_batches_sum_to_the_mini_batch_loss():
         for k in metrics:  # every metric is additive over micro-batches
             torch.testing.assert_close(sum(torch.as_tensor(p[1][k]) for p in parts), torch.as_tensor(metrics[k]))
         if isinstance(loss, ValueLoss):
-            ref, _ = ca.compute_value_loss(outs["values"], mb["values"], mb["returns"], mask, 0.5)
+            ref, _ = losses.compute_value_loss(outs["values"], mb["values"], mb["returns"], mask, 0.5)
         else:
-            ref, *_ = ca.compute_policy_loss(mb["old_log_probs"], outs["logprobs"], mb["advantages"], mask,
-                                             loss.clip_ratio, loss.clip_ratio_c, loss.loss_agg_mode)
+            ref, *_ = losses.compute_policy_loss(mb["old_log_probs"], outs["logprobs"], mb["advantages"], mask,
+                                                 loss.clip_ratio, loss.clip_ratio_c, loss.loss_agg_mode)
             if loss.use_kl_loss:
-                ref = ref - 0.01 * ca.compute_entropy_loss(outs["entropy"], mask, loss.loss_agg_mode) + \
-                    0.1 * ca.agg_loss(ca.kl_penalty(outs["logprobs"], mb["ref_log_prob"], "k3"), mask,
-                                      loss.loss_agg_mode)
+                ref = ref - 0.01 * losses.compute_entropy_loss(outs["entropy"], mask, loss.loss_agg_mode) + \
+                    0.1 * losses.agg_loss(ca.kl_penalty(outs["logprobs"], mb["ref_log_prob"], "k3"), mask,
+                                          loss.loss_agg_mode)
         torch.testing.assert_close(whole / norm, ref)
 
 
@@ -400,8 +401,8 @@ def test_new_estimators_on_a_hand_worked_batch():
     dr, _ = ca.compute_advantages(rewards, mask, algo, index=index)
     torch.testing.assert_close(dr[:, 0], s - torch.tensor([0.5] * 3 + [2 / 3] * 3))
     loss = torch.ones(6, 3)
-    assert ca.loss_normalizer(mask, "seq-mean-token-sum-norm") == 18.0  # 6 sequences x T = 3
-    assert ca.agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(mask.sum().item() / 18)
+    assert losses.loss_normalizer(mask, "seq-mean-token-sum-norm") == 18.0  # 6 sequences x T = 3
+    assert losses.agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(mask.sum().item() / 18)
 
 
 def test_ppo_kl_is_k1_and_approx_kl_is_k2():
@@ -428,20 +429,20 @@ def test_clip_higher_matches_the_dapo_objective():
     for low, high in ((0.2, 0.28), (0.1, 0.5), (0.2, 0.2)):
         j = torch.minimum(r * adv, torch.clamp(r, 1 - low, 1 + high) * adv)
         expected = -(j * mask).sum() / mask.sum()
-        loss, clipfrac, _, _ = ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.99, clip_ratio_c=None,
-                                                      clip_ratio_low=low, clip_ratio_high=high)
+        loss, clipfrac, _, _ = losses.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.99, clip_ratio_c=None,
+                                                          clip_ratio_low=low, clip_ratio_high=high)
         torch.testing.assert_close(loss, expected)
         clipped = (torch.clamp(r, 1 - low, 1 + high) * adv < r * adv)
         torch.testing.assert_close(clipfrac, (clipped * mask).sum() / mask.sum())
-    sym, *_ = ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, clip_ratio_c=None)
-    both, *_ = ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, clip_ratio_c=None, clip_ratio_low=0.2,
-                                      clip_ratio_high=0.2)
+    sym, *_ = losses.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, clip_ratio_c=None)
+    both, *_ = losses.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, clip_ratio_c=None, clip_ratio_low=0.2,
+                                          clip_ratio_high=0.2)
     assert torch.equal(sym, both)
     # what clip-higher let through = what symmetric clipping clips minus what clip-higher clips
-    _, sym_frac, _, _ = ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, clip_ratio_c=None)
-    _, high_frac, _, _ = ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, clip_ratio_c=None,
-                                                clip_ratio_high=0.5)
-    kept = ca.clip_higher_kept_frac(old, logp, adv, mask, 0.2, 0.5)
+    _, sym_frac, _, _ = losses.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, clip_ratio_c=None)
+    _, high_frac, _, _ = losses.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, clip_ratio_c=None,
+                                                    clip_ratio_high=0.5)
+    kept = losses.clip_higher_kept_frac(old, logp, adv, mask, 0.2, 0.5)
     assert kept > 0
     torch.testing.assert_close(kept, sym_frac - high_frac)
 

@@ -1,13 +1,13 @@
 """Decoupled PPO (#39; AReaL, Fu et al. 2025): the loss against its formula by hand, plain PPO when the
 behaviour policy is the proximal one, gradients through pi_theta only, and its config (moved out of
-test_core_algos.py, which holds the rest of core_algos)."""
+test_core_algos.py, which holds the rest of the PPO math)."""
 
 import math
 
 import pytest
 import torch
 
-from megappo.ppo import core_algos as ca
+from megappo.ppo import losses
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -26,15 +26,15 @@ def test_decoupled_loss_matches_the_formula_by_hand():
     logp = T([[math.log(1.5), math.log(0.5), math.log(1.1), 0.0]])  # r = 1.5, .5, 1.1, 1
     adv = T([[1.0, -1.0, 2.0, 1.0]])
     mask = torch.ones(1, 4)
-    loss, clipfrac, _, _, m = ca.compute_decoupled_policy_loss(prox, behav, logp, adv, mask, clip_ratio=0.2,
-                                                               clip_ratio_c=None)
+    loss, clipfrac, _, _, m = losses.compute_decoupled_policy_loss(prox, behav, logp, adv, mask, clip_ratio=0.2,
+                                                                   clip_ratio_c=None)
     # token losses: 2 * -1.2 (r clipped at 1.2); .5 * .8 (r=.5, A<0: max(.5, .8)); 1 * -2.2; 10 * -1
     assert close(loss, (-2.4 + 0.4 - 2.2 - 10.0) / 4)
     assert close(clipfrac, 0.5) and close(m["behav_weight_mean"], (2 + 0.5 + 1 + 10) / 4)
     assert close(m["behav_capped_frac"], 0.0)
     # truncation: w = min(w, 3): only the last token's 10 becomes 3
-    loss_t, *_, m_t = ca.compute_decoupled_policy_loss(prox, behav, logp, adv, mask, behav_imp_weight_cap=3.0,
-                                                       clip_ratio=0.2, clip_ratio_c=None)
+    loss_t, *_, m_t = losses.compute_decoupled_policy_loss(prox, behav, logp, adv, mask, behav_imp_weight_cap=3.0,
+                                                           clip_ratio=0.2, clip_ratio_c=None)
     assert close(loss_t, (-2.4 + 0.4 - 2.2 - 3.0) / 4)
     assert close(m_t["behav_capped_frac"], 0.25) and close(m_t["behav_weight_mean"], (2 + 0.5 + 1 + 3) / 4)
 
@@ -43,9 +43,9 @@ def test_decoupled_loss_is_plain_ppo_when_behaviour_is_proximal():
     g = torch.Generator().manual_seed(0)
     old, logp, adv = (torch.randn(3, 5, generator=g) for _ in range(3))
     mask = (torch.rand(3, 5, generator=g) > 0.3).float()
-    ppo = ca.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, clip_ratio_c=3.0)
-    dec = ca.compute_decoupled_policy_loss(old, old.clone(), logp, adv, mask, behav_imp_weight_cap=2.0,
-                                           clip_ratio=0.2, clip_ratio_c=3.0)
+    ppo = losses.compute_policy_loss(old, logp, adv, mask, clip_ratio=0.2, clip_ratio_c=3.0)
+    dec = losses.compute_decoupled_policy_loss(old, old.clone(), logp, adv, mask, behav_imp_weight_cap=2.0,
+                                               clip_ratio=0.2, clip_ratio_c=3.0)
     for a, b in zip(ppo, dec[:4]):
         assert close(a, b, tol=1e-7)
     assert close(dec[4]["behav_weight_mean"], 1.0)
@@ -56,7 +56,7 @@ def test_decoupled_loss_gradients_flow_through_pi_theta_only():
     behav = T([[math.log(0.5), 0.0]]).requires_grad_()
     logp = T([[0.0, 0.0]]).requires_grad_()
     adv = T([[2.0, 1.0]])
-    loss, *_ = ca.compute_decoupled_policy_loss(prox, behav, logp, adv, torch.ones(1, 2), clip_ratio=0.2)
+    loss, *_ = losses.compute_decoupled_policy_loss(prox, behav, logp, adv, torch.ones(1, 2), clip_ratio=0.2)
     loss.backward()
     assert prox.grad is None or close(prox.grad, 0.0)
     assert behav.grad is None or close(behav.grad, 0.0)

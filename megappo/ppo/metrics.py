@@ -65,6 +65,7 @@ import torch
 
 from megappo.agent.loop import agent_metrics, request_latency_metrics
 from megappo.ppo import core_algos as algos
+from megappo.ppo.losses import compute_importance_weights, logprob_parity
 
 OPEN_INSTRUCT_KEYS = (
     "episode", "lr", "epoch", "objective/kl", "objective/scores", "objective/rlhf_reward",
@@ -110,8 +111,8 @@ def rollout_parity_metrics(batch) -> dict:
         return {}
     if not b["response_mask"].any():
         return {}
-    parity = algos.logprob_parity(b["old_log_probs"], b["rollout_log_probs"], b["response_mask"])
-    _, tis = algos.compute_importance_weights(b["old_log_probs"], b["rollout_log_probs"], b["response_mask"])
+    parity = logprob_parity(b["old_log_probs"], b["rollout_log_probs"], b["response_mask"])
+    _, tis = compute_importance_weights(b["old_log_probs"], b["rollout_log_probs"], b["response_mask"])
     return {**{k: v.item() for k, v in parity.items()}, **tis}
 
 
