@@ -154,7 +154,8 @@ def rehearse(cfg, shard, model_dir: Path, micro_batches: int, meter: Meter) -> d
     from megappo.parallel.layout import ParallelLayout
     from megappo.parallel.resharding import Resharder
     from megappo.planner import total_params
-    from megappo.workers.megatron_engine import MegatronEngine, engine_config_from
+    from megappo.workers.engine_config import engine_config_from
+    from megappo.workers.megatron_engine import MegatronEngine
 
     device = shard.resources.device
     layout = ParallelLayout()

@@ -115,7 +115,7 @@ def test_engine_rollout_and_roles_state_every_device(tiny_assets):
 def test_one_device_value_from_the_config(tiny_assets):
     from megappo.config import load_config
     from megappo.parallel.megatron_init import resolve_device
-    from megappo.workers.megatron_engine import engine_config_from
+    from megappo.workers.engine_config import engine_config_from
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs/ppo_tiny.yaml", validate=False)
     assert {engine_config_from(cfg, r).device for r in ("actor", "ref", "critic", "reward_model")} == {"cpu"}

@@ -7,7 +7,7 @@ One instance per worker process, after `parallel.megatron_init.init_distributed(
     metrics = engine.train_step(batch, loss_fn, normalizer=n_tokens, response_length=R, micro_batch_size=2)
     engine.save_checkpoint(dir); engine.load_checkpoint(dir)
 
-`engine_config_from(cfg, role)` is the one translation from the run's config to an EngineConfig.
+`engine_config_from(cfg, role)` (engine_config.py) is the one translation from the run's config to an EngineConfig.
 
 Batch: a dict of tensors with the same first dim (this DP rank's share of the mini-batch), on any
 device (the engine moves them to its own, `EngineConfig.device`): `input_ids` [B, S] (left-padded
@@ -23,8 +23,9 @@ attention backend supports (Transformer Engine's flash / fused kernels included:
 [b, 1, s, s] mask would make TE fall back to unfused attention), and no compute goes to the columns
 that are padding in every row.
 
-Split by responsibility: this file builds the engine (model chunks, DDP, optimizer, offload,
-checkpoints) and holds its public API; one pass over a batch (its micro-batches, megatron's
+Split by responsibility: this file builds the engine (model chunks, DDP, optimizer, offload) and
+holds its public API; what it is asked to be is engine_config.py (EngineConfig, engine_config_from), its
+checkpoints engine_checkpoint.py (mixed in); one pass over a batch (its micro-batches, megatron's
 forward-step and loss functions, the head on the output columns, packed RoPE) is megatron_step.py,
 which gets what a micro-batch needs as arguments and keeps nothing between calls; what a pass computed
 comes back from the call (train_step's `computed_tokens`), nothing is left on the engine.
@@ -39,115 +40,29 @@ Metrics returned by loss_fn are summed the same way (over micro-batches and DP r
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from megappo.config.schema import OptimConfig
 from megappo.models.gpt import build_gpt_chunks, build_transformer_config, load_hf_config, use_transformer_engine, \
     load_hf_weights
 from megappo.models.expert_load import ExpertLoad
-from megappo.models.lora import LoraConfig, apply_lora, is_lora_param, lora_disabled, merged_named_parameters, \
-    reseed_dropout
+from megappo.models.lora import apply_lora, lora_disabled, merged_named_parameters, reseed_dropout
 from megappo.parallel.cpu_compat import causal_mask
 from megappo.parallel.layout import ParallelLayout
-from megappo.parallel.megatron_init import resolve_device
 from megappo.parallel.weight_mapping import ModelDims, global_named_parameters
-from megappo.utils.checkpoint import LORA_META, is_dist_checkpoint, lora_checkpoint_meta, lora_checkpoint_problem
+from megappo.utils.checkpoint import is_dist_checkpoint
 from megappo.workers import megatron_step
+from megappo.workers.engine_checkpoint import EngineCheckpoints
+# OptimConfig: what callers build an EngineConfig from (MegatronEngine(path, layout, EngineConfig(optim=OptimConfig())))
+from megappo.workers.engine_config import HEADS, EngineConfig, OptimConfig  # noqa: F401
 from megappo.workers.megatron_step import right_align
 from megappo.workers.offload import HostOffload
 
-HEADS = ("lm", "value")
-
-
-@dataclass
-class EngineConfig:
-    device: str = "cpu"  # cpu | cuda: where params, activations and batches live (resolve_device)
-    head: str = "lm"  # lm (log-probs, entropy) | value (one scalar per position: critic, reward model)
-    optim: Optional[OptimConfig] = None  # None: forward-only engine (ref policy, reward model, scoring)
-    schedule_steps: int = 1000  # optimizer steps the LR schedule spans
-    params_dtype: Optional[torch.dtype] = None  # default: bf16 on GPU, fp32 on CPU
-    recompute: bool = False  # full activation recompute, one layer at a time
-    sequence_parallel: bool = False
-    offload: bool = False  # keep params / grads / optimizer states in host memory outside `resident()`
-    seed: int = 1234
-    on_nan: str = "skip"  # a non-finite loss: skip the optimizer step (nan_skipped=1) | stop (FloatingPointError)
-    transformer_engine: Optional[bool] = None  # TE's layer spec on GPU: None = when usable (gpt.use_transformer_engine)
-    # sequence packing (workers/packing.py): a micro-batch's rows as one sequence, real tokens only;
-    # max_tokens_per_micro_batch (packing only): micro-batches by token budget instead of row count
-    pack_sequences: bool = False
-    max_tokens_per_micro_batch: Optional[int] = None
-    # MoE (config/schema.py MoEConfig): aux / z-loss coefficients, token dispatcher
-    moe_aux_loss_coeff: float = 0.0
-    moe_z_loss_coeff: float = 0.0
-    moe_token_dispatcher: str = "alltoall"
-    # LoRA (models/lora.py; actor only): adapters on the frozen base, applied after the HF weights load and
-    # before DDP and the optimizer (the base gets no grad buffer and no optimizer state). None = off
-    lora: Optional[LoraConfig] = None
-
-
-def lora_config_from(cfg) -> Optional[LoraConfig]:
-    """actor.lora as a models/lora.LoraConfig (A's init seeded by trainer.seed); None when rank is 0."""
-    lo = cfg.actor.lora
-    if not lo.rank:
-        return None
-    return LoraConfig(rank=int(lo.rank), alpha=float(lo.alpha), dropout=float(lo.dropout),
-                      target_modules=list(lo.target_modules), init=str(lo.init), seed=int(cfg.trainer.seed),
-                      experts=bool(lo.experts))
-
-
-def engine_config_from(cfg, role: str) -> EngineConfig:
-    """The EngineConfig of `role` (actor | ref | critic | reward_model | teacher) in a run's config."""
-    sections = {"actor": cfg.actor, "ref": cfg.ref, "critic": cfg.critic, "reward_model": cfg.reward.model,
-                "teacher": cfg.teacher}
-    if role not in sections:
-        raise ValueError(f"engine_config_from: unknown role {role!r}; choose one of {', '.join(sections)}")
-    section = sections[role]
-    trains = role in ("actor", "critic")
-    return EngineConfig(
-        device=resolve_device(cfg.resources.device),
-        head="lm" if role in ("actor", "ref", "teacher") else "value",
-        optim=_plain_optim(section.optim) if trains else None,
-        schedule_steps=optimizer_steps(cfg, section) if trains else 1000,
-        params_dtype={"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[cfg.model.dtype],
-        recompute=bool(getattr(section, "recompute_activations", False)),
-        offload=bool(getattr(section, "offload", False)),
-        seed=int(cfg.trainer.seed),
-        on_nan=cfg.trainer.on_nan,
-        transformer_engine=cfg.model.transformer_engine,
-        pack_sequences=bool(getattr(section, "pack_sequences", False)),
-        max_tokens_per_micro_batch=getattr(section, "max_tokens_per_micro_batch", None),
-        moe_aux_loss_coeff=float(cfg.model.moe.aux_loss_coeff),
-        moe_z_loss_coeff=float(cfg.model.moe.z_loss_coeff),
-        moe_token_dispatcher=cfg.model.moe.token_dispatcher,
-        lora=lora_config_from(cfg) if role == "actor" else None,
-    )
-
-
-def optimizer_steps(cfg, role_cfg) -> int:
-    """Optimizer steps over the whole run (the LR schedule's length): steps x epochs x mini-batches."""
-    sequences = cfg.data.train_batch_size * cfg.rollout.n
-    return cfg.trainer.total_steps * max(1, role_cfg.ppo_epochs) * max(1, sequences // role_cfg.ppo_mini_batch_size)
-
-
-def _plain_optim(optim) -> OptimConfig:
-    """The config section as a plain OptimConfig (an OmegaConf node does not pickle into workers well)."""
-    import dataclasses
-
-    from omegaconf import OmegaConf
-
-    if OmegaConf.is_config(optim):
-        return OptimConfig(**OmegaConf.to_container(optim))
-    return dataclasses.replace(optim)
-
-
-class MegatronEngine:
+class MegatronEngine(EngineCheckpoints):
     def __init__(self, model_path, layout: ParallelLayout, config: Optional[EngineConfig] = None):
         from megatron.core import parallel_state as mpu
 
@@ -548,62 +463,3 @@ class MegatronEngine:
                 self._build_optimizer()
         if self.expert_load is not None:
             self.expert_load.reset()
-
-    # ---- checkpoints -----------------------------------------------------------------------------
-
-    def _sharded_state_dict(self, is_loading: bool) -> dict:
-        chunks = self.inner_chunks()
-        model_sd = {}
-        if len(chunks) == 1:
-            model_sd["model"] = chunks[0].sharded_state_dict()
-        else:
-            for i, c in enumerate(chunks):
-                model_sd[f"model{i}"] = c.sharded_state_dict()
-        if self.lora is not None:  # the adapters only: the frozen base comes from model.path
-            model_sd = {k: {n: t for n, t in v.items() if is_lora_param(n)} for k, v in model_sd.items()}
-        sd = dict(model_sd)
-        if self.optimizer is not None:
-            from megappo.parallel import dist_checkpoint
-
-            if not is_loading:
-                dist_checkpoint.ensure_optimizer_state(self.optimizer)
-            sd["optimizer"] = self.optimizer.sharded_state_dict(
-                model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable",
-                                               "distrib_optim_fully_reshardable_mem_efficient": True})
-            sd["scheduler"] = self.scheduler.state_dict()
-            sd["steps"] = self.steps
-        return sd
-
-    def save_checkpoint(self, path, background: bool = False) -> None:
-        """megatron dist_checkpointing (torch_dist) of model (+ optimizer, scheduler): loadable into any
-        other layout of the same model. Collective: every rank calls it. background=True returns once
-        the tensors are copied; the files are written by a thread until `finish_save()` (collective)."""
-        from megappo.parallel import dist_checkpoint
-
-        self.finish_save()
-        with self.resident():
-            self._pending_save = dist_checkpoint.save(path, self._sharded_state_dict(is_loading=False), background)
-        if self.lora is not None and dist.get_rank() == 0:  # after the save (which starts from an empty dir)
-            (Path(path) / LORA_META).write_text(json.dumps(lora_checkpoint_meta(self.lora, self.model_path), indent=1))
-
-    def _check_lora_checkpoint(self, path) -> None:
-        """An adapter checkpoint for another base or adapter shape, or a full one for a LoRA engine (or the
-        reverse), refused in one line before megatron's loader reports a shape mismatch (the driver's config
-        check refuses a resume the same way before any worker starts)."""
-        problem = lora_checkpoint_problem(path, self.lora, self.model_path)
-        if problem:
-            raise ValueError(problem)
-
-    def finish_save(self) -> None:
-        """Wait for a background save's files and write its metadata (a no-op when none is pending)."""
-        pending, self._pending_save = self._pending_save, None
-        if pending is not None:
-            pending.finish()
-
-    def load_checkpoint(self, path, load_optimizer: bool = True) -> None:
-        from megappo.parallel import dist_checkpoint
-
-        self.finish_save()
-        self._check_lora_checkpoint(path)
-        with self.resident():
-            dist_checkpoint.load(path, self, load_optimizer=load_optimizer, strict=self.lora is None)

@@ -217,7 +217,8 @@ class _MegatronRoleWorker(Worker):
         self.init_megatron(self.layout, seed=self.config.trainer.seed)
 
     def _make_engine(self, path, role: str):
-        from megappo.workers.megatron_engine import MegatronEngine, engine_config_from
+        from megappo.workers.engine_config import engine_config_from
+        from megappo.workers.megatron_engine import MegatronEngine
 
         return MegatronEngine(path, self.layout, engine_config_from(self.config, role))
 
@@ -243,7 +244,7 @@ class _MegatronRoleWorker(Worker):
         the same workers): its config, each engine's weights as built with a new optimizer and LR schedule
         (MegatronEngine.reset), its RNG states as after start-up."""
         from megappo.utils.checkpoint import set_rng_state
-        from megappo.workers.megatron_engine import engine_config_from
+        from megappo.workers.engine_config import engine_config_from
 
         self.config = config
         for role, engine in self._engines().items():
@@ -493,7 +494,7 @@ class ActorRolloutRefWorker(_MegatronRoleWorker):
             if self.rollout is None:
                 raise RuntimeError("call init_rollout() before init_weight_sync()")
             self._sync_group = StatelessGroup(host, port, 1 + self.rank, world, timeout_s=timeout)
-            from megappo.workers.megatron_engine import lora_config_from
+            from megappo.workers.engine_config import lora_config_from
 
             lora = lora_config_from(self.config) if self.config.rollout.lora_sync == "adapter" else None
             self._receiver = WeightReceiver(self.rollout, self._sync_group,
