@@ -5,8 +5,6 @@ a checkpoint SAVED by megatron (TP-sharded chunks) exports bit-exactly; SmolLM2-
 converts and scores; errors are one line and never leave a half-written --out."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -188,16 +186,16 @@ def test_logprobs_cli_on_converted_checkpoint_matches_hf(name, layout, tiny_asse
     src = tiny_assets[f"tiny-{name}"]
     mc = tmp_path / "mc"
     ep = layout[layout.index("--ep") + 1] if "--ep" in layout else "1"
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "convert", "hf-to-mcore", "--hf", str(src), "--out",
-                           str(mc), "--tp", "2", "--ep", ep, "--quiet"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["model"] == "actor"
+    from cli_helpers import run_cli  # the CLI in this process (the ranks of logprobs still start their own)
+
+    rc, stdout, stderr = run_cli("convert", "hf-to-mcore", "--hf", src, "--out", mc, "--tp", "2", "--ep", ep, "--quiet")
+    assert rc == 0, stderr[-2000:]
+    assert json.loads(stdout.strip().splitlines()[-1])["model"] == "actor"
     inp = tmp_path / "rows.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     out = tmp_path / "lp.safetensors"
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "logprobs", "--model", str(mc), *layout,
-                           "--input", str(inp), "--out", str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    rc, _, stderr = run_cli("logprobs", "--model", mc, *layout, "--input", inp, "--out", out)
+    assert rc == 0, stderr[-3000:]
     got = load_file(str(out))
     worst = 0.0
     for i, ref in enumerate(hf_response_logprobs(src, ROWS)):
@@ -325,10 +323,16 @@ def test_clear_errors_and_no_half_written_output(tiny_assets, tmp_path):
     assert json.loads((out / "megappo_convert.json").read_text())["family"] == "mistral"
     # the export side: a corrupt dist checkpoint, as a one-line CLI error with exit code 1
     _truncate(next(out.glob("*.distcp")), 1000)
-    proc = subprocess.run([sys.executable, "-m", "tools.convert_ckpt", "mcore-to-hf", "--ckpt", str(out), "--out",
-                           str(tmp_path / "hf")], capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert proc.returncode == 1 and not (tmp_path / "hf").exists()
-    err = proc.stderr.strip().splitlines()
+    import contextlib
+    import io
+
+    from megappo.conversion.cli import main as convert_ckpt  # python -m tools.convert_ckpt, in this process
+
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        rc = convert_ckpt(["mcore-to-hf", "--ckpt", str(out), "--out", str(tmp_path / "hf")])
+    assert rc == 1 and not (tmp_path / "hf").exists()
+    err = stderr.getvalue().strip().splitlines()
     assert err[-1].startswith("convert_ckpt: error: corrupt checkpoint") and "truncated" in err[-1]
 
 
@@ -401,9 +405,10 @@ def test_smollm2_135m_converts_and_scores_like_transformers(tmp_path):
     inp = tmp_path / "rows.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "lp.safetensors"
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "logprobs", "--model", str(mc), "--tp", "3",
-                           "--input", str(inp), "--out", str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    from cli_helpers import run_cli
+
+    rc, _, stderr = run_cli("logprobs", "--model", mc, "--tp", "3", "--input", inp, "--out", out)
+    assert rc == 0, stderr[-3000:]
     got = load_file(str(out))
     worst = 0.0
     for i, ref in enumerate(hf_response_logprobs(src, rows)):
