@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 from gateway_helpers import MAX_LEN, MAX_TOKENS, served_gateway  # noqa: E402
 from waiting import wait_for  # noqa: E402
 
-pytest.importorskip("openenv")
+import openenv  # noqa: E402,F401 (openenv-core is a pinned dependency: its absence is an error, not a skip)
 
 
 @pytest.fixture(scope="module")
