@@ -127,11 +127,13 @@ class ToyMegatronWorker(Worker):
         return self.seen
 
     @register(Dispatch.ONE_TO_ALL)
-    def stuck_allreduce(self, seconds: float):
-        """Every rank joins an all-reduce after a nap: a killed peer leaves the others waiting in gloo."""
+    def stuck_allreduce(self, where: str):
+        """Every rank says it is in the call (`where`/in_<rank>), waits for `where`/go, then joins an all-reduce."""
         import torch.distributed as dist
 
-        time.sleep(seconds)
+        open(os.path.join(where, f"in_{self.rank}"), "w").close()
+        while not os.path.exists(os.path.join(where, "go")):
+            time.sleep(0.01)
         t = torch.ones(1)
         dist.all_reduce(t)
         return float(t)
@@ -180,9 +182,9 @@ def test_pool_that_cannot_be_placed_raises_naming_the_bundles(ray_session):
 
 
 def test_pending_actor_raises_within_timeout_naming_bundle_and_request(ray_session):
-    pool = RayResourcePool([1], name="tight", max_colocate_count=1, ready_timeout_s=10)  # 1 CPU, no sharing
+    pool = RayResourcePool([1], name="tight", max_colocate_count=1, ready_timeout_s=120)  # 1 CPU, no sharing
     try:
-        first = RayWorkerGroup(pool, SleepWorker, name="first", timeout_s=30)
+        first = RayWorkerGroup(pool, SleepWorker, name="first", timeout_s=120)
         assert first.hello(1) == [(0, 1, 1, "127.0.0.1", first.infos[0]["master_port"])]
         # a CPU pool's workers compute on the CPU and see no GPU, whatever the node exports (Ray >= 2.48
         # leaves a GPU-less actor the node's CUDA_VISIBLE_DEVICES): parallel/device.py
@@ -200,7 +202,7 @@ def test_pending_actor_raises_within_timeout_naming_bundle_and_request(ray_sessi
 def toy_groups(ray_session):
     """A pool of 4 CPU bundles shared (colocated) by a TP2xPP2 group and a TP1xPP2xDP2 group."""
     mgr = ResourcePoolManager({"global_pool": [4]}, {Role.Actor: "global_pool", Role.Critic: "global_pool"})
-    mgr.create_resource_pool(ready_timeout_s=30)
+    mgr.create_resource_pool(ready_timeout_s=120)
     pool = mgr.get_resource_pool(Role.Actor)
     assert pool is mgr.get_resource_pool(Role.Critic) and pool.worker_resources() == {"num_cpus": 0.5}
     a = NVMegatronRayWorkerGroup(pool, ToyMegatronWorker, args=(2, 2, 1), name="toy_tp2pp2", timeout_s=120)
@@ -261,17 +263,20 @@ class TestColocatedToyGroups:
         with pytest.raises(ValueError, match="9 rows does not divide into 2"):
             b.update(make_batch(9))
 
-    def test_worker_killed_mid_collective_is_a_clear_error_not_a_hang(self, toy_groups):
+    def test_worker_killed_mid_collective_is_a_clear_error_not_a_hang(self, toy_groups, tmp_path):
+        from waiting import wait_for
+
         a, b = toy_groups
         victim = 3
-        # killed 0.5 s into a 3 s nap: the driver learns of the death (Ray's notice) long before the others
-        # reach the all-reduce and fail there ("Connection reset"); with 0.5 s to spare, a slow notice on
-        # a loaded machine let a survivor's error arrive first
-        call = a.submit("stuck_allreduce", 3.0)
-        time.sleep(0.5)
+        # killed once every rank is in the call, while the others wait to join the all-reduce: the death (Ray's
+        # notice) is the call's first outcome. (Killed 0.5 s into a 3 s nap, a notice slower than 2.5 s on a loaded
+        # machine let a survivor's "Connection reset" from the all-reduce arrive first.)
+        call = a.submit("stuck_allreduce", str(tmp_path))
+        wait_for(lambda: all((tmp_path / f"in_{r}").exists() for r in range(4)), "every rank to enter the call")
         os.kill(a.infos[victim]["pid"], signal.SIGKILL)
         with pytest.raises(WorkerError) as err:  # the death, named (a hang would end in "did not finish within 60s")
             call.result(timeout_s=60)
+        (tmp_path / "go").touch()  # the survivors into the all-reduce with a dead peer (the group's shutdown ends them)
         msg = str(err.value)
         assert "group 'toy_tp2pp2' rank 3" in msg and f"pid {a.infos[victim]['pid']}" in msg
         assert f"node {a.infos[victim]['node_ip']}" in msg and "died during stuck_allreduce" in msg
@@ -283,26 +288,28 @@ class TestColocatedToyGroups:
 
 # ------------------------------------------------------------------------------------------ timeouts, errors
 def test_call_timeout_and_worker_exception(ray_session):
-    pool = RayResourcePool([2], name="small", max_colocate_count=4, ready_timeout_s=10)
-    g = RayWorkerGroup(pool, SleepWorker, name="sleepy", timeout_s=2, spawn_timeout_s=60)
+    pool = RayResourcePool([2], name="small", max_colocate_count=4, ready_timeout_s=120)
+    g = RayWorkerGroup(pool, SleepWorker, name="sleepy", timeout_s=2, spawn_timeout_s=120)
     try:
-        assert g.scatter([1, 2]) == [10, 21]
+        # calls that must finish get a bound of their own that no busy machine reaches; the group's 2 s is for the
+        # one that cannot (a 600 s nap)
+        assert g.submit("scatter", [1, 2]).result(timeout_s=120) == [10, 21]
         with pytest.raises(ValueError, match=r"boom from rank [01]"):  # the worker's own exception class
-            g.fail()
+            g.submit("fail").result(timeout_s=120)
         with pytest.raises(WorkerError, match=r"group 'sleepy': sleep did not finish within 2s on 2 of 2 workers; "
                                               r"first: group 'sleepy' rank 0 \(node [\d.]+, pid \d+\)"):
-            g.sleep(30)
+            g.sleep(600)
         # first_failure (the trainer's weight sync: two groups meeting in one broadcast): one call failing ends
         # the wait at once with its error, while the other would block until its own timeout
         from megappo.controller.worker_group import first_failure
 
-        blocked, failing = [RayWorkerGroup(pool, SleepWorker, name=n, timeout_s=60, spawn_timeout_s=60)
+        blocked, failing = [RayWorkerGroup(pool, SleepWorker, name=n, timeout_s=120, spawn_timeout_s=120)
                             for n in ("blocked", "failing")]
         try:
-            asleep = blocked.submit("sleep", 30)
+            asleep = blocked.submit("sleep", 600)
             with pytest.raises(ValueError, match=r"boom from rank [01]"):
                 first_failure(asleep, failing.submit("fail"))
-            # it raised while the other call still sleeps (waiting for both would end after its 30 s nap)
+            # it raised while the other call still sleeps (waiting for both would end after its 600 s nap)
             import ray
 
             assert ray.wait(asleep.refs, num_returns=len(asleep.refs), timeout=0)[1], "the sleeping call had ended"
@@ -386,7 +393,7 @@ def test_colocated_actor_and_critic_match_single_process(ray_session, tiny_asset
     cfg.model.critic_path = str(tmp_path / "rm")  # critic initialised from the same seq-cls checkpoint
     mgr = ResourcePoolManager({"global_pool": [4]}, {Role.ActorRollout: "global_pool", Role.Critic: "global_pool",
                                                      Role.RewardModel: "global_pool"})
-    mgr.create_resource_pool(ready_timeout_s=30)
+    mgr.create_resource_pool(ready_timeout_s=120)
     pool = mgr.get_resource_pool(Role.ActorRollout)
     groups = []
     try:
