@@ -389,18 +389,16 @@ def _nan_job(rank, world, port, path):
 
 
 def test_disk_full_during_save_leaves_nothing_half_written(tmp_path):
-    """A 1 MB tmpfs as the checkpoint disk: the save fails with one line naming the fix, no step dir."""
+    """A 1 MB tmpfs as the checkpoint disk (tests/small_disk.py: no privileges): the save fails with one line naming
+    the fix, no step dir."""
     import errno
-    import subprocess as sp
+
+    from small_disk import small_disk
 
     from megappo.ppo.checkpointing import checkpoint_disk_full
     from megappo.utils.checkpoint import atomic_checkpoint
 
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if sp.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (not root, or no CAP_SYS_ADMIN)")
-    try:
+    with small_disk(tmp_path / "disk", "1m") as disk:
         with pytest.raises(OSError) as info:
             with atomic_checkpoint(disk / "checkpoints", 3) as d:
                 (d / "actor.bin").write_bytes(b"\0" * (2 << 20))
@@ -409,12 +407,10 @@ def test_disk_full_during_save_leaves_nothing_half_written(tmp_path):
         msg = str(checkpoint_disk_full(3, disk / "checkpoints", info.value))
         assert "checkpoint of step 3 not written: No space left on device" in msg
         assert "point trainer.output_dir at a larger disk (the previous checkpoints are intact)" in msg
-    finally:
-        sp.run(["umount", str(disk)])
 
 
 def test_dev_shm_too_small_falls_back_to_collectives_with_a_line_naming_the_fix(caplog):
-    from megappo.parallel.resharding import choose_transport
+    from megappo.parallel.reshard_transport import choose_transport
 
     with caplog.at_level("WARNING"):
         assert choose_transport("auto", [("h", 1), ("h", 2)], on_cpu=True, slot_bytes=1 << 60) == "collective"
