@@ -2,7 +2,7 @@
 
 
 def test_resharder_transport_choice():
-    from megappo.parallel.resharding import choose_transport
+    from megappo.parallel.reshard_transport import choose_transport
 
     mib = 1 << 20
     one_host = [("n0", 4096 * mib)] * 4
