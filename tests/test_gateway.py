@@ -348,6 +348,48 @@ def test_a_training_sessions_budget_spans_its_segments_and_its_rows_are_capped(s
     gateway.close_session(state.id)
 
 
+# TEMPLATE with Qwen3's switch: enable_thinking false writes an empty think block after the assistant header
+THINKING = TEMPLATE.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n"
+                            "{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_render_a_sessions_prompts(served):
+    """chat_template_kwargs (Qwen3's enable_thinking: false; they were accepted and ignored) reach the chat template
+    in a session: its first prompt and the conversation's extension (the next assistant header) are rendered with
+    them, in one segment; other kwargs render the history anew, a segment of its own."""
+    from transformers import AutoTokenizer
+
+    from megappo.gateway.app import Gateway
+
+    rollout, engine, _, _ = served
+    tokenizer = AutoTokenizer.from_pretrained(rollout.model_path)
+    tokenizer.chat_template = THINKING
+    assert THINKING != TEMPLATE
+    gw = Gateway(engine, tokenizer, model_name="tiny", max_model_len=MAX_LEN, max_tokens=MAX_TOKENS)
+    state = gw.open_session()
+    think = tokenizer.encode("assistant\n<think>\n\n</think>\n\n", add_special_tokens=False)
+    head = tokenizer.convert_tokens_to_ids("<|im_start|>")
+
+    def chat(messages, kwargs, seed):
+        body = {"messages": messages, "max_tokens": 4, "seed": seed, "chat_template_kwargs": kwargs}
+        r = asyncio.run(gw.chat(body, f"Bearer {state.key}"))
+        prompt = r["prompt_token_ids"]
+        return r, prompt[len(prompt) - prompt[::-1].index(head):]  # after the last header's <|im_start|>
+
+    msgs = [{"role": "user", "content": "What is 2 + 3?"}]
+    first, header = chat(msgs, {"enable_thinking": False}, 1)
+    assert header == think
+    msgs += [first["choices"][0]["message"], {"role": "user", "content": "go on"}]
+    second, header = chat(msgs, {"enable_thinking": False}, 2)
+    assert header == think and second["prompt_token_ids"][:len(first["prompt_token_ids"])] == first["prompt_token_ids"]
+    msgs += [second["choices"][0]["message"], {"role": "user", "content": "and?"}]
+    _, header = chat(msgs, {"enable_thinking": True}, 3)
+    assert header == tokenizer.encode("assistant\n", add_special_tokens=False)
+    record = gw.close_session(state.id)
+    assert [len(s["prompt_ids"]) for s in record["segments"]] == [len(first["prompt_token_ids"]), len(
+        _ids := gw.renderer.prompt_ids(msgs, None, {"enable_thinking": True}))] and record["fallbacks"] == 1, _ids
+
+
 def test_stream_true_samples_and_captures_what_stream_false_does(served):
     """The unmodified SDK with stream=True (chat and completions), against the same request unstreamed in
     another session with the same seed: the same ids, text and finish reason, the same tokens captured for
@@ -646,16 +688,12 @@ def test_a_cancelled_request_is_aborted_not_decoded_to_max_tokens(served):
         params = SamplingParams(max_tokens=400, ignore_eos=True, seed=0)
         task = asyncio.create_task(engine.generate([1, 2, 3, 4], params))
         steps0 = engine.steps
-        while engine.steps < steps0 + 3:  # mid-decode
-            await asyncio.sleep(0.001)
+        await until(lambda: engine.steps >= steps0 + 3, "3 engine steps of the request (mid-decode)")
         cancelled_at = engine.steps
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(500):
-            if engine.in_flight == 0:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: engine.in_flight == 0, "the cancelled request to leave the engine")
         steps = engine.steps
         await asyncio.sleep(0.5)
         return aborted, cancelled_at, steps

@@ -4,7 +4,7 @@ rollout gateway's sessions (your own agent, gateway/app.py) and the built-in loo
 
     renderer = ChatRenderer(tokenizer)
     session = Session(renderer)
-    ids = session.chat_prompt(messages, tools)        # what the engine is asked to continue
+    ids = session.chat_prompt(messages, tools)        # what the engine is asked to continue (+ template kwargs)
     session.record(sampled_ids, logprobs, version, reply)   # reply: the assistant message returned
     session.observe(tool_ids)                         # the built-in loop: a tool result's tokens, as rendered
 
@@ -15,7 +15,8 @@ tools are the same. Then its prompt is the previous prompt + the sampled ids (as
 template's tokens for the new messages (`ChatRenderer.delta_ids`: end of the assistant turn unless the
 model's own last token closed it, the tool / user messages, the next assistant header): the model's
 tokens are never re-tokenised. Any other request (the agent rewrote history, a template that is not
-append-only such as Qwen3 dropping old thinking, other tools) starts a new **segment**, rendered whole
+append-only such as Qwen3 dropping old thinking, other tools or other chat_template_kwargs) starts a new
+**segment**, rendered whole
 and trained as its own sequence; `Session.fallbacks` counts them. Completions requests extend when their
 prompt ids start with the segment's ids so far (a token-level test).
 
@@ -82,16 +83,21 @@ class ChatRenderer:
         self.tool_prompt = tool_prompt
         self.special_ids = set(tokenizer.all_special_ids)
 
-    def prompt_ids(self, messages: list[dict], tools: Optional[list] = None) -> list[int]:
+    def prompt_ids(self, messages: list[dict], tools: Optional[list] = None,
+                   template_kwargs: Optional[dict] = None) -> list[int]:
+        """`template_kwargs`: variables for the template (a request's chat_template_kwargs, e.g. enable_thinking);
+        what the renderer sets itself (the generation prompt, the tools) wins, as in vLLM's server."""
         msgs, kwargs = with_tools(messages, self.tokenizer, tools, self.tool_prompt) if tools else (messages, {})
-        text = self.tokenizer.apply_chat_template(_plain(msgs), add_generation_prompt=True, tokenize=False, **kwargs)
+        text = self.tokenizer.apply_chat_template(_plain(msgs), **{**(template_kwargs or {}), **kwargs,
+                                                                   "add_generation_prompt": True, "tokenize": False})
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def delta_ids(self, new_messages: list[dict], last_sampled: Optional[int]) -> list[int]:
+    def delta_ids(self, new_messages: list[dict], last_sampled: Optional[int],
+                  template_kwargs: Optional[dict] = None) -> list[int]:
         """The template's tokens between the model's turn and its next one, given the messages that came
         after it; the model's own closing token (EOS / end-of-turn, last_sampled) is not repeated."""
         closing = self.tokenizer.decode([last_sampled]) if last_sampled in self.special_ids else None
-        tail = between_turns(self.tokenizer, _plain(new_messages), closing)
+        tail = between_turns(self.tokenizer, _plain(new_messages), closing, template_kwargs)
         return self.tokenizer.encode(tail, add_special_tokens=False)
 
 
@@ -142,19 +148,20 @@ class Session:
         self.tool_calls = 0  # the calls the replies handed out (chat requests), and the call blocks no reader could read
         self.invalid_calls = 0
         self._history: Optional[list] = None  # the last request's messages + the reply returned
-        self._tools = None
+        self._shown = None  # its tools and template kwargs
 
-    def chat_prompt(self, messages: list[dict], tools: Optional[list] = None) -> list[int]:
+    def chat_prompt(self, messages: list[dict], tools: Optional[list] = None,
+                    template_kwargs: Optional[dict] = None) -> list[int]:
         """The ids the engine continues for this chat request (extending the live segment when it can)."""
         self.requests += 1
-        h = self._history
-        if h is not None and tools == self._tools and len(messages) > len(h) \
+        h, shown = self._history, (tools, template_kwargs or {})
+        if h is not None and shown == self._shown and len(messages) > len(h) \
                 and [_key(m) for m in messages[:len(h)]] == [_key(m) for m in h]:
             seg = self.segments[-1]
-            seg.add(self.renderer.delta_ids(messages[len(h):], seg.ids[-1] if seg.tokens else None))
+            seg.add(self.renderer.delta_ids(messages[len(h):], seg.ids[-1] if seg.tokens else None, template_kwargs))
         else:
-            self._new_segment(self.renderer.prompt_ids(messages, tools))
-        self._history, self._tools = list(messages), tools
+            self._new_segment(self.renderer.prompt_ids(messages, tools, template_kwargs))
+        self._history, self._shown = list(messages), shown
         return self.segments[-1].ids
 
     def completion_prompt(self, prompt_ids: list[int]) -> list[int]:
@@ -192,10 +199,10 @@ class Session:
         with each one."""
         last = self.segments[-1].mark() if self.segments else None
         return (len(self.segments), last, self.fallbacks, self.requests, self.tool_calls, self.invalid_calls,
-                self._history, self._tools)
+                self._history, self._shown)
 
     def restore(self, snap: tuple) -> None:
-        n, last, self.fallbacks, self.requests, self.tool_calls, self.invalid_calls, self._history, self._tools = snap
+        n, last, self.fallbacks, self.requests, self.tool_calls, self.invalid_calls, self._history, self._shown = snap
         del self.segments[n:]
         if last is not None:
             self.segments[-1].truncate(last)

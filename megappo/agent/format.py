@@ -120,14 +120,17 @@ def strip_calls(text: str) -> str:
     return _CALL.sub("", text).strip()
 
 
-def between_turns(tokenizer, messages: list[dict], closing: Optional[str] = None) -> str:
+def between_turns(tokenizer, messages: list[dict], closing: Optional[str] = None,
+                  template_kwargs: Optional[dict] = None) -> str:
     """The chat template's text after an assistant turn up to the next assistant header, given the messages
     that came after it (tool results, a user message): the end of the turn, their turns, the header. `closing`:
-    the text of the model's own last token when it closed the turn itself (EOS / end-of-turn): not repeated.
+    the text of the model's own last token when it closed the turn itself (EOS / end-of-turn): not repeated;
+    `template_kwargs`: the request's chat_template_kwargs (e.g. enable_thinking).
     The one rendering of what comes between two model turns: the built-in loop's tool results (Observations)
     and the gateway's extended conversations (agent/capture.ChatRenderer.delta_ids)."""
     msgs = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}] + list(messages)
-    full = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    full = tokenizer.apply_chat_template(msgs, **{**(template_kwargs or {}), "add_generation_prompt": True,
+                                                  "tokenize": False})
     tail = full[full.index(_MARK) + len(_MARK):]
     return tail[len(closing):] if closing and tail.startswith(closing) else tail
 

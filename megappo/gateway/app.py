@@ -9,20 +9,24 @@
 OpenAI endpoints (a session's key in `Authorization: Bearer`), answering what vLLM's OpenAI server answers for
 the fields clients send: `POST /v1/chat/completions` (messages, `tools` shown through the chat template, tool calls
 read into `tool_calls` in the model's format: Hermes `<tool_call>` blocks, or `tool_parser`, one of vLLM's parsers
-by name (tool_calls.py); finish_reason `tool_calls` / `stop` / `length`; `logprobs` with `top_logprobs`),
+by name (tool_calls.py); finish_reason `tool_calls` / `stop` / `length`; `logprobs` with `top_logprobs`;
+`chat_template_kwargs` rendered as vLLM's server renders them),
 `POST /v1/completions` (a string or token ids, or a batch of them; `logprobs` k, `echo`, `max_tokens: 0` with echo
 for the prompt's log-probs alone), `POST /v1/responses` (responses.py: mapped to a chat request), `GET /v1/models`.
 `n` samples (outside a session), a fresh seed for an unseeded request, a null as the default, a missing
-max_tokens as the rest of the context; the penalties, `logit_bias`, `top_k`, `min_p` apply outside a training
-session and are refused in one (its sampling is the rollout's); any model name is served. Every answer carries
+max_tokens as the rest of the context; the penalties, `logit_bias`, `top_k`, `min_p`, `min_tokens` apply outside
+a training session and are refused in one (its sampling is the rollout's); any model name is served; a -inf
+log-prob (a token top_k / top_p cut) is written as vLLM's -9999.0; the tokens, text and text offsets as vLLM's
+server writes them (tests/test_vllm_server_parity.py runs both). Every answer carries
 vLLM's extra fields `prompt_token_ids` and `choices[i].token_ids`. megappo's endpoints for RL (the admin key): `POST /megappo/v1/sessions` (open
 one for a row: its id and key), `POST /megappo/v1/sessions/{id}/reward` (the session's own key, or
 admin), `GET /megappo/v1/sessions/{id}`, `POST /megappo/v1/sessions/{id}/close`, `GET /megappo/v1/stats`.
 
 A key reaches its own session only (401 for an unknown key, 403 for another session's); `open_key`
 (for `megappo serve`) is a key whose requests are served and not recorded. Every bad input is a 4xx
-whose body is OpenAI's error object with one line: malformed JSON, an unknown key, `n` > 1 in a session,
-a field this server does not do (requests.py's UNSUPPORTED: response_format other than text, the legacy functions API, ...),
+whose body is OpenAI's error object with one line: malformed JSON, an unknown API key, `n` > 1 in a session,
+a key the route does not read (requests.py's FIELDS; vLLM's server would ignore it), a field this server does not
+do (UNSUPPORTED: response_format other than text, the legacy functions API, ...; a vLLM extension not in FIELDS),
 max_tokens < 1 or past the server's budget, a prompt past max_model_len, a request the engine refuses
 (token ids out of the vocabulary), a reward that is not a finite number, an unknown route or method; an
 unexpected failure is a 500 with one line. Loopback by default (serve.py).
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import json
 import math
 import secrets
@@ -183,20 +188,24 @@ class Gateway:
     # ---- the OpenAI API --------------------------------------------------------------------------------
     async def chat(self, body: dict, authorization: Optional[str]) -> dict:
         state = self._caller(authorization)
+        rq.refuse_unsupported(body, "/v1/chat/completions")
         messages, tools = rq.messages(body.get("messages")), rq.tools(body.get("tools"))
+        shown = (tools, self._template_kwargs(body.get("chat_template_kwargs")))
         n, top = rq.n(body, state), rq.top_logprobs(body)
-        outs = await asyncio.gather(*(self._chat_one(rq.nth(body, j), state, messages, tools, top) for j in range(n)))
+        outs = await asyncio.gather(*(self._chat_one(rq.nth(body, j), state, messages, shown, top)
+                                      for j in range(n)))
         choices = [dict(choice, index=j) for j, (choice, _) in enumerate(outs)]
         return self._envelope("chat.completion", choices, [out for _, out in outs], n)
 
-    async def _chat_one(self, body: dict, state: Optional[SessionState], messages: list, tools, top: Optional[int]):
+    async def _chat_one(self, body: dict, state: Optional[SessionState], messages: list, shown: tuple,
+                        top: Optional[int]):
         session = state.session if state else Session(self.renderer)
         with _Turn(state, session) as turn:
             try:
                 with turn.lock:
                     # a tool or tool_choice refused before sampling; tool_choice "required" or a named tool: a constraint
                     parsing, constraint = self.tool_calls.prepare(body)
-                    prompt = session.chat_prompt(messages, tools)
+                    prompt = session.chat_prompt(messages, *shown)
             except ValueError as e:  # or tools= for a template without a tools section and no tool_prompt
                 raise GatewayError(400, rq.one_line(e)) from None
             out, latency = await self._generate(prompt, body, state, constraint, top_logprobs=top or 0)
@@ -213,6 +222,20 @@ class Gateway:
                   "logprobs": self._chat_logprobs(out, top) if body.get("logprobs") else None}
         return choice, out
 
+    def _template_kwargs(self, kwargs) -> dict:
+        """chat_template_kwargs as vLLM's server renders with them: the variables this template reads (or
+        apply_chat_template takes; others dropped), `chat_template` / `tokenize` refused."""
+        if kwargs is None:
+            return {}
+        if not isinstance(kwargs, dict):
+            raise GatewayError(400, 'chat_template_kwargs must be an object, e.g. {"enable_thinking": false}')
+        from vllm.renderers.hf import resolve_chat_template_kwargs
+
+        try:
+            return resolve_chat_template_kwargs(self.tokenizer, self.tokenizer.chat_template, kwargs)
+        except ValueError as e:
+            raise GatewayError(400, f"chat_template_kwargs: {rq.one_line(e)}: drop them") from None
+
     async def responses(self, body: dict, authorization: Optional[str]) -> dict:
         """/v1/responses (gateway/responses.py): sampled and recorded as the chat request it maps to."""
         from megappo.gateway.responses import ResponsesError, chat_request, response
@@ -228,6 +251,7 @@ class Gateway:
         samples of each, `logprobs` k (each token's log-prob and its top k), `echo` (the prompt first, with its
         log-probs), `max_tokens: 0` with echo (the prompt's log-probs alone: what a log-likelihood harness asks)."""
         state = self._caller(authorization)
+        rq.refuse_unsupported(body, "/v1/completions")
         prompts, n, echo = self._prompts(body.get("prompt")), rq.n(body, state), bool(body.get("echo"))
         k = body.get("logprobs")
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= rq.MAX_LOGPROBS):
@@ -275,8 +299,10 @@ class Gateway:
                                                 prompt_logprobs=(k or 0) if echo and k is not None else None)
             turn.record(latency, out.ids, out.logprobs, out.versions, finish_reason=out.finish_reason)
         sampled = [] if only_prompt else out.ids
-        text = self.tokenizer.decode(sampled, skip_special_tokens=True)
-        choice = {"index": 0, "text": (self.tokenizer.decode(ids) if echo else "") + text,
+        text = "" if only_prompt else self._reply_text(out)
+        # vLLM's server echoes no prompt text when the ids are asked for (return_token_ids)
+        echoed = echo and not body.get("return_token_ids")
+        choice = {"index": 0, "text": (self.tokenizer.decode(ids) if echoed else "") + text,
                   "finish_reason": "length" if only_prompt else out.finish_reason, "token_ids": sampled,
                   "prompt_token_ids": ids,
                   "logprobs": None if k is None else self._completion_logprobs(ids if echo else [], out, sampled)}
@@ -350,7 +376,6 @@ class Gateway:
 
         if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
             raise GatewayError(400, 'stream_options must be an object such as {"include_usage": true}')
-        rq.refuse_unsupported(body)
         max_tokens = rq.max_tokens(body, None)
         room = self.max_model_len - prompt_len
         if max_tokens is None:  # vLLM's server: whatever the context has left (within this server's budget)
@@ -380,45 +405,78 @@ class Gateway:
                                   frequency_penalty=rq.given(body, "frequency_penalty", 0.0),
                                   repetition_penalty=rq.given(body, "repetition_penalty", 1.0),
                                   logit_bias={int(k): float(v) for k, v in bias.items()} if bias else None,
-                                  max_tokens=max_tokens, seed=seed, logprobs=top_logprobs,
-                                  prompt_logprobs=prompt_logprobs,
+                                  max_tokens=max_tokens, min_tokens=rq.given(body, "min_tokens", 0, int),
+                                  seed=seed, logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                                   stop=[stop] if isinstance(stop, str) else stop, include_stop_str_in_output=True,
                                   stop_token_ids=list(body.get("stop_token_ids") or []) or None,
                                   structured_outputs=constraint)
         except (TypeError, ValueError, AttributeError) as e:
             raise GatewayError(400, f"bad sampling parameters: {rq.one_line(e)}") from None
 
-    def _token(self, t: int) -> str:
-        return self.tokenizer.decode([t])
+    def _texts(self, positions: list) -> list:
+        """Per position of one run of log-probs (a prompt's, or the sampled tokens'), {token id: its text} for its
+        token (the dict's first) and the alternatives, as vLLM's engine writes them for its server
+        (vllm/v1/engine/logprobs.py: a byte-fallback piece completed from the up to 4 tokens before it, else "");
+        None for a position without log-probs (a prompt's first token)."""
+        from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+        from vllm.v1.engine.logprobs import LogprobsProcessor
+
+        vllm = LogprobsProcessor(self.tokenizer, None, None, None, None, None)
+        texts, before = [], []
+        for d in positions:
+            ids = list(d or ())
+            texts.append(dict(zip(ids, vllm._verify_tokens(convert_ids_list_to_tokens(self.tokenizer, ids), ids,
+                                                           before[-4:]))) if d is not None else None)
+            before += ids[:1]
+        return texts
+
+    def _reply_text(self, out) -> str:
+        """A completion's text as vLLM's server returns it: its detokenizer's (tokenizers' DecodeStream primed with
+        the prompt, as vllm/v1/engine/detokenizer.py: the bytes of an unfinished UTF-8 character at the end are not
+        written), without the stop token (EOS or a stop_token_ids one) and without the stop string."""
+        ids = out.ids[:-1] if out.finish_reason == "stop" and not out.stop_string else out.ids
+        from tokenizers.decoders import DecodeStream
+
+        try:  # a fast tokenizer's backend
+            stream = DecodeStream(ids=list(out.prompt_ids), skip_special_tokens=True)
+            pieces = [stream.step(self.tokenizer._tokenizer, t) or "" for t in ids]
+        except Exception:  # noqa: BLE001 - a slow tokenizer, or DecodeStream's invalid-prefix error (vLLM #17448)
+            pieces = [self.tokenizer.decode(ids, skip_special_tokens=True)]  # HF's decode, whole
+        text = "".join(pieces)
+        if not out.stop_string:
+            return text
+        last = len(text) - len(pieces[-1]) if pieces else 0  # where the last token's text starts
+        cut = text.find(out.stop_string, max(0, last - len(out.stop_string) + 1))
+        return text[:cut] if cut >= 0 else text
 
     def _chat_logprobs(self, out, top: Optional[int]) -> dict:
         """OpenAI's chat logprobs: per sampled token its log-prob (vLLM's processed ones: at the sampling
-        temperature and top-p, what the trainer scores) and its `top` alternatives."""
-        def entry(t: int, lp: float) -> dict:
-            text = self._token(t)
-            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        temperature and top-p, what the trainer scores) and its `top` alternatives; -inf as vLLM writes it."""
+        def entry(text: str, lp: float) -> dict:
+            return {"token": text, "logprob": rq.floored(lp), "bytes": list(text.encode())}
 
         content = []
-        for i, (t, lp) in enumerate(zip(out.ids, out.logprobs)):
-            alts = sorted((out.top[i] if i < len(out.top) else {}).items(), key=lambda kv: -kv[1])[:top or 0]
-            content.append({**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts]})
+        for t, lp, d, texts in zip(out.ids, out.logprobs, out.top, self._texts(out.top)):
+            # as vLLM's server: the first `top` of vLLM's own order (the sampled token, then the rest by rank)
+            alts = list(d.items())[:top or 0]
+            content.append({**entry(texts[t], lp), "top_logprobs": [entry(texts[a], alp) for a, alp in alts]})
         return {"content": content}
 
     def _completion_logprobs(self, prompt: list[int], out, sampled: list[int]) -> dict:
         """OpenAI's (legacy) completions logprobs over the echoed prompt, then the sampled tokens: tokens,
         token_logprobs (the prompt's first: None), top_logprobs ({token: log-prob} of the top k and the token
-        itself, as vLLM), text_offset (each token's first character in the choice's text)."""
+        itself, as vLLM), text_offset (as vLLM's server: the running sum of the tokens' lengths); -inf as vLLM
+        writes it."""
         tops = list(out.prompt_top[:len(prompt)]) + list(out.top[:len(sampled)])
         ids = list(prompt) + list(sampled)
         own = [None if d is None else d.get(t) for t, d in zip(ids, tops)]
         own[len(prompt):] = list(out.logprobs[:len(sampled)])
-        offsets, pos = [], 0
-        for i in range(len(ids)):
-            offsets.append(pos)
-            pos = len(self.tokenizer.decode(ids[:i + 1]))
-        return {"tokens": [self._token(t) for t in ids], "token_logprobs": own,
-                "top_logprobs": [None if d is None else {self._token(a): lp for a, lp in d.items()} for d in tops],
-                "text_offset": offsets}
+        texts = self._texts(tops[:len(prompt)]) + self._texts(tops[len(prompt):])
+        tokens = [self.tokenizer.decode([t]) if m is None else m[t] for t, m in zip(ids, texts)]
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else rq.floored(lp) for lp in own],
+                "top_logprobs": [None if d is None else {m[a]: rq.floored(lp) for a, lp in d.items()}
+                                 for d, m in zip(tops, texts)],
+                "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1]}
 
     def _envelope(self, kind: str, choices: list, outs: list, n: int = 1) -> dict:
         """The response around its choices (prompt-major, n samples each): usage counts each prompt once."""
@@ -458,7 +516,7 @@ def stream_chunks(response: dict, include_usage: bool = False) -> list[dict]:
 
 def _streamed(response: dict, body: dict) -> StreamingResponse:
     chunks = stream_chunks(response, bool((body.get("stream_options") or {}).get("include_usage")))
-    events = [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+    events = [f"data: {json.dumps(c, allow_nan=False)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
     return StreamingResponse(iter(events), media_type="text/event-stream")
 
 

@@ -4,6 +4,7 @@ bearer key. Every refusal is a GatewayError, which the app answers as OpenAI's e
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 
@@ -16,13 +17,27 @@ class GatewayError(Exception):
         self.status, self.message, self.kind, self.headers = status, message, kind, headers
 
 
-# what a request may ask for that this server does not do (refused in one line, not ignored): field -> what it is
+# what each route reads (the OpenAI fields and the vLLM extensions this server does); any other key is one 400
+# line naming it (vLLM's server would ignore an unknown key, debug-logged: pydantic extra="allow"). `user` has
+# no effect (as on vLLM's); `return_token_ids`: the ids are always returned (prompt_token_ids, token_ids).
+_SAMPLING = ("model", "max_tokens", "n", "seed", "stop", "stop_token_ids", "stream", "stream_options", "temperature",
+             "top_p", "top_k", "min_p", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+             "logit_bias", "logprobs", "user", "return_token_ids")
+FIELDS = {"/v1/completions": frozenset(_SAMPLING + ("prompt", "echo")),
+          "/v1/chat/completions": frozenset(_SAMPLING + ("messages", "max_completion_tokens", "top_logprobs", "tools",
+                                                         "tool_choice", "parallel_tool_calls", "chat_template_kwargs"))}
+# fields a request may send that this server does not do (refused in one line unless they ask for nothing: the
+# value in NO_OP, or vLLM's own default for a vLLM field): field -> what it is
 UNSUPPORTED = {"response_format": "structured output formats other than text", "suffix": "insertion",
                "best_of": "best-of-n ranking", "functions": "the legacy functions API: send tools",
                "function_call": "the legacy functions API: send tool_choice", "prediction": "predicted outputs",
-               "audio": "audio output", "modalities": "output modalities other than text", "logprobs_mode": ""}
-# what would change the distribution a training session samples from -> the value that changes nothing
-SESSION_FIXED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0, "logit_bias": {}}
+               "audio": "audio output", "modalities": "output modalities other than text"}
+NO_OP = {"response_format": {"type": "text"}, "best_of": 1, "modalities": ["text"]}
+# what would change the distribution a training session samples from -> the value that changes nothing (min_tokens
+# masks the stop tokens, so the sampled log-probs would not be the policy's the trainer scores)
+SESSION_FIXED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0, "logit_bias": {},
+                 "min_tokens": 0}
+LOGPROB_FLOOR = -9999.0  # vLLM's server writes a -inf log-prob (a token top_k / top_p cut) as this: JSON has no inf
 
 
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's cap)
@@ -57,20 +72,58 @@ def top_logprobs(body: dict) -> Optional[int]:
     return top
 
 
-def refuse_unsupported(body: dict) -> None:
-    for key, what in UNSUPPORTED.items():
-        value = body.get(key)
-        if value is None or (key == "response_format" and isinstance(value, dict) and value.get("type") == "text") \
-                or (key == "best_of" and value == 1) or (key == "modalities" and value == ["text"]):
+def refuse_unsupported(body: dict, route: str) -> None:
+    """Every key of the request is one `route` reads (FIELDS) or asks for nothing (a null, NO_OP, vLLM's default
+    for a vLLM field); else GatewayError naming it."""
+    vllm_defaults = _vllm_defaults(route)
+    for key, value in body.items():
+        if value is None or (key in NO_OP and value == NO_OP[key]):
             continue
-        raise GatewayError(400, f"{key} is not supported by this server ({what}); drop it" if what else
-                                f"{key} is not supported by this server; drop it")
+        if key in UNSUPPORTED:
+            raise GatewayError(400, f"{key} is not supported by this server ({UNSUPPORTED[key]}); drop it")
+        if key in FIELDS[route] or vllm_defaults.get(key, ...) == value:
+            continue
+        if key in vllm_defaults:
+            raise GatewayError(400, f"{key}={_short(value)} (a vLLM extension) is not supported by this server; "
+                                    "drop it")
+        raise GatewayError(400, f"{key} is not a field of {route} (vLLM's server would ignore it): drop it, or check "
+                                "its spelling")
 
 
-def given(body: dict, key: str, default: float) -> float:
-    """A number the request gives, or the default for one it leaves out or sends as null (as vLLM's server)."""
+# vLLM's request model of each route (module under vllm.entrypoints.openai, class)
+_VLLM_REQUESTS = {"/v1/completions": ("completion", "CompletionRequest"),
+                  "/v1/chat/completions": ("chat_completion", "ChatCompletionRequest")}
+
+
+@functools.cache
+def _vllm_defaults(route: str) -> dict:
+    """The fields of vLLM 0.32's request model of `route`, each with its default (what asks for nothing)."""
+    import importlib
+
+    module, name = _VLLM_REQUESTS[route]
+    model = getattr(importlib.import_module(f"vllm.entrypoints.openai.{module}.protocol"), name)
+    return {field: info.get_default(call_default_factory=True) for field, info in model.model_fields.items()}
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def floored(logprob: float) -> float:
+    """A log-prob as vLLM's server writes it: -inf as LOGPROB_FLOOR."""
+    return max(logprob, LOGPROB_FLOOR)
+
+
+def given(body: dict, key: str, default: float, kind: type = float) -> float:
+    """A number the request gives, or the default for one it leaves out or sends as null (as vLLM's server);
+    ValueError for one that is not a `kind` (an int: an integer, no bool, no float)."""
     value = body.get(key)
-    return default if value is None else float(value)
+    if value is None:
+        return default
+    if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ValueError(f"{key}={value!r} must be an integer")
+    return kind(value)
 
 
 def max_tokens(body: dict, default: int):

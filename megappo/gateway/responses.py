@@ -6,21 +6,27 @@ requests extending its conversation). Pure functions; app.py routes them.
 Input: a string, or items: messages ({role, content}: a string or input_text / output_text parts; `developer` is
 a system message), `function_call` items (an assistant turn's calls) and `function_call_output` items (a tool
 message each); `instructions` is a system message first. Tools: function tools ({type: function, name, parameters,
-description}). Output: a `message` item with one `output_text` part when the reply has text, a `function_call`
-item per call. Not here (one 400 line each): `previous_response_id` / `store: true` (nothing is stored: send the
-whole conversation, as the Agents SDK does by default), built-in tools, streaming, non-text input parts.
-Follows vLLM's server where the spec and it differ (the `output_text` part carries no logprobs).
+description}). Output: a `message` item with one `output_text` part when the reply has text (its `logprobs`
+with `include: ["message.output_text.logprobs"]`, `top_logprobs` alternatives each, as vLLM's server), a
+`function_call` item per call. `reasoning.effort` reaches the chat template as vLLM's server passes it
+(`reasoning_effort`, and `enable_thinking` unless chat_template_kwargs sets it). Not here (one 400 line each):
+`previous_response_id` / `store: true` (nothing is stored: send the whole conversation, as the Agents SDK does by
+default), built-in tools, streaming, non-text input parts, `truncation: auto` (a prompt is never cut),
+`reasoning.summary` (no reasoning parser), any other `include`, `top_logprobs` without that `include` (vLLM's
+server would return no log-probs). Follows vLLM's server where the spec and it differ.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
-# what a Responses request may set that maps to a chat request, and its chat name
-_SAMPLING = {"max_output_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed",
-             "parallel_tool_calls": "parallel_tool_calls", "top_logprobs": "top_logprobs", "model": "model"}
-# accepted and without effect here (bookkeeping; text as the only format; no reasoning models' effort)
-_IGNORED = ("metadata", "user", "truncation", "include", "service_tier", "safety_identifier", "prompt_cache_key")
+# what a Responses request may set that maps to a chat request, and its chat name (vLLM's ResponsesRequest fields)
+_SAMPLING = {"max_output_tokens": "max_tokens", **{k: k for k in (
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "logit_bias", "parallel_tool_calls", "chat_template_kwargs", "model")}}
+# accepted and without effect here (bookkeeping, as on vLLM's server)
+_IGNORED = ("metadata", "user", "service_tier", "safety_identifier", "prompt_cache_key")
+LOGPROBS = "message.output_text.logprobs"  # the one `include` this server returns
 
 
 class ResponsesError(ValueError):
@@ -38,21 +44,56 @@ def chat_request(body: dict) -> dict:
     if fmt != "text":
         raise ResponsesError(f"text.format {fmt!r} is not supported here; use text")
     known = set(_SAMPLING) | set(_IGNORED) | {"input", "instructions", "tools", "tool_choice", "stream", "store",
-                                              "previous_response_id", "text", "reasoning"}
+                                              "previous_response_id", "text", "reasoning", "truncation", "include",
+                                              "top_logprobs"}
     unknown = sorted(k for k in body if k not in known and body[k] is not None)
     if unknown:
         raise ResponsesError(f"{unknown[0]} is not supported on /v1/responses here; drop it")
+    if body.get("truncation") not in (None, "disabled"):
+        raise ResponsesError(f"truncation={body['truncation']!r} is not supported here (a prompt is never cut): send "
+                             "truncation disabled, with an input that fits")
     messages = ([{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []) + \
         input_messages(body.get("input"))
     chat = {"messages": messages}
     chat.update({name: body[key] for key, name in _SAMPLING.items() if body.get(key) is not None})
-    if body.get("top_logprobs") is not None:
-        chat["logprobs"] = True
+    if wants_logprobs(body):
+        chat.update(logprobs=True, top_logprobs=body.get("top_logprobs") or 0)
+    elif body.get("top_logprobs"):
+        raise ResponsesError(f'top_logprobs needs include: ["{LOGPROBS}"] (without it no log-probs are returned)')
+    effort = _reasoning_effort(body.get("reasoning"))
+    if effort is not None:  # as vLLM's server: the template's reasoning_effort, and enable_thinking unless given
+        given = dict(chat.get("chat_template_kwargs") or {})
+        chat["chat_template_kwargs"] = {"enable_thinking": effort != "none", **given, "reasoning_effort": effort}
     if body.get("tools"):
         chat["tools"] = [_chat_tool(t) for t in body["tools"]]
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])
     return chat
+
+
+def wants_logprobs(body: dict) -> bool:
+    """The request's `include` asks for the output text's log-probs (ResponsesError for any other include)."""
+    include = body.get("include") or []
+    if not isinstance(include, list):
+        raise ResponsesError(f'include must be a list, e.g. ["{LOGPROBS}"]')
+    other = [x for x in include if x != LOGPROBS]
+    if other:
+        raise ResponsesError(f"include {other[0]!r} is not returned by this server (it returns {LOGPROBS} only); "
+                             "drop it")
+    return LOGPROBS in include
+
+
+def _reasoning_effort(reasoning):
+    """reasoning.effort (None when not given); ResponsesError for another reasoning setting."""
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict):
+        raise ResponsesError('reasoning must be an object such as {"effort": "low"}')
+    other = sorted(k for k, v in reasoning.items() if k != "effort" and v is not None)
+    if other:
+        raise ResponsesError(f"reasoning.{other[0]} is not supported here (no reasoning parser: the reply is "
+                             "returned as text); send reasoning.effort alone")
+    return reasoning.get("effort")
 
 
 def input_messages(items) -> list[dict]:
@@ -121,11 +162,12 @@ def response(body: dict, chat: dict, model: str) -> dict:
     """The Responses object of a chat completion `chat` answered for request `body`."""
     choice = chat["choices"][0]
     message = choice["message"]
+    logprobs = choice["logprobs"]["content"] if wants_logprobs(body) else None
     output = []
     if message.get("content"):
         output.append({"type": "message", "id": f"msg_{secrets.token_hex(12)}", "status": "completed",
                        "role": "assistant", "content": [{"type": "output_text", "text": message["content"],
-                                                         "annotations": [], "logprobs": []}]})
+                                                         "annotations": [], "logprobs": logprobs}]})
     for call in message.get("tool_calls") or []:
         output.append({"type": "function_call", "id": f"fc_{secrets.token_hex(12)}", "call_id": call["id"],
                        "name": call["function"]["name"], "arguments": call["function"]["arguments"],
@@ -140,8 +182,9 @@ def response(body: dict, chat: dict, model: str) -> dict:
         "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
         "parallel_tool_calls": body.get("parallel_tool_calls", True), "temperature": body.get("temperature"),
         "top_p": body.get("top_p"), "max_output_tokens": body.get("max_output_tokens"),
-        "previous_response_id": None, "reasoning": None, "store": False, "text": {"format": {"type": "text"}},
-        "truncation": "disabled", "metadata": body.get("metadata") or {}, "user": body.get("user"),
+        "previous_response_id": None, "reasoning": body.get("reasoning"), "store": False,
+        "text": {"format": {"type": "text"}}, "truncation": "disabled", "top_logprobs": body.get("top_logprobs") or 0,
+        "metadata": body.get("metadata") or {}, "user": body.get("user"),
         "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
                   "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
                   "output_tokens_details": {"reasoning_tokens": 0}},
