@@ -172,11 +172,12 @@ def test_a_failure_that_keeps_coming_back_ends_the_run_with_its_first_cause(ray_
 
 def test_a_hung_worker_is_restarted_and_the_run_matches_the_uninterrupted_one(sync_baseline, tiny_assets, data_dir,
                                                                                  tmp_path):
-    """A worker busy past trainer.phase_timeout_s (here: a 600 s sleep queued on the critic's process just
-    before step 4's values phase, so that call never starts) is a hung worker: the driver says which
-    phase, tears every group down, resumes from the step-2 checkpoint and redoes steps 3 and 4 with the
-    uninterrupted run's metrics. Each step is kept once in metrics.jsonl and in TensorBoard (the redone
-    step 3 purges the first one)."""
+    """A worker busy past its phase's bound (here: a 600 s sleep queued on the critic's process just before step 4's
+    values phase, so that call never starts) is a hung worker: the driver says which phase, tears every group down,
+    resumes from the step-2 checkpoint and redoes steps 3 and 4 with the uninterrupted run's metrics. Each step is
+    kept once in metrics.jsonl and in TensorBoard (the redone step 3 purges the first one). The bound of every call
+    is trainer.phase_timeout_s (300 s here: no phase of a busy machine reaches it; 12 s did, a restart more); the
+    hung phase's own call gets 3 s, set on its group when the sleep is queued."""
     import ray
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -189,13 +190,16 @@ def test_a_hung_worker_is_restarted_and_the_run_matches_the_uninterrupted_one(sy
     def hang_once(trainer) -> None:
         def hook(phase: str, step: int) -> None:
             if (phase, step) == ("values", 4) and not hung:
-                worker = trainer.critic_wg.workers[0]
-                hung.append(worker.__ray_call__.remote(lambda self: __import__("time").sleep(600)))
+                group = trainer.critic_wg
+                assert group.timeout_s == 300  # trainer.phase_timeout_s: every call's bound
+                group.timeout_s = 3  # this call cannot start: found hung in 3 s
+                hung.append(group.workers[0].__ray_call__.remote(lambda self: __import__("time").sleep(600)))
 
         trainer.fault_hook = hook
 
-    history, trainer = run(config(tiny_assets, data_dir, out, "trainer.phase_timeout_s=12"), setup=hang_once)
+    history, trainer = run(config(tiny_assets, data_dir, out, "trainer.phase_timeout_s=300"), setup=hang_once)
     assert hung and trainer.restarts == 1 and trainer.steps_redone == 1  # step 3 (done, then redone)
+    assert trainer.critic_wg.timeout_s == 300  # the restarted groups: the config's bound again
     with pytest.raises(ray.exceptions.RayActorError):  # the sleeping process was killed by the restart
         ray.get(hung[0], timeout=30)
     assert_same_steps(baseline, history)
@@ -210,21 +214,21 @@ def test_a_hung_worker_is_restarted_and_the_run_matches_the_uninterrupted_one(sy
 def test_a_nan_step_is_skipped_and_a_full_disk_ends_the_run_cleanly(ray_session, tiny_assets, data_dir, tmp_path):
     """Through the trainer, not only at function level: step 1's rewards are NaN (a scorer gone wrong), so
     its losses are non-finite and trainer.on_nan=skip drops both optimizer steps (actor and critic
-    nan_skipped = 1) and the run goes on with a finite step 2; the output dir is a 4 MB disk, so step
-    3's background checkpoint fills it (torch's writer says only "iostream error"): the run ends with
-    one line naming the fix, and no step dir or temp dir is left to be mistaken for a checkpoint."""
+    nan_skipped = 1) and the run goes on with a finite step 2; the output dir is a 4 MB disk (a real tmpfs,
+    tests/small_disk.py: no privileges), so step 3's background checkpoint fills it (torch's writer says only
+    "iostream error"): the run ends with one line naming the fix, and no step dir or temp dir is left to be
+    mistaken for a checkpoint."""
     import errno
-    import subprocess as sp
+
+    from small_disk import small_disk
 
     from megappo.utils.tracking import read_metrics
 
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if sp.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (not root, or no CAP_SYS_ADMIN)")
-    try:
-        cfg = config(tiny_assets, data_dir, disk / "out", "trainer.save_every=3", "trainer.val_every=0",
+    with small_disk(tmp_path / "disk", "4m") as disk:
+        out = disk / "out"
+        cfg = config(tiny_assets, data_dir, out, "trainer.save_every=3", "trainer.val_every=0",
                      "trainer.on_nan=skip", "trainer.export_hf=false", "trainer.max_restarts=0")
+
         def nan_at_step_1(trainer) -> None:
             score = trainer.reward_fn
 
@@ -239,10 +243,9 @@ def test_a_nan_step_is_skipped_and_a_full_disk_ends_the_run_cleanly(ray_session,
         assert info.value.errno == errno.ENOSPC
         assert str(info.value).startswith("[Errno 28] checkpoint of step 3 not written: No space left on device")
         assert "point trainer.output_dir at a larger disk" in str(info.value) and "\n" not in str(info.value)
-        rows = read_metrics(disk / "out")
+        rows = read_metrics(out)
         assert [r["step"] for r in rows] == [1, 2]  # step 3 ended in its save: not logged, redone on a rerun
         assert (rows[0]["actor/nan_skipped"], rows[0]["critic/nan_skipped"]) == (1.0, 1.0)
         assert rows[1]["actor/nan_skipped"] == 0.0 and math.isfinite(rows[1]["objective/loss"])
-        assert not (disk / "out" / "checkpoints").exists() or list((disk / "out" / "checkpoints").iterdir()) == [], sorted(str(p) for p in (disk / "out" / "checkpoints").rglob("*"))
-    finally:
-        sp.run(["umount", str(disk)])
+        left = sorted(str(p) for p in (out / "checkpoints").rglob("*"))
+        assert left == [], left  # no step dir, no temp dir
