@@ -68,7 +68,7 @@ def _device_job(rank, world, port, model_dir):
     from megappo.parallel.megatron_init import init_distributed, init_megatron
     from megappo.ppo.losses import PolicyLoss, ValueLoss
     from megappo.protocol import DataProto
-    from megappo.workers import roles
+    from megappo.workers import role_batches
     from megappo.workers.megatron_engine import EngineConfig, MegatronEngine, OptimConfig
     from megappo.workers.rollout.hybrid_engine import HybridEngine
     from megappo.workers.rollout.sampling import SamplingSpec
@@ -91,14 +91,14 @@ def _device_job(rank, world, port, model_dir):
         with hybrid:
             out = hybrid.generate_sequences(prompts)
         parity = hybrid.logprob_parity(out, micro_batch_size=2)
-        old = roles._forward(actor, out, 6, 2, temperature=0.9, compute_entropy=True)
-        values = roles._forward(critic, out, 6, 2)
+        old = role_batches._forward(actor, out, 6, 2, temperature=0.9, compute_entropy=True)
+        values = role_batches._forward(critic, out, 6, 2)
         batch = out.union(DataProto.from_dict({
             "old_log_probs": old["logprobs"], "advantages": torch.randn(len(out), 6, device="cpu"),
             "values": values["values"], "returns": torch.ones(len(out), 6, device="cpu")}))
         role_cfg = SimpleNamespace(ppo_mini_batch_size=6, micro_batch_size=3, ppo_epochs=1)
-        am = roles._train(actor, batch, PolicyLoss(entropy_coeff=0.01), role_cfg, 1, temperature=0.9)
-        cm = roles._train(critic, batch, ValueLoss(), role_cfg, 1)
+        am = role_batches._train(actor, batch, PolicyLoss(entropy_coeff=0.01), role_cfg, 1, temperature=0.9)
+        cm = role_batches._train(critic, batch, ValueLoss(), role_cfg, 1)
     outputs = {"old": old, "values": values, "rollout": {k: v for k, v in out.batch.items()}}
     return {"sites": sorted(audit.sites), "parity": parity, "actor": am, "critic": cm,
             "devices": sorted({str(v.device) for d in outputs.values() for v in d.values()})}

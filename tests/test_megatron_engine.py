@@ -421,7 +421,7 @@ def test_dp_balance_keeps_each_mini_batch_and_evens_the_tokens():
     the update's _mini_batches per rank), not restated: global mini-batch k = local k of every rank."""
     from megappo.protocol import DataProto
     from megappo.workers.packing import balance_across_dp
-    from megappo.workers.roles import _mini_batches
+    from megappo.workers.role_batches import _mini_batches
 
     def global_mini_batches(order, dp, mini):
         data = DataProto({"row": torch.tensor(order)}, {}, {})

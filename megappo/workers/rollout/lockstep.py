@@ -173,7 +173,7 @@ class FollowerStream:
         if self.error is not None:
             raise RuntimeError(f"rollout TP follower: replaying the leader's engine calls failed: {self.error}")
 
-    # ---- the stream's interface (roles.py stream_*): nothing of its own to submit, collect or drain -------
+    # ---- the stream's interface (rollout_role.py stream_*): nothing of its own to submit, collect or drain
     def submit(self, prompts) -> int:
         raise RuntimeError("fully_async submits groups to each rollout replica's first rank only")
 
