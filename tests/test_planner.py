@@ -484,3 +484,141 @@ def test_deepseek_v3_multi_latent_attention_and_its_kv_cache(tiny_assets):
     assert rollout["kv_cache_bytes_per_token"] == 2 * 61 * (512 + 64)  # per GPU, whatever rollout.tp
     assert rollout["kv_cache_tokens"] >= rollout["kv_cache_tokens_needed"]
     assert not plan(load_config(REPO / "configs/grpo_deepseek_v3.yaml", ["rollout.tp=8"]))["fits"]  # 158 GB of weights
+
+
+
+# ---- the figures docs/moe.md and docs/multi-node.md publish, as the planner computes them now ---------------------
+# Each published pool is read from the doc (nodes, layout, peak) and planned again: plan() at that pool and layout in
+# CI; the `--smallest` search itself (no fewer nodes fit, whatever the layout) where it is one node long, and for
+# every pool in the long tier (a search tries every layout of every smaller pool).
+LAYOUT = r"TP(\d+)xPP(\d+)xDP(\d+)(?:xEP(\d+))?"
+POOL = rf"(?P<nodes>\d+) nodes?, (?P<layout>{LAYOUT}), (?P<peak>[\d.]+) GiB"
+GLM45 = ["model.arch.hidden_size=5120", "model.arch.intermediate_size=12288", "model.arch.moe_intermediate_size=1536",
+         "model.arch.num_layers=92", "model.arch.num_experts=160", "model.arch.shared_expert_intermediate_size=1536",
+         "model.arch.first_k_dense_replace=3", "model.arch.qk_norm=true"]  # GLM-4.5 (355B-A32B)'s config.json
+# docs/multi-node.md's table of smallest pools: (how the row's first cell starts, config, the full fine-tuning
+# column's overrides, the LoRA column's)
+LORA16 = ["actor.lora.rank=16"]
+TABLE = [("`ppo_70b.yaml` (PPO", "ppo_70b.yaml", [], LORA16),
+         ("`ppo_70b.yaml` as GRPO", "ppo_70b.yaml", ["critic.enable=false", "algorithm.adv_estimator=grpo"],
+          ["critic.enable=false", "algorithm.adv_estimator=grpo", *LORA16]),
+         ("`grpo_qwen3_235b_a22b.yaml` (H200)", "grpo_qwen3_235b_a22b.yaml", [],
+          [*LORA16, "actor.lora.target_modules=[linear_qkv,linear_proj]"]),
+         ("the same with every expert adapted", "grpo_qwen3_235b_a22b.yaml", None, [*LORA16, "actor.lora.experts=true"])]
+
+
+def _doc(name: str) -> str:
+    """A doc's text with its line breaks as spaces (a sentence may wrap anywhere)."""
+    return " ".join((REPO / "docs" / name).read_text().split())
+
+
+def _layout(tp, pp, dp, ep) -> str:
+    return f"TP{tp}xPP{pp}xDP{dp}" + (f"xEP{ep}" if ep > 1 else "")
+
+
+def _at(cfg, nodes: int, layout: str):
+    """cfg on `nodes` nodes with actor, critic and ref at `layout` (as --smallest sets the layout it reports)."""
+    import copy
+    import re
+
+    from megappo.config.validate import validate_config
+
+    tp, pp, dp, ep = (int(g or 1) for g in re.fullmatch(LAYOUT, layout).groups())
+    cfg = copy.deepcopy(cfg)
+    cfg.resources.nodes = nodes
+    for r in ("actor", "critic", "ref"):
+        cfg[r].parallel.tp, cfg[r].parallel.pp, cfg[r].parallel.dp, cfg[r].parallel.ep = tp, pp, dp, ep
+    validate_config(cfg)
+    return cfg
+
+
+def _glm_air_and_deepseek_v3_figures() -> None:
+    """docs/moe.md's plans of configs/grpo_glm45_air.yaml and configs/grpo_deepseek_v3.yaml on their own pools."""
+    moe = _doc("moe.md")
+    for name in ("grpo_glm45_air.yaml", "grpo_deepseek_v3.yaml"):
+        cfg = load_config(REPO / "configs" / name)
+        p, r, par = plan(cfg), cfg.resources, cfg.actor.parallel
+        assert p["fits"]
+        pool = f"{r.nodes} x {r.workers_per_node} H200, {_layout(par.tp, par.pp, par.dp, par.ep)}"
+        if name == "grpo_glm45_air.yaml":
+            want = [f"GRPO on {pool}, rollout TP{cfg.rollout.tp} (planned: {p['total_params_b']:.1f}B, peak "
+                    f"{p['peak_gpu_gb']:.1f} GB at {p['peak_phase']})"]
+        else:
+            at_actor_tp = plan(load_config(REPO / "configs" / name, [f"rollout.tp={par.tp}"]))
+            assert not at_actor_tp["fits"]
+            want = [f"{pool} ({cfg.model.arch.num_layers} layers: no PP divides them), rollout TP{cfg.rollout.tp} "
+                    f"({at_actor_tp['roles']['rollout']['weights_gb']:.0f} GB of bf16 weights per GPU at TP{par.tp} "
+                    "does not fit",
+                    f"planned {p['total_params_b']:.1f}B, peak {p['peak_gpu_gb']:.1f} GB at {p['peak_phase']}, MLA KV "
+                    f"cache {p['roles']['rollout']['kv_cache_bytes_per_token'] / 1024:.1f} KiB per token per GPU; "
+                    "`--smallest` finds no fewer nodes"]
+        for fragment in want:
+            assert fragment in moe, fragment
+
+
+def _published_pools() -> list:
+    """(config, the published smallest pool: a re.Match of POOL) for each filled cell of docs/multi-node.md's table,
+    then GLM-4.5's in docs/moe.md."""
+    import re
+
+    rows = [[c.strip().replace("**", "") for c in line.strip("|").split("|")]
+            for line in (REPO / "docs/multi-node.md").read_text().splitlines() if line.startswith("| ")]
+    pools = []
+    for start, name, full, lora in TABLE:
+        (cells,) = [row for row in rows if row[0].startswith(start)]
+        for overrides, cell in ((full, cells[1]), (lora, cells[2])):
+            assert (overrides is None) == (cell == ""), (start, cell)
+            if overrides is not None:
+                pools.append((load_config(REPO / "configs" / name, overrides), re.fullmatch(POOL, cell)))
+    glm = re.search(rf"GLM-4.5-355B's shapes: `--smallest` (?P<nodes>\d+) x 8 H200 at (?P<layout>{LAYOUT}) "
+                    r"\(peak (?P<peak>[\d.]+) GB\)", _doc("moe.md"))
+    pools.append((load_config(REPO / "configs/grpo_glm45_air.yaml", GLM45), glm))
+    assert all(m for _, m in pools), [m for _, m in pools]
+    return pools
+
+
+def _check_pools(search_all: bool) -> None:
+    """Each published pool fits at its layout with its peak; `search_all` (else: 1-node pools only): --smallest
+    finds exactly it. Then the LoRA figures below the table, from the 235B's two LoRA pools."""
+    from megappo.planner import lora_params, smallest
+
+    pools = _published_pools()
+    for cfg, m in pools:
+        # every config offloads its roles (the table says so once): the pools below keep that
+        assert cfg.actor.offload and cfg.resources.workers_per_node == 8
+        result = plan(_at(cfg, int(m["nodes"]), m["layout"]))
+        assert result["fits"] and f"{result['peak_gpu_gb']:.1f}" == m["peak"], (m[0], result["peak_gpu_gb"])
+        if search_all or m["nodes"] == "1":
+            f = smallest(cfg)
+            assert (f["nodes"], _layout(f["tp"], f["pp"], f["dp"], f["ep"]), f"{f['peak_gpu_gb']:.1f}") == \
+                (int(m["nodes"]), m["layout"], m["peak"]), (m[0], f)
+    # the 235B's LoRA pools: attention only, then the experts too
+    (attention, experts) = [_at(c, int(m["nodes"]), m["layout"]) for c, m in pools[-3:-1]]
+    lora = [plan(attention), plan(experts)]
+    adapters = lora_params(experts.model.arch, experts.actor.lora, ep=experts.actor.parallel.ep)[1]
+    text = _doc("multi-node.md")
+    for fragment in (f"the expert adapters at r=16 add {adapters / 1e9:.2f} B parameters per GPU",
+                     f"update phase goes from {lora[0]['phases_gb']['actor_update']:.1f} to "
+                     f"{lora[1]['phases_gb']['actor_update']:.1f} GB",
+                     f"the weight sync of the offloaded actor: {lora[0]['peak_gpu_gb']:.1f} -> "
+                     f"{lora[1]['peak_gpu_gb']:.1f} GB"):
+        assert fragment in text, fragment
+    assert lora[0]["peak_phase"] == lora[1]["peak_phase"] == "weight_sync"
+
+
+def test_published_plans_are_the_planners():
+    """Every figure docs/moe.md and docs/multi-node.md publish from `megappo plan` / `--smallest` is the planner's
+    now: GLM-4.5-Air's and DeepSeek-V3's own pools, the smallest pools of the table and GLM-4.5's at their layouts
+    (the 1-node ones found by the search itself), the LoRA figures below the table."""
+    _glm_air_and_deepseek_v3_figures()
+    _check_pools(search_all=False)
+
+
+@pytest.mark.long  # 379 s on a loaded 2-core machine: --smallest searches every layout of every smaller pool; CI plans
+# each published pool at its layout
+def test_published_smallest_pools_are_what_the_search_finds():
+    from megappo.planner import smallest
+
+    _check_pools(search_all=True)
+    v3 = load_config(REPO / "configs/grpo_deepseek_v3.yaml")
+    assert smallest(v3)["nodes"] == v3.resources.nodes  # docs/moe.md: "`--smallest` finds no fewer nodes"
