@@ -260,23 +260,29 @@ def test_expert_lora_ppo_through_the_hybrid_engine(ray_session, tiny_assets, dat
     """configs/ppo_tiny_moe.yaml (tiny Qwen3-MoE, every role at DP2 x EP2; the actor also at TP2, its experts
     at expert TP 2) with LoRA on the actor's attention, dense MLP and experts, 2 steps: each sync's merged
     weights (every expert's W + alpha/r B@A, from the rank that trains it, from both TP halves at TP2) reach
-    both vLLM engines (fingerprints), vLLM's log-probs equal Megatron's
-    (fp32, <= 1e-4), the reference is the base (KL to it starts at 0 and grows) and the merged export
-    is written; the peft adapter is skipped with its reason (this model's dense layer 0, see above)."""
+    both vLLM engines (fingerprints), vLLM's log-probs equal Megatron's (fp32, <= 1e-4), the reference is the
+    base (the KL loss to it is 0 at step 1, then the batch's k3) and the merged export is written; the peft
+    adapter is skipped with its reason (this model's dense layer 0, see above)."""
     from megappo.config.loader import load_config
-    from trainer_utils import REPO, overrides, run
+    from test_lora_ppo import _k3 as k3_mean
+    from trainer_utils import REPO, overrides, recording_updates, run
 
     cfg = load_config(REPO / "configs/ppo_tiny_moe.yaml", overrides(
         tiny_assets, data_dir, tmp_path, f"model.path={tiny_assets['tiny-qwen3_moe']}", "trainer.total_steps=2",
         "trainer.val_every=0", "trainer.save_every=2", "trainer.loggers=[jsonl]", "actor.lora.rank=4",
         "actor.lora.alpha=8", "actor.lora.experts=true", "actor.optim.lr=1e-3", "actor.use_kl_loss=true",
-        "algorithm.use_kl_in_reward=false", *(["actor.parallel.tp=2", "actor.parallel.dp=1", "actor.parallel.ep=1"]
-                                               if actor == "tp2" else [])))
-    history, trainer = run(cfg, setup=lambda t: None)
+        "algorithm.use_kl_in_reward=false", "actor.ppo_mini_batch_size=8",  # one optimizer step a step
+        *(["actor.parallel.tp=2", "actor.parallel.dp=1", "actor.parallel.ep=1"] if actor == "tp2" else [])))
+    batches = []
+    history, trainer = run(cfg, setup=recording_updates(batches))
     for h in history:
         assert h["rollout/weights_fingerprint_ok"] == 1.0
         assert h["rollout/logprob_diff_max"] <= 1e-4, h["rollout/logprob_diff_max"]
-    assert 0 <= history[0]["actor/kl_loss"] < 1e-3 and history[1]["actor/kl_loss"] > history[0]["actor/kl_loss"]
+    # the reference is the base: pi_old equals it exactly at step 1 (every B = 0), the KL loss is 0 there and the
+    # batch's k3 at step 2 (its only optimizer step runs at the weights that computed its pi_old)
+    assert torch.equal(batches[0].batch["old_log_probs"], batches[0].batch["ref_log_prob"])
+    assert history[0]["actor/kl_loss"] == 0.0
+    assert history[1]["actor/kl_loss"] == pytest.approx(k3_mean(batches[1]), rel=1e-3) and k3_mean(batches[1]) > 1e-6
     assert (tmp_path / "hf_final" / "config.json").is_file() and not (tmp_path / "hf_final" / "adapter").exists()
 
 

@@ -372,29 +372,45 @@ def test_adapter_checkpoint_exports_merged_hf_and_peft(engine_runs, tiny_assets)
     assert gaps["float32"] <= 1e-4 < gaps["bfloat16"]  # the rounding the float32 default avoids
 
 
+def _k3(batch) -> float:
+    """The token-mean k3 estimate of KL(pi_old || ref) over a trainer batch's response tokens (Schulman's k3)."""
+    import torch
+
+    b = batch.batch
+    r, mask = (b["ref_log_prob"] - b["old_log_probs"]).double(), b["response_mask"].bool()
+    return float((torch.exp(r) - r - 1)[mask].mean())
+
+
 def test_a_lora_ppo_run_end_to_end(ray_session, tiny_assets, data_dir, tmp_path, fake_teacher):
     """`megappo train` with actor.lora on the tiny demo (sync, hybrid engine, TP1 x DP2, GRPO-style KL loss):
     the reference is the actor's own base (no ref model), every step's merged weights reach vLLM
-    (fingerprints), the KL to the base starts near 0 and grows, the actor's checkpoint is adapters + their
-    optimizer state only (far smaller than the full critic's), and the final export is the merged HF model
-    with the peft adapter beside it. A LoRA student distils too: a teacher server beside the reward scores its
-    rows."""
+    (fingerprints), the KL loss to the base is 0 at step 1 and then the batch's k3 (one mini-batch a step), the
+    actor's checkpoint is adapters + their optimizer state only (far smaller than the full critic's), and the
+    final export is the merged HF model with the peft adapter beside it. A LoRA student distils too: a teacher
+    server beside the reward scores its rows."""
     from distill_helpers import check_teacher_rows
     from trainer_utils import config, recording_updates, run
 
     teacher, batches = fake_teacher(), []
+    # one mini-batch per step (8 responses): step 1's only optimizer step is at pi == base, step 2's at the
+    # weights that computed its pi_old, so each step's KL loss is known from the batch it updated on
     cfg = config(tiny_assets, data_dir, tmp_path, "actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=1e-3",
                  "actor.use_kl_loss=true", "algorithm.use_kl_in_reward=false", "trainer.total_steps=2",
                  "trainer.save_every=2", "trainer.val_every=0", f"teacher.endpoint={teacher.url}",
-                 "algorithm.distill_coef=0.01")
+                 "algorithm.distill_coef=0.01", "actor.ppo_mini_batch_size=8")
     history, trainer = run(cfg, setup=recording_updates(batches))
     for batch, h in zip(batches, history):
         check_teacher_rows(batch)
         assert h["distill/teacher_requests"] == len(batch)
     assert trainer.ref_wg is None or trainer.ref_wg is trainer.actor_wg  # no reference model of its own
     assert all(h["rollout/weights_fingerprint_ok"] == 1.0 for h in history)
-    # step 1's first mini-batch sees pi == base (KL 0); the mean over its mini-batches is small, then grows
-    assert 0 <= history[0]["actor/kl_loss"] < 1e-3 and history[1]["actor/kl_loss"] > history[0]["actor/kl_loss"]
+    import torch
+
+    # the reference is the base: at step 1 (adapters' B = 0) pi_old equals it exactly, and so does the KL loss (0);
+    # at step 2 the KL loss is k3 of the batch's pi_old (the weights it trained at) against the base, token-mean
+    assert torch.equal(batches[0].batch["old_log_probs"], batches[0].batch["ref_log_prob"])
+    assert history[0]["actor/kl_loss"] == 0.0
+    assert history[1]["actor/kl_loss"] == pytest.approx(_k3(batches[1]), rel=1e-3) and _k3(batches[1]) > 1e-6
     step = tmp_path / "checkpoints" / "step_00000002"
 
     def size(d):
