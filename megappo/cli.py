@@ -18,6 +18,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megappo.train", "run PPO (sync hybrid engine or async one-step off-policy) from a config"),
     "data": ("megappo.data.from_file", "your own task's rows (.jsonl/.json/.parquet: a prompt and an answer field) "
              "as megappo's train/test parquet"),
+    "reward": ("megappo.reward", "score rows (data_source, response, ground_truth) with a config's reward, "
+               "without training"),
     "eval": ("megappo.evaluate", "accuracy of a HF model or a checkpoint on a parquet (greedy or pass@k, vLLM)"),
     "export": ("megappo.export", "a checkpoint's policy (or critic) as a plain HF model dir"),
     "serve": ("megappo.serve", "an OpenAI-compatible API (chat, completions, tool calls) over a HF dir "

@@ -390,6 +390,21 @@ class RewardModelConfig:
 
 
 @dataclass
+class CodeRewardConfig:
+    """The built-in `code` data source (and reward.combine's `code` term): the response's last fenced python
+    block runs against the row's tests ({"inputs", "outputs"} stdin/stdout, + "fn_name" call-based), one
+    sandbox call per test (agent/sandbox.py; rewards/code.py)."""
+
+    score: str = "fraction"  # fraction: the share of the row's tests passed | all: 1 only when every test passes
+    timeout_s: int = 5  # CPU seconds a test may use, all threads (RLIMIT_CPU: whole seconds); past it: a timeout
+    # wall-clock seconds a test may take, the sandbox's start included (0.2 s idle, seconds on a loaded
+    # machine): stops a program that sleeps or waits; past it: a timeout
+    wall_s: float = 30.0
+    memory_mb: int = 1024  # address space per test (RLIMIT_AS); a program past it fails (a runtime error)
+    concurrency: int = 8  # sandbox calls at once over the batch's tests (each a process of its own)
+
+
+@dataclass
 class RewardConfig:
     non_stop_penalty: bool = True
     non_stop_penalty_value: float = -10.0  # open-instruct's default
@@ -404,6 +419,12 @@ class RewardConfig:
     # timeout_s: 30} for a fn of lists. A built-in data_source named here is replaced (warned). rewards/rules.py
     rules: dict[str, Any] = field(default_factory=dict)
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
+    # by data_source, the row's score as a weighted sum of terms, e.g. {my_task: [{term: code, weight: 0.75},
+    # {term: 'rule:arithmetic', weight: 0.25}]}. A term: code, rm (the reward model), rule:<name> (a built-in
+    # rule or one of reward.rules); replaces the source's own rule; each term logged as
+    # reward/<source>/term/<term> (rewards/combine.py)
+    combine: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

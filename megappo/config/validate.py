@@ -152,6 +152,7 @@ def validate_config(cfg, check_paths: bool = False) -> None:
     _check_lora(cfg, dims)
     _check_multi_turn(cfg)
     _check_reward_rules(cfg)
+    _check_reward_sources(cfg)
     _check_trainer(cfg, check_paths)
     if check_paths:
         check_on_disk(cfg)
@@ -422,6 +423,17 @@ def _check_reward_rules(cfg) -> None:
             load_rule(str(source), spec)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+
+def _check_reward_sources(cfg) -> None:
+    """reward.code's settings and reward.combine's terms (rewards/code.py, rewards/combine.py): a term that
+    names nothing, a weight that is not a number, an rm term without the reward model."""
+    from megappo.rewards.rules import load_rewards
+
+    try:
+        load_rewards(cfg.reward)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_packing(cfg) -> None:

@@ -6,7 +6,10 @@ FILE is .jsonl (one JSON object a line), .json (a list of objects) or .parquet. 
 RLHFDataset reads (megappo/data/dataset.py):
   prompt        [{"role": "user", "content": <prompt field>}] (a field that already holds chat messages is kept)
   data_source   --data-source: picks the reward rule (a built-in one, or the config's reward.rules.<source>)
-  reward_model  {"ground_truth": <answer field> as text (a list or dict as JSON), "style": "rule"}
+  reward_model  {"ground_truth": <answer field> as text (a list or dict as JSON), "style": "rule"}; for
+                --data-source code the answer field holds the row's tests, the code-set shape: {"inputs",
+                "outputs", "fn_name"?} (or its JSON text, or a list of {"input", "output"}), written as
+                rewards/code.py's JSON, each row's checked
   extra_info    {"split", "index" (its row in FILE, from 0), then the row's other fields (a field of either
                 name wins)}: the reward rule's third argument
 Every row is checked before anything is written; a bad input is one line naming the fix.
@@ -111,6 +114,19 @@ def _ground_truth(value) -> str:
     return value if isinstance(value, str) else json.dumps(value) if isinstance(value, (list, dict)) else str(value)
 
 
+def _tests(value, where: str) -> dict:
+    """A code row's tests as the code reward's JSON ({"inputs", "outputs", "fn_name"?}); DataError naming the row."""
+    from dataclasses import asdict
+
+    from megappo.rewards.code import parse_tests
+
+    try:
+        tests = asdict(parse_tests(value))
+    except ValueError as e:
+        raise DataError(f"{where}: {e} (in --answer-key's field)") from None
+    return {k: v for k, v in tests.items() if v is not None}
+
+
 def to_rows(records: list[dict], prompt_key: str, answer_key: str, data_source: str, path: Path) -> list[dict]:
     """Input rows -> megappo's rows (split and index are set by split_rows)."""
     out = []
@@ -122,8 +138,9 @@ def to_rows(records: list[dict], prompt_key: str, answer_key: str, data_source: 
                 raise DataError(f"{path} row {i + 1} {missing} {key!r} (its fields: {fields}); pass {flag} with the "
                                 "right field, or fill that row")
         extra = {k: v for k, v in record.items() if k not in (prompt_key, answer_key)}
+        truth = _tests(record[answer_key], f"{path} row {i + 1}") if data_source == "code" else record[answer_key]
         out.append({"prompt": _prompt(record[prompt_key]), "data_source": data_source,
-                    "reward_model": {"ground_truth": _ground_truth(record[answer_key]), "style": "rule"},
+                    "reward_model": {"ground_truth": _ground_truth(truth), "style": "rule"},
                     "extra_info": extra})
     return out
 

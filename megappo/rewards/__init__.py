@@ -1,4 +1,5 @@
-"""Rule-based rewards picked by data_source (gsm8k, math, arithmetic, config reward.rules) and the RewardManager.
+"""Rewards picked by data_source (rules: gsm8k, math, arithmetic, config reward.rules; code against test cases;
+reward.combine's weighted terms) and the RewardManager.
 The manager (torch) is imported on first use: megappo.rewards.rules is read by the config loader."""
 
 __all__ = ["DEFAULT_SCORERS", "RewardManager"]

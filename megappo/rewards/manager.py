@@ -6,7 +6,8 @@ DataProto keys read:
   batch["response_mask"]    [B, T] 1 on response tokens (else the last T columns of attention_mask)
   batch["stopped"]          [B] bool, optional: the response ended with a stop token
                             (else: True when an eos / stop id is among its valid tokens)
-  batch["rm_scores"]        [B] or [B, T] (summed), optional: reward-model scores, added
+  batch["rm_scores"]        [B] or [B, T] (summed), optional: reward-model scores, added (a reward.combine
+                            source weighs them as its rm term, or leaves them out: rewards/combine.py)
   batch["prompts"]          [B, P] optional, only for printing samples
   non_tensor_batch["data_source"], non_tensor_batch["reward_model"][i]["ground_truth"],
   non_tensor_batch["extra_info"]  optional, each row's dict, the rule's third argument
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from megappo.protocol import DataProto
+from megappo.rewards.combine import RM, Combined
 from megappo.rewards.rules import DEFAULT_SCORERS, Rule, RuleTimeout, Scored, as_rule, check_signature, score_group
 
 # a rule: fn(response, ground_truth, extra_info) -> float | {"score", extras} (rewards/rules.py), or a Rule
@@ -172,21 +174,41 @@ class RewardManager:
             kept = np.empty(len(scored), dtype=object)  # one object per row (np.array would unpack nothing, but say so)
             kept[:] = scored
             data.non_tensor_batch[RULE_SCORES] = kept
+        combined = self._combined(set(sources), rm_scores is not None)
         rows, shown = [], defaultdict(int)
         for i, source in enumerate(sources):
-            rule_score = scored[i].score
+            rule_score, extras = scored[i].score, scored[i].extras
             buffer_len, factor, max_len = self.overlong
             length_penalty = overlong_penalty(int(lengths[i]), max_len, buffer_len, factor)
-            final = rule_score + (float(rm_scores[i]) if rm_scores is not None else 0.0) + length_penalty
+            rm = float(rm_scores[i]) if rm_scores is not None else 0.0
+            rm_weight = 1.0
+            if source in combined:  # a reward.combine source: the reward model is a term of it, or not at all
+                rm_weight = combined[source].rm_weight
+                extras = {**extras, f"term/{RM}": rm} if combined[source].uses_rm else extras
+            final = rule_score + rm_weight * rm + length_penalty
             if self.non_stop_penalty and not stopped[i]:
                 final = self.non_stop_penalty_value
             rows.append(RowScore(source, rule_score, final, rule_score >= 1.0, bool(stopped[i]), int(lengths[i]),
                                  uids[i], bool(scored[i].failure), length_penalty, scored[i].failure == "timeout",
-                                 scored[i].extras))
+                                 extras))
             if examine and shown[source] < self.num_examine:
                 shown[source] += 1
                 self._print_sample(data, i, source, texts[i], truths[i], rule_score, final, stopped[i])
         return rows
+
+    def _combined(self, sources: set, have_rm: bool) -> dict[str, Combined]:
+        """{source: its Combined} for the reward.combine sources among `sources` (rewards/combine.py): the reward
+        model counts there with its term's weight (0 without an rm term); elsewhere it is added as it is."""
+        out = {}
+        for source in sources:
+            combined = as_rule(self.scorers[source]).fn if source in self.scorers else None
+            if not isinstance(combined, Combined):
+                continue
+            out[source] = combined
+            if combined.uses_rm and not have_rm:
+                raise ValueError(f"reward.combine.{source} has an rm term, but the batch has no reward-model scores; "
+                                 "enable reward.model (reward.model.enable=true) or drop the term")
+        return out
 
     def _rule_scores(self, sources, texts, truths, extra_infos) -> list[Scored]:
         """Each data_source's rows scored by its rule (every source's rule looked up before any is called)."""
@@ -224,10 +246,10 @@ class RewardManager:
         batch_size, resp_len = data.batch["responses"].shape
         token_level_scores = torch.zeros(batch_size, resp_len, dtype=torch.float32, device="cpu")
         last = last_model_token(self._response_mask(data)).clamp(min=0).tolist()
-        per_source: dict[str, list[bool]] = defaultdict(list)
+        per_source: dict[str, list[RowScore]] = defaultdict(list)
         for i, r in enumerate(rows):
             token_level_scores[i, last[i]] = r.final
-            per_source[r.source].append(r.correct)
+            per_source[r.source].append(r)
         n = max(batch_size, 1)
         metrics = {
             "objective/verifiable_correct_rate": sum(r.correct for r in rows) / n,
@@ -242,8 +264,9 @@ class RewardManager:
             metrics["reward/overlong_frac"] = sum(r.overlong_penalty < 0 for r in rows) / n
         for (source, key), values in extra_metrics(rows).items():
             metrics[f"reward/{source}/{key}"] = sum(values) / len(values)
-        for source, flags in per_source.items():
-            metrics[f"reward/{source}/correct_rate"] = sum(flags) / len(flags)
+        for source, mine in per_source.items():
+            metrics[f"reward/{source}/correct_rate"] = sum(r.correct for r in mine) / len(mine)
+            metrics[f"reward/{source}/score"] = sum(r.final for r in mine) / len(mine)
         return token_level_scores, metrics
 
     def _print_sample(self, data, i, source, response, ground_truth, rule_score, final, stopped) -> None:

@@ -17,8 +17,11 @@ call, counted in reward/num_scorer_errors (timeouts also in reward/num_scorer_ti
       other: /path/to/file.py:score                    # a script; a relative path is made absolute at load
       judged: {fn: my_pkg.judge:score_batch, batched: true, timeout_s: 30}
 
-A config rule for a built-in data_source (gsm8k, math, arithmetic, ...) replaces the built-in one, with
-a warning. Rules run in the driver (the trainer's reward step, megappo eval); no worker imports them.
+A config rule for a built-in data_source (gsm8k, math, arithmetic, code, ...) replaces the built-in one,
+with a warning. The built-in `code` source runs the response's program against the row's tests in the
+sandbox (rewards/code.py, reward.code); reward.combine makes a source's score a weighted sum of terms
+(rewards/combine.py). load_rewards(cfg.reward) is every rule the config gives, RewardManager's scorers.
+Rules run in the driver (the trainer's reward step, megappo eval, megappo reward); no worker imports them.
 This module imports no torch (the config loader uses it).
 """
 
@@ -76,13 +79,20 @@ def _math(response: str, ground_truth, extra_info) -> float:
     return math_scorer.compute_score(response, ground_truth)
 
 
-DEFAULT_SCORERS: dict[str, Callable] = {
+def _code(responses: list, ground_truths: list, extra_infos: list) -> list:
+    from megappo.rewards import code  # the program against its tests, in the sandbox (rewards/code.py)
+
+    return code.score_batch(responses, ground_truths, extra_infos)
+
+
+DEFAULT_SCORERS: dict[str, Callable | Rule] = {
     "gsm8k": _gsm8k,
     "openai/gsm8k": _gsm8k,
     "math": _math,
     "lighteval/MATH": _math,
     "math_dapo": _math,
     "arithmetic": _arithmetic,
+    "code": Rule(_code, batched=True),  # reward.code's defaults; load_rewards gives the config's settings
 }
 
 
@@ -198,6 +208,18 @@ def load_rule(source: str, spec) -> Rule:
     return Rule(obj, batched, timeout)
 
 
+def load_rewards(reward) -> dict[str, Rule]:
+    """The config's reward section -> {data_source: Rule}, RewardManager's scorers: reward.rules, the built-in
+    `code` source with reward.code's settings, and each reward.combine source (rewards/combine.py), which
+    replaces a rule of the same source. ValueError naming the fix."""
+    from megappo.rewards.code import CodeReward
+    from megappo.rewards.combine import load_combine
+
+    code = Rule(CodeReward.from_config(reward.code), batched=True)
+    rules = {"code": code, **load_rules(reward.rules)}
+    return {**rules, **load_combine(reward.combine, code, {**DEFAULT_SCORERS, **rules}, reward.model.enable)}
+
+
 def load_rules(rules) -> dict[str, Rule]:
     """reward.rules -> {data_source: Rule}; one overriding a built-in rule is allowed, with a warning."""
     out = {str(source): load_rule(str(source), spec) for source, spec in dict(rules or {}).items()}
@@ -252,7 +274,10 @@ def as_reward(value) -> float:
 
 def parse(value) -> Scored:
     """A rule's return value -> Scored: a number, or a dict with a "score" and extra numbers (as_reward's rule:
-    a NaN, an inf or a non-number fails the call, which scores its rows 0 as failed)."""
+    a NaN, an inf or a non-number fails the call, which scores its rows 0 as failed), or a Scored as it is (a
+    batched rule that failed on some rows only: rewards/code.py, rewards/combine.py)."""
+    if isinstance(value, Scored):
+        return value
     if isinstance(value, dict):
         if "score" not in value:
             raise ValueError(f"returned a dict without a 'score' key (keys: {sorted(value)})")
