@@ -455,6 +455,8 @@ def test_bad_input_is_a_4xx_with_one_line_and_loses_nothing(served):
         "a seed past int64": ("/v1/chat/completions", {**ok, "seed": 2 ** 63}, mine.key, 400, "seed=9223372036854775808"),
         "token ids out of the vocabulary": ("/v1/completions", {"prompt": [10**9], "max_tokens": 2}, mine.key, 400,
                                             "out of vocabulary"),
+        "a batch of strings and token ids": ("/v1/completions", {"prompt": ["hi", [5, 6]], "max_tokens": 2},
+                                             mine.key, 400, "mixes strings and token-id lists"),
         "a reward that is not finite": (f"/megappo/v1/sessions/{mine.id}/reward", '{"reward": NaN}', mine.key, 400,
                                         "finite number"),
         "an integer past Python's digit limit": ("/v1/chat/completions", '{"max_tokens": 1%s}' % ("0" * 5000),

@@ -279,6 +279,8 @@ class Gateway:
 
         batch = prompt if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt) \
             else [prompt]
+        if len({type(p) for p in batch}) > 1:  # as vLLM's server: a batch is all strings or all token-id lists
+            raise GatewayError(400, "a batch of prompts mixes strings and token-id lists; send one kind per request")
         ids = [one(p) for p in batch]
         if any(i is None for i in ids):
             raise GatewayError(400, "prompt must be a non-empty string or a list of token ids, or a list of those")
