@@ -143,12 +143,21 @@ def _job(rank, world, port, model_dir, layout_name, rollout_tp, weight_load, cpu
                 if n.endswith("router.expert_bias")}
 
     bias_before = router_biases()
+    loaded = []  # the names a sync streams into this rank's vLLM engine (each bucket's tensors, in order)
+    load_weights = rollout.load_weights
+
+    def recording_load(tensors, **kw):
+        loaded.extend(n for n, _ in tensors)
+        return load_weights(tensors, **kw)
+
+    rollout.load_weights = recording_load
     prev_state = None
     for step in range(2):  # the initial weights, then after a real optimizer step
         # a real optimizer step on the last rollout (round 0: on the prompts' greedy continuation)
         if step > 0:
             _train_on(engine, last)
         rng_before = torch.get_rng_state().clone()
+        loaded.clear()
         with hybrid:
             greedy = hybrid.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch,
                                                          {"sampling": spec.greedy()}))
@@ -159,7 +168,13 @@ def _job(rank, world, port, model_dir, layout_name, rollout_tp, weight_load, cpu
         par_g = hybrid.logprob_parity(greedy, micro_batch_size=3)
         par_s = hybrid.logprob_parity(sampled, micro_batch_size=3)
         state = _full_hf_state(engine)
-        r = {"metrics": metrics, "parity_greedy": par_g, "parity_sampled": par_s}
+        r = {"metrics": metrics, "parity_greedy": par_g, "parity_sampled": par_s,
+             # the sync's work: every weight of the model streamed into vLLM once (what it lacks, what it repeats)
+             "sync_missing": sorted(set(state) - set(loaded)),
+             "sync_repeated": sorted(n for n in set(loaded) if loaded.count(n) > 1 or n not in state),
+             # the rollout's: each row's response tokens, and whether it stopped before max_new_tokens
+             "lengths": [(out.batch["response_mask"].sum(1).tolist(), out.batch["stopped"].tolist())
+                         for out in (greedy, sampled)]}
         if prev_state is not None:
             r["max_weight_change"] = max((state[k] - prev_state[k]).abs().max().item() for k in state)
         prev_state = state
@@ -300,7 +315,14 @@ def _check(reports, layout_name, rollout_tp, repack):
     for i, rnd in enumerate(r0["rounds"]):
         m = rnd["metrics"]
         assert m["rollout/weights_fingerprint_ok"] == 1.0
-        assert m["timing/weight_sync_s"] > 0 and m["timing/rollout_s"] > 0
+        # the sync streamed every weight once (the fingerprints then say vLLM holds them), into every engine
+        assert m["rollout/weight_sync_buckets"] == r0["buckets"]
+        for rep in reports:
+            assert rep["rounds"][i]["sync_missing"] == rep["rounds"][i]["sync_repeated"] == [], rep["rounds"][i]
+        # the rollout sampled each row: 1..10 tokens (max_new_tokens), fewer only where the row stopped
+        for lengths, stopped in rnd["lengths"]:
+            assert len(lengths) == 6 and all(1 <= n <= 10 and (n == 10 or s) for n, s in zip(lengths, stopped)), \
+                (lengths, stopped)
         for key in ("parity_greedy", "parity_sampled"):
             p = rnd[key]
             assert p["rollout/logprob_diff_max"] <= TOL, (i, key, p)
