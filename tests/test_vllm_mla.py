@@ -7,7 +7,7 @@ and with a `moe_layer_freq` of 2, keys transformers' DeepseekV3 ignores. One fre
   ran MLA's default RoPE natively on CPU (parallel/cpu_compat.vllm_cpu_rope_layouts) they differed by ~1 nat;
 - the config vLLM built the model from routes by sigmoid with the bias and puts experts on every layer
   (moe_layer_freq 1; the config's 2 transformers ignores), and the rollout said so in one line
-  (rollout/vllm_quirks.py; before, vLLM failed on the checkpoint's e_score_correction_bias).
+  (conversion/vllm_config.py; before, vLLM failed on the checkpoint's e_score_correction_bias).
 """
 
 import json
@@ -122,7 +122,7 @@ def test_vllm_config_fixes(tiny_assets):
     """What vLLM's loaders read otherwise than transformers is written for them, in one line; a config that agrees
     gets nothing; a DeepSeek-V3 naming another router is refused (model_dims), not overridden."""
     from megappo.parallel.model_dims import ModelDims
-    from megappo.workers.rollout.vllm_quirks import vllm_config_fixes
+    from megappo.conversion.vllm_config import vllm_config_fixes
 
     glm = dict(model_type="glm4_moe", hidden_size=128, num_attention_heads=4)
     fixes, note = vllm_config_fixes(glm)

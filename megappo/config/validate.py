@@ -13,6 +13,7 @@ from megappo.config.errors import ConfigError
 from megappo.config.paths import check_on_disk, hf_config_json
 from megappo.config.schema import CHOICES, GROUP_ESTIMATORS, LOGGERS, LORA_TARGETS
 from megappo.parallel.layout import check_layout, same_layout
+from megappo.parallel.model_dims import DEEPSEEK_V3_ROUTER
 from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS, LORA_MLA_TARGETS, MLA_MODEL_TYPES, MLA_WITHOUT_TE, \
     MOE_FAMILIES, ModelDims, mla_attention_names
 from megappo.utils.checkpoint import is_dist_checkpoint
@@ -55,7 +56,7 @@ def _arch_mla_as_hf(arch) -> dict:
         return {}
     return {"q_lora_rank": arch.q_lora_rank or None, "kv_lora_rank": arch.kv_lora_rank,
             "qk_nope_head_dim": arch.qk_nope_head_dim, "qk_rope_head_dim": arch.qk_rope_head_dim,
-            "v_head_dim": arch.head_dim, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+            "v_head_dim": arch.head_dim, **DEEPSEEK_V3_ROUTER}
 
 
 def _arch_moe_as_hf(arch) -> dict:

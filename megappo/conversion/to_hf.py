@@ -19,7 +19,7 @@ from megappo.conversion.core import (SEQ_CLS, SIDE_FILES, Progress, Unit, atomic
 from megappo.conversion.dcp_io import CheckpointReader
 from megappo.conversion.errors import ConvertError
 from megappo.conversion.safetensors_io import ShardedWriter, parse_size
-from megappo.workers.rollout.vllm_quirks import vllm_config_fixes
+from megappo.conversion.vllm_config import vllm_config_fixes
 
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -138,7 +138,7 @@ def _value_bias_nonzero(reader) -> bool:
 
 def _hf_output_config(raw: dict, kind: str, src_kind: str, family: str, cast: Optional[torch.dtype]) -> dict:
     """config.json of the export: a critic saved from a causal-LM config becomes *ForSequenceClassification; the
-    keys vLLM reads otherwise than transformers are written as transformers reads them (rollout/vllm_quirks.py)."""
+    keys vLLM reads otherwise than transformers are written as transformers reads them (conversion/vllm_config.py)."""
     fixes, note = vllm_config_fixes(raw)
     if fixes:
         log(note)

@@ -3,7 +3,7 @@ megappo supports (dense and MoE: `MOE_FAMILIES`' HF names), the padded vocabular
 TransformerConfig arguments, and the LoRA targets by how TP splits them. No torch: the config schema and
 the driver read these before Ray (and torch) start. Names and tensor layouts are parallel/weight_mapping.py's.
 The config.json keys vLLM's loaders read otherwise than transformers are written for vLLM by
-workers/rollout/vllm_quirks.py; what vLLM cannot build at all (qwen2_moe without q/k/v biases) is refused here,
+conversion/vllm_config.py; what vLLM cannot build at all (qwen2_moe without q/k/v biases) is refused here,
 where the config checks read it before anything runs.
 """
 
@@ -17,7 +17,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mix
                          "deepseek_v3")
 MLA_MODEL_TYPES = ("deepseek_v3",)  # multi-latent attention (megatron's MLASelfAttention)
 # DeepSeek-V3's router in config.json's keys, which transformers' DeepseekV3 computes whatever they say (megatron:
-# MoeFamily.router / expert_bias); a config without them gets them for vLLM (workers/rollout/vllm_quirks.py)
+# MoeFamily.router / expert_bias); a config without them gets them for vLLM (conversion/vllm_config.py)
 DEEPSEEK_V3_ROUTER = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 # TE's MLA spec fuses the latent norms into the up projections and keeps the down projections whole: another mapping
 MLA_WITHOUT_TE = ("model.transformer_engine=true is not supported for multi-latent attention (deepseek_v3): "

@@ -16,7 +16,7 @@ maps the memory back (vLLM 0.32: a new engine starts awake; wake one tag at a ti
 This file is the engine adapter only (build, generate, load weights, fingerprint, sleep / wake); around it:
 - rollout/vllm_env.py: the environment vLLM reads at import (`setup_env`, run by the constructor before
   `import vllm`), the GPU all-reduce workarounds, the vLLM build check;
-- rollout/vllm_quirks.py: the config.json keys vLLM's loaders read otherwise than transformers, passed as
+- conversion/vllm_config.py: the config.json keys vLLM's loaders read otherwise than transformers, passed as
   `hf_overrides` (said in one printed line);
 - rollout/vllm_weights.py: the weight-load modes (`LoadMode`), the collective_rpc targets that load,
   re-pack and inspect, and the MoE backend check;
@@ -75,7 +75,7 @@ from megappo.protocol import DataProto
 from megappo.utils.checkpoint import preserved_rng
 from megappo.workers.rollout.cpu_moe import keep_plain_experts
 from megappo.workers.rollout.sampling import SamplingSpec
-from megappo.workers.rollout.vllm_quirks import vllm_config_fixes
+from megappo.conversion.vllm_config import vllm_config_fixes
 from megappo.workers.rollout.vllm_env import (  # noqa: F401 (_ENV_DONE, ONE_GPU_*: re-exported)
     _ENV_DONE, ONE_GPU_PER_PROCESS_ENV, ONE_GPU_PER_PROCESS_KWARGS, check_vllm_build, on_gpu, setup_env)
 from megappo.workers.rollout.vllm_weights import (  # noqa: F401 (DIRECT_LOAD_MOE_BACKENDS: re-exported)
@@ -183,7 +183,7 @@ class VLLMRollout:
 
     def _engine_kwargs(self, dtype, max_model_len, tokenizer_path, load_format) -> dict:
         """vllm.LLM(...) arguments: the model (with the config keys vLLM reads otherwise than transformers:
-        rollout/vllm_quirks.py, said in one line, kept as `config_note`), precision, TP, sampler outputs, and the
+        conversion/vllm_config.py, said in one line, kept as `config_note`), precision, TP, sampler outputs, and the
         device's memory."""
         kwargs = dict(
             model=self.model_path,
