@@ -1,4 +1,4 @@
-"""What one python-tool call costs: the sandbox (megappo/agent/sandbox.py) against a bare interpreter.
+"""What one python-tool call costs: the sandbox (megappo/sandbox/run.py) against a bare interpreter.
 
     .venv/bin/python bench/sandbox.py [--calls 30]
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megappo.agent.sandbox import Limits, isolation_problem, run_python  # noqa: E402
+from megappo.sandbox.run import Limits, isolation_problem, run_python  # noqa: E402
 
 CODES = {"print": "print(1)", "numpy": "import numpy; print(numpy.arange(4).sum())"}
 

@@ -11,11 +11,14 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "megappo"
 # the packages (and top-level modules) that must never import the PPO algorithm
 BELOW_PPO = ("controller", "workers", "gateway", "agent", "parallel", "models", "config", "data", "rewards", "utils",
-             "protocol")
+             "protocol", "sandbox")
 # the single controller is generic: it knows Ray and Megatron coordinates, not what the workers do
-BELOW_CONTROLLER = ("gateway", "agent", "parallel", "models", "config", "data", "rewards", "utils", "protocol")
+BELOW_CONTROLLER = ("gateway", "agent", "parallel", "models", "config", "data", "rewards", "utils", "protocol",
+                    "sandbox")
 # the multi-turn loop, its tools and the sandbox know nothing of the HTTP gateway or of the workers that run them
 AGENT_BELOW = [("agent", "gateway"), ("agent", "workers")]
+# the sandbox runs code a model wrote: it knows nothing of who calls it (the python tool, the code reward)
+SANDBOX_BELOW = [("sandbox", u) for u in ("agent", "rewards", "gateway", "workers", "config")]
 
 
 def _unit(module: str) -> str:
@@ -102,7 +105,8 @@ def test_no_import_cycle_between_packages():
 
 
 @pytest.mark.parametrize("unit,forbidden", [(u, "ppo") for u in BELOW_PPO] +
-                         [(u, "controller") for u in BELOW_CONTROLLER] + [("controller", "workers")] + AGENT_BELOW)
+                         [(u, "controller") for u in BELOW_CONTROLLER] + [("controller", "workers")] + AGENT_BELOW
+                         + SANDBOX_BELOW)
 def test_layers_do_not_import_upwards(unit, forbidden):
     users = import_graph().get(unit, {}).get(forbidden, [])
     assert not users, f"{', '.join(sorted(set(users)))} import megappo.{forbidden} from below it ({unit}/)"

@@ -1,4 +1,4 @@
-"""The python tool's sandbox (megappo/agent/sandbox.py), attacked the way code written by a policy could.
+"""The python tool's sandbox (megappo/sandbox/run.py), attacked the way code written by a policy could.
 
 Each escape is a payload that is first run unconfined (a plain interpreter in a throwaway directory, or
 inside the confinement the sandbox had before issue #37: a user + mount namespace with read-only
@@ -19,8 +19,8 @@ import sys
 
 import pytest
 
-from megappo.agent.sandbox import Limits, isolation_problem, run_python
-from megappo.agent.syscalls import REFUSED
+from megappo.sandbox.run import Limits, isolation_problem, run_python
+from megappo.sandbox.syscalls import REFUSED
 from waiting import wait_for
 
 # the wall clock bounds the sandbox's start too (namespaces, mounts, the interpreter): a call that must finish gets
@@ -49,7 +49,7 @@ def test_a_failed_probe_is_tried_again_not_remembered(monkeypatch):
     """A probe that timed out once on a loaded machine (CI, 2026-11-27: "timed out after 20 s" while another
     test suite shared the cores) disabled the python tool for the rest of the process; a failure is now tried
     once more at once, and again at the next call; only a success is remembered."""
-    from megappo.agent import sandbox
+    from megappo.sandbox import run as sandbox
 
     outcomes = iter(["timed out after 20 s", "timed out after 20 s", "timed out after 20 s", None])
     calls = []
@@ -432,7 +432,7 @@ def test_each_live_call_holds_a_uid_no_other_live_call_has(tmp_path):
     and a uid comes free when its call ends (or its process dies)."""
     import multiprocessing as mp
 
-    from megappo.agent.sandbox import uid_lease
+    from megappo.sandbox.run import uid_lease
 
     ctx = mp.get_context("spawn")
     held, release = ctx.Queue(), ctx.Event()
@@ -449,7 +449,7 @@ def test_each_live_call_holds_a_uid_no_other_live_call_has(tmp_path):
 
 
 def _hold_a_uid(lease_dir, held, release):
-    from megappo.agent.sandbox import uid_lease
+    from megappo.sandbox.run import uid_lease
 
     with uid_lease(lease_dir) as uid:
         held.put(uid)

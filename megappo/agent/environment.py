@@ -106,7 +106,7 @@ class Environments:
                 raise ValueError(f"the environment of data_source {source!r} names unknown tool(s) {unknown}; known: "
                                  f"{', '.join(sorted(TOOLS))}")
             if "python" in (env.tools or ()) and "python" not in self.default_tools:
-                from megappo.agent.sandbox import isolation_problem
+                from megappo.sandbox.run import isolation_problem
 
                 problem = isolation_problem()
                 if problem:

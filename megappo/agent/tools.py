@@ -133,7 +133,7 @@ class Calculator(Tool):
 
 
 class Python(Tool):
-    """A Python interpreter in the sandbox (agent/sandbox.py): the code's printed output comes back."""
+    """A Python interpreter in the sandbox (sandbox/run.py): the code's printed output comes back."""
 
     name = "python"
     description = "Run a Python 3 program and return what it prints (no network, no files kept, a few seconds)."
@@ -141,7 +141,7 @@ class Python(Tool):
                   "required": ["code"]}
 
     def run(self, arguments: dict) -> ToolResult:
-        from megappo.agent.sandbox import Limits, run_python
+        from megappo.sandbox.run import Limits, run_python
 
         r = run_python(arguments["code"], Limits(wall_s=self.timeout_s, cpu_s=max(1, int(self.timeout_s)),
                                                  max_output_bytes=4 * self.max_output_chars))

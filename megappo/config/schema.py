@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megappo.parallel.model_dims import LORA_INITS, LORA_TARGETS, SUPPORTED_MODEL_TYPES  # noqa: F401
+from megappo.rewards.code import DEFAULTS as CODE_DEFAULTS  # reward.code's defaults, stated in rewards/code.py
 
 
 @dataclass
@@ -393,15 +394,18 @@ class RewardModelConfig:
 class CodeRewardConfig:
     """The built-in `code` data source (and reward.combine's `code` term): the response's last fenced python
     block runs against the row's tests ({"inputs", "outputs"} stdin/stdout, + "fn_name" call-based), one
-    sandbox call per test (agent/sandbox.py; rewards/code.py)."""
+    sandbox call per test (sandbox/run.py; rewards/code.py)."""
 
-    score: str = "fraction"  # fraction: the share of the row's tests passed | all: 1 only when every test passes
-    timeout_s: int = 5  # CPU seconds a test may use, all threads (RLIMIT_CPU: whole seconds); past it: a timeout
+    # fraction: the share of the row's tests passed | all: 1 only when every test passes
+    score: str = CODE_DEFAULTS["score"]
+    # CPU seconds a test may use, all threads (RLIMIT_CPU: whole seconds); past it: a timeout
+    timeout_s: int = CODE_DEFAULTS["timeout_s"]
     # wall-clock seconds a test may take, the sandbox's start included (0.2 s idle, seconds on a loaded
     # machine): stops a program that sleeps or waits; past it: a timeout
-    wall_s: float = 30.0
-    memory_mb: int = 1024  # address space per test (RLIMIT_AS); a program past it fails (a runtime error)
-    concurrency: int = 8  # sandbox calls at once over the batch's tests (each a process of its own)
+    wall_s: float = CODE_DEFAULTS["wall_s"]
+    # address space per test (RLIMIT_AS); a program past it fails (a runtime error)
+    memory_mb: int = CODE_DEFAULTS["memory_mb"]
+    concurrency: int = CODE_DEFAULTS["concurrency"]  # sandbox calls at once over the batch's tests (one process each)
 
 
 @dataclass

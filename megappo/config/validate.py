@@ -406,7 +406,7 @@ def _check_multi_turn(cfg) -> None:
     if not cfg.data.apply_chat_template:
         raise ConfigError("rollout.multi_turn renders tool results with the chat template; set data.apply_chat_template=true")
     if "python" in m.tools:
-        from megappo.agent.sandbox import isolation_problem
+        from megappo.sandbox.run import isolation_problem
 
         problem = isolation_problem()
         if problem:

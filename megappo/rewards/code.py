@@ -1,5 +1,5 @@
 """The built-in `code` data source: the response's program runs against the row's test cases, each test in
-megappo's python sandbox (megappo/agent/sandbox.py: its own root, namespaces, a system-call allow-list, CPU,
+megappo's python sandbox (megappo/sandbox/run.py: its own root, namespaces, a system-call allow-list, CPU,
 memory and wall-clock limits), one sandbox call per test, and never anywhere else.
 
 Ground truth (a dict, or its JSON text), the common form of APPS / TACO / DeepCoder-style sets:
@@ -43,6 +43,8 @@ OUTCOMES = ("passed", "wrong_answer", "timeout", "runtime_error", "no_code")
 SCORES = ("fraction", "all")
 PYTHON_FENCES = ("", "python", "py", "python3")
 TOLERANCE = 1e-6
+# reward.code's defaults (config/schema.py CodeRewardConfig reads them: the one statement of them)
+DEFAULTS = {"score": "fraction", "timeout_s": 5, "wall_s": 30.0, "memory_mb": 1024, "concurrency": 8}
 
 # The harness the sandbox runs (the program and one test's input are its only data). Its input is a file made
 # the process's fd 0 (input(), sys.stdin, sys.stdin.buffer, open(0) all read it), stderr goes to /dev/null (the
@@ -199,8 +201,9 @@ class CodeReward:
     """The code reward, a batched rule (rewards/rules.py): `reward(responses, ground_truths, extra_infos) ->
     [Scored]`. Every test of the batch is one sandbox call; at most `concurrency` run at once."""
 
-    def __init__(self, score: str = "fraction", timeout_s: int = 5, wall_s: float = 30.0, memory_mb: int = 1024,
-                 concurrency: int = 8):
+    def __init__(self, score: str = DEFAULTS["score"], timeout_s: int = DEFAULTS["timeout_s"],
+                 wall_s: float = DEFAULTS["wall_s"], memory_mb: int = DEFAULTS["memory_mb"],
+                 concurrency: int = DEFAULTS["concurrency"]):
         given = {"score": score, "timeout_s": timeout_s, "wall_s": wall_s, "memory_mb": memory_mb,
                  "concurrency": concurrency}
         rules = {"score": (score in SCORES, f"one of {', '.join(SCORES)}"),
@@ -275,7 +278,7 @@ class CodeReward:
         return Scored(score, {o: float(o == first) for o in OUTCOMES})
 
     def _run_test(self, program: str, tests: Tests, t: int) -> str:
-        from megappo.agent.sandbox import Limits, run_python
+        from megappo.sandbox.run import Limits, run_python
 
         want = tests.outputs[t]
         if tests.fn_name is None:
@@ -319,7 +322,5 @@ def score_batch(responses: list, ground_truths: list, extra_infos: list) -> list
     """The built-in `code` rule with reward.code's defaults (the config's own settings: rules.load_rewards)."""
     global _default
     if _default is None:
-        from megappo.config.schema import CodeRewardConfig
-
-        _default = CodeReward.from_config(CodeRewardConfig())
+        _default = CodeReward()
     return _default(responses, ground_truths, extra_infos)

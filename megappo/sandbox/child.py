@@ -1,7 +1,7 @@
 """The sandbox's own side: run as `python -I -S -c <this file's text> STAGE JSON`, never imported.
 
 Stage "outer" starts as the worker's process image (the host's root filesystem, the worker's user):
-  1. unshare: new user, mount, network, IPC, UTS, cgroup and PID namespaces. The launcher (sandbox.py)
+  1. unshare: new user, mount, network, IPC, UTS, cgroup and PID namespaces. The launcher (run.py)
      writes the user namespace's id maps: namespace root = an unprivileged host uid of its own per call
      where the worker is root, else the worker's own uid;
   2. becomes that namespace root and forks the PID namespace's init, reports its pid, waits on it and
@@ -21,7 +21,7 @@ Stage "init" (pid 1 of the new PID namespace) builds the child's whole world and
      capability, so even a hole in the filter could not mount;
 Stage "tool" (the fresh interpreter inside):
   7. checks that only /tmp is writable (fail closed), sets the rlimits, loads the seccomp allow-list
-     (megappo/agent/syscalls.py, compiled by the launcher, read from stdin), then runs the code (the rest
+     (megappo/sandbox/syscalls.py, compiled by the launcher, read from stdin), then runs the code (the rest
      of stdin).
 """
 

@@ -8,13 +8,13 @@ after showing that its payload works unconfined):
   (ALLOWED_PACKAGES), the system's shared libraries, a /dev of null/zero/random/urandom, its own /proc, and
   a size-capped noexec tmpfs at /tmp as the working directory and HOME. Nothing of the host's /work, /home,
   /root, /tmp, /dev/shm, /run or /var: no checkout, data, checkpoints, sockets or credentials. Every mount
-  but /tmp is read-only and locked (pivot_root, then a nested user namespace: see sandbox_child.py);
+  but /tmp is read-only and locked (pivot_root, then a nested user namespace: see child.py);
 - **its own namespaces**: user (root of it maps to an unprivileged host uid of its own per call where the
   worker is root), mount, network (a downed loopback only), PID (the code is the namespace's init: when
   the call ends the launcher kills it through a pidfd, and the kernel kills everything else in it,
   whatever it did with setsid, death signals or signal handlers), IPC (no System V object outlives the
   call), UTS and cgroup;
-- **an allow-list of system calls** (megappo/agent/syscalls.py): no processes, no exec, no sockets but a
+- **an allow-list of system calls** (megappo/sandbox/syscalls.py): no processes, no exec, no sockets but a
   socketpair, no mount calls of either API, no namespaces, keyrings, io_uring, userfaultfd, bpf, ptrace;
 - **limits for the whole call**: CPU seconds over all its threads (RLIMIT_CPU counts the process, every
   thread), memory = the address space (RLIMIT_AS; shared memory cannot be made: SysV and memfd are
@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Optional
 
 ALLOWED_PACKAGES = ("numpy", "sympy", "mpmath")  # importable inside, read-only; the standard library always is
-_CHILD_SOURCE = (Path(__file__).with_name("sandbox_child.py")).read_text()
+_CHILD_SOURCE = (Path(__file__).with_name("child.py")).read_text()
 _UID_BASE = 0x4D500000  # per-call host uids (and gids) when the worker is root: 2^20 of them above this
 _UIDS = 1 << 20
 # one lock file per uid a live call holds (flock: released when the call ends or its process dies), machine-wide
@@ -190,7 +190,7 @@ def _run(code: str, limits: Limits) -> SandboxResult:
 
 
 def _run_as(code: str, limits: Limits, uid: int, gid: int, nproc: int) -> SandboxResult:
-    from megappo.agent.syscalls import build_filter
+    from megappo.sandbox.syscalls import build_filter
 
     t0 = time.perf_counter()
     deadline = t0 + limits.wall_s

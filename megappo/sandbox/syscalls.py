@@ -5,7 +5,7 @@ adds later is refused too. The list is what CPython needs to run pure Python and
 computing modules (and numpy's threads) once the interpreter has started: files on the read-only root and
 the tmpfs, memory, threads, time, signals to itself, polling, and the socketpair asyncio wakes itself
 with. `build_filter()` compiles it with libseccomp (pyseccomp) into the BPF program that the sandbox
-loads just before the tool's code runs (megappo/agent/sandbox_child.py).
+loads just before the tool's code runs (megappo/sandbox/child.py).
 
 Refused on purpose (the notable ones; the test suite calls each from inside and expects EPERM):
 """
