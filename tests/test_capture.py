@@ -95,7 +95,7 @@ def test_stream_chunks_rebuild_the_reply_as_the_sdk_reads_them():
     openai SDK's own models, and joining the deltas gives back the reply, its tool calls and finish reason."""
     from openai.types.chat import ChatCompletionChunk
 
-    from megappo.gateway.app import stream_chunks
+    from megappo.gateway.streaming import stream_chunks
 
     calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "calculator",
                                                                   "arguments": json.dumps({"expression": e})}}

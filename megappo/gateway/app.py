@@ -46,19 +46,18 @@ import json
 import math
 import secrets
 import statistics
-import threading
 import time
-from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Optional
 
 from fastapi import FastAPI, Header, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megappo.agent.capture import ChatRenderer, Session
 from megappo.gateway import requests as rq
 from megappo.gateway.requests import GatewayError  # noqa: F401 (re-exported)
+from megappo.gateway.sessions import SessionState, Turn
+from megappo.gateway.streaming import streamed
 from megappo.gateway.tool_calls import ToolCallReader
 from megappo.rewards.rules import as_reward as rules_as_reward
 
@@ -77,34 +76,6 @@ def as_reward(value) -> float:
         return rules_as_reward(value)
     except ValueError as e:
         raise ValueError(f"{e}: send one (or None from an agent, to leave the score to the row's rule)") from None
-
-
-@dataclass
-class SessionState:
-    id: str
-    key: str
-    session: Session
-    row: Optional[dict] = None
-    reward: Optional[float] = None
-    latencies: list = field(default_factory=list)
-    # a training session (gateway/agents.py): sampling the client cannot change (temperature, top_p, a seed
-    # per request: seed + t * seed_stride) and the response budget (tokens after the first prompt)
-    forced: dict = field(default_factory=dict)
-    budget: Optional[int] = None
-    busy: bool = False  # a request in flight (_Turn)
-    tasks: set = field(default_factory=set)  # its engine requests' tasks in flight (close_session cancels them)
-    closed: bool = False
-    # the session as it was before the request in flight (_Turn): what a close meanwhile hands out; the lock
-    # keeps a close (from another thread) from copying the session while a request changes it
-    pending: Optional[tuple] = None
-    lock: threading.RLock = field(default_factory=threading.RLock)
-
-    def record(self) -> dict:
-        """A copy of its finished requests (a request still in flight is not in it: _Turn), which nothing
-        recorded later changes."""
-        with self.lock:
-            return {"session_id": self.id, "row": self.row, "reward": self.reward, "latencies": list(self.latencies),
-                    **self.session.as_of(self.pending)}
 
 
 class Gateway:
@@ -200,7 +171,7 @@ class Gateway:
     async def _chat_one(self, body: dict, state: Optional[SessionState], messages: list, shown: tuple,
                         top: Optional[int]):
         session = state.session if state else Session(self.renderer)
-        with _Turn(state, session) as turn:
+        with Turn(state, session) as turn:
             try:
                 with turn.lock:
                     # a tool or tool_choice refused before sampling; tool_choice "required" or a named tool: a constraint
@@ -291,7 +262,7 @@ class Gateway:
         if only_prompt:  # vLLM samples at least one token: it is dropped (as vLLM's server drops it)
             body = {**body, "max_tokens": 1, "max_completion_tokens": None}
         session = state.session if state else Session(self.renderer)
-        with _Turn(state, session) as turn:
+        with Turn(state, session) as turn:
             try:
                 with turn.lock:
                     full = session.completion_prompt(ids)
@@ -489,87 +460,6 @@ class Gateway:
                 "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
 
 
-def stream_chunks(response: dict, include_usage: bool = False) -> list[dict]:
-    """A finished chat.completion or text_completion as OpenAI's stream chunks (in order)."""
-    chat = response["object"] == "chat.completion"
-    head = {k: response[k] for k in ("id", "created", "model")}
-    head["object"] = "chat.completion.chunk" if chat else "text_completion"
-    out = []
-    for choice in response["choices"]:  # one choice after another (n > 1, or a batch of prompts)
-        def chunk(part: dict, finish=None, **extra) -> dict:
-            body = {"delta": part} if chat else {"text": part.get("content", "")}
-            return {**head, **extra,
-                    "choices": [{"index": choice["index"], **body, "logprobs": None, "finish_reason": finish}]}
-
-        text = choice["message"]["content"] if chat else choice["text"]
-        out.append(chunk({"role": "assistant", "content": ""} if chat else {},
-                         prompt_token_ids=choice.get("prompt_token_ids", response["prompt_token_ids"])))
-        out.append(chunk({"content": text or ""}))
-        out[-1]["choices"][0]["token_ids"] = choice["token_ids"]
-        if choice["logprobs"] is not None:
-            out[-1]["choices"][0]["logprobs"] = choice["logprobs"]
-        for i, call in enumerate(choice["message"].get("tool_calls", []) if chat else []):
-            out.append(chunk({"tool_calls": [{"index": i, **call}]}))
-        out.append(chunk({}, choice["finish_reason"]))
-    if include_usage:
-        out.append({**head, "choices": [], "usage": response["usage"]})
-    return out
-
-
-def _streamed(response: dict, body: dict) -> StreamingResponse:
-    chunks = stream_chunks(response, bool((body.get("stream_options") or {}).get("include_usage")))
-    events = [f"data: {json.dumps(c, allow_nan=False)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
-    return StreamingResponse(iter(events), media_type="text/event-stream")
-
-
-class _Turn:
-    """One request's hold on its session (state None: megappo serve's open key, a throwaway session, nothing kept).
-
-    A session's requests go one at a time: each continues (or restarts) the conversation the previous one left, so
-    a second request while one is in flight is refused (409), never recorded against the wrong segment. The
-    request changes the session only under `lock` (the prompt it builds, then `record`, its answer), so a close
-    from another thread copies the session between those, never during. Until it is recorded the request is not
-    in the session's record: a close meanwhile hands out the session as it was before it (SessionState.pending),
-    and a request that is refused or fails puts the session back so."""
-
-    def __init__(self, state: Optional[SessionState], session: Session):
-        self.state, self.session = state, session
-        self.lock = state.lock if state is not None else nullcontext()
-
-    def __enter__(self) -> "_Turn":
-        if self.state is not None and self.state.busy:
-            raise GatewayError(409, "this session has a request in flight: a session is one conversation, one "
-                                    "request at a time; open one session per parallel branch", "conflict_error",
-                               {"x-should-retry": "false"})  # the OpenAI SDK retries a 409 unless told not to
-        with self.lock:
-            self.saved = self.session.snapshot()
-            if self.state is not None:
-                self.state.pending, self.state.busy = self.saved, True
-        return self
-
-    def record(self, latency: float, *args, **kwargs) -> None:
-        """Session.record and the request's latency, unless the session closed meanwhile (its record was handed
-        out without this request)."""
-        with self.lock:
-            if self.state is None or not self.state.closed:
-                self.session.record(*args, **kwargs)
-                if self.state is not None:
-                    self.state.latencies.append(latency)
-            self._done()
-
-    def __exit__(self, kind, value, tb) -> None:
-        with self.lock:
-            if kind is not None:  # refused or failed: the session as it was
-                self.session.restore(self.saved)
-            self._done()
-        if self.state is not None:
-            self.state.busy = False
-
-    def _done(self) -> None:
-        if self.state is not None:
-            self.state.pending = None
-
-
 def make_app(gateway: Gateway):
     """The FastAPI app: the routes above, every error as OpenAI's error object with one line."""
     app = FastAPI(title="megappo rollout gateway", docs_url=None, redoc_url=None)
@@ -606,7 +496,7 @@ def make_app(gateway: Gateway):
     async def chat(request: Request, authorization: Optional[str] = Header(None)):
         body = await body_of(request)
         out = await gateway.chat(body, authorization)
-        return _streamed(out, body) if body.get("stream") else out
+        return streamed(out, body) if body.get("stream") else out
 
     @app.post("/v1/responses")
     async def responses(request: Request, authorization: Optional[str] = Header(None)):
@@ -616,7 +506,7 @@ def make_app(gateway: Gateway):
     async def completions(request: Request, authorization: Optional[str] = Header(None)):
         body = await body_of(request)
         out = await gateway.completion(body, authorization)
-        return _streamed(out, body) if body.get("stream") else out
+        return streamed(out, body) if body.get("stream") else out
 
     @app.get("/v1/models")
     async def models(authorization: Optional[str] = Header(None)):
