@@ -33,7 +33,7 @@ from typing import Optional
 
 DEFAULTS = {"max_new_tokens": 256, "max_prompt_length": 512, "prompt_key": "prompt", "apply_chat_template": True,
             "stop_token_ids": [], "non_stop_penalty": True, "non_stop_penalty_value": -10.0, "batch_size": 64,
-            "rules": {}}
+            "reward": None}
 
 
 class EvalError(ValueError):
@@ -75,7 +75,7 @@ def _settings(args) -> dict:
                  prompt_key=cfg.data.prompt_key, apply_chat_template=cfg.data.apply_chat_template,
                  stop_token_ids=list(cfg.rollout.stop_token_ids), non_stop_penalty=cfg.reward.non_stop_penalty,
                  non_stop_penalty_value=cfg.reward.non_stop_penalty_value, data=list(cfg.data.val_files),
-                 batch_size=cfg.data.val_batch_size, rules=cfg.reward.rules)
+                 batch_size=cfg.data.val_batch_size, reward=cfg.reward)
         s["explicit"] = {"max_new_tokens", "max_prompt_length"}
         if cfg.rollout.multi_turn.enable and not args.no_tools:  # the model decides whether to call a tool
             from omegaconf import OmegaConf
@@ -187,7 +187,7 @@ def evaluate(model, data: list[str], settings: dict, n_samples: int = 1, tempera
     from megappo.ppo.metrics import eval_metrics
     from megappo.protocol import DataProto
     from megappo.rewards.manager import DEFAULT_SCORERS, RewardManager
-    from megappo.rewards.rules import load_rules
+    from megappo.rewards.rules import load_rewards
     from megappo.workers.rollout.sampling import SamplingSpec
     from megappo.workers.rollout.vllm_rollout import VLLMRollout
 
@@ -198,8 +198,8 @@ def evaluate(model, data: list[str], settings: dict, n_samples: int = 1, tempera
         tok = _tokenizer(model_dir)
         prompt_len, new_tokens = fit_lengths(settings, positions_of(model_dir), model)
         datasets, mt = [], settings.get("multi_turn")
-        try:  # the config's reward.rules; each row's environment (its tools, its trajectory's reward) by data_source
-            rules = load_rules(settings.get("rules"))
+        try:  # the config's rewards (reward.rules, reward.code, reward.combine); each row's environment by data_source
+            rules = load_rewards(settings["reward"]) if settings.get("reward") is not None else {}
             envs = Environments(mt, {**DEFAULT_SCORERS, **rules}) if mt else None
         except ValueError as e:
             raise EvalError(str(e)) from None

@@ -179,3 +179,23 @@ def test_megappo_data_reads_a_code_set_of_questions_and_tests(tmp_path):
         f"megappo data: {src} row 4: the code ground truth (['inputs', 'output']) is not the test JSON; give "
         '{"inputs": [...], "outputs": [...]} (+ "fn_name" for call-based tests) (in --answer-key\'s field)')
     assert not (tmp_path / "bad").exists()
+
+
+def test_the_trainer_scores_with_the_configs_rewards(tiny_assets, data_dir, tmp_path):
+    """The trainer's reward functions are built from the whole reward section (megappo eval calls the same
+    load_rewards): reward.code's settings reach the code source and reward.combine replaces its source's rule (both
+    called load_rules(reward.rules) alone: the code source kept its defaults, a combination was silently not trained)."""
+    from megappo.ppo.ray_trainer import RayPPOTrainer
+    from megappo.rewards.combine import Combined
+    from trainer_utils import config
+
+    cfg = config(tiny_assets, data_dir, tmp_path / "run", "reward.code.timeout_s=2", "reward.code.concurrency=3",
+                 "reward.combine.arithmetic=[{term: 'rule:arithmetic', weight: 0.5}, {term: code, weight: 0.5}]")
+    trainer = RayPPOTrainer(cfg, show_progress=False)
+    try:
+        for fn in (trainer.reward_fn, trainer.val_reward_fn):
+            code = fn.scorers["code"].fn
+            assert (code.timeout_s, code.concurrency) == (2, 3)
+            assert isinstance(fn.scorers["arithmetic"].fn, Combined)
+    finally:
+        trainer.preemption.uninstall()

@@ -26,7 +26,7 @@ One step (`fit`), the whole RL loop in one screen:
 
 Off-policy correction: `rollout_log_probs` (the sampler's own log-probs) always travel to
 `update_actor`, which weights each token's clipped loss by min(pi_old / pi_rollout, 2)
-(core_algos.compute_importance_weights, truncated IS). Sync mode: pi_rollout is vLLM on the same
+(losses.compute_importance_weights, truncated IS). Sync mode: pi_rollout is vLLM on the same
 weights, so the weights only absorb the vLLM/Megatron numeric gap (~1 on CPU fp32). Async mode: the
 batch was sampled one optimizer step ago, so they also correct that lag; rollout/tis_* and
 rollout/logprob_diff_* show how large it is.
@@ -74,7 +74,7 @@ from megappo.ppo.teacher_endpoint import TeacherEndpoint, place, rows_of
 from megappo.ppo.workers import WorkersMixin
 from megappo.protocol import DataProto
 from megappo.rewards.manager import RewardManager
-from megappo.rewards.rules import load_rules
+from megappo.rewards.rules import load_rewards
 from megappo.utils.checkpoint import PendingCheckpoint
 from megappo.workers.rollout.sampling import SamplingSpec
 
@@ -123,7 +123,8 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
         self.clean_finish = False  # fit returned (the workers are fit for another run: WarmWorkers)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(cfg.model.tokenizer or cfg.model.path))
         r = cfg.reward
-        stops, rules = list(cfg.rollout.stop_token_ids), load_rules(r.rules)  # reward.rules: the config's own
+        # the config's own: reward.rules, the code source's reward.code, reward.combine's weighted sources
+        stops, rules = list(cfg.rollout.stop_token_ids), load_rewards(r)
         self.reward_fn = reward_fn or RewardManager(self.tokenizer, r.num_examine, r.non_stop_penalty,
                                                     r.non_stop_penalty_value, scorers=rules, stop_token_ids=stops,
                                                     overlong_buffer_len=r.overlong_buffer_len,
