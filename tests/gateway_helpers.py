@@ -61,14 +61,21 @@ def serve_process(model, *args: str, key: str = "k-test-123", timeout: float = 1
                     time.sleep(0.5)
             yield proc, f"http://127.0.0.1:{port}"
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)
             log.seek(0)
             proc.log = log.read()
+
+
+def stop_process(proc) -> None:
+    """SIGTERM, and SIGKILL if it is still there 30 s later; returns once it is gone."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def served_gateway(tiny_assets):

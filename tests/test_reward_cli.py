@@ -7,18 +7,15 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from cli_helpers import run_cli
 from megappo.config import ConfigError, load_config
-from megappo.protocol import DataProto
 from megappo.rewards.code import parse_tests
 from megappo.rewards.manager import RewardManager
 from megappo.rewards.rules import load_rewards
-from test_reward_rules import BASE
+from test_reward_rules import BASE, batch
 
 SHORT = ("def score(response, ground_truth, extra_info):\n"
          "    return {'score': float(len(response) < 60), 'chars': len(response)}\n")
@@ -42,17 +39,6 @@ def short_rule(tmp_path) -> str:
     return f"reward.rules={{short: {tmp_path / 'short.py'}:score}}"
 
 
-def batch(tokenizer, texts, sources, truths, rm_scores, resp_len=96) -> DataProto:
-    rows, masks = [], []
-    for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append(ids + [tokenizer.pad_token_id] * (resp_len - len(ids)))
-        masks.append([1] * len(ids) + [0] * (resp_len - len(ids)))
-    return DataProto.from_dict(
-        {"responses": torch.tensor(rows), "response_mask": torch.tensor(masks), "rm_scores": torch.tensor(rm_scores)},
-        {"data_source": np.array(sources, dtype=object), "reward_model": [{"ground_truth": t} for t in truths]})
-
-
 def test_the_logged_terms_weighted_sum_to_the_trained_score(tokenizer, tiny_assets, short_rule):
     rm = ["reward.model.enable=true", f"reward.model.path={tiny_assets['tiny-llama']}", "reward.model.parallel.dp=2"]
     combine = f"reward.combine={{{MIX[1:-1] % ', {term: rm, weight: 0.5}'}, alone: [{{term: code, weight: 2}}]}}"
@@ -61,7 +47,7 @@ def test_the_logged_terms_weighted_sum_to_the_trained_score(tokenizer, tiny_asse
     texts = [RIGHT, PARTLY, "no idea", PARTLY, "#### 7"]
     sources = ["mix", "mix", "mix", "alone", "arithmetic"]
     rm_scores = [0.5, -1.0, 2.0, 3.0, 0.25]
-    scores, metrics = manager(batch(tokenizer, texts, sources, [ADD] * 4 + ["7"], rm_scores))
+    scores, metrics = manager(batch(tokenizer, texts, sources, [ADD] * 4 + ["7"], resp_len=96, rm_scores=rm_scores))
     trained = scores.sum(-1).tolist()
     code, short = [1.0, 2 / 3, 0.0, 2 / 3], [float(len(t) < 60) for t in texts]
     for i in range(3):  # a combination with an rm term: the reward model counts with its weight

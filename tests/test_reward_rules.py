@@ -77,15 +77,16 @@ def rules_pkg(tmp_path, monkeypatch):
     return tmp_path
 
 
-def batch(tokenizer, texts, sources, truths, extra_infos=None, resp_len=24) -> DataProto:
-    """Right-padded responses, each ended by eos (stopped)."""
+def batch(tokenizer, texts, sources, truths, extra_infos=None, resp_len=24, rm_scores=None) -> DataProto:
+    """Right-padded responses, each ended by eos (stopped); `rm_scores`: a reward model's score per row."""
     rows, masks = [], []
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append(ids + [tokenizer.pad_token_id] * (resp_len - len(ids)))
         masks.append([1] * len(ids) + [0] * (resp_len - len(ids)))
+    rm = {} if rm_scores is None else {"rm_scores": torch.tensor(rm_scores)}
     return DataProto.from_dict(
-        {"responses": torch.tensor(rows), "response_mask": torch.tensor(masks)},
+        {"responses": torch.tensor(rows), "response_mask": torch.tensor(masks), **rm},
         {"data_source": np.array(sources, dtype=object), "reward_model": [{"ground_truth": t} for t in truths],
          "extra_info": extra_infos or [{} for _ in texts]})
 

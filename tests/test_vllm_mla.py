@@ -33,12 +33,10 @@ def _job(rank, world, port, src, tmp_path):
     import gc
     from pathlib import Path
 
-    from transformers import AutoModelForCausalLM
+    from vllm_helpers import greedy_gap_to_hf
 
     from megappo.config.schema import RolloutConfig
-    from megappo.protocol import DataProto
-    from megappo.workers.rollout.sampling import SamplingSpec
-    from megappo.workers.rollout.vllm_rollout import VLLMRollout, left_pad
+    from megappo.workers.rollout.vllm_rollout import VLLMRollout
 
     dirs = {"yarn": Path(src), "default": _default_rope_dir(Path(src), Path(tmp_path) / "default-rope")}
     out = {}
@@ -46,24 +44,12 @@ def _job(rank, world, port, src, tmp_path):
         rollout = VLLMRollout(path, RolloutConfig(tp=1, n=1, kv_cache_memory_mb=16, weight_load="direct",
                                                   cpu_linear="packed"), seed=0, dtype="float32", max_model_len=128)
         hf_config = rollout.llm.llm_engine.model_config.hf_config
-        tok = rollout.tokenizer
-        texts = ["What is 3 + 4? The answer is", "the water is one of the first"]
-        prompts = DataProto.from_dict(left_pad([tok(t, add_special_tokens=False)["input_ids"] for t in texts],
-                                               tok.pad_token_id), {"uid": ["0", "1"]})
-        gen = rollout.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch,
-                                                   {"sampling": SamplingSpec(max_new_tokens=8).greedy()}))
-        R = gen.batch["responses"].shape[1]
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        with torch.no_grad():
-            logits = hf(input_ids=gen.batch["input_ids"], attention_mask=gen.batch["attention_mask"],
-                        position_ids=gen.batch["position_ids"]).logits[:, -R - 1:-1]
-        lp = torch.log_softmax(logits, -1).gather(-1, gen.batch["responses"].unsqueeze(-1)).squeeze(-1)
-        mask = gen.batch["response_mask"].bool()
-        out[form] = dict(hf_diff=(lp - gen.batch["rollout_log_probs"]).abs()[mask].max().item(),
+        gap = greedy_gap_to_hf(rollout, path, ["What is 3 + 4? The answer is", "the water is one of the first"])
+        out[form] = dict(hf_diff=gap,
                          rope=hf_config.rope_parameters["rope_type"], note=rollout.config_note,
                          read={k: getattr(hf_config, k, None)
                                for k in ("topk_method", "scoring_func", "moe_layer_freq")})
-        del rollout, hf
+        del rollout
         gc.collect()
     return out
 

@@ -23,13 +23,11 @@ def _job(rank, world, port, src, tmp_path):
     src, tmp_path = Path(src), Path(tmp_path)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
+    from vllm_helpers import greedy_gap_to_hf
 
     from megappo.config.schema import RolloutConfig
-    from megappo.protocol import DataProto
     from megappo.workers.rollout.fingerprint import compare, fingerprints
-    from megappo.workers.rollout.sampling import SamplingSpec
-    from megappo.workers.rollout.vllm_rollout import VLLMRollout, left_pad
+    from megappo.workers.rollout.vllm_rollout import VLLMRollout
 
     state = {}
     for f in src.glob("*.safetensors"):
@@ -47,20 +45,7 @@ def _job(rank, world, port, src, tmp_path):
     moved = tmp_path / "moved"  # the same weights as a HF dir: transformers' reference
     shutil.copytree(src, moved)
     save_file({k: v.contiguous() for k, v in new.items()}, str(moved / "model.safetensors"))
-    tok = rollout.tokenizer
-    texts = ["What is 3 + 4? The answer is", "the water is one of"]
-    prompts = DataProto.from_dict(left_pad([tok(t, add_special_tokens=False)["input_ids"] for t in texts],
-                                           tok.pad_token_id), {"uid": ["0", "1"]})
-    gen = rollout.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch,
-                                               {"sampling": SamplingSpec(max_new_tokens=8).greedy()}))
-    R = gen.batch["responses"].shape[1]
-    hf = AutoModelForCausalLM.from_pretrained(moved, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = hf(input_ids=gen.batch["input_ids"], attention_mask=gen.batch["attention_mask"],
-                    position_ids=gen.batch["position_ids"]).logits[:, -R - 1:-1]
-    lp = torch.log_softmax(logits, -1).gather(-1, gen.batch["responses"].unsqueeze(-1)).squeeze(-1)
-    mask = gen.batch["response_mask"].bool()
-    out["hf_diff"] = (lp - gen.batch["rollout_log_probs"]).abs()[mask].max().item()
+    out["hf_diff"] = greedy_gap_to_hf(rollout, moved, ["What is 3 + 4? The answer is", "the water is one of"])
 
     from megappo.workers.rollout.vllm_rollout import _moe_methods, moe_direct_load_problem
 

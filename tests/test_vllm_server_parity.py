@@ -17,6 +17,7 @@ import tempfile
 
 import pytest
 
+from gateway_helpers import stop_process
 from waiting import wait_for
 
 MAX_TOKENS, MAX_LEN, KEY = 24, 512, "k-parity"
@@ -109,12 +110,7 @@ def servers(tiny_assets, tmp_path_factory):
             server.stop()
             engine.close()
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)
 
 
 def both(servers, path: str, body: dict) -> tuple[dict, dict]:
