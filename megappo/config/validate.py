@@ -208,6 +208,11 @@ def _check_rollout(cfg, dims: ModelDims) -> None:
         raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1]")
     if r.max_new_tokens < 1:
         raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
+    if r.batch_invariant and cfg.trainer.mode == "sync":  # vLLM's init_batch_invariance is process-wide
+        raise ConfigError("rollout.batch_invariant=true in trainer.mode=sync would change the trainer too (vLLM runs "
+                          "in its processes: it replaces CUDA matmul/bmm/softmax kernels, turns TF32 off and pins "
+                          "NCCL settings); use trainer.mode=async or fully_async (a rollout pool of its own) or "
+                          "drop it")
     check_weight_load(r, dims.num_experts, on_cpu=cfg.resources.device != "cuda")  # cpu, or auto here
     _check_moe(cfg, dims)
     if cfg.data.max_prompt_length + r.max_new_tokens > max_positions(cfg):

@@ -100,7 +100,7 @@ def build_transformer_config(hf_config, layout: ParallelLayout, *, device: str =
     if batch_p2p_comm is None:
         # gloo + interleaved schedule with batch_p2p_comm=True gives silently wrong results (docs/ENVIRONMENT.md)
         batch_p2p_comm = on_gpu
-    kw = transformer_config_kwargs(hf_config)
+    kw = transformer_config_kwargs(hf_config, grouped_gemm=use_te)  # TE's spec: the experts as one grouped GEMM
     if kw.get("num_moe_experts"):
         kw.update(moe or {})
     kw.update(

@@ -367,9 +367,12 @@ def _sigmoid_router_kwargs(dims: ModelDims) -> dict:
     return out
 
 
-def transformer_config_kwargs(hf_config) -> dict:
+def transformer_config_kwargs(hf_config, grouped_gemm: bool = False) -> dict:
     """The megatron TransformerConfig fields that describe a HF llama/qwen2/mistral/qwen3 model (dropout
-    off: every PPO model runs without dropout). Device/precision/fusion fields are set by the caller."""
+    off: every PPO model runs without dropout). Device/precision/fusion fields are set by the caller.
+    `grouped_gemm`: the routed experts as one grouped GEMM (TE's TEGroupedMLP, named as
+    weight_mapping.expert_param_name's grouped form), which the caller asks for when it builds TE's layer spec;
+    megatron-core 0.19.2's local spec has only SequentialMLP (a loop over the experts) whatever this says."""
     import torch.nn.functional as F
 
     dims = ModelDims.from_hf_config(hf_config)
@@ -400,7 +403,7 @@ def transformer_config_kwargs(hf_config) -> dict:
             **(dict(moe_shared_expert_intermediate_size=dims.shared_expert_ffn,
                     moe_shared_expert_gate=dims.shared_expert_gate) if dims.shared_expert_ffn else {}),
             moe_aux_loss_coeff=0.0,
-            moe_grouped_gemm=False,  # SequentialMLP: megatron's local spec on CPU
+            moe_grouped_gemm=grouped_gemm,
             # alltoall: ranks of an expert-parallel group may hold different token counts (the engine cuts
             # each micro-batch to its longest row; allgather needs equal counts). On CPU with
             # parallel/cpu_compat.py's patch_moe_alltoall.

