@@ -77,8 +77,8 @@ class ExpertLoad:
                 return
             routing_map = output[1].detach()
             rows = self._real_rows(routing_map.shape[0])
-            if rows is not None:
-                routing_map = routing_map[rows.to(routing_map.device)]
+            if rows is not None:  # masked, not indexed: a boolean index waits for the device (its size) every layer
+                routing_map = routing_map & rows.to(routing_map.device)[:, None]
             if self.counts is None:
                 self.counts = torch.zeros(self._shape, dtype=torch.int64, device=routing_map.device)
             self.counts[layer] += routing_map.sum(0)
@@ -91,13 +91,13 @@ class ExpertLoad:
         h = args[0].detach()
         h = h.reshape(-1, h.shape[-1])
         rows = self._real_rows(h.shape[0])
-        if rows is not None:
-            h = h[rows.to(h.device)]
+        rows = None if rows is None else rows.to(h.device)
         if self.shared is None:
             self.shared = torch.zeros(2, dtype=torch.float64, device=h.device)
-        self.shared[0] += h.shape[0]
+        self.shared[0] += h.shape[0] if rows is None else rows.sum()
         if module.use_shared_expert_gate:  # the gate megatron's forward scales the shared output by
-            self.shared[1] += torch.sigmoid(torch.nn.functional.linear(h.float(), module.gate_weight.float())).sum()
+            gate = torch.sigmoid(torch.nn.functional.linear(h.float(), module.gate_weight.float())).squeeze(-1)
+            self.shared[1] += (gate if rows is None else torch.where(rows, gate, 0.0)).sum()
 
     def reset(self) -> None:
         if self.counts is not None:

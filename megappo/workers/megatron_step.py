@@ -215,8 +215,13 @@ def packed_rope(model, positions: Optional[torch.Tensor]):
         return
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
+    # the table of the packed width's positions: a row's positions run 0..n-1 over its n columns (left-padded
+    # prompts' cumsum), so it holds every one; a host-side length, where positions.max() waited for the device in
+    # each layer's RoPE (multi-latent attention: one per layer). Row p depends on p alone: the same values.
+    width = positions.numel()
+
     def by_position(module, args, output):
-        full = type(module).forward(module, int(positions.max()) + 1)  # [max position + 1, 1, 1, d] (no hooks)
+        full = type(module).forward(module, width)  # [width, 1, 1, d] (no hooks)
         if isinstance(full, tuple):  # YaRN: (frequencies, mscale)
             return (full[0].index_select(0, positions.to(full[0].device)),) + tuple(full[1:])
         return full.index_select(0, positions.to(full.device))
