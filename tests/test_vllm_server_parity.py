@@ -147,7 +147,8 @@ def test_completions_text_ids_logprobs_and_echo(servers):
     """Completions: a string prompt (greedy, logprobs 3: tokens, text offsets, top-3 keys), token-id prompts echoed
     with their log-probs at max_tokens 0 and 1 (lm-evaluation-harness's request; byte pieces written as vLLM's
     engine completes them, the text offsets summing the tokens' lengths; with return_token_ids vLLM's server
-    echoes no text), a stop string (cut from the text, its tokens in token_ids), min_tokens (EOS, biased
+    echoes no text), a stop string (cut from the text, its tokens in token_ids; stop_reason the string, a stop
+    token's id, null at EOS), min_tokens (EOS, biased
     to come first, masked for that many tokens) and a batch."""
     base = {"model": "tiny", "temperature": 0}
     ids = [5, 17, 105, 634, 98, 176, 41, 2, 8, 60]  # 105, 98, 176: byte pieces of no whole UTF-8 character
@@ -158,6 +159,7 @@ def test_completions_text_ids_logprobs_and_echo(servers):
              {"prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 2, "return_token_ids": True},
              {"prompt": "What is 2 + 3?", "max_tokens": 12, "stop": ["inus", " each"], "return_token_ids": True},
              {**eos_first, "return_token_ids": True}, {**eos_first, "min_tokens": 5, "return_token_ids": True},
+             {"prompt": "What is 2 + 3?", "max_tokens": 12, "stop_token_ids": [98, 176], "return_token_ids": True},
              {"prompt": [[5, 17, 33], [7, 7, 12, 90, 3]], "max_tokens": 4, "return_token_ids": True}]
     answers = []
     for case in cases:
@@ -165,7 +167,8 @@ def test_completions_text_ids_logprobs_and_echo(servers):
         answers.append(b)
         assert len(a["choices"]) == len(b["choices"])
         for ca, cb in zip(a["choices"], b["choices"]):
-            assert (ca["text"], ca["finish_reason"]) == (cb["text"], cb["finish_reason"]), (case, ca, cb)
+            assert (ca["text"], ca["finish_reason"], ca["stop_reason"]) == \
+                (cb["text"], cb["finish_reason"], cb["stop_reason"]), (case, ca, cb)
             if ca["token_ids"] is not None:
                 assert ca["token_ids"] == cb["token_ids"], (case, ca, cb)
             if "logprobs" in case:
@@ -173,6 +176,7 @@ def test_completions_text_ids_logprobs_and_echo(servers):
         if case["max_tokens"]:  # vLLM's server counts a completion token at max_tokens 0 (sampled, dropped)
             assert a["usage"] == {**a["usage"], **b["usage"]}, (a["usage"], b["usage"])
     (eos,), (held,) = ([c["token_ids"] for c in r["choices"]] for r in answers[5:7])
+    assert answers[4]["choices"][0]["stop_reason"] in ("inus", " each")  # a stop string ended it
     assert eos == [2] and len(held) == 6 and held[-1] == 2  # min_tokens applied (it was ignored)
 
 

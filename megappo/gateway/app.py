@@ -189,7 +189,8 @@ class Gateway:
             turn.record(latency, out.ids, None if constraint else out.logprobs, out.versions, reply,
                         model=constraint is None, finish_reason=out.finish_reason, invalid_calls=unread)
         finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
-        choice = {"index": 0, "message": reply, "finish_reason": finish, "token_ids": out.ids,
+        choice = {"index": 0, "message": reply, "finish_reason": finish, "stop_reason": out.stop_reason,
+                  "token_ids": out.ids,
                   "logprobs": self._chat_logprobs(out, top) if body.get("logprobs") else None}
         return choice, out
 
@@ -276,7 +277,8 @@ class Gateway:
         # vLLM's server echoes no prompt text when the ids are asked for (return_token_ids)
         echoed = echo and not body.get("return_token_ids")
         choice = {"index": 0, "text": (self.tokenizer.decode(ids) if echoed else "") + text,
-                  "finish_reason": "length" if only_prompt else out.finish_reason, "token_ids": sampled,
+                  "finish_reason": "length" if only_prompt else out.finish_reason,
+                  "stop_reason": None if only_prompt else out.stop_reason, "token_ids": sampled,
                   "prompt_token_ids": ids,
                   "logprobs": None if k is None else self._completion_logprobs(ids if echo else [], out, sampled)}
         return choice, out

@@ -52,6 +52,7 @@ class Completion:
     finish_reason: str  # "stop" | "length" | "abort"
     version: int  # the policy version that sampled it
     stop_string: str = ""  # the stop string that ended it (its tokens are in ids)
+    stop_reason: "int | str | None" = None  # vLLM's: the stop token id or stop string that ended it (EOS: None)
     token_versions: list = field(default_factory=list)  # per id: the version of the step that sampled it
     top: list = field(default_factory=list)  # per id: {token id: log-prob} of the top-k asked for (logprobs=k)
     prompt_top: list = field(default_factory=list)  # per prompt id: the same (prompt_logprobs=k; None first)
@@ -348,7 +349,7 @@ def _completion(out, prompt: list, version: int) -> Completion:
     ids = list(c.token_ids)
     stop = c.stop_reason if isinstance(c.stop_reason, str) else ""
     return Completion(prompt, ids, sampled_logprobs(c), c.finish_reason or "abort", version, stop,
-                      top=[_top(d) for d in c.logprobs or []],
+                      stop_reason=c.stop_reason, top=[_top(d) for d in c.logprobs or []],
                       prompt_top=[_top(d) for d in getattr(out, "prompt_logprobs", None) or []])
 
 
