@@ -18,7 +18,7 @@ max_tokens as the rest of the context; the penalties, `logit_bias`, `top_k`, `mi
 a training session and are refused in one (its sampling is the rollout's); any model name is served; a -inf
 log-prob (a token top_k / top_p cut) is written as vLLM's -9999.0; the tokens, text and text offsets as vLLM's
 server writes them (tests/test_vllm_server_parity.py runs both). Every answer carries
-vLLM's extra fields `prompt_token_ids` and `choices[i].token_ids`. megappo's endpoints for RL (the admin key): `POST /megappo/v1/sessions` (open
+vLLM's extra fields `prompt_token_ids`, `choices[i].token_ids` and `choices[i].stop_reason`. megappo's endpoints for RL (the admin key): `POST /megappo/v1/sessions` (open
 one for a row: its id and key), `POST /megappo/v1/sessions/{id}/reward` (the session's own key, or
 admin), `GET /megappo/v1/sessions/{id}`, `POST /megappo/v1/sessions/{id}/close`, `GET /megappo/v1/stats`.
 
