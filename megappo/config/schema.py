@@ -298,7 +298,9 @@ class RolloutConfig:
     enforce_eager: bool = True
     # GPU: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1; slower). Without them a GPU's logits depend on
     # what else is in the batch, so a resumed run, or one with another replica count, samples other tokens from the
-    # same seeds; on CPU they do not (megappo's exact-resume and replica-count claims are measured there)
+    # same seeds; on CPU they do not (megappo's exact-resume and replica-count claims are measured there). The
+    # async modes only: vLLM's switch is process-wide (it overrides CUDA ops, turns TF32 off and pins NCCL for the
+    # trainer too), so the hybrid engine (trainer.mode=sync) refuses it (docs/gpu.md)
     batch_invariant: bool = False
     free_cache_engine: bool = True  # GPU: put vLLM to sleep outside rollout (KV cache freed)
     # what sleep does with vLLM's weights: 2 = discard them (the hybrid engine re-syncs every weight
