@@ -4,12 +4,13 @@ try a reward before a run.
 
 Each input row (.jsonl, .json or .parquet, as `megappo data` reads them) is
     {"data_source": ..., "prompt": ..., "response": "...", "ground_truth": ..., "extra_info": {...}}
-(prompt and extra_info optional; prompt is not read by any of today's rules). Each output line, in the
+(prompt and extra_info optional; the judge reads prompt: text, or chat messages whose last user turn it
+reads). Each output line, in the
 input's order, is
     {"data_source": ..., "score": 0.75, "terms": {"code": 1.0, "rule:arithmetic": 0.0}, "metrics": {...}}
 score is the rule's (a reward.combine source's weighted sum), as training has it before its non-stop and
 length penalties, which need the generated tokens; terms is each term's value (a source without
-reward.combine has one, rule:<source>); metrics the rule's own (the code reward's outcome). A row whose rule
+reward.combine has one, rule:<source>); metrics the rule's own (the code reward's outcome, the judge's judge_errors). A row whose rule
 failed has "failed": "error" | "timeout" and scores 0, as in training. A bad row is one line naming the fix.
 """
 
@@ -64,6 +65,10 @@ def _check(rows: list[dict], scorers: dict, path: Path) -> None:
         if isinstance(rule.fn, Combined) and rule.fn.uses_rm:
             raise DataError(f"{where}: reward.combine.{source} has an rm term, and megappo reward does not run the "
                             "reward model; try the other terms (drop rm with an override), or score it in training")
+        judge = next((fn for fn in fns if getattr(fn, "needs_prompt", False)), None)
+        if judge is not None and row.get("prompt") is None and "{prompt}" in judge.cfg.prompt:
+            raise DataError(f"{where} has no prompt, which reward.judge.prompt's {{prompt}} reads; give each row its "
+                            "prompt (text, or chat messages)")
         if any(isinstance(fn, CodeReward) for fn in fns):
             try:
                 parse_tests(row["ground_truth"])
@@ -74,7 +79,7 @@ def _check(rows: list[dict], scorers: dict, path: Path) -> None:
 def score(rows: list[dict], scorers: dict) -> list[dict]:
     """Each row's output line (see the module docstring)."""
     from megappo.rewards.combine import Combined
-    from megappo.rewards.rules import score_group
+    from megappo.rewards.rules import PROMPT, needs_prompt, prompt_text, score_group
 
     by_source: dict[str, list[int]] = defaultdict(list)
     for i, row in enumerate(rows):
@@ -82,8 +87,11 @@ def score(rows: list[dict], scorers: dict) -> list[dict]:
     out: list = [None] * len(rows)
     for source, idx in by_source.items():
         rule = scorers[source]
+        infos = [rows[i].get("extra_info") or {} for i in idx]
+        if needs_prompt(rule):  # the judge reads the prompt (rewards/rules.PROMPT)
+            infos = [{**info, PROMPT: prompt_text(rows[i].get("prompt"))} for info, i in zip(infos, idx)]
         results = score_group(rule, source, [rows[i]["response"] for i in idx], [rows[i]["ground_truth"] for i in idx],
-                              [rows[i].get("extra_info") or {} for i in idx])
+                              infos)
         names = [t.name for t in rule.fn.terms] if isinstance(rule.fn, Combined) else None
         for i, r in zip(idx, results):
             terms = {n: r.extras.get(f"term/{n}", 0.0) for n in names} if names else {f"rule:{source}": r.score}

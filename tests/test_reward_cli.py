@@ -69,8 +69,8 @@ def test_the_logged_terms_weighted_sum_to_the_trained_score(tokenizer, tiny_asse
      "reward.combine.a[0].term='magic' names nothing; a term is code, rm, judge or rule:<name>"),
     (["reward.combine={a: [{term: 'rule:nope', weight: 1}]}"], "reward.combine.a[0].term='rule:nope': no rule 'nope' "
                                                                "(rules: arithmetic, code, gsm8k"),
-    (["reward.combine={a: [{term: judge, weight: 1}]}"], "reward.combine.a[0].term=judge: the generative judge "
-                                                         "(reward.judge) is not yet built"),
+    (["reward.combine={a: [{term: judge, weight: 1}]}"], "reward.combine.a[0].term=judge needs the judge's server: "
+                                                         "set reward.judge.endpoint"),
     (["reward.combine={a: [{term: rm, weight: 1}]}"], "term=rm is the reward model's score, but "
                                                       "reward.model.enable=false"),
     (["reward.combine={a: [{term: code, weight: lots}]}"], "reward.combine.a[0].weight='lots' must be a finite number"),
@@ -132,7 +132,7 @@ def test_megappo_reward_scores_rows_with_the_configs_reward(tmp_path, short_rule
                                                                   "reward.model.parallel.dp=2"],
      "rows.jsonl row 2: reward.combine.r has an rm term, and megappo reward does not run the reward model"),
     ({"data_source": "code", "response": RIGHT, "ground_truth": ADD}, ["reward.combine={a: [{term: judge, weight: 1}]}"],
-     "--config: reward.combine.a[0].term=judge: the generative judge (reward.judge) is not yet built"),
+     "--config: reward.combine.a[0].term=judge needs the judge's server: set reward.judge.endpoint"),
 ])
 def test_megappo_reward_bad_rows_are_one_line(tmp_path, row, overrides, expected):
     good = {"data_source": "arithmetic", "response": "#### 7", "ground_truth": "7"}

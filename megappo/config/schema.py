@@ -411,6 +411,38 @@ class CodeRewardConfig:
 
 
 @dataclass
+class JudgeRewardConfig:
+    """The generative judge (rewards/judge.py): a model behind an OpenAI-compatible server judges each response;
+    the score is P(positive) / (P(positive) + P(negative)), each verdict's log-probability scored exactly (prompt
+    + verdict ids over /v1/completions with echo), or a grade `parse` reads from its text. Used by the sources
+    listed in `sources` and by a reward.combine term `judge`."""
+
+    # an OpenAI-compatible completions server (megappo serve, vllm serve), e.g. http://10.0.0.5:8000/v1
+    endpoint: Optional[str] = None
+    endpoint_model: Optional[str] = None  # the model name sent; None = the first one /v1/models lists
+    api_key_env: str = "MEGAPPO_JUDGE_API_KEY"  # the environment variable holding its key (never logged)
+    model: Optional[str] = None  # a judge megappo serves on its own engines: not yet built (use endpoint)
+    # the judge model's HF dir: its tokenizer (and chat template) renders the token ids the server scores
+    tokenizer: Optional[str] = None
+    # the judge's prompt: a template of {prompt}, {response} (required) and {ground_truth}
+    prompt: str = ""
+    chat: bool = True  # true: the prompt as one user turn of the judge's chat template; false: raw text
+    positive: str = " Yes"  # the verdict text scored as "right" (not yes/no keys: YAML reads those as booleans)
+    negative: str = " No"
+    # instead of the verdicts: a regex whose first group (else its match) is the grade in the judge's greedy
+    # text of up to max_tokens tokens
+    parse: Optional[str] = None
+    max_tokens: int = 64
+    # the score of a row whose judgment failed (required; counted in reward/judge_errors)
+    fallback: Optional[float] = None
+    sources: list[str] = field(default_factory=list)  # data sources the judge alone scores
+    concurrency: int = 16  # requests in flight over the batch
+    timeout_s: float = 60.0  # per attempt
+    retries: int = 3  # per request, after the first attempt: connection errors, timeouts, 408/429/5xx
+    backoff_s: float = 1.0  # the first retry's wait, doubled each time (capped at 30 s)
+
+
+@dataclass
 class RewardConfig:
     non_stop_penalty: bool = True
     non_stop_penalty_value: float = -10.0  # open-instruct's default
@@ -426,9 +458,10 @@ class RewardConfig:
     rules: dict[str, Any] = field(default_factory=dict)
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
     code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
+    judge: JudgeRewardConfig = field(default_factory=JudgeRewardConfig)
     # by data_source, the row's score as a weighted sum of terms, e.g. {my_task: [{term: code, weight: 0.75},
-    # {term: 'rule:arithmetic', weight: 0.25}]}. A term: code, rm (the reward model), rule:<name> (a built-in
-    # rule or one of reward.rules); replaces the source's own rule; each term logged as
+    # {term: 'rule:arithmetic', weight: 0.25}]}. A term: code, rm (the reward model), judge (reward.judge),
+    # rule:<name> (a built-in rule or one of reward.rules); replaces the source's own rule; each term logged as
     # reward/<source>/term/<term> (rewards/combine.py)
     combine: dict[str, Any] = field(default_factory=dict)
 

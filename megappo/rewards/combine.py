@@ -7,7 +7,7 @@
   code          the code reward (rewards/code.py, with reward.code's settings)
   rm            the reward model's score (reward.model; added by RewardManager, which has the batch's scores)
   rule:<name>   a built-in rule (gsm8k, math, arithmetic, code, ...) or one from reward.rules
-  judge         the generative judge (reward.judge): not built yet
+  judge         the generative judge (rewards/judge.py, with reward.judge's settings)
 
 The combination replaces the source's own rule (a reward.rules entry of the same name stays reachable as
 rule:<name>). Each term's value is logged per source as reward/<source>/term/<term> and the term's own metrics
@@ -42,6 +42,7 @@ class Combined:
     def __init__(self, source: str, terms: list[Term]):
         self.source, self.terms = source, terms
         self.rm_weight = sum(t.weight for t in terms if t.rule is None)  # 0: the reward model does not count here
+        self.needs_prompt = any(getattr(t.rule.fn, "needs_prompt", False) for t in terms if t.rule is not None)
 
     @property
     def uses_rm(self) -> bool:
@@ -65,14 +66,16 @@ class Combined:
         return out
 
 
-def load_combine(combine, code: Rule, rules: dict, rm_enabled: bool) -> dict[str, Rule]:
+def load_combine(combine, code: Rule, rules: dict, rm_enabled: bool, judge: Optional[Rule] = None) -> dict[str, Rule]:
     """reward.combine -> {data_source: Rule(Combined)}. `code`: the code reward; `rules`: what rule:<name>
-    may name (the built-in rules and reward.rules). ValueError in one line naming the fix."""
-    return {str(source): Rule(Combined(str(source), _terms(str(source), spec, code, rules, rm_enabled)), batched=True)
+    may name (the built-in rules and reward.rules); `judge`: reward.judge's rule (None: not configured).
+    ValueError in one line naming the fix."""
+    return {str(source): Rule(Combined(str(source), _terms(str(source), spec, code, rules, rm_enabled, judge)),
+                              batched=True)
             for source, spec in dict(combine or {}).items()}
 
 
-def _terms(source: str, spec, code: Rule, rules: dict, rm_enabled: bool) -> list[Term]:
+def _terms(source: str, spec, code: Rule, rules: dict, rm_enabled: bool, judge: Optional[Rule]) -> list[Term]:
     where = f"reward.combine.{source}"
     if isinstance(spec, (str, bytes)) or not hasattr(spec, "__len__") or not len(spec) or hasattr(spec, "keys"):
         raise ValueError(f"{where} must be a list of {{term, weight}}, e.g. {EXAMPLE}")
@@ -87,11 +90,11 @@ def _terms(source: str, spec, code: Rule, rules: dict, rm_enabled: bool) -> list
             raise ValueError(f"{at}.weight={weight!r} must be a finite number (the term's share of the score)")
         if any(t.name == name for t in terms):
             raise ValueError(f"{at}: the term {name!r} is listed twice; give it one entry with its weight")
-        terms.append(Term(str(name), float(weight), _rule(at, name, code, rules, rm_enabled)))
+        terms.append(Term(str(name), float(weight), _rule(at, name, code, rules, rm_enabled, judge)))
     return terms
 
 
-def _rule(at: str, name, code: Rule, rules: dict, rm_enabled: bool) -> Optional[Rule]:
+def _rule(at: str, name, code: Rule, rules: dict, rm_enabled: bool, judge: Optional[Rule]) -> Optional[Rule]:
     """A term's rule (None for rm)."""
     if name == "code":
         return code
@@ -101,8 +104,10 @@ def _rule(at: str, name, code: Rule, rules: dict, rm_enabled: bool) -> Optional[
                              "(reward.model.path) or drop the term")
         return None
     if name == "judge":
-        raise ValueError(f"{at}.term=judge: the generative judge (reward.judge) is not yet built; use code, rm or "
-                         "rule:<name>")
+        if judge is None:
+            raise ValueError(f"{at}.term=judge needs the judge's server: set reward.judge.endpoint (and its tokenizer, "
+                             "prompt and fallback), or drop the term")
+        return judge
     if isinstance(name, str) and name.startswith("rule:"):
         rule = rules.get(name[len("rule:"):])
         if rule is None:

@@ -31,7 +31,8 @@ import torch
 
 from megappo.protocol import DataProto
 from megappo.rewards.combine import RM, Combined
-from megappo.rewards.rules import DEFAULT_SCORERS, Rule, RuleTimeout, Scored, as_rule, check_signature, score_group
+from megappo.rewards.rules import (DEFAULT_SCORERS, PROMPT, Rule, RuleTimeout, Scored, as_rule, check_signature,
+                                   needs_prompt, prompt_text, score_group)
 
 # a rule: fn(response, ground_truth, extra_info) -> float | {"score", extras} (rewards/rules.py), or a Rule
 Scorer = Callable[[str, Any, dict], Any]
@@ -159,6 +160,7 @@ class RewardManager:
         sources = [str(s) for s in data.non_tensor_batch["data_source"]]
         truths = [info["ground_truth"] for info in data.non_tensor_batch["reward_model"]]
         extra_infos = [e or {} for e in data.non_tensor_batch.get("extra_info", [None] * len(data))]
+        extra_infos = self._with_prompts(data, sources, extra_infos)
         uids = data.non_tensor_batch.get("uid", range(len(data)))
         turns = data.non_tensor_batch.get("agent_turns") if self.environments is not None else None
         texts = [self.tokenizer.decode(responses[i][mask[i]].tolist(), skip_special_tokens=True)
@@ -195,6 +197,26 @@ class RewardManager:
                 shown[source] += 1
                 self._print_sample(data, i, source, texts[i], truths[i], rule_score, final, stopped[i])
         return rows
+
+    def _with_prompts(self, data: DataProto, sources: list, extra_infos: list) -> list:
+        """The rows of a source whose rule reads the prompt (the judge) get it in extra_info[PROMPT]: the raw
+        prompt (a chat's last user turn), else the prompt tokens decoded."""
+        wanted = {s for s in set(sources) if s in self.scorers and needs_prompt(self.scorers[s])}
+        if not wanted:
+            return extra_infos
+        raw = data.non_tensor_batch.get("raw_prompt")
+        out = list(extra_infos)
+        for i, source in enumerate(sources):
+            if source in wanted:
+                if raw is not None:
+                    text = prompt_text(raw[i])
+                elif "prompts" not in data.batch:
+                    text = ""
+                else:
+                    ids = [t for t in data.batch["prompts"][i].tolist() if t != self.tokenizer.pad_token_id]
+                    text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                out[i] = {**out[i], PROMPT: text}
+        return out
 
     def _combined(self, sources: set, have_rm: bool) -> dict[str, Combined]:
         """{source: its Combined} for the reward.combine sources among `sources` (rewards/combine.py): the reward
@@ -262,6 +284,9 @@ class RewardManager:
         if self.overlong[0]:
             metrics["reward/overlong_penalty_mean"] = sum(r.overlong_penalty for r in rows) / n
             metrics["reward/overlong_frac"] = sum(r.overlong_penalty < 0 for r in rows) / n
+        judge_errors = [v for r in rows for k, v in r.extras.items() if k.rsplit("/", 1)[-1] == "judge_errors"]
+        if judge_errors:  # the judge's failed rows (rewards/judge.py), which scored reward.judge.fallback
+            metrics["reward/judge_errors"] = float(sum(judge_errors))
         for (source, key), values in extra_metrics(rows).items():
             metrics[f"reward/{source}/{key}"] = sum(values) / len(values)
         for source, mine in per_source.items():

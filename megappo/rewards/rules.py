@@ -43,6 +43,9 @@ from megappo.rewards import arithmetic, gsm8k
 
 log = logging.getLogger(__name__)
 SPEC_KEYS = ("fn", "batched", "timeout_s")
+# extra_info's reserved key for the row's prompt text, filled for a rule whose fn has `needs_prompt` (the judge):
+# the RewardManager and `megappo reward` put it there; other rules never see it
+PROMPT = "_megappo_prompt"
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,22 @@ DEFAULT_SCORERS: dict[str, Callable | Rule] = {
 
 def as_rule(rule) -> Rule:
     return rule if isinstance(rule, Rule) else Rule(rule)
+
+
+def needs_prompt(rule) -> bool:
+    """The rule reads the row's prompt (extra_info[PROMPT]): the judge, or a combination with a judge term."""
+    return bool(getattr(as_rule(rule).fn, "needs_prompt", False))
+
+
+def prompt_text(prompt) -> str:
+    """A row's prompt as the judge reads it: text as it is; chat messages: the last user turn's content."""
+    if isinstance(prompt, str):
+        return prompt
+    try:
+        users = [m["content"] for m in prompt if m.get("role") == "user"]
+    except (TypeError, AttributeError, KeyError):
+        return "" if prompt is None else str(prompt)
+    return str(users[-1]) if users else ""
 
 
 # ---- loading (config) ------------------------------------------------------------------------------
@@ -210,14 +229,37 @@ def load_rule(source: str, spec) -> Rule:
 
 def load_rewards(reward) -> dict[str, Rule]:
     """The config's reward section -> {data_source: Rule}, RewardManager's scorers: reward.rules, the built-in
-    `code` source with reward.code's settings, and each reward.combine source (rewards/combine.py), which
-    replaces a rule of the same source. ValueError naming the fix."""
+    `code` source with reward.code's settings, the sources reward.judge.sources names (the judge alone), and
+    each reward.combine source (rewards/combine.py), which replaces a rule of the same source. ValueError
+    naming the fix."""
     from megappo.rewards.code import CodeReward
     from megappo.rewards.combine import load_combine
 
     code = Rule(CodeReward.from_config(reward.code), batched=True)
+    judge = load_judge(reward)
     rules = {"code": code, **load_rules(reward.rules)}
-    return {**rules, **load_combine(reward.combine, code, {**DEFAULT_SCORERS, **rules}, reward.model.enable)}
+    sources = [str(s) for s in (judge_cfg(reward).sources or [])] if judge is not None else []
+    for source in sources:
+        if source in reward.rules or source in (reward.combine or {}):
+            where = "reward.rules" if source in reward.rules else "reward.combine"
+            raise ValueError(f"reward.judge.sources names {source!r}, which {where}.{source} also scores; give the "
+                             f"source one reward (a combine term `judge` mixes the judge with others)")
+    rules.update({source: judge for source in sources})
+    return {**rules, **load_combine(reward.combine, code, {**DEFAULT_SCORERS, **rules}, reward.model.enable, judge)}
+
+
+def judge_cfg(reward):
+    return getattr(reward, "judge", None)
+
+
+def load_judge(reward) -> Optional[Rule]:
+    """reward.judge as a batched Rule, or None when the section is unset (no endpoint, model or sources)."""
+    judge = judge_cfg(reward)
+    if judge is None or not (judge.endpoint or judge.model or judge.sources):
+        return None
+    from megappo.rewards.judge import JudgeReward
+
+    return Rule(JudgeReward(judge), batched=True)
 
 
 def load_rules(rules) -> dict[str, Rule]:

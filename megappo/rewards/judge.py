@@ -1,0 +1,297 @@
+"""The generative judge (reward.judge): a model behind an OpenAI-compatible server (`megappo serve`, vLLM) reads
+a template filled with the row's {prompt}, {response} and {ground_truth} and gives its verdict.
+
+    reward:
+      judge:
+        endpoint: http://10.0.0.5:8000/v1
+        tokenizer: /models/judge            # the judge model's HF dir (its tokenizer and chat template)
+        prompt: "Question: {prompt}\nAnswer: {response}\nReference: {ground_truth}\nIs the answer right?"
+        fallback: 0.5                       # what a row the judge failed gets (counted in reward/judge_errors)
+        sources: [my_source]                # data sources the judge scores alone; or a combine term `judge`
+
+The prompt is rendered here, by the judge's tokenizer: `chat: true` as one user turn through its chat template
+(the generation prompt appended), `chat: false` as raw text (with the tokenizer's BOS). Verdict scoring (the
+default) sends /v1/completions the token ids prompt + verdict for each of `positive` and `negative`, with
+`echo: true, logprobs: 0, max_tokens: 1`, and sums the verdict tokens' echoed log-probs: log P(verdict | prompt)
+exactly, the way lm-evaluation-harness scores a log-likelihood request, whatever the top-k holds. (A chat
+completion cannot echo a given continuation's log-probs, and a server's own tokenization of text could split
+prompt and verdict differently: token ids rendered here are what the server scores.) The score is
+P(positive) / (P(positive) + P(negative)). `parse` instead: the judge generates (greedy, `max_tokens`) and the
+regex's first group (else its whole match) read as a number is the score.
+
+Each request is retried on a connection error, a timeout, a 408/425/429/5xx or an unreadable answer (`retries`
+times, backoff doubling from `backoff_s`, capped at 30 s, jittered), at most `concurrency` in flight over the
+batch. A row that fails (every try, a refusal, no parsable grade) scores `fallback` with failure "error" (counted
+in reward/num_scorer_errors) and judge_errors=1 (reward/judge_errors: the step's count), warned once per call.
+The judge needs the row's prompt: the RewardManager and `megappo reward` put it in extra_info[PROMPT]
+(rewards/rules.py) for a source whose rule has `needs_prompt`. The API key is read from $`api_key_env`, never
+logged. This module imports no torch; httpx and the tokenizer load on first use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import random
+import re
+import string
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+from megappo.rewards.rules import PROMPT, Scored
+
+log = logging.getLogger(__name__)
+FIELDS = ("prompt", "response", "ground_truth")
+RETRY_STATUS = (408, 425, 429)  # and every 5xx
+MAX_BACKOFF_S = 30.0
+ERRORS = "judge_errors"
+
+
+class JudgeError(RuntimeError):
+    """One row's judgment failed: it gets the fallback."""
+
+
+def check_template(template) -> None:
+    """The prompt template: text whose fields are {prompt}, {response}, {ground_truth} ({response} required)."""
+    if not isinstance(template, str) or not template.strip():
+        raise ValueError("reward.judge.prompt is empty; give a template with {response} (and {prompt}, "
+                         "{ground_truth} as needed)")
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as e:
+        raise ValueError(f"reward.judge.prompt is not a template ({e}); write literal braces as "
+                         "{{ and }}") from None
+    unknown = sorted(names - set(FIELDS))
+    if unknown:
+        raise ValueError(f"reward.judge.prompt names {unknown}; its fields are {{prompt}}, {{response}}, "
+                         "{ground_truth} (write literal braces as {{ and }})")
+    if "response" not in names:
+        raise ValueError("reward.judge.prompt has no {response}: the judge would never see the answer; add {response}")
+
+
+class JudgeReward:
+    """A batched rule (rewards/rules.py): `judge(responses, ground_truths, extra_infos) -> [Scored]`."""
+
+    needs_prompt = True
+
+    def __init__(self, judge):
+        """From the config's reward.judge section; ValueError in one line naming the fix."""
+        if judge.model:
+            raise ValueError("reward.judge.model (a judge megappo serves on its own engines) is not yet built; "
+                             "serve it (megappo serve --model DIR) and set reward.judge.endpoint")
+        if not judge.endpoint:
+            raise ValueError("reward.judge needs reward.judge.endpoint, an OpenAI-compatible server, e.g. "
+                             "http://127.0.0.1:8000/v1 (megappo serve --model DIR, vllm serve)")
+        if not judge.tokenizer:
+            raise ValueError("reward.judge.tokenizer is not set; give the judge model's HF dir (its tokenizer renders "
+                             "the prompt the server scores)")
+        if not os.path.isdir(os.path.expanduser(str(judge.tokenizer))):
+            raise ValueError(f"reward.judge.tokenizer={judge.tokenizer} is not a directory; give the judge model's HF "
+                             "dir (its tokenizer renders the prompt the server scores)")
+        check_template(judge.prompt)
+        for key in ("positive", "negative"):
+            if not isinstance(getattr(judge, key), str) or not getattr(judge, key):
+                raise ValueError(f"reward.judge.{key} is empty; give the verdict text the judge answers, e.g. "
+                                 f"{' Yes' if key == 'positive' else ' No'!r}")
+        if judge.positive == judge.negative:
+            raise ValueError(f"reward.judge.positive and negative are both {judge.positive!r}; give two verdicts")
+        if judge.parse is not None:
+            try:
+                re.compile(judge.parse)
+            except re.error as e:
+                raise ValueError(f"reward.judge.parse={judge.parse!r} is not a regex ({e})") from None
+        rules = {"concurrency": (_int(judge.concurrency) and judge.concurrency >= 1, "a whole number >= 1"),
+                 "retries": (_int(judge.retries) and judge.retries >= 0, "a whole number >= 0"),
+                 "max_tokens": (_int(judge.max_tokens) and judge.max_tokens >= 1, "a whole number >= 1"),
+                 "timeout_s": (_num(judge.timeout_s) and judge.timeout_s > 0, "a number of seconds > 0"),
+                 "backoff_s": (_num(judge.backoff_s) and judge.backoff_s >= 0, "a number of seconds >= 0"),
+                 "fallback": (_num(judge.fallback) and math.isfinite(judge.fallback),
+                              "a finite number: the score a row gets when its judgment fails (e.g. 0.5)")}
+        for key, (ok, rule) in rules.items():
+            if not ok:
+                raise ValueError(f"reward.judge.{key}={getattr(judge, key)!r} must be {rule}")
+        self.cfg = judge
+        self.url = judge.endpoint.rstrip("/")
+        self.fallback = float(judge.fallback)
+        self._tokenizer = None
+        self._lock = threading.Lock()
+        self.in_flight = self.max_in_flight = self.requests = self.retries = 0
+
+    # ---- rendering ---------------------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(self.cfg.tokenizer))
+            except Exception as e:  # noqa: BLE001 - a path that holds no tokenizer
+                raise ValueError(f"reward.judge.tokenizer={self.cfg.tokenizer}: no tokenizer loads there "
+                                 f"({type(e).__name__}); give the judge model's HF dir") from None
+        return self._tokenizer
+
+    def prompt_ids(self, prompt, response: str, ground_truth) -> list[int]:
+        """The judge's prompt as token ids: the template filled, as a user turn (chat) or raw text."""
+        text = self.cfg.prompt.format(prompt="" if prompt is None else prompt, response=response,
+                                      ground_truth=ground_truth)
+        tok = self.tokenizer
+        if self.cfg.chat:
+            rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                               add_generation_prompt=True)
+            return tok(rendered, add_special_tokens=False)["input_ids"]
+        return tok(text)["input_ids"]
+
+    def verdict_ids(self, verdict: str) -> list[int]:
+        """A verdict's tokens, encoded alone (as lm-eval encodes a continuation)."""
+        return self.tokenizer(verdict, add_special_tokens=False)["input_ids"]
+
+    @staticmethod
+    def probability(log_positive: float, log_negative: float) -> float:
+        """P(positive) / (P(positive) + P(negative)) from the two log-probabilities (stable at any scale)."""
+        return 1.0 / (1.0 + math.exp(min(log_negative - log_positive, 700.0)))
+
+    # ---- the rule ----------------------------------------------------------------------------------------
+
+    def __call__(self, responses: list, ground_truths: list, extra_infos: list) -> list[Scored]:
+        rows = [self.prompt_ids((info or {}).get(PROMPT), str(r), t)
+                for r, t, info in zip(responses, ground_truths, extra_infos)]
+        with ThreadPoolExecutor(1, thread_name_prefix="judge") as pool:  # its own event loop, whatever the caller's
+            results = pool.submit(asyncio.run, self._judge_all(rows)).result()
+        out, failed = [], [r for r in results if isinstance(r, Exception)]
+        for r in results:
+            out.append(Scored(self.fallback, {ERRORS: 1.0}, "error") if isinstance(r, Exception)
+                       else Scored(r, {ERRORS: 0.0}))
+        if failed:
+            log.warning("reward.judge: %d of %d rows failed (%s); they scored reward.judge.fallback=%s",
+                        len(failed), len(rows), failed[0], self.fallback)
+        return out
+
+    async def _judge_all(self, rows: list[list[int]]) -> list:
+        import httpx
+
+        key = os.environ.get(self.cfg.api_key_env) if self.cfg.api_key_env else None
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        n = self.cfg.concurrency
+        gate = asyncio.Semaphore(n)
+        async with httpx.AsyncClient(base_url=self.url, headers=headers, timeout=self.cfg.timeout_s,
+                                     limits=httpx.Limits(max_connections=n, max_keepalive_connections=n)) as client:
+            try:
+                model = self.cfg.endpoint_model or await self._model(client, gate)
+            except JudgeError as e:  # the server never answered: every row gets the fallback
+                return [e] * len(rows)
+            verdicts = [self.verdict_ids(self.cfg.positive), self.verdict_ids(self.cfg.negative)]
+
+            async def one(i: int, ids: list[int]):
+                try:
+                    if self.cfg.parse is not None:
+                        return await self._parse(client, gate, model, ids, i)
+                    lp = await asyncio.gather(*(self._log_prob(client, gate, model, ids, v, i) for v in verdicts),
+                                              return_exceptions=True)  # both finish before the client closes
+                    failed = [e for e in lp if isinstance(e, BaseException)]
+                    if failed:
+                        raise failed[0]
+                    return self.probability(*lp)
+                except JudgeError as e:
+                    return e
+
+            return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(rows)))
+
+    async def _model(self, client, gate) -> str:
+        try:
+            body = await self._request(client, gate, "GET", "/models", None, "the model list")
+            return next(m["id"] for m in body["data"] if isinstance(m, dict) and m.get("id"))
+        except (KeyError, TypeError, StopIteration):
+            raise JudgeError(f"reward.judge.endpoint {self.url} lists no model at /models; set "
+                             "reward.judge.endpoint_model") from None
+
+    async def _log_prob(self, client, gate, model: str, ids: list[int], verdict: list[int], i: int) -> float:
+        """log P(verdict | prompt): the verdict tokens' echoed log-probs, summed."""
+        full = ids + verdict
+        body = {"model": model, "prompt": full, "echo": True, "logprobs": 0, "max_tokens": 1, "temperature": 1.0}
+        answer = await self._request(client, gate, "POST", "/completions", body, f"row {i}")
+        try:
+            lps = answer["choices"][0]["logprobs"]["token_logprobs"][len(ids):len(full)]
+            total = sum(float(lp) for lp in lps)
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise JudgeError(f"reward.judge.endpoint {self.url}: row {i}'s answer has no echoed log-probs "
+                             "(choices[0].logprobs.token_logprobs); it must be a completions server that supports "
+                             "echo (megappo serve, vllm serve)") from None
+        if len(lps) != len(verdict):
+            raise JudgeError(f"reward.judge.endpoint {self.url}: row {i}'s {len(full)} token ids came back as "
+                             "fewer log-probs; the server must score the ids as sent")
+        return total
+
+    async def _parse(self, client, gate, model: str, ids: list[int], i: int) -> float:
+        body = {"model": model, "prompt": ids, "max_tokens": self.cfg.max_tokens, "temperature": 0.0}
+        answer = await self._request(client, gate, "POST", "/completions", body, f"row {i}")
+        try:
+            text = str(answer["choices"][0]["text"])
+        except (KeyError, IndexError, TypeError):
+            raise JudgeError(f"reward.judge.endpoint {self.url}: row {i}'s answer has no choices[0].text") from None
+        match = re.search(self.cfg.parse, text)
+        try:
+            grade = float(match.group(1) if match.groups() else match.group(0))
+        except (AttributeError, TypeError, ValueError):
+            raise JudgeError(f"the judge's text for row {i} has no grade reward.judge.parse={self.cfg.parse!r} "
+                             f"reads ({text[:80]!r})") from None
+        if not math.isfinite(grade):
+            raise JudgeError(f"the judge's grade for row {i} is {grade}")
+        return grade
+
+    async def _request(self, client, gate, method: str, path: str, body, what: str) -> dict:
+        import httpx
+
+        last = ""
+        for attempt in range(self.cfg.retries + 1):
+            if attempt:
+                with self._lock:
+                    self.retries += 1
+                wait = min(MAX_BACKOFF_S, self.cfg.backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
+                await asyncio.sleep(wait)
+            async with gate:
+                with self._lock:
+                    self.requests += 1
+                    self.in_flight += 1
+                    self.max_in_flight = max(self.max_in_flight, self.in_flight)
+                try:
+                    r = await client.request(method, path, json=body)
+                except httpx.TransportError as e:  # refused, reset, timed out
+                    last = f"{type(e).__name__}: {e}".strip(": ")
+                    continue
+                finally:
+                    with self._lock:
+                        self.in_flight -= 1
+            if r.status_code == 200:
+                try:
+                    return r.json()
+                except ValueError:
+                    last = "an answer that is not JSON"
+                    continue
+            line = _error_line(r)
+            if r.status_code in RETRY_STATUS or r.status_code >= 500:
+                last = f"HTTP {r.status_code}: {line}"
+                continue
+            raise JudgeError(f"reward.judge.endpoint {self.url} refused {what}: HTTP {r.status_code}: {line}")
+        raise JudgeError(f"reward.judge.endpoint {self.url} failed {what} {self.cfg.retries + 1} times (last: {last}); "
+                         "check the server, or raise reward.judge.retries / timeout_s")
+
+
+def _error_line(r) -> str:
+    try:
+        err = r.json().get("error")
+        text = err.get("message") if isinstance(err, dict) else (err or r.text)
+    except (ValueError, AttributeError):
+        text = r.text
+    return " ".join(str(text).split())[:300]
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

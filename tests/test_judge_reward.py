@@ -1,0 +1,217 @@
+"""The generative judge (issue #75, rewards/judge.py, reward.judge): P(positive) from a real `megappo serve` of the
+tiny llama equals the probability transformers computes on the same weights (fp32), for chat: false and
+chat: true, through the RewardManager as the trainer's reward step runs it (a judge source and a combine term);
+a stand-in server (tests/distill_helpers.FakeTeacher) for the concurrency cap, a judge dropping connections
+mid-run (retried, counted) and one that fails every try (the fallback, reward/judge_errors); bad input in one
+line each."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from distill_helpers import FakeTeacher, fake_log_prob
+from megappo.config import ConfigError, load_config
+from megappo.rewards.manager import RewardManager
+from megappo.rewards.rules import PROMPT, load_rewards
+from test_reward_rules import BASE, batch
+
+TEMPLATE = "Question: {prompt} Answer: {response} Reference: {ground_truth} Is the answer right?"
+PROMPTS = ["What is 2+3?", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]]
+RESPONSES, TRUTHS = ["5", "blue"], ["5", "red"]
+
+
+def judge_config(tiny_assets, url: str, *overrides: str):
+    return load_config(BASE, [f"reward.judge.endpoint={url}", f"reward.judge.tokenizer={tiny_assets['tiny-llama']}",
+                              f"reward.judge.prompt='{TEMPLATE}'", "reward.judge.fallback=0.5",
+                              "reward.judge.backoff_s=0.01", *overrides])
+
+
+def judge_batch(tokenizer, sources, prompts, responses, truths):
+    data = batch(tokenizer, responses, sources, truths)
+    raw = np.empty(len(prompts), dtype=object)
+    raw[:] = prompts
+    data.non_tensor_batch["raw_prompt"] = raw
+    return data
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_assets):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_assets["tiny-llama"])
+
+
+@pytest.fixture(scope="module")
+def judge_server(tiny_assets):
+    """One `megappo serve` of the tiny llama for the module, its key in $MEGAPPO_JUDGE_API_KEY as reward.judge
+    reads it."""
+    from gateway_helpers import serve_process
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MEGAPPO_JUDGE_API_KEY", "k-judge")
+    with serve_process(tiny_assets["tiny-llama"], "--max-model-len", "256", "--max-tokens", "8", "--kv-cache-mb", "32",
+                       key="k-judge") as (proc, url):
+        yield f"{url}/v1"
+    mp.undo()
+
+
+@pytest.fixture
+def fake():
+    servers = []
+
+    def start(*faults):
+        servers.append(FakeTeacher(faults))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_p_positive_is_the_judge_models_own(tiny_assets, tokenizer, judge_server, chat):
+    from transformers import AutoModelForCausalLM
+
+    cfg = judge_config(tiny_assets, judge_server, f"reward.judge.chat={str(chat).lower()}",
+                       "reward.judge.sources=[judged]",
+                       "reward.combine={mix: [{term: judge, weight: 0.75}, {term: 'rule:arithmetic', weight: 0.25}]}")
+    manager = RewardManager(tokenizer, 0, non_stop_penalty=False, scorers=load_rewards(cfg.reward))
+    rows = manager.score_rows(judge_batch(tokenizer, ["judged", "mix"], PROMPTS, RESPONSES, TRUTHS))
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_assets["tiny-llama"], dtype=torch.float32).eval()
+    questions = ["What is 2+3?", "Name a color."]  # a chat prompt: its last user turn
+
+    def log_p(ids, verdict):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + verdict])).logits[0].double().log_softmax(-1)
+        return sum(float(logits[len(ids) + j - 1, t]) for j, t in enumerate(verdict))
+
+    for i, row in enumerate(rows):
+        text = TEMPLATE.format(prompt=questions[i], response=RESPONSES[i], ground_truth=TRUTHS[i])
+        if chat:
+            rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                     add_generation_prompt=True)
+            ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tokenizer(text)["input_ids"]
+        yes, no = (log_p(ids, tokenizer(v, add_special_tokens=False)["input_ids"]) for v in (" Yes", " No"))
+        want = np.exp(yes) / (np.exp(yes) + np.exp(no))
+        got = row.extras["term/judge"] if row.source == "mix" else row.rule_score
+        assert not row.scorer_error and got == pytest.approx(want, abs=1e-4), (i, got, want)
+        assert 0.0 < got < 1.0
+    assert rows[1].rule_score == pytest.approx(0.75 * rows[1].extras["term/judge"])  # arithmetic: "blue" is 0
+
+
+def expected(judge, prompt, response, truth):
+    """What the stand-in server's log-probs (fake_log_prob) make of a row."""
+    ids = judge.prompt_ids(prompt, response, truth)
+    lp = [sum(fake_log_prob(len(ids) + j, t) for j, t in enumerate(judge.verdict_ids(v))) for v in (" Yes", " No")]
+    return judge.probability(*lp)
+
+
+def test_64_judgments_keep_to_the_cap(tiny_assets, tokenizer, fake):
+    server = fake()
+    cfg = judge_config(tiny_assets, server.url, "reward.judge.concurrency=4", "reward.judge.sources=[judged]")
+    rule = load_rewards(cfg.reward)["judged"]
+    responses = [f"answer {i}" for i in range(64)]
+    scored = rule.fn(responses, ["42"] * 64, [{PROMPT: f"question {i}"} for i in range(64)])
+    assert [s.score for s in scored] == pytest.approx([expected(rule.fn, f"question {i}", r, "42")
+                                                       for i, r in enumerate(responses)], abs=1e-12)
+    assert server.requests == 128 and 2 <= server.most_in_flight <= 4 and rule.fn.max_in_flight <= 4
+    assert all(s.extras == {"judge_errors": 0.0} and not s.failure for s in scored)
+    # parse: a grade read from the judge's text (the stand-in says nothing: no grade, the fallback, counted)
+    cfg = judge_config(tiny_assets, server.url, "reward.judge.parse='Grade: (\\d+)'", "reward.judge.sources=[judged]")
+    scored = load_rewards(cfg.reward)["judged"].fn(["x"], ["42"], [{PROMPT: "q"}])
+    assert [(s.score, s.failure) for s in scored] == [(0.5, "error")] and server.bodies[-1]["temperature"] == 0.0
+
+
+def test_a_failing_judge_is_retried_counted_and_the_row_gets_the_fallback(tiny_assets, tokenizer, fake):
+    # a judge dropping a connection and answering 503 mid-run: retried, the rows scored as a healthy one scores them
+    server = fake("drop", "503")
+    cfg = judge_config(tiny_assets, server.url, "reward.judge.retries=3", "reward.judge.sources=[judged]")
+    manager = RewardManager(tokenizer, 0, non_stop_penalty=False, scorers=load_rewards(cfg.reward))
+    judge = manager.scorers["judged"].fn
+    _, metrics = manager(judge_batch(tokenizer, ["judged"] * 2, PROMPTS, RESPONSES, TRUTHS))
+    want = [expected(judge, q, r, t) for q, r, t in zip(["What is 2+3?", "Name a color."], RESPONSES, TRUTHS)]
+    assert server.requests == 4 + 2 and judge.retries == 2
+    assert metrics["reward/judge_errors"] == 0 and metrics["reward/judged/score"] == pytest.approx(sum(want) / 2)
+    # one that fails every try: each row gets the fallback, counted, not a silent 0
+    server = fake(*["503"] * 8)
+    cfg = judge_config(tiny_assets, server.url, "reward.judge.retries=1", "reward.judge.fallback=0.25",
+                       "reward.judge.sources=[judged]")
+    manager = RewardManager(tokenizer, 0, non_stop_penalty=False, scorers=load_rewards(cfg.reward))
+    scores, metrics = manager(judge_batch(tokenizer, ["judged"] * 2, PROMPTS, RESPONSES, TRUTHS))
+    assert server.requests == 8 and scores.sum(-1).tolist() == [0.25, 0.25]
+    assert metrics["reward/judge_errors"] == 2 and metrics["reward/num_scorer_errors"] == 2
+
+
+def test_an_endpoint_that_never_answers_is_one_line_and_the_fallback(tiny_assets, tokenizer, caplog):
+    with socket.socket() as silent:  # accepts connections (the backlog), never reads or answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/v1"
+        cfg = judge_config(tiny_assets, url, "reward.judge.timeout_s=0.2", "reward.judge.retries=1",
+                           "reward.judge.sources=[judged]")
+        with caplog.at_level(logging.WARNING, logger="megappo.rewards.judge"):
+            scored = load_rewards(cfg.reward)["judged"].fn(["5"], ["5"], [{PROMPT: "What is 2+3?"}])
+    assert [(s.score, s.failure, s.extras) for s in scored] == [(0.5, "error", {"judge_errors": 1.0})]
+    [line] = [r.getMessage() for r in caplog.records]
+    assert f"reward.judge.endpoint {url} failed the model list 2 times (last: ReadTimeout" in line
+    assert "\n" not in line and "raise reward.judge.retries / timeout_s" in line
+
+
+@pytest.mark.parametrize("override, message", [
+    ("reward.judge.prompt='Is it right? {prompt}'", "reward.judge.prompt has no {response}: the judge would never see "
+                                                     "the answer; add {response}"),
+    ("reward.judge.prompt='{answer} right?'", "reward.judge.prompt names ['answer']; its fields are {prompt}, "
+                                              "{response}, {ground_truth}"),
+    ("reward.judge.positive=''", "reward.judge.positive is empty; give the verdict text the judge answers, "
+                                 "e.g. ' Yes'"),
+    ("reward.judge.negative=''", "reward.judge.negative is empty; give the verdict text the judge answers, e.g. ' No'"),
+    ("reward.judge.fallback=null", "reward.judge.fallback=None must be a finite number: the score a row gets"),
+    ("reward.judge.model=/models/judge", "reward.judge.model (a judge megappo serves on its own engines) is not yet "
+                                         "built; serve it"),
+    ("reward.judge.tokenizer=/nonexistent", "reward.judge.tokenizer=/nonexistent is not a directory"),
+])
+def test_bad_judge_settings_are_one_line(tiny_assets, override, message):
+    with pytest.raises(ConfigError) as e:
+        judge_config(tiny_assets, "http://127.0.0.1:9/v1", "reward.judge.sources=[judged]", override)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_judge_term_without_the_judge_and_a_source_claimed_twice_are_one_line(tiny_assets):
+    with pytest.raises(ConfigError, match=r"reward.combine.a\[0\].term=judge needs the judge's server: set "
+                                          "reward.judge.endpoint"):
+        load_config(BASE, ["reward.combine={a: [{term: judge, weight: 1}]}"])
+    with pytest.raises(ConfigError, match="reward.judge.sources names 'a', which reward.combine.a also scores"):
+        judge_config(tiny_assets, "http://127.0.0.1:9/v1", "reward.judge.sources=[a]",
+                     "reward.combine={a: [{term: judge, weight: 1}]}")
+
+
+def test_megappo_reward_passes_the_rows_prompt_to_the_judge(tiny_assets, judge_server, tmp_path):
+    import json
+
+    from cli_helpers import run_cli
+
+    args = [f"reward.judge.endpoint={judge_server}", f"reward.judge.tokenizer={tiny_assets['tiny-llama']}",
+            f"reward.judge.prompt='{TEMPLATE}'", "reward.judge.fallback=0.5", "reward.judge.sources=[judged]"]
+    rows = [{"data_source": "judged", "prompt": p, "response": r, "ground_truth": t}
+            for p, r, t in zip(PROMPTS, RESPONSES, TRUTHS)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc, _, stderr = run_cli("reward", "--config", BASE, "--input", tmp_path / "rows.jsonl", "--out",
+                            tmp_path / "s.jsonl", *args)
+    assert rc == 0, stderr
+    lines = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
+    judge = load_rewards(judge_config(tiny_assets, judge_server, "reward.judge.sources=[judged]").reward)["judged"].fn
+    want = judge(RESPONSES, TRUTHS, [{PROMPT: "What is 2+3?"}, {PROMPT: "Name a color."}])
+    assert [x["score"] for x in lines] == pytest.approx([w.score for w in want], abs=1e-6)
+    assert [x["metrics"] for x in lines] == [{"judge_errors": 0.0}] * 2
+    (tmp_path / "rows.jsonl").write_text(json.dumps({**rows[0], "prompt": None}) + "\n")
+    rc, _, stderr = run_cli("reward", "--config", BASE, "--input", tmp_path / "rows.jsonl", "--out",
+                            tmp_path / "s.jsonl", *args)
+    assert rc == 1 and "row 1 has no prompt, which reward.judge.prompt's {prompt} reads" in stderr.strip()
