@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-RETRY_STATUS = (408, 425, 429)  # and every 5xx
-MAX_BACKOFF_S = 30.0
-
+from megappo.utils.http_retry import GaveUp, Refused, request_json
 
 class TeacherEndpointError(RuntimeError):
     """The teacher server failed a row on every try, or refused it: the step cannot be trained."""
@@ -129,41 +127,21 @@ class TeacherEndpoint:
         return [float(lp) for lp in lps[1:]]
 
     async def _request(self, client, method: str, path: str, body, stats: TeacherStats, what: str) -> dict:
-        import httpx
-
-        last = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                stats.retries += 1
-                await asyncio.sleep(min(MAX_BACKOFF_S, self.backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5))
+        @contextlib.asynccontextmanager
+        async def counted():
             stats.requests += 1
-            try:
-                r = await client.request(method, path, json=body)
-            except httpx.TransportError as e:  # refused, reset, timed out
-                last = f"{type(e).__name__}: {e}".strip(": ")
-                continue
-            if r.status_code == 200:
-                try:
-                    return r.json()
-                except ValueError:
-                    last = "an answer that is not JSON"
-                    continue
-            line = _error_line(r)
-            if r.status_code in RETRY_STATUS or r.status_code >= 500:
-                last = f"HTTP {r.status_code}: {line}"
-                continue
-            raise TeacherEndpointError(f"teacher.endpoint {self.url} refused {what}: HTTP {r.status_code}: {line}")
-        raise TeacherEndpointError(f"teacher.endpoint {self.url} failed {what} {self.retries + 1} times (last: {last}); "
-                                   "check the server, or raise teacher.retries / teacher.timeout_s")
+            yield
 
+        def retried():
+            stats.retries += 1
 
-def _error_line(r) -> str:
-    try:
-        err = r.json().get("error")
-        text = err.get("message") if isinstance(err, dict) else (err or r.text)
-    except (ValueError, AttributeError):
-        text = r.text
-    return " ".join(str(text).split())[:300]
+        try:
+            return await request_json(client, method, path, body, self.retries, self.backoff_s, counted, retried)
+        except Refused as e:
+            raise TeacherEndpointError(f"teacher.endpoint {self.url} refused {what}: {e}") from None
+        except GaveUp as e:
+            raise TeacherEndpointError(f"teacher.endpoint {self.url} failed {what} {e}; check the server, or raise "
+                                       "teacher.retries / teacher.timeout_s") from None
 
 
 def place(rows_log_probs: list[list[float]], attention_mask, prompt_width: int):

@@ -31,10 +31,10 @@ logged. This module imports no torch; httpx and the tokenizer load on first use.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
-import random
 import re
 import string
 import threading
@@ -42,11 +42,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 from megappo.rewards.rules import PROMPT, Scored
+from megappo.utils.http_retry import GaveUp, Refused, request_json
 
 log = logging.getLogger(__name__)
 FIELDS = ("prompt", "response", "ground_truth")
-RETRY_STATUS = (408, 425, 429)  # and every 5xx
-MAX_BACKOFF_S = 30.0
 ERRORS = "judge_errors"
 
 
@@ -243,50 +242,31 @@ class JudgeReward:
         return grade
 
     async def _request(self, client, gate, method: str, path: str, body, what: str) -> dict:
-        import httpx
-
-        last = ""
-        for attempt in range(self.cfg.retries + 1):
-            if attempt:
-                with self._lock:
-                    self.retries += 1
-                wait = min(MAX_BACKOFF_S, self.cfg.backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
-                await asyncio.sleep(wait)
+        @contextlib.asynccontextmanager
+        async def counted():  # one try: within the concurrency cap, counted in flight
             async with gate:
                 with self._lock:
                     self.requests += 1
                     self.in_flight += 1
                     self.max_in_flight = max(self.max_in_flight, self.in_flight)
                 try:
-                    r = await client.request(method, path, json=body)
-                except httpx.TransportError as e:  # refused, reset, timed out
-                    last = f"{type(e).__name__}: {e}".strip(": ")
-                    continue
+                    yield
                 finally:
                     with self._lock:
                         self.in_flight -= 1
-            if r.status_code == 200:
-                try:
-                    return r.json()
-                except ValueError:
-                    last = "an answer that is not JSON"
-                    continue
-            line = _error_line(r)
-            if r.status_code in RETRY_STATUS or r.status_code >= 500:
-                last = f"HTTP {r.status_code}: {line}"
-                continue
-            raise JudgeError(f"reward.judge.endpoint {self.url} refused {what}: HTTP {r.status_code}: {line}")
-        raise JudgeError(f"reward.judge.endpoint {self.url} failed {what} {self.cfg.retries + 1} times (last: {last}); "
-                         "check the server, or raise reward.judge.retries / timeout_s")
 
+        def retried():
+            with self._lock:
+                self.retries += 1
 
-def _error_line(r) -> str:
-    try:
-        err = r.json().get("error")
-        text = err.get("message") if isinstance(err, dict) else (err or r.text)
-    except (ValueError, AttributeError):
-        text = r.text
-    return " ".join(str(text).split())[:300]
+        c = self.cfg
+        try:
+            return await request_json(client, method, path, body, c.retries, c.backoff_s, counted, retried)
+        except Refused as e:
+            raise JudgeError(f"reward.judge.endpoint {self.url} refused {what}: {e}") from None
+        except GaveUp as e:
+            raise JudgeError(f"reward.judge.endpoint {self.url} failed {what} {e}; check the server, or raise "
+                             "reward.judge.retries / timeout_s") from None
 
 
 def _int(v) -> bool:
