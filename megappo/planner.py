@@ -13,9 +13,13 @@ The model (stated so it can be checked by hand):
 - Trained roles (actor, critic), megatron mixed precision with the distributed optimizer:
   weights bf16 2 B/param + fp32 grad buffer 4 B/param (full: DDP reduce-scatters into it)
   + fp32 main params and Adam m, v 12 B/param sharded over dp.  Frozen roles (ref, RM, an on-policy
-  distillation teacher.model, planned with teacher.arch's shapes, else the student's): 2 B/param.
+  distillation teacher.model, planned with teacher.arch's shapes, else its config.json's): 2 B/param, and in
+  their own phase their forward's peak (a micro-batch's logits over the R response columns, log_prob_micro_batch_size
+  rows x V / tp at 10 B each, and one layer); a frozen role empties its cache after its forward on GPU
+  (workers/role_batches._forward), so no other phase holds it.
 - Activations (Korthikanti et al. 2022, flash attention, sequence parallel), bf16, per micro-batch:
-  34*s*b*h/tp bytes per layer; a MoE layer's MLP (19 of the 34) is replaced by its top-k routed copies of
+  34*s*b*h/tp bytes per layer, plus 5*a*s^2*b/tp where attention runs unfused (multi-latent attention: megatron's
+  local spec keeps each layer's s x s scores; at 32k tokens that is GBs a layer, so a long length is refused); a MoE layer's MLP (19 of the 34) is replaced by its top-k routed copies of
   each token: k*(4h + 6f) bytes per token (permuted input and fc2 output bf16, fc1's gated 2f output and the
   activation's f), f the expert FFN size. With full recompute only the layer input 2*s*b*h/tp is kept (plus
   one layer's full activations). 1F1B keeps min(pp, micro-batches) micro-batches in flight on stage 0.
@@ -81,9 +85,18 @@ HEADROOM = 0.05
 OVERHEAD_GB = 3.0
 CUDA_CONTEXT_GB = 0.6
 ROLES = ("actor", "critic", "ref")
+FROZEN = ("ref", "teacher")  # weights only outside their forward (workers/role_batches._forward: frozen)
 
 
 LOGIT_BYTES = 16  # per logit at the actor update's peak (module docstring); +8 with the entropy
+FORWARD_LOGIT_BYTES = 10  # per logit of a frozen forward: bf16 logits, their fp32 copy and log-softmax
+
+
+def unfused_attention_bytes(a, s: int, b: int, tp: int) -> int:
+    """One layer's s x s attention scores where no fused kernel runs: multi-latent attention on megatron's local
+    spec (TE's MLA is not mapped), Korthikanti et al.'s 5 a s^2 b bytes (the scores, the softmax, its dropout mask)
+    over the layer's heads / tp. Flash attention holds none of it."""
+    return 5 * (a.num_attention_heads // tp) * s * s * b if a.kv_lora_rank else 0
 
 
 def activation_bytes(cfg, role_cfg, par, lm_head: bool) -> int:
@@ -97,7 +110,7 @@ def activation_bytes(cfg, role_cfg, par, lm_head: bool) -> int:
         k, f = a.num_experts_per_tok, getattr(a, MOE_FAMILIES[a.family].ffn_key)
         fs = a.shared_expert_intermediate_size if shared_expert_params(a)[0] else 0  # one more FFN per token
         per_token = max(per_token, 15 * h + k * (4 * h + 6 * f) + (4 * h + 6 * fs if fs else 0))
-    full_layer = per_token * s * b // par.tp
+    full_layer = per_token * s * b // par.tp + unfused_attention_bytes(a, s, b, par.tp)
     per_mb = (layers * 2 * s * b * h // par.tp + full_layer) if role_cfg.recompute_activations else layers * full_layer
     micro_batches = max(1, role_cfg.ppo_mini_batch_size // (par.dp * b))
     in_flight = min(par.pp, micro_batches)
@@ -105,6 +118,17 @@ def activation_bytes(cfg, role_cfg, par, lm_head: bool) -> int:
     logits = cfg.rollout.max_new_tokens * b * padded_vocab_size(a.vocab_size, par.tp) // par.tp * per_logit \
         if lm_head else 0
     return per_mb * in_flight + logits
+
+
+def forward_bytes(cfg, shapes, role_cfg, par) -> int:
+    """A frozen role's forward peak (no activations kept for a backward): one micro-batch's logits over the response
+    columns (log_prob_micro_batch_size rows), one layer's activations, and the unfused attention's scores."""
+    a = shapes.model.arch
+    s = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    b = role_cfg.log_prob_micro_batch_size
+    layer = 34 * a.hidden_size * s * b // par.tp + unfused_attention_bytes(a, s, b, par.tp)
+    logits = cfg.rollout.max_new_tokens * b * padded_vocab_size(a.vocab_size, par.tp) // par.tp * FORWARD_LOGIT_BYTES
+    return layer + logits
 
 
 @dataclass
@@ -127,8 +151,8 @@ def role_memory(cfg, role: str) -> RoleMemory:
     shapes = teacher_shapes(cfg) if role == "teacher" else cfg
     dense, experts = stage_split(shapes, par.tp, par.pp, par.ep, "value" if role == "critic" else "lm")
     n = dense + experts
-    if role in ("ref", "teacher"):  # frozen: weights only
-        return RoleMemory(n, experts, 2 * n / GB, 0.0, 0.0, 0.0)
+    if role in ("ref", "teacher"):  # frozen: weights, and its forward's peak in its own phase (freed after it)
+        return RoleMemory(n, experts, 2 * n / GB, 0.0, 0.0, forward_bytes(cfg, shapes, rcfg, par) / GB)
     if role == "actor" and lora_rank(cfg):  # frozen base + adapters (trained; Adam sharded as their base's)
         k, k_exp = lora_params(cfg.model.arch, cfg.actor.lora, par.tp, par.pp, par.ep)
         k_all = k + k_exp
@@ -169,7 +193,7 @@ def teacher_pool(cfg) -> dict | None:
     if not (cfg.teacher.model and cfg.resources.teacher_workers):
         return None
     m = role_memory(cfg, "teacher")
-    peak = m.weights_gb + OVERHEAD_GB + CUDA_CONTEXT_GB
+    peak = m.weights_gb + m.activations_gb + OVERHEAD_GB + CUDA_CONTEXT_GB
     return {"gpus": cfg.resources.teacher_workers, "layout": _layout_str(cfg.teacher.parallel),
             "params_per_gpu_m": round(m.params_per_gpu / 1e6, 1), "weights_gb": round(m.weights_gb, 2),
             "peak_gpu_gb": round(peak, 2), "fits": peak <= (1 - HEADROOM) * cfg.resources.gpu_memory_gb}
@@ -185,9 +209,10 @@ def plan(cfg) -> dict:
     vllm_weights_gb = 2 * (total_params(cfg) + (tp - 1) * rollout_whole_params(cfg.model.arch)) / tp / GB
 
     def resident(active: str | None) -> float:
-        """What the other roles hold on the GPU: weights + grads + optimizer, and the activation peak
-        their allocator keeps cached (an offloaded role: nothing)."""
-        return sum(m.resident_gb + m.activations_gb for r, m in roles.items() if r != active and not offload[r])
+        """What the other roles hold on the GPU: weights + grads + optimizer, and the activation peak their allocator
+        keeps cached (an offloaded role: nothing; a frozen role empties its cache after its forward: its weights)."""
+        return sum(m.resident_gb + (0.0 if r in FROZEN else m.activations_gb) for r, m in roles.items()
+                   if r != active and not offload[r])
 
     def sleeping_vllm() -> float:
         return 0.0 if cfg.rollout.free_cache_engine else vllm_gb
@@ -197,9 +222,10 @@ def plan(cfg) -> dict:
     actor_for_sync = a.weights_gb if offload["actor"] else a.resident_gb + a.activations_gb
     phases = {"weight_sync": resident("actor") + actor_for_sync + vllm_weights_gb + bucket_gb,
               "rollout": resident(None) + vllm_gb}
-    for frozen in ("ref", "teacher"):
+    for frozen in FROZEN:
         if frozen in roles:
-            phases[f"{frozen}_log_prob"] = resident(frozen) + roles[frozen].weights_gb + sleeping_vllm()
+            m = roles[frozen]
+            phases[f"{frozen}_log_prob"] = resident(frozen) + m.weights_gb + m.activations_gb + sleeping_vllm()
     if "critic" in roles:
         c = roles["critic"]
         phases["critic_update"] = resident("critic") + c.resident_gb + c.activations_gb + sleeping_vllm()

@@ -339,3 +339,28 @@ def test_batch_invariant_rollouts_on_a_gpu_set_vllms_switch(monkeypatch):
     assert "VLLM_BATCH_INVARIANT" not in os.environ
     vllm_env.setup_env(1, batch_invariant=True)
     assert os.environ["VLLM_BATCH_INVARIANT"] == "1"
+
+
+def test_a_frozen_roles_forward_gives_its_cache_back_on_gpu_only(monkeypatch):
+    """The teacher, a reward model and a reference of its own empty PyTorch's CUDA cache after their forward (its
+    logits peak stayed reserved while vLLM woke into the memory it sized at start); the actor's forwards keep theirs
+    (planned resident); on CPU nothing is called."""
+    import torch
+
+    from megappo.parallel import device
+    from megappo.protocol import DataProto
+    from megappo.workers import role_batches
+
+    class Engine:  # forward_only's contract: the outputs of the rows it was given
+        def forward_only(self, batch, response_length, micro_batch_size, **kw):
+            return {"logprobs": torch.zeros(len(batch["input_ids"]), response_length)}
+
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    data = DataProto.from_dict({"input_ids": torch.ones(3, 6, dtype=torch.long),
+                                "attention_mask": torch.ones(3, 6, dtype=torch.long)})
+    for gpu, frozen, calls in ((True, True, 1), (True, False, 0), (False, True, 0)):
+        monkeypatch.setattr(device, "on_gpu", lambda gpu=gpu: gpu)
+        emptied.clear()
+        out = role_batches._forward(Engine(), data, 2, 2, frozen=frozen)
+        assert out["logprobs"].shape == (3, 2) and len(emptied) == calls, (gpu, frozen, emptied)

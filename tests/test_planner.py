@@ -354,6 +354,42 @@ def test_a_distillation_teacher_is_a_frozen_role_of_its_own_shapes():
     assert abs(off["phases_gb"]["rollout"] - base["phases_gb"]["rollout"] - 0.6) < 0.02  # only its CUDA context
 
 
+def test_a_frozen_roles_forward_peak_is_planned_in_its_phase_and_unfused_mla_counts_its_scores():
+    """A frozen role (the reference here) holds its forward's peak in its own phase only (its logits: R x b x V / tp
+    at 10 B each, plus one layer; the workers empty its cache after it): the ref_log_prob phase grows by exactly that,
+    every other phase is unchanged. Multi-latent attention runs unfused on megatron's local spec: each layer keeps
+    its s x s scores (5 a s^2 b / tp bytes), so DeepSeek-V3's plan grows with the square of the length and a length
+    that does not fit is refused (flash attention's families grow linearly)."""
+    from megappo.parallel.weight_mapping import padded_vocab_size
+    from megappo.planner import FORWARD_LOGIT_BYTES, forward_bytes
+
+    cfg = load_config(REPO / "configs/ppo_7b.yaml", ["critic.offload=false"])
+    got = plan(cfg)
+    ref = got["roles"]["ref"]
+    a, par, b = cfg.model.arch, cfg.ref.parallel, cfg.ref.log_prob_micro_batch_size
+    s, R = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens, cfg.rollout.max_new_tokens
+    vocab = padded_vocab_size(a.vocab_size, par.tp)  # megatron's padded vocabulary (the mapping's rule)
+    by_hand = R * b * vocab // par.tp * FORWARD_LOGIT_BYTES + 34 * a.hidden_size * s * b // par.tp
+    assert forward_bytes(cfg, cfg, cfg.ref, par) == by_hand and ref["activations_gb"] == round(by_hand / GB, 2)
+    cfg.ref.offload = True  # offloaded: its weights leave the other phases, its own phase is weights + forward
+    off = plan(cfg)
+    assert abs(off["phases_gb"]["ref_log_prob"] - got["phases_gb"]["ref_log_prob"]) < 0.02
+    assert abs(got["phases_gb"]["rollout"] - off["phases_gb"]["rollout"] - ref["weights_gb"]) < 0.02  # no forward
+
+    def actor_activations(config, length):
+        c = load_config(REPO / "configs" / config, [f"data.max_prompt_length={length // 2}",
+                                                    f"rollout.max_new_tokens={length // 2}"], validate=False)
+        return plan(c)["roles"]["actor"]["activations_gb"], c
+
+    (short, _), (long, _) = (actor_activations("grpo_deepseek_v3.yaml", n) for n in (4096, 8192))
+    dense_short, _ = actor_activations("ppo_7b.yaml", 4096)
+    dense_long, _ = actor_activations("ppo_7b.yaml", 8192)
+    # linear with flash attention (twice the length, twice the bytes); superlinear under unfused MLA
+    assert abs(dense_long - 2 * dense_short) <= 0.02 + 0.01 * dense_long and long - 2 * short > 0.25 * long
+    _, huge = actor_activations("grpo_deepseek_v3.yaml", 65536)
+    assert not plan(huge)["fits"]
+
+
 def test_a_teacher_is_planned_from_its_own_config_json_and_may_have_a_pool_of_its_own(tmp_path, tiny_assets):
     """teacher.model without teacher.arch: its config.json's shapes (a 70B teacher of a 7B student planned as 70B,
     the same figures as teacher.arch gives), not the student's; no teacher.parallel: the actor's layout (the demo's

@@ -28,16 +28,31 @@ def _logprob_temperature(data: DataProto) -> float:
     return 1.0 if spec is None else float(spec.logprob_temperature)
 
 
-def _forward(engine, data: DataProto, response_length: int, micro_batch_size: int, **kw) -> Optional[dict]:
-    """engine.forward_only over this rank's rows, padding them to a multiple of the micro-batch size."""
+def _forward(engine, data: DataProto, response_length: int, micro_batch_size: int, frozen: bool = False,
+             **kw) -> Optional[dict]:
+    """engine.forward_only over this rank's rows, padding them to a multiple of the micro-batch size. `frozen`: a
+    frozen role in a process of its own (the teacher, a reward model, a reference outside the actor's), whose forward
+    peak (a micro-batch's logits: R x b x V / tp, fp32 log-softmax beside them) would otherwise stay reserved in
+    PyTorch's cache while vLLM wakes into the memory it sized at start: on GPU the cache is emptied after it."""
     n = len(data)
     mbs = max(1, min(int(micro_batch_size), n))
     keys = [k for k in _MODEL_KEYS if k in data.batch]
     padded, _ = data.select(batch_keys=keys, non_tensor_keys=[], meta_info_keys=[]).pad_to_divisor(mbs)
     out = engine.forward_only(dict(padded.batch), response_length=response_length, micro_batch_size=mbs, **kw)
-    if out is None:  # not the last pipeline stage: the group does not read this rank
-        return None
-    return {k: v[:n].cpu() for k, v in out.items()}  # the driver gets CPU tensors
+    out = None if out is None else {k: v[:n].cpu() for k, v in out.items()}  # the driver gets CPU tensors
+    if frozen:
+        release_cache()
+    return out  # None: not the last pipeline stage (the group does not read this rank)
+
+
+def release_cache() -> None:
+    """The device's cached, unused memory back to the device (a no-op on CPU)."""
+    from megappo.parallel.device import on_gpu
+
+    if on_gpu():
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def _dp_all_reduce(values: list[float], op: str = "SUM") -> list[float]:

@@ -236,8 +236,9 @@ class ActorRolloutRefWorker(RolloutRole, _MegatronRoleWorker):  # the mixin firs
             ref = engine.base_model()
         else:
             engine, ref = self._need(self.ref, "ref"), contextlib.nullcontext()
-        with ref:
+        with ref:  # a reference model of its own: a frozen forward (the actor's base: the actor's cache)
             out = _forward(engine, data, _response_length(data), self.config.ref.log_prob_micro_batch_size,
+                           frozen=not self._ref_is_actor_base and self.actor is None,
                            temperature=_logprob_temperature(data), compute_entropy=False)
         if out is None:
             return None
@@ -368,7 +369,7 @@ class TeacherWorker(_MegatronRoleWorker):
     @register(Dispatch.MEGATRON_COMPUTE)
     def compute_teacher_log_prob(self, data: DataProto) -> Optional[DataProto]:
         out = _forward(self.teacher, data, _response_length(data), self.config.teacher.log_prob_micro_batch_size,
-                       temperature=_logprob_temperature(data), compute_entropy=False)
+                       frozen=True, temperature=_logprob_temperature(data), compute_entropy=False)
         if out is None:
             return None
         return DataProto.from_dict({"teacher_log_prob": out["logprobs"]})
@@ -408,7 +409,8 @@ class RewardModelWorker(_MegatronRoleWorker):
         if "position_ids" in data.batch:
             pos = data.batch["position_ids"]
             batch["position_ids"] = torch.cat([pos, pos[:, -1:]], 1)
-        out = _forward(self.rm, DataProto.from_dict(batch), r + 1, self.config.reward.model.micro_batch_size)
+        out = _forward(self.rm, DataProto.from_dict(batch), r + 1, self.config.reward.model.micro_batch_size,
+                       frozen=True)
         if out is None:
             return None
         s = ids.shape[1]
