@@ -10,6 +10,9 @@ The model (stated so it can be checked by hand):
   optimizer shards dense params over dp and expert params over the expert-data-parallel dp / ep.
   vLLM holds every expert on every rollout TP rank (TP-sliced; no vLLM expert parallel), and the
   weight sync sends every expert into every rollout GPU (merged; rollout.lora_sync=adapter: no expert, below).
+- Weight sync traffic: each rollout GPU receives its own TP slice of every weight when the sync is sliced (the
+  hybrid engine at rollout.tp = the actor's tp > 1, parallel/layout.sliced_sync), else every weight whole, the whole
+  model's bf16 bytes into every rollout GPU (a TP8 trainer into rollout TP16, any async pool).
 - Trained roles (actor, critic), megatron mixed precision with the distributed optimizer:
   weights bf16 2 B/param + fp32 grad buffer 4 B/param (full: DDP reduce-scatters into it)
   + fp32 main params and Adam m, v 12 B/param sharded over dp.  Frozen roles (ref, RM, an on-policy
@@ -72,7 +75,7 @@ from omegaconf import OmegaConf
 
 from megappo.config import ConfigError, load_config
 from megappo.config.schema import ArchConfig, MegappoConfig
-from megappo.parallel.layout import same_layout
+from megappo.parallel.layout import same_layout, sliced_sync
 from megappo.param_counts import (adapter_sync_params, kv_cache_bytes_per_token, lora_params, lora_rank, moe_layers,
                                   rollout_whole_params, shared_expert_params, stage_split, total_params)
 from megappo.parallel.weight_mapping import MOE_FAMILIES, padded_vocab_size
@@ -241,7 +244,11 @@ def plan(cfg) -> dict:
     saves = cfg.resources.device != "cpu"
     save_gb = sum(m.weights_gb + m.optimizer_gb for r, m in roles.items() if r in ("actor", "critic")) if saves else 0.0
     adapter_sync = bool(lora_rank(cfg)) and cfg.rollout.lora_sync == "adapter"  # vLLM keeps its base: adapters only
-    sync_bytes_per_gpu = 2 * adapter_sync_params(cfg.model.arch, cfg.actor.lora) if adapter_sync else vllm_weights_gb * GB
+    # merged weights: each rollout GPU's own TP slice when the sync is sliced (the hybrid engine at the trainer's TP),
+    # else every weight whole (gathered over the trainer's TP, EP-broadcast; the async modes' broadcast from rank 0)
+    sliced = cfg.trainer.mode == "sync" and sliced_sync(cfg.actor.parallel.tp, cfg.rollout.tp)
+    sync_bytes_per_gpu = 2 * adapter_sync_params(cfg.model.arch, cfg.actor.lora) if adapter_sync else \
+        vllm_weights_gb * GB if sliced else 2 * total_params(cfg)
     replicas = cfg.resources.nodes * cfg.resources.workers_per_node // cfg.rollout.tp
     # what the KV cache left beside the weights holds (workspace: this module's overhead), and one engine's
     # share of the step's samples, each at its longest (reported; vLLM queues what does not fit)
@@ -280,7 +287,7 @@ def plan(cfg) -> dict:
         "host_vllm_sleep_gb_per_gpu": round(vllm_host_gb, 2),
         "host_save_snapshot_gb_per_gpu": round(save_gb, 2),
         "host_gb_per_node": round((host_gb + vllm_host_gb + save_gb) * cfg.resources.workers_per_node, 1),
-        "weight_sync": {"sends": "adapters" if adapter_sync else "weights",
+        "weight_sync": {"sends": "adapters" if adapter_sync else "weights", "sliced": sliced and not adapter_sync,
                         "bytes_per_gpu": int(sync_bytes_per_gpu), "replicas": replicas,
                         "bytes_total": int(sync_bytes_per_gpu * cfg.rollout.tp * replicas),
                         # MoE, merged: every expert reaches every rollout TP rank (TP-sliced), from its EP rank

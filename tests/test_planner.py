@@ -45,10 +45,13 @@ def test_7b_matches_hand_calculation():
     assert result["processes_per_gpu"] == 2
     assert abs(result["phases_gb"]["rollout"] - (resident + activations + 0.4 * 79.6 + 3.0 + 2 * 0.6)) < 0.02
     assert result["peak_gpu_gb"] == max(result["phases_gb"].values())
-    # weight sync: bf16 weights of the whole model / rollout tp 2 into every rollout GPU
+    # weight sync: the actor's TP4 into rollout TP2 is not sliced: every weight whole into every rollout GPU (the
+    # plan said the TP2 slice); at rollout TP4 each rollout GPU gets its quarter
     total = 32 * 202_383_360 + 2 * 32000 * 4096 + 4096
     assert result["total_params_b"] == round(total / 1e9, 3)
-    assert result["weight_sync"]["bytes_per_gpu"] == int(2 * total / 2)
+    assert result["weight_sync"]["bytes_per_gpu"] == 2 * total and not result["weight_sync"]["sliced"]
+    sliced = plan(load_config(REPO / "configs/ppo_7b.yaml", ["critic.offload=false", "rollout.tp=4"]))["weight_sync"]
+    assert sliced["sliced"] and sliced["bytes_per_gpu"] == int(2 * total / 4)
 
 
 def test_offload_frees_the_role_outside_its_phase():

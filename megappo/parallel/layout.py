@@ -19,6 +19,13 @@ from typing import Optional
 LAYOUT_KEYS = ("tp", "pp", "dp", "vpp", "ep")
 
 
+def sliced_sync(train_tp: int, rollout_tp: int) -> bool:
+    """Whether the hybrid engine's weight sync is sliced: each rollout TP rank gets only its own shard of a TP-split
+    weight (the trainer's, at the same TP). At any other rollout TP every rank gets whole tensors, the model's every
+    byte into every rollout GPU (parallel/resharding.py; the planner's sync traffic)."""
+    return rollout_tp == train_tp and train_tp > 1
+
+
 def same_layout(a, b, but: tuple[str, ...] = ()) -> bool:
     """Whether two roles' parallel settings (a config's `parallel` or a ParallelLayout) cut the world the
     same way, ep included (the keys in `but` aside): roles that do share worker processes, and so one

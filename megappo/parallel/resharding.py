@@ -60,7 +60,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megappo.parallel.layout import ParallelLayout
+from megappo.parallel.layout import ParallelLayout, sliced_sync
 from megappo.parallel.reshard_plan import ReshardPlan, _Param
 from megappo.parallel.reshard_transport import CollectiveTransport, ShmTransport, _ShmSlots, _shm_free_bytes, \
     choose_transport
@@ -95,7 +95,7 @@ class Resharder(ReshardPlan, ShmTransport, CollectiveTransport):
         self.world = dist.get_world_size()
         if self.world % self.rollout_tp:
             raise ValueError(f"rollout tp={self.rollout_tp} must divide the actor world size {self.world}")
-        self.sliced = self.rollout_tp == layout.tp and layout.tp > 1
+        self.sliced = sliced_sync(layout.tp, self.rollout_tp)
         self.tp_rank = mpu.get_tensor_model_parallel_rank()
         self.pp_rank = mpu.get_pipeline_model_parallel_rank()
         self.dp_rank = mpu.get_data_parallel_rank()
