@@ -54,7 +54,7 @@ trl-venv:
 		"import trl; from trl.experimental.ppo import PPOTrainer; print('trl', trl.__version__, 'PPOTrainer OK')"
 
 # Debian packages the tests use: a real one-node Slurm cluster (slurmctld + slurmd) and shellcheck.
-SYSTEM_BINS := slurmctld slurmd sbatch shellcheck
+SYSTEM_BINS := slurmctld slurmd sbatch sinfo shellcheck
 system-deps:
 	@missing=0; for b in $(SYSTEM_BINS); do command -v $$b >/dev/null || missing=1; done; \
 	if [ $$missing = 1 ]; then \

@@ -151,13 +151,17 @@ log "head $head_node ($head_ip, ${head_net[*]}), ${#nodes[@]} node(s): ${nodes[*
 
 # ---------- teardown on any exit ----------
 step_pids=()
-cleanup() {
-  local rc=$?
-  log "teardown (exit code $rc)"
+stop_ray() {
   # SIGTERM to each srun step reaches its `ray start --block`, which stops the Ray processes it
   # started (and Slurm reaps the step). No `ray stop`: it would kill every Ray on a shared node.
   for pid in "${step_pids[@]}"; do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
+  step_pids=()
+}
+cleanup() {
+  local rc=$?
+  log "teardown (exit code $rc)"
+  stop_ray
   exit "$rc"
 }
 trap cleanup EXIT
@@ -174,7 +178,20 @@ srun --nodes=1 --ntasks=1 --overlap -w "$head_node" \
     "${ray_args[@]}" "${res_args[@]}" \
   > "$JOB_DIR/ray-head-$head_node.log" 2>&1 &
 step_pids+=($!)
-sleep 5
+steps_alive() {
+  for pid in "${step_pids[@]}"; do
+    kill -0 "$pid" 2>/dev/null || { log "srun step $pid died; see $JOB_DIR/ray-*.log"; return 1; }
+  done
+}
+# the head's GCS accepting connections (the port was free above: it is this job's) before workers join it, and
+# before any Ray client polls it (each poll below is a Python start, on the cores `ray start` is using)
+deadline=$((SECONDS + RAY_WAIT_S))
+until (exec 3<>"/dev/tcp/$head_ip/$RAY_PORT") 2>/dev/null; do
+  steps_alive || die "the Ray head's srun step died during startup; see $JOB_DIR/ray-head-$head_node.log"
+  (( SECONDS < deadline )) \
+    || die "the Ray head's GCS ($RAY_ADDRESS) did not open in ${RAY_WAIT_S}s; see $JOB_DIR/ray-head-$head_node.log"
+  sleep 0.5
+done
 for node in "${nodes[@]:1}"; do
   ip=$(node_ip "$node")
   [[ -n "$ip" ]] || die "could not resolve the IP of node $node (set NETWORK_INTERFACE?)"
@@ -187,16 +204,10 @@ for node in "${nodes[@]:1}"; do
   step_pids+=($!)
 done
 
-steps_alive() {
-  for pid in "${step_pids[@]}"; do
-    kill -0 "$pid" 2>/dev/null || { log "srun step $pid died; see $JOB_DIR/ray-*.log"; return 1; }
-  done
-}
 
 # ---------- wait until every node's resources are registered (bounded) ----------
 want_gpus=$((NNODES * GPUS_PER_NODE))
 want_cpus=$((NNODES * cpus_per_node))
-deadline=$((SECONDS + RAY_WAIT_S))
 while :; do
   steps_alive || die "a Ray srun step died during startup"
   have=$(python - <<'PY' 2>/dev/null || echo "0 0"
@@ -228,11 +239,15 @@ while kill -0 "$train_pid" 2>/dev/null; do
     kill "$train_pid" 2>/dev/null || true
     die "a Ray node's srun step died during training; see $JOB_DIR"
   fi
-  sleep 5 & wait $! || true  # in the background: a signal's trap runs at once, not after the sleep
+  sleep 1 & wait $! || true  # in the background: a signal's trap runs at once, not after the sleep
 done
+trap '' USR1 TERM  # the driver has exited: the requeue's own SIGTERM (it cancels this run) lets the teardown finish
 rc=0
 wait "$train_pid" || rc=$?
 if [[ "$rc" == "$EXIT_PREEMPTED" ]]; then
+  # Ray stopped first: the requeue cancels every step still running, and a step whose srun is gone holds the
+  # requeue ~10 s (its exit message to srun refused and retried)
+  stop_ray
   if [[ -n "${SLURM_JOB_ID:-}" ]] && scontrol requeue "$SLURM_JOB_ID"; then
     log "preempted: checkpoint written, job $SLURM_JOB_ID requeued (restart ${SLURM_RESTART_COUNT:-0}); it resumes there"
     exit 0

@@ -102,41 +102,31 @@ def _squeue(slurm, fmt: str) -> list[str]:
     return subprocess.run(["squeue", "-h", "-o", fmt], env=slurm.env, capture_output=True, text=True).stdout.split()
 
 
-@pytest.mark.long  # 93 s; CI keeps the trainer-level SIGTERM (test_fault_tolerance) and the sbatch preflight /
-# port refusals; the full bootstrap (Ray via srun, USR1, exit 75, scontrol requeue, resume) runs only here
-def test_preempted_job_requeues_and_finishes_like_an_uninterrupted_run(slurm, sync_baseline, tiny_assets, data_dir,
-                                                                       tmp_path):
-    """The bootstrap the 70B job uses (preflight -> Ray via srun -> megappo train -> teardown), preempted:
-    USR1 to the batch script once the driver is up (what `--signal=B:USR1@120` sends) -> the driver
-    finishes its step, checkpoints, exits 75 -> `scontrol requeue` -> the requeued job resumes and finishes
-    at total_steps with the metrics of an uninterrupted run of the same config, step for step.
+def _preempted_and_requeued(slurm, tmp_path, overrides: list[str]) -> tuple[int, str, str]:
+    """slurm/ppo_tiny.sbatch with these overrides, preempted: USR1 to the batch script (what
+    `--signal=B:USR1@120` sends) once the driver prints its first line, then the requeued job released from
+    Slurm's hold and waited for. Returns (exit code, the job's output over both runs, its id).
 
     The signal goes out when the driver prints its first line (its handlers are in place by then), so it
-    lands during start-up or step 1 whatever the machine's speed: waiting for step 1's metrics left
+    lands during start-up whatever the machine's speed: waiting for step 1's metrics left
     under 2 s of a 0.4 s-per-step run to reach the driver, and a run that finished first never requeued."""
-    import json
     import threading
 
     from megappo.parallel.launch import free_port
-    from trainer_utils import assert_same_steps, overrides
 
-    baseline, _ = sync_baseline
-    out = tmp_path / "run"
-    port = free_port()
     result = {}
 
     def submit():
         result["rc"], result["log"] = slurm.sbatch(
             str(REPO / "slurm/ppo_tiny.sbatch"), cwd=REPO, timeout=1200,
-            env={"OVERRIDES": " ".join(overrides(tiny_assets, data_dir, out)), "LOG_ROOT": str(tmp_path / "logs"),
-                 "RAY_PORT": str(port), "RAY_CLIENT_PORT": str(free_port()), "RAY_NUM_CPUS": "4"})
+            env={"OVERRIDES": " ".join(overrides), "LOG_ROOT": str(tmp_path / "logs"), "RAY_PORT": str(free_port()),
+                 "RAY_CLIENT_PORT": str(free_port()), "RAY_NUM_CPUS": "4"})
 
     job = threading.Thread(target=submit)
     job.start()
-    metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 600
 
-    def driver_up() -> bool:  # `megappo train: sync PPO, 4 steps, ...`, printed after the handlers are installed
+    def driver_up() -> bool:  # `megappo train: sync PPO, N steps, ...`, printed after the handlers are installed
         return any("megappo train: sync" in f.read_text() for f in (tmp_path / "logs").glob("*/train.log"))
 
     while not driver_up():
@@ -146,14 +136,57 @@ def test_preempted_job_requeues_and_finishes_like_an_uninterrupted_run(slurm, sy
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm.env, check=True)
     while "PENDING" not in _squeue(slurm, "%T"):  # requeued (Slurm holds a requeued job for 2 min: release it)
         assert time.monotonic() < deadline and job.is_alive(), result.get("log", "")[-3000:]
-        time.sleep(1)
+        time.sleep(0.2)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm.env, check=True)
     job.join(timeout=900)
-    rc, log = result["rc"], result["log"]
+    return result["rc"], result["log"], job_id
+
+
+def _steps(out) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_job_preempted_in_its_step_is_requeued_and_the_requeue_finds_the_checkpoint(slurm, sync_baseline, tiny_assets,
+                                                                                       data_dir, tmp_path):
+    """CI's real Slurm job, one node and one step: the bootstrap the 70B job uses (preflight -> Ray via srun ->
+    megappo train -> teardown), USR1 to the batch script once the driver is up -> the driver finishes step 1,
+    checkpoints, exits 75 -> `scontrol requeue` -> the requeued job runs the whole bootstrap again and its
+    megappo train finds step 1's checkpoint: nothing left, exit 0. Step 1 is the trainer tests' baseline's step 1
+    (same config; validation off, which the baseline first runs at step 2). Training on after a requeue (4 steps,
+    resumed at step 2 or 3) is the long tier's test below."""
+    from trainer_utils import assert_same_steps, overrides
+
+    baseline, _ = sync_baseline
+    out = tmp_path / "run"
+    rc, log, job_id = _preempted_and_requeued(
+        slurm, tmp_path, overrides(tiny_assets, data_dir, out, "trainer.total_steps=1", "trainer.val_every=0"))
+    assert rc == 0, log[-3000:]
+    assert log.count("preflight OK") == log.count("Ray cluster up") == 2, log[-3000:]  # both runs of the job
+    assert "received USR1" in log and f"job {job_id} requeued" in log and "training finished" in log
+    assert f"nothing to do: {out}/checkpoints/step_00000001 is step 1 of trainer.total_steps=1" in log, log[-3000:]
+    rows = _steps(out)
+    assert [r["step"] for r in rows] == [1]
+    assert_same_steps(baseline[:1], [{k: v for k, v in r.items() if k != "step"} for r in rows])
+
+
+@pytest.mark.long  # 202 s on a busy 2-core machine; CI runs the one-step job above (USR1, exit 75, scontrol requeue,
+# the checkpoint found by the requeued run)
+def test_preempted_job_requeues_and_finishes_like_an_uninterrupted_run(slurm, sync_baseline, tiny_assets, data_dir,
+                                                                       tmp_path):
+    """The bootstrap, preempted during start-up as above, with 4 steps: the driver finishes step 1,
+    checkpoints, exits 75 -> `scontrol requeue` -> the requeued job resumes and finishes at total_steps with the
+    metrics of an uninterrupted run of the same config, step for step."""
+    from trainer_utils import assert_same_steps, overrides
+
+    baseline, _ = sync_baseline
+    out = tmp_path / "run"
+    rc, log, job_id = _preempted_and_requeued(slurm, tmp_path, overrides(tiny_assets, data_dir, out))
     assert rc == 0, log[-3000:]
     assert "preflight OK" in log and "Ray cluster up" in log
     assert "received USR1" in log and f"job {job_id} requeued" in log and "training finished" in log
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows = _steps(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # each step once, across both runs of the job
     assert_same_steps(baseline, [{k: v for k, v in r.items() if k != "step"} for r in rows])
     train_log = next((tmp_path / "logs").glob("*/train.log")).read_text()
