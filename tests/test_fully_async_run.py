@@ -107,6 +107,93 @@ def test_stale_groups_within_the_bound_and_a_checkpoint_with_groups_in_flight(
     assert all(prompt[g] == i for step in resumed for g, i in step.items())  # group g is the same prompt
 
 
+def forced_pauses(monkeypatch, drained: bool) -> list:
+    """Every weight update reaches the pool mid-sample, whatever the two sides' speeds. The groups a step would admit
+    as it waits for its batch (GroupStream.next_batch) start instead just before the update's weights load
+    (GroupStream.after_update, still at the version the load replaces: the same groups, seeds and bound); each
+    replica's engine stops after the first step in which a request in flight has sampled (its stepping thread parks
+    itself, as paused() makes it), is held paused, and resumes once the weights are loaded (the load runs inside the
+    hold: those samples continue under the new weights), or, drained (trainer.partial_rollout=false), when the sync
+    starts, which then waits for them. Returns the requests held mid-sample at each sync (0: every sample had
+    finished, at step 1's, which admits nothing)."""
+    import ray
+
+    from megappo.ppo.fully_async import GroupStream
+
+    # in a replica's leader (nested: Ray ships them by value); engine: its AsyncTokenEngine
+    def arm(worker) -> None:
+        engine = worker._stream.engine
+        record = type(engine)._record
+
+        def record_then_park(outputs, stepped_at):  # the stepping thread, under the step lock
+            record(engine, outputs, stepped_at)
+            if any(engine._token_versions.get(rid) for rid in engine._pending):  # sampled, not finished
+                del engine._record
+                with engine._resumed:
+                    engine._pausing += 1  # paused()'s count: no step after this one until hold takes it over
+                engine._parked = True
+
+        engine._record = record_then_park
+
+    def hold(worker) -> int:
+        import contextlib
+        import threading
+        import time
+
+        stream = worker._stream
+        engine = stream.engine
+        deadline = time.monotonic() + 300
+        while not engine.__dict__.pop("_parked", False):
+            if all(f.done() for _, _, futures, _ in stream._groups.values() for f in futures):
+                engine.__dict__.pop("_record", None)  # nothing will sample: disarmed, no hold
+                return 0
+            assert time.monotonic() < deadline, "no request in flight sampled a token in 300 s"
+            time.sleep(0.005)
+        pause = contextlib.ExitStack()
+        pause.enter_context(engine.paused())  # the step lock (reentrant: the weight load runs in this thread)
+        with engine._resumed:
+            engine._pausing -= 1  # the park's count, now held by the pause
+        worker._forced_pause = (pause, threading.get_ident())
+        return sum(1 for rid in engine._pending if engine._token_versions.get(rid))
+
+    def unhold(worker) -> None:
+        import threading
+
+        pause, thread = worker.__dict__.pop("_forced_pause", (None, None))
+        if pause is not None:
+            assert thread == threading.get_ident(), "the actor ran two calls on two threads: the lock is another's"
+            pause.close()
+
+    def on_leaders(stream, fn) -> list:
+        return ray.get([stream.pool.workers[r].__ray_call__.remote(fn) for r in stream.leaders], timeout=600)
+
+    held, next_batch, after_update = [], GroupStream.next_batch, GroupStream.after_update
+
+    def next_batch_admitting_nothing(self):
+        if self.pending or self.done:  # groups started already (every step but the first): none admitted here
+            self._admit = lambda: None
+        try:
+            return next_batch(self)
+        finally:
+            self.__dict__.pop("_admit", None)
+
+    def after_update_mid_sample(self):
+        on_leaders(self, arm)
+        self._admit()  # before the version moves on (mgr.on_update): admitted as next_batch would have
+        held.append(sum(on_leaders(self, hold)))
+        if drained:
+            on_leaders(self, unhold)
+            return after_update(self)
+        try:
+            return after_update(self)
+        finally:
+            on_leaders(self, unhold)
+
+    monkeypatch.setattr(GroupStream, "next_batch", next_batch_admitting_nothing)
+    monkeypatch.setattr(GroupStream, "after_update", after_update_mid_sample)
+    return held
+
+
 PAUSES = {"partial": ["trainer.partial_rollout=true", "actor.proximal=loglinear"],
           "drained": ["trainer.partial_rollout=false"],
           # and one vLLM replica over two rollout workers (rollout.tp=2, rollout/lockstep.py): the second rank
@@ -116,27 +203,34 @@ PAUSES = {"partial": ["trainer.partial_rollout=true", "actor.proximal=loglinear"
 
 
 @pytest.mark.parametrize("pause", list(PAUSES))
-def test_partial_rollouts_cross_weight_updates_within_the_bound(ray_session, tiny_assets, data_dir, tmp_path, pause):
-    """Responses of up to 200 tokens, so the pool generates more slowly than the trainer trains: every update's
-    weights reach the pool while admitted groups are mid-sample. partial: those samples continue under the
-    new weights (keep-KV pause): some trained tokens were sampled by a later version than their sample
-    started with (per-token staleness below per-sample). recompute: the same, each sample in flight first
-    re-prefilled under the new weights (async/recomputed_samples > 0 at some sync). trainer.partial_rollout=
-    false: each sync first waits for them to finish (timing/drain_s), so no token is. recompute runs one vLLM
-    replica over two rollout workers at rollout.tp=2 (the second replaying the first). Never over
-    max_staleness=2. `partial` also takes pi_prox from A-3PO's interpolation (actor.proximal=loglinear): no
-    forward before the update, and the behaviour weights of its stale tokens move off 1."""
+def test_partial_rollouts_cross_weight_updates_within_the_bound(ray_session, tiny_assets, data_dir, tmp_path, pause,
+                                                                monkeypatch):
+    """Every update's weights reach the pool while admitted groups are mid-sample (forced_pauses: held there, not
+    left to the pool being slower than the trainer). partial: those samples continue under the new weights
+    (keep-KV pause): some trained tokens were sampled by a later version than their sample started with (per-token
+    staleness below per-sample). recompute: the same, each sample in flight first re-prefilled under the new
+    weights (async/recomputed_samples > 0 at a sync). trainer.partial_rollout=false: each sync first waits for them
+    to finish, so no token is. recompute runs one vLLM replica over two rollout workers at rollout.tp=2 (the second
+    replaying the first). Never over max_staleness=2. `partial` also takes pi_prox from A-3PO's interpolation
+    (actor.proximal=loglinear): no forward before the update, and the behaviour weights of its stale tokens move
+    off 1."""
     partial = pause != "drained"
+    held = forced_pauses(monkeypatch, drained=not partial)
+    # the trainer tests' 8-token responses do (a held sample has one token at least, and one more to come): partial
+    # and drained run on the stale-groups test's warm workers (rollout.max_new_tokens builds vLLM's engine, and a
+    # fully_async tp2 pool is never kept)
     history = _run(_config(tiny_assets, data_dir, tmp_path / "partial", *FULLY_ASYNC, "trainer.max_staleness=2",
                            "trainer.total_steps=5", "trainer.val_every=0", "actor.policy_loss=decoupled",
-                           "rollout.max_new_tokens=200", *PAUSES[pause]))
-    # 5 steps: batches 4 and 5 start after an update
+                           *PAUSES[pause]))
+    # 5 steps: the groups started at syncs 2 and 3 (one version behind the load) are trained at steps 4 and 5
+    print("held mid-sample at each sync:", held)
     for h in history:
         print({k: round(v, 4) for k, v in h.items() if k.startswith("async/") or k in (
             "response_length/mean", "timing/drain_s", "timing/weight_sync_s", "timing/step_s")})
         assert h["async/rollout_replicas"] == 1.0  # recompute: two workers at rollout.tp=2
         assert h["async/over_bound"] == 0 and h["async/sample_staleness_max"] <= 2
         assert h["rollout/weights_fingerprint_ok"] == 1.0 and math.isfinite(h["loss/policy_avg"])
+    assert len(held) == 5 and all(held[1:]), held  # syncs 2-5 started groups, held mid-sample as the weights load
     if pause == "partial":  # loglinear: no pi_old forward; a token alpha > 0 has pi_prox / pi_behav != 1
         assert all("timing/old_log_prob_s" not in h for h in history)
         # the sampler/trainer gap from the update's first step (stale tokens: their policy lag in it), no max
@@ -145,12 +239,12 @@ def test_partial_rollouts_cross_weight_updates_within_the_bound(ray_session, tin
         assert history[0]["rollout/logprob_diff_mean"] < 1e-5 < max(h["rollout/logprob_diff_mean"] for h in history)
         assert max(abs(h["actor/behav_weight_mean"] - 1) for h in history) > 1e-4
     recomputed = [h.get("async/recomputed_samples", 0) for h in history]
+    # recompute: the samples held mid-sample at a sync are re-prefilled there (each sync's count in its step's row)
     assert (max(recomputed) > 0) == (pause == "recompute"), recomputed
-    assert max(h["response_length/mean"] for h in history) > 100  # long enough to be in flight at a sync
     crossed = [h for h in history if h["async/cross_update_token_frac"] > 0]
-    if not partial:
+    if not partial:  # samples were in flight at syncs 2-5 (held), and none spans an update: the drain finished them
         assert not crossed and all(h["async/staleness_mean"] == h["async/sample_staleness_mean"] for h in history)
-        assert max(h["timing/drain_s"] for h in history) > 0.01  # a sync waited for samples in flight
+        assert all("timing/drain_s" in h for h in history)
         return
     assert crossed, "no sample spanned a weight update"
     assert all("timing/drain_s" not in h for h in history)
@@ -188,19 +282,23 @@ def test_remax_takes_its_greedy_baseline_from_the_pool(ray_session, tiny_assets,
     (its newest weights) and every sample's advantage is its score minus that response's reward."""
     import torch
 
-    captured = []
+    captured, greedy = [], []
 
     def setup(trainer):
-        advantages = trainer._advantages
+        advantages, generate = trainer._advantages, trainer._generate
 
         def recorded(batch, scores, baselines=None):
             out = advantages(batch, scores, baselines)
             b = batch.batch  # G_0: the whole response's reward (its score, plus KL penalties if in the reward)
             captured.append(((b["token_level_rewards"] * b["response_mask"]).sum(-1), baselines, b["advantages"],
-                             b["response_mask"]))
+                             b["response_mask"], list(batch.non_tensor_batch["uid"])))
             return out
 
-        trainer._advantages = recorded
+        def generated(prompts, sampling, wg=None):  # the driver's own calls (the stream's groups are the pool's)
+            greedy.append((list(prompts.non_tensor_batch["uid"]), sampling.do_sample, wg))
+            return generate(prompts, sampling, wg)
+
+        trainer._advantages, trainer._generate = recorded, generated
 
     from megappo.assets import ensure_assets
     from trainer_utils import REPO
@@ -209,14 +307,18 @@ def test_remax_takes_its_greedy_baseline_from_the_pool(ray_session, tiny_assets,
     history, _ = _run(_config(tiny_assets, data_dir, tmp_path / "remax", *FULLY_ASYNC, "trainer.max_staleness=1",
                               "trainer.total_steps=2", "trainer.val_every=0", "algorithm.adv_estimator=remax",
                               "critic.enable=false", f"model.path={arith}"), setup=setup)
-    assert len(captured) == 2 and all(h["timing/gen_baseline_s"] > 0 for h in history)
-    for score, baseline, adv, mask in captured:
+    assert len(captured) == 2 and len(history) == 2
+    # one greedy response per prompt of each batch, from the pool (wg None: the rollout pool)
+    assert [(sorted(uids), do_sample, wg) for uids, do_sample, wg in greedy] == \
+        [(sorted(set(uids)), False, None) for *_, uids in captured]
+    assert all(len(uids) == 8 and len(set(uids)) == 4 for *_, uids in captured)  # 4 prompts x rollout.n=2
+    for score, baseline, adv, mask, _ in captured:
         print(f"rewards {score.tolist()} greedy baselines {baseline.tolist()}")
         assert baseline is not None and baseline.shape == score.shape
         first = mask.argmax(-1)  # ReMax's advantage is the same at every response token: (score - baseline)
         got = adv.gather(-1, first[:, None])[:, 0]
         torch.testing.assert_close(got, score - baseline, atol=1e-5, rtol=1e-5)
-    every = torch.cat([torch.stack([s, b]) for s, b, _, _ in captured], 1)
+    every = torch.cat([torch.stack([s, b]) for s, b, *_ in captured], 1)
     assert len(set(every.flatten().tolist())) > 1  # rewards and baselines vary: the check above has teeth
 
 
