@@ -653,7 +653,7 @@ def test_published_plans_are_the_planners():
     _check_pools(search_all=False)
 
 
-@pytest.mark.long  # 379 s on a loaded 2-core machine: --smallest searches every layout of every smaller pool; CI plans
+@pytest.mark.long  # 96 s (379 s on a loaded machine): --smallest searches every layout of every smaller pool; CI plans
 # each published pool at its layout
 def test_published_smallest_pools_are_what_the_search_finds():
     from megappo.planner import smallest
