@@ -96,6 +96,13 @@ def _main(args: argparse.Namespace) -> int:
     if done is not None and read_step(done) >= cfg.trainer.total_steps:
         print(f"nothing to do: {done} is step {read_step(done)} of trainer.total_steps={cfg.trainer.total_steps} "
               f"(rm -rf {out} to start over, or raise trainer.total_steps to continue)", flush=True)
+        final = Path(out) / "hf_final"
+        if cfg.trainer.export_hf and not (final / "config.json").is_file():  # a run preempted in its last step
+            from megappo.export import export_checkpoint
+
+            export_checkpoint(done, final, overwrite=True, progress=False)
+            print(f"exported the final policy (step {read_step(done)}) to {final}: the run that trained it was "
+                  "stopped before its export", flush=True)
         return 0
     import ray
 

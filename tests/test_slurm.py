@@ -153,7 +153,8 @@ def test_a_job_preempted_in_its_step_is_requeued_and_the_requeue_finds_the_check
     """CI's real Slurm job, one node and one step: the bootstrap the 70B job uses (preflight -> Ray via srun ->
     megappo train -> teardown), USR1 to the batch script once the driver is up -> the driver finishes step 1,
     checkpoints, exits 75 -> `scontrol requeue` -> the requeued job runs the whole bootstrap again and its
-    megappo train finds step 1's checkpoint: nothing left, exit 0. Step 1 is the trainer tests' baseline's step 1
+    megappo train finds step 1's checkpoint: nothing left to train, the export the preempted run never wrote, exit 0.
+    Step 1 is the trainer tests' baseline's step 1
     (same config; validation off, which the baseline first runs at step 2). Training on after a requeue (4 steps,
     resumed at step 2 or 3) is the long tier's test below."""
     from trainer_utils import assert_same_steps, overrides
@@ -166,6 +167,8 @@ def test_a_job_preempted_in_its_step_is_requeued_and_the_requeue_finds_the_check
     assert log.count("preflight OK") == log.count("Ray cluster up") == 2, log[-3000:]  # both runs of the job
     assert "received USR1" in log and f"job {job_id} requeued" in log and "training finished" in log
     assert f"nothing to do: {out}/checkpoints/step_00000001 is step 1 of trainer.total_steps=1" in log, log[-3000:]
+    # the preempted run stopped before its export: the requeued one writes it (hf_final was never written)
+    assert "the run that trained it was stopped before its export" in log and (out / "hf_final" / "config.json").is_file()
     rows = _steps(out)
     assert [r["step"] for r in rows] == [1]
     assert_same_steps(baseline[:1], [{k: v for k, v in r.items() if k != "step"} for r in rows])
