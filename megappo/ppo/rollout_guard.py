@@ -8,9 +8,9 @@ metric nobody reads while the run trains on. The guard reads it on the run's fir
 `trainer.rollout_check_every` steps after) and stops the run in one line when it is past the bound for the
 dtypes in use (`trainer.rollout_check: warn` trains on, warning every step it is past; `never`: no check).
 
-The gap is measured over the tokens the current weights sampled: every token in sync mode; in the async modes
-the tokens of the trainer's own version (one-step async: its first step only; fully_async: the tokens sampled
-since the last weight sync), so the policy lag the losses correct for never counts as a mismatch. With a pi_old
+The gap is measured over the samples the current weights sampled whole: every sample in sync mode; in the async
+modes those of the trainer's own version (one-step async: its first step only; fully_async: the samples begun and
+finished since the last weight load), so the policy lag the losses correct for never counts as a mismatch. With a pi_old
 forward it is read before any update trains on the batch; without one (actor.use_rollout_log_probs,
 actor.proximal=loglinear) from the update's first mini-batch, after that step's update.
 
@@ -46,14 +46,18 @@ def run_dtype(model_dtype: str, on_gpu: bool) -> str:
 
 
 def on_policy_gap(batch, version: int) -> Optional[float]:
-    """rollout/logprob_diff_mean over the response tokens sampled at `version` (the trainer's weights before this
-    step's update), from pi_old and the sampler's log-probs; None without a pi_old forward or such tokens."""
+    """rollout/logprob_diff_mean over the samples `version` sampled whole (the trainer's weights before this step's
+    update), from pi_old and the sampler's log-probs; None without a pi_old forward or such samples. A sample begun
+    under older weights is left out entirely, its later tokens too: they were sampled under the old weights' KV
+    cache (fully_async's pause_mode=keep), so they rightly differ from a pi_old recomputed under the new weights."""
     from megappo.ppo.staleness import batch_token_versions
 
     b = batch.batch
     if "old_log_probs" not in b or "rollout_log_probs" not in b:
         return None
-    mask = b["response_mask"].bool() & (batch_token_versions(batch, version) == version)
+    response = b["response_mask"].bool()
+    whole = ((batch_token_versions(batch, version) == version) | ~response).all(-1, keepdim=True)
+    mask = response & whole
     if not mask.any():
         return None
     gap = (b["old_log_probs"].double() - b["rollout_log_probs"].double()).abs()
