@@ -46,3 +46,15 @@ def test_the_bound_is_the_dtypes_and_a_gap_past_it_is_one_line():
         guard.check(2, 2 * BOUNDS["bf16"])
     assert "\n" not in str(e.value) and str(e.value).startswith("step 2: rollout/logprob_diff_mean=0.5 ")
     assert guard.check(3, 10.0) == {} and guard.steps_checked == [1, 2]  # past its first steps, every=0: no check
+
+
+def test_the_updates_gap_counts_only_when_the_current_weights_sampled_the_whole_batch():
+    """Without a pi_old forward the update measures the gap on its first mini-batch, whichever samples it holds:
+    it is the guard's only when every sample of the batch is the current version's."""
+    from megappo.ppo.rollout_guard import update_gap
+
+    lp, mask = [[-1.0, -1.0]], [[1, 1]]
+    metrics = {"rollout/logprob_diff_mean": torch.tensor(0.125)}
+    assert update_gap(_batch(lp, lp, mask, [[3, 3]]), 3, metrics) == 0.125
+    assert update_gap(_batch(lp, lp, mask, [[2, 3]]), 3, metrics) is None
+    assert update_gap(_batch(lp, lp, mask), 0, {}) is None

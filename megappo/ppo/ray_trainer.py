@@ -358,8 +358,7 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
         # 6. critic and actor updates
         critic_metrics, actor_metrics = self._update(batch, timing)
         if not pi_old_recomputed:  # the gap the update's first mini-batch measured, when the batch is on-policy
-            versions = batch_token_versions(batch, self.global_step)[batch.batch["response_mask"].bool()]
-            gap = update_gap(actor_metrics) if bool((versions == self.global_step).all()) else None
+            gap = update_gap(batch, self.global_step, actor_metrics)
             counts.update(self.rollout_guard.check(step, gap, "the update"))
         if self.stream is not None:  # 6b. the new weights to the rollout pool, its generation in flight
             timing.update(self.stream.after_update())

@@ -50,14 +50,10 @@ def on_policy_gap(batch, version: int) -> Optional[float]:
     update), from pi_old and the sampler's log-probs; None without a pi_old forward or such samples. A sample begun
     under older weights is left out entirely, its later tokens too: they were sampled under the old weights' KV
     cache (fully_async's pause_mode=keep), so they rightly differ from a pi_old recomputed under the new weights."""
-    from megappo.ppo.staleness import batch_token_versions
-
     b = batch.batch
     if "old_log_probs" not in b or "rollout_log_probs" not in b:
         return None
-    response = b["response_mask"].bool()
-    whole = ((batch_token_versions(batch, version) == version) | ~response).all(-1, keepdim=True)
-    mask = response & whole
+    mask = _sampled_whole(batch, version)
     if not mask.any():
         return None
     gap = (b["old_log_probs"].double() - b["rollout_log_probs"].double()).abs()
@@ -103,7 +99,19 @@ class RolloutGuard:
         return {"rollout/gap_past_bound": 1.0}
 
 
-def update_gap(actor_metrics: dict) -> Optional[float]:
-    """The gap the update measured on its first mini-batch (no pi_old forward: losses.PolicyLoss.parity_in_update)."""
+def _sampled_whole(batch, version: int) -> torch.Tensor:
+    """The response tokens of the samples `version` sampled whole (every one of their tokens at that version)."""
+    from megappo.ppo.staleness import batch_token_versions
+
+    response = batch.batch["response_mask"].bool()
+    whole = ((batch_token_versions(batch, version) == version) | ~response).all(-1, keepdim=True)
+    return response & whole
+
+
+def update_gap(batch, version: int, actor_metrics: dict) -> Optional[float]:
+    """The gap the update measured on its first mini-batch (no pi_old forward: losses.PolicyLoss.parity_in_update),
+    when `version` sampled the whole batch (its mini-batch is the update's, whatever samples it holds); else None."""
     value = actor_metrics.get(METRIC)
-    return None if value is None else float(torch.as_tensor(value))
+    if value is None or not bool((_sampled_whole(batch, version) == batch.batch["response_mask"].bool()).all()):
+        return None
+    return float(torch.as_tensor(value))
