@@ -1,0 +1,114 @@
+"""Context parallelism's split (issue #72, first slice): how one packed micro-batch (workers/packing.py: rows
+concatenated into one sequence [T], `segments` [T] the row of each column, -1 for the tail padding) is cut over
+`cp` ranks, and the attention mask each rank's queries need against the keys / values all-gathered over the CP
+group. Pure functions on index tensors; the collectives and the model wiring come in later slices.
+
+    split = zigzag_split(segments, cp, multiple=1)          # every rank's slots, computed the same on each rank
+    local = split.take(input_ids[0], rank)                  # [L]: this rank's tokens (0 on padding)
+    mask = split.mask(rank)                                 # [L, cp * L] bool, True = may attend
+
+The split (megatron-core's and Llama 3's zigzag; verl's `preprocess_packed_seqs` does the same per packed row):
+- each row of n tokens is padded to a multiple of 2*cp (n_pad), cut into 2*cp chunks of c = n_pad / (2*cp), and
+  rank r holds chunks r and 2*cp-1-r of every row: under causal attention a chunk's work grows with its place in
+  the row, so pairing an early chunk with a late one gives every rank the same work (2 chunks per row, the same
+  token count L = sum(n_pad) / cp on every rank);
+- L is rounded up to `multiple` (the TP size under sequence parallel) with tail padding;
+- a padding slot (in-row or tail) has row -1 and is masked out of every real query: keys and values are
+  gathered over the group in rank order, and a query attends to a key when both are in the same row and the
+  key's place in the row is <= the query's ("same row and key position <= query position"). A padding query
+  still sees itself, so no softmax row is empty (no NaN for outputs nobody reads).
+- Positions for RoPE are the tokens' own (`take(position_ids)`), so the split never touches RoPE tables: no
+  `get_pos_emb_on_this_cp_rank` (which pins host memory, and fails without a GPU driver).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megappo.models.packed_attention import segment_spans
+
+
+@dataclass(frozen=True)
+class CPSplit:
+    """The split of one packed micro-batch over `cp` ranks: `source[r]` [L] the packed column each of rank r's
+    slots holds (-1 for padding), `row[r]` [L] its row (-1 for padding), `place[r]` [L] its index within the
+    row (causal order)."""
+    cp: int
+    source: torch.Tensor  # [cp, L]
+    row: torch.Tensor  # [cp, L]
+    place: torch.Tensor  # [cp, L]
+
+    @property
+    def local_tokens(self) -> int:
+        return int(self.source.shape[1])
+
+    def take(self, x: torch.Tensor, rank: int, fill=0) -> torch.Tensor:
+        """x [T, ...] (a packed micro-batch's per-column tensor) -> rank's [L, ...], `fill` on padding slots."""
+        src = self.source[rank]
+        out = x.index_select(0, src.clamp(min=0))
+        pad = (src < 0).view(-1, *([1] * (x.dim() - 1)))
+        return torch.where(pad, torch.as_tensor(fill, dtype=x.dtype, device=x.device), out)
+
+    def mask(self, rank: int) -> torch.Tensor:
+        """[L, cp * L]: rank's queries against the keys gathered over the group in rank order (True: attend)."""
+        rq, pq = self.row[rank], self.place[rank]
+        rk, pk = self.row.reshape(-1), self.place.reshape(-1)
+        same = rq[:, None] == rk[None, :]
+        return same & (pk[None, :] <= pq[:, None])
+
+    def owner(self, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed columns [n] -> (the rank holding each, its slot there), both [n]."""
+        size = max(int(self.source.max()) if self.source.numel() else -1, int(columns.max()) if columns.numel() else -1)
+        where = torch.full((size + 1, 2), -1, dtype=torch.long)
+        flat = self.source.reshape(-1)
+        real = flat >= 0
+        slots = torch.arange(flat.numel())
+        where[flat[real]] = torch.stack([slots[real] // self.local_tokens, slots[real] % self.local_tokens], 1)
+        got = where[columns]
+        if bool((got[:, 0] < 0).any()):
+            raise ValueError("a column asked for is padding in the packed micro-batch")
+        return got[:, 0], got[:, 1]
+
+
+def zigzag_split(segments: torch.Tensor, cp: int, multiple: int = 1, width: int | None = None) -> CPSplit:
+    """The split of a packed micro-batch whose columns belong to rows `segments` [T] (-1: tail padding).
+    `width`: the local length every rank gets (>= the split's own; one width for every micro-batch of a
+    pipeline call, whose p2p buffers have one shape); None: the split's own, rounded up to `multiple`."""
+    if cp < 1:
+        raise ValueError(f"cp={cp} must be >= 1")
+    chunks = 2 * cp
+    src = [[] for _ in range(cp)]
+    row = [[] for _ in range(cp)]
+    place = [[] for _ in range(cp)]
+    for k, (a, b) in enumerate((a, b) for a, b in segment_spans(segments) if int(segments[a]) >= 0):
+        n = b - a
+        c = -(-n // chunks)
+        for r in range(cp):
+            for chunk in (r, chunks - 1 - r):
+                p = torch.arange(chunk * c, (chunk + 1) * c)
+                real = p < n
+                src[r].append(torch.where(real, a + p, -1))
+                row[r].append(torch.where(real, k, -1))
+                place[r].append(p)
+    own = sum(int(x.numel()) for x in src[0])
+    need = -(-max(own, 1) // multiple) * multiple
+    if width is None:
+        width = need
+    if width < own or width % multiple:
+        raise ValueError(f"local width {width} must be >= {own} and a multiple of {multiple}")
+
+    def stack(parts, fill):
+        return torch.stack([torch.cat(p + [torch.full((width - own,), fill, dtype=torch.long)]) for p in parts])
+
+    return CPSplit(cp, stack(src, -1), stack(row, -1), stack(place, 0))
+
+
+def local_width(segments_list: list[torch.Tensor], cp: int, multiple: int = 1) -> int:
+    """The one local length for every micro-batch of a call (the widest split's, rounded up to `multiple`)."""
+    widest = 0
+    for seg in segments_list:
+        lengths = [b - a for a, b in segment_spans(seg) if int(seg[a]) >= 0]
+        widest = max(widest, sum(-(-n // (2 * cp)) * 2 for n in lengths))
+    return -(-max(widest, 1) // multiple) * multiple
