@@ -81,3 +81,52 @@ def test_one_width_for_every_micro_batch():
     assert w % 4 == 0 and all(zigzag_split(s, 2, width=w).local_tokens == w for s in segs)
     with pytest.raises(ValueError, match="multiple of 4"):
         zigzag_split(segs[0], 2, multiple=4, width=10)
+
+
+def _cp_job(rank, world, port, lengths):
+    import torch.distributed as dist
+
+    from megappo.parallel.context_parallel import cp_attention, sum_over_cp
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)  # the same full tensors on every rank
+    seg = packed_segments(lengths, tail=1)
+    t = seg.numel()
+    q, k, v = (torch.randn(t, h, 8, requires_grad=True) for h in (4, 2, 2))
+    weight = torch.randn(t, 4, 8)  # a loss that weighs every output differently
+    split = zigzag_split(seg, world)
+    local = [split.take(x, rank).detach().requires_grad_() for x in (q, k, v)]
+    out = cp_attention(*local, split.mask(rank), 8 ** -0.5, dist.group.WORLD)
+    # this rank's outputs scattered to their packed columns, summed over the group: the whole micro-batch's
+    real = split.source[rank] >= 0
+    full = torch.zeros(t, 4, 8).index_put((split.source[rank][real],), out[real])
+    full = sum_over_cp(full, dist.group.WORLD)
+    loss = (full[seg >= 0] * weight[seg >= 0]).sum()
+    loss.backward()
+    grads = [torch.zeros(t, *x.shape[1:]).index_put((split.source[rank][real],), x.grad[real]) for x in local]
+    dist.destroy_process_group()
+    return {"full": full.detach(), "loss": float(loss), "grads": grads}
+
+
+def test_cp_attention_and_its_gradients_over_gloo_equal_one_process():
+    """Two gloo ranks: the forward, the loss and q / k / v's gradients (each rank's share, put together) equal
+    the whole micro-batch's in one process; the all-gather's backward sums every rank's use of its keys."""
+    from megappo.parallel.launch import spawn_local
+
+    lengths = [11, 4, 1]
+    reports = spawn_local(_cp_job, 2, lengths, timeout=120, threads=1)
+    torch.manual_seed(0)
+    seg = packed_segments(lengths, tail=1)
+    t = seg.numel()
+    q, k, v = (torch.randn(t, h, 8, requires_grad=True) for h in (4, 2, 2))
+    weight = torch.randn(t, 4, 8)
+    want = PackedLayout(seg).attend(q, k, v, 8 ** -0.5)
+    loss = (want[seg >= 0] * weight[seg >= 0]).sum()
+    loss.backward()
+    real = seg >= 0
+    for r in reports:
+        assert abs(r["loss"] - float(loss)) <= 1e-5
+        torch.testing.assert_close(r["full"][real], want.detach()[real], rtol=0, atol=1e-6)
+    for i, x in enumerate((q, k, v)):
+        got = reports[0]["grads"][i] + reports[1]["grads"][i]
+        torch.testing.assert_close(got[real], x.grad[real], rtol=0, atol=1e-5)

@@ -1,11 +1,13 @@
 """Context parallelism's split (issue #72, first slice): how one packed micro-batch (workers/packing.py: rows
 concatenated into one sequence [T], `segments` [T] the row of each column, -1 for the tail padding) is cut over
 `cp` ranks, and the attention mask each rank's queries need against the keys / values all-gathered over the CP
-group. Pure functions on index tensors; the collectives and the model wiring come in later slices.
+group. Pure functions on index tensors, and the two collectives CP attention and the CP outputs need (with their
+autograd); the model wiring comes in a later slice.
 
     split = zigzag_split(segments, cp, multiple=1)          # every rank's slots, computed the same on each rank
     local = split.take(input_ids[0], rank)                  # [L]: this rank's tokens (0 on padding)
     mask = split.mask(rank)                                 # [L, cp * L] bool, True = may attend
+    out = cp_attention(q, k, v, mask, scale, group)         # this rank's queries against the gathered k / v
 
 The split (megatron-core's and Llama 3's zigzag; verl's `preprocess_packed_seqs` does the same per packed row):
 - each row of n tokens is padded to a multiple of 2*cp (n_pad), cut into 2*cp chunks of c = n_pad / (2*cp), and
@@ -112,3 +114,65 @@ def local_width(segments_list: list[torch.Tensor], cp: int, multiple: int = 1) -
         lengths = [b - a for a, b in segment_spans(seg) if int(seg[a]) >= 0]
         widest = max(widest, sum(-(-n // (2 * cp)) * 2 for n in lengths))
     return -(-max(widest, 1) // multiple) * multiple
+
+
+class _GatherOverCP(torch.autograd.Function):
+    """Forward: the group's [L, ...] tensors concatenated in rank order -> [cp * L, ...]. Backward: every rank's
+    gradient of the gathered tensor summed, this rank's slice kept (each rank's keys / values feed every rank's
+    queries). gloo has no reduce-scatter: an all-reduce and a slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        ctx.group, ctx.rank, ctx.n = group, dist.get_rank(group), x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n], None
+
+
+class _SumOverCP(torch.autograd.Function):
+    """Forward: the sum over the group (outputs each rank computed for its own columns, zeros elsewhere).
+    Backward: identity, as TP's reduce_from_tensor_model_parallel_region: every CP rank computes the same loss
+    from the summed outputs, and each rank's gradient flows back through the columns it computed."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def gather_over_cp(x: torch.Tensor, group) -> torch.Tensor:
+    return _GatherOverCP.apply(x, group)
+
+
+def sum_over_cp(x: torch.Tensor, group) -> torch.Tensor:
+    return _SumOverCP.apply(x, group)
+
+
+def cp_attention(q, k, v, mask, scale, group):
+    """q [L, np, hn], k [L, ng, hn], v [L, ng, hv] (this rank's slots), mask [L, cp * L] (CPSplit.mask) ->
+    context [L, np, hv]: one SDPA call against the keys and values gathered over the CP group (Llama 3's
+    all-gather CP). The kernel holds no [L, cp * L] score matrix; the boolean mask is L * cp * L bytes."""
+    import torch.nn.functional as F
+
+    keys, values = gather_over_cp(k, group), gather_over_cp(v, group)
+    q, keys, values = (x.transpose(0, 1).unsqueeze(0) for x in (q, keys, values))
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[1] != keys.shape[1])
+    return out[0].transpose(0, 1)
