@@ -1,13 +1,15 @@
-"""ParallelLayout: how a world of ranks is cut into tensor (tp), pipeline (pp, with vpp virtual stages
-per rank) and data (dp) parallel groups, in megatron-core's rank order; and, for a mixture-of-experts
-model, how the routed experts are spread over expert-parallel ranks (ep).
+"""ParallelLayout: how a world of ranks is cut into tensor (tp), context (cp: each row's tokens split over cp
+ranks, parallel/context_parallel.py), pipeline (pp, with vpp virtual stages per rank) and data (dp) parallel
+groups, in megatron-core's rank order; and, for a mixture-of-experts model, how the routed experts are spread
+over expert-parallel ranks (ep).
 
 Expert parallelism reuses the data-parallel ranks (megatron's "expert data parallel" = dp / ep): the ep
 ranks of one expert group hold different experts, everything else is replicated over dp as usual. Experts
 are split over tp like a dense MLP (expert tensor parallel = tp, megatron's default).
 
 megatron's `initialize_model_parallel(order="tp-cp-ep-dp-pp")` (the default) numbers ranks with tp
-fastest, then dp, then pp (cp = ep = 1 here):  rank = tp + TP * (dp + DP * pp).
+fastest, then cp, then dp, then pp (ep subdivides dp):  rank = tp + TP * (cp + CP * (dp + DP * pp)).
+The context-parallel layout is not yet reachable from a config (issue #72: the engine's wiring comes next).
 `tests/test_layout.py` checks this against the groups parallel_state really builds.
 """
 
@@ -46,7 +48,8 @@ def check_layout(par, num_heads: Optional[int] = None, num_kv_heads: Optional[in
 
     whole = f"{where} " if where else ""
     tp, pp, dp, vpp, ep = (getattr(par, k) for k in ("tp", "pp", "dp", "vpp", "ep"))
-    for k, v in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep)):
+    cp = getattr(par, "cp", 1)
+    for k, v in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp), ("ep", ep)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{key(k)}={v!r} must be a positive int (>= 1)")
     if vpp is not None:
@@ -65,12 +68,13 @@ def check_layout(par, num_heads: Optional[int] = None, num_kv_heads: Optional[in
     if dp % ep:
         raise ValueError(f"{key('ep')}={ep} must divide {key('dp')}={dp} (expert parallel ranks are data parallel "
                          f"ranks); raise dp or lower ep")
-    if world_size is not None and tp * pp * dp != world_size:
-        if world_size % (tp * pp) == 0:
-            raise ValueError(f"{whole}tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} but the pool has {world_size} "
-                             f"workers ({pool}); change dp to {world_size // (tp * pp)}")
-        raise ValueError(f"{whole}tp*pp = {tp * pp} does not divide the pool's {world_size} workers ({pool}); pick "
-                         f"tp and pp whose product divides {world_size}")
+    if world_size is not None and tp * cp * pp * dp != world_size:
+        shown = ("tp*cp*pp", f"{tp}*{cp}*{pp}", "tp, cp and pp") if cp > 1 else ("tp*pp", f"{tp}*{pp}", "tp and pp")
+        if world_size % (tp * cp * pp) == 0:
+            raise ValueError(f"{whole}{shown[0]}*dp = {shown[1]}*{dp} = {tp * cp * pp * dp} but the pool has "
+                             f"{world_size} workers ({pool}); change dp to {world_size // (tp * cp * pp)}")
+        raise ValueError(f"{whole}{shown[0]} = {tp * cp * pp} does not divide the pool's {world_size} workers "
+                         f"({pool}); pick {shown[2]} whose product divides {world_size}")
     if num_heads is None:
         return
     if num_heads % tp:
@@ -92,13 +96,14 @@ class ParallelLayout:
     dp: int = 1
     vpp: Optional[int] = None  # virtual stages per pipeline rank (interleaved schedule); None = off
     ep: int = 1  # expert parallel: routed experts split over ep of the dp ranks (MoE models only)
+    cp: int = 1  # context parallel: each row's tokens split over cp ranks (zigzag)
 
     def __post_init__(self):
         check_layout(self, where="ParallelLayout")
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def num_model_chunks(self) -> int:
@@ -110,36 +115,44 @@ class ParallelLayout:
         return self.vpp if (self.vpp or 1) > 1 else None
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """rank -> (dp, pp, tp)."""
+        """rank -> (dp, pp, tp) (`cp_rank` gives the fourth)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of size {self.world_size}")
         tp = rank % self.tp
-        dp = (rank // self.tp) % self.dp
-        pp = rank // (self.tp * self.dp)
+        dp = (rank // (self.tp * self.cp)) % self.dp
+        pp = rank // (self.tp * self.cp * self.dp)
         return dp, pp, tp
 
-    def rank(self, dp: int, pp: int, tp: int) -> int:
-        """(dp, pp, tp) -> rank."""
-        if not (0 <= dp < self.dp and 0 <= pp < self.pp and 0 <= tp < self.tp):
-            raise ValueError(f"coords (dp={dp}, pp={pp}, tp={tp}) outside layout {self}")
-        return tp + self.tp * (dp + self.dp * pp)
+    def cp_rank(self, rank: int) -> int:
+        self.coords(rank)
+        return (rank // self.tp) % self.cp
+
+    def rank(self, dp: int, pp: int, tp: int, cp: int = 0) -> int:
+        """(dp, pp, tp[, cp]) -> rank."""
+        if not (0 <= dp < self.dp and 0 <= pp < self.pp and 0 <= tp < self.tp and 0 <= cp < self.cp):
+            raise ValueError(f"coords (dp={dp}, pp={pp}, tp={tp}, cp={cp}) outside layout {self}")
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
     def tp_group(self, rank: int) -> list[int]:
         dp, pp, _ = self.coords(rank)
-        return [self.rank(dp, pp, t) for t in range(self.tp)]
+        return [self.rank(dp, pp, t, self.cp_rank(rank)) for t in range(self.tp)]
+
+    def cp_group(self, rank: int) -> list[int]:
+        dp, pp, tp = self.coords(rank)
+        return [self.rank(dp, pp, tp, c) for c in range(self.cp)]
 
     def pp_group(self, rank: int) -> list[int]:
         dp, _, tp = self.coords(rank)
-        return [self.rank(dp, p, tp) for p in range(self.pp)]
+        return [self.rank(dp, p, tp, self.cp_rank(rank)) for p in range(self.pp)]
 
     def dp_group(self, rank: int) -> list[int]:
         _, pp, tp = self.coords(rank)
-        return [self.rank(d, pp, tp) for d in range(self.dp)]
+        return [self.rank(d, pp, tp, self.cp_rank(rank)) for d in range(self.dp)]
 
     def is_collect_rank(self, rank: int) -> bool:
-        """tp == 0 on the last pipeline stage: where a DP replica's outputs are read."""
+        """tp == cp == 0 on the last pipeline stage: where a DP replica's outputs are read."""
         _, pp, tp = self.coords(rank)
-        return tp == 0 and pp == self.pp - 1
+        return tp == 0 and self.cp_rank(rank) == 0 and pp == self.pp - 1
 
     def validate(self, num_heads: int, num_kv_heads: int, num_layers: int, world_size: Optional[int] = None,
                  num_experts: int = 0) -> None:
@@ -149,4 +162,5 @@ class ParallelLayout:
     def __str__(self) -> str:
         v = f"xVPP{self.vpp}" if self.virtual_pp else ""
         e = f"xEP{self.ep}" if self.ep > 1 else ""
-        return f"TP{self.tp}xPP{self.pp}{v}xDP{self.dp}{e}"
+        c = f"xCP{self.cp}" if self.cp > 1 else ""
+        return f"TP{self.tp}{c}xPP{self.pp}{v}xDP{self.dp}{e}"

@@ -86,6 +86,7 @@ def init_megatron(layout: ParallelLayout, seed: int = 1234) -> None:
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
         virtual_pipeline_model_parallel_size=layout.virtual_pp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.tp,
