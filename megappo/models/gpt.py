@@ -289,6 +289,12 @@ def build_gpt_chunks(hf_config, config, layout: ParallelLayout, value_head: bool
         model.vp_stage = vp_stage
         if value_head and post:
             model.output_layer = ValueHead(dims.hidden_size, config.sequence_parallel, config.params_dtype, seed)
+        if layout.cp > 1:  # megappo's split gives each token its own position (workers/megatron_step.packed_rope):
+            from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+            for m in model.modules():  # never megatron's CP slice of the RoPE table (it pins host memory)
+                if isinstance(m, RotaryEmbedding):
+                    m.cp_group = None
         _cast_params(model, config.params_dtype)
         mark_tensor_parallel_params(model)
         if dims.num_experts:

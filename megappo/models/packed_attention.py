@@ -142,8 +142,19 @@ class PackedCausalAttention(DotProductAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        """query [T, 1, np, hn], key / value [T, 1, ng, hn], attention_mask = the segment ids [T] ->
-        context [T, 1, np * hn]."""
+        """query [T, 1, np, hn], key / value [T, 1, ng, hn], attention_mask = the segment ids [T] (or, under
+        context parallelism, this rank's mask [T, cp * T] against the keys gathered over the group:
+        parallel/context_parallel.py) -> context [T, 1, np * hn]."""
+        if attention_mask is not None and attention_mask.dim() == 2 and query.shape[1] == 1:
+            from megatron.core import parallel_state as mpu
+
+            from megappo.parallel.context_parallel import cp_attention
+
+            dtype = query.dtype
+            work = compute_dtype(dtype, query.device)
+            q, k, v = (x[:, 0].to(work) for x in (query, key, value))
+            out = cp_attention(q, k, v, attention_mask, self.softmax_scale, mpu.get_context_parallel_group())
+            return out.reshape(query.shape[0], 1, -1).to(dtype)
         if attention_mask is None or attention_mask.dim() != 1 or query.shape[1] != 1:
             raise ValueError("PackedCausalAttention needs one packed sequence ([T, 1, ...]) and its segment ids "
                              "[T] as the attention mask (MegatronEngine with pack_sequences)")

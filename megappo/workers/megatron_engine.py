@@ -79,8 +79,11 @@ class MegatronEngine(EngineCheckpoints):
         self.tp_rank = mpu.get_tensor_model_parallel_rank()
         self.pp_rank = mpu.get_pipeline_model_parallel_rank()
         self.dp_rank = mpu.get_data_parallel_rank()
+        # context parallel runs on the packed path: each packed micro-batch cut over the CP group, megappo's
+        # own CP attention (models/packed_attention.py); TE's CP on GPU is not wired yet
+        self.packed = self.config.pack_sequences or layout.cp > 1
         self.uses_te = use_transformer_engine(self.config.device, self.config.transformer_engine,
-                                              packed=self.config.pack_sequences,
+                                              packed=self.packed,
                                               lora=self.config.lora, mla=self.dims.mla)
         self.tf_config = build_transformer_config(self.hf_config, layout, device=self.config.device,
                                                   params_dtype=self.config.params_dtype,
@@ -92,7 +95,7 @@ class MegatronEngine(EngineCheckpoints):
         # head) moves before the HF weights are copied in
         chunks = [c.to(self.device) for c in build_gpt_chunks(self.hf_config, self.tf_config, layout,
                                                                value_head=self.value_head, seed=self.config.seed,
-                                                               use_te=self.uses_te, packed=self.config.pack_sequences)]
+                                                               use_te=self.uses_te, packed=self.packed)]
         # the LM / value head runs on the R output columns only (megatron_step.head_on_outputs); not under
         # sequence parallel, where the head's input is a sequence shard that the head all-gathers itself
         self.head_on_outputs = not self.tf_config.sequence_parallel
@@ -257,11 +260,14 @@ class MegatronEngine(EngineCheckpoints):
         multiple = self.layout.tp if self.tf_config.sequence_parallel else 1
         batch = right_align({k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
                              for k, v in batch.items()}, response_length, seq_multiple=multiple)
-        packed = self.config.pack_sequences
+        from megatron.core import parallel_state as mpu
+
+        packed = self.packed
+        cp = (self.layout.cp, mpu.get_context_parallel_rank()) if self.layout.cp > 1 else None
         micro = megatron_step.micro_batches(batch, micro_batch_size, packed=packed, pp=self.layout.pp,
                                             vpp=self.layout.vpp if self.layout.virtual_pp else None,
                                             seq_multiple=multiple,
-                                            max_tokens=self.config.max_tokens_per_micro_batch)
+                                            max_tokens=self.config.max_tokens_per_micro_batch, cp=cp)
         spec = megatron_step.StepSpec(
             value_head=self.value_head, vocab_size=self.dims.vocab_size, head_on_outputs=self.head_on_outputs,
             packed=packed,

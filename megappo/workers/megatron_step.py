@@ -84,20 +84,29 @@ class MicroBatches:
 
 
 def micro_batches(batch: dict, micro_batch_size: int, *, packed: bool, pp: int, vpp: Optional[int],
-                  seq_multiple: int, max_tokens: Optional[int]) -> MicroBatches:
+                  seq_multiple: int, max_tokens: Optional[int], cp: Optional[tuple[int, int]] = None) -> MicroBatches:
     """A right-aligned batch as the schedule's micro-batches: rows of `micro_batch_size`, or (`packed`)
     each micro-batch one sequence of real tokens (workers/packing.py) that carries its rows' ids per
     column (`_segments`), which the model's attention (models/packed_attention.py) gets where a mask
-    would go; the schedule then sees [width, 1] micro-batches."""
-    if packed:
+    would go; the schedule then sees [width, 1] micro-batches. `cp` (size, rank) > 1: each packed
+    micro-batch is this context-parallel rank's share of it (`cp_local`)."""
+    if packed or cp:
         lengths = batch["attention_mask"].sum(-1).tolist()
         groups = packing.plan_micro_batches(lengths, micro_batch_size, max_tokens)
         if vpp and len(groups) % pp:
             raise ValueError(f"interleaved pipeline (vpp={vpp}) needs a multiple of pp={pp} micro-batches; the "
                              f"token budget gave {len(groups)}: set max_tokens_per_micro_batch null (row-count "
                              "micro-batches) or turn vpp off")
-        width = packing.packed_width(lengths, groups, seq_multiple)
-        return MicroBatches([packing.pack(batch, g, width) for g in groups], width, 1, width * len(groups))
+        width = packing.packed_width(lengths, groups, 1 if cp else seq_multiple)
+        items = [packing.pack(batch, g, width) for g in groups]
+        if cp:  # each packed micro-batch cut over the CP group (parallel/context_parallel.py)
+            from megappo.parallel.context_parallel import local_width
+
+            size, rank = cp
+            local = local_width([m["_segments"] for m in items], size, seq_multiple)
+            items = [cp_local(m, size, rank, local) for m in items]
+            return MicroBatches(items, local, 1, local * len(items))
+        return MicroBatches(items, width, 1, width * len(groups))
     bsz, seq = batch["input_ids"].shape
     items = split_rows(batch, micro_batch_size)
     if vpp and len(items) % pp:
@@ -106,6 +115,27 @@ def micro_batches(batch: dict, micro_batch_size: int, *, packed: bool, pp: int, 
     if len({m["input_ids"].shape[0] for m in items}) != 1:
         raise ValueError(f"batch size {bsz} is not a multiple of micro_batch_size {micro_batch_size}")
     return MicroBatches(items, seq, micro_batch_size, int(batch["input_ids"].numel()))
+
+
+def cp_local(mb: dict, cp: int, rank: int, width: int) -> dict:
+    """A packed micro-batch -> context-parallel rank `rank`'s share: its tokens and positions [1, L], its
+    slots' rows `_segments` [L] (-1: padding), the mask of its queries against the keys gathered over the
+    group `_cp_mask` [L, cp * L], and of the output columns (`_out_index`) the ones it holds: `_out_index`
+    [1, m] (its slots) and `_cp_where` [m] (their places among the micro-batch's outputs). Per-row keys stay
+    whole: every CP rank computes the loss from the outputs summed over the group (model_outputs)."""
+    from megappo.parallel.context_parallel import zigzag_split
+
+    split = zigzag_split(mb["_segments"].cpu(), cp, width=width)
+    device = mb["input_ids"].device
+    owner, slot = split.owner(mb["_out_index"][0].cpu())
+    mine = owner == rank
+    out = dict(mb)
+    out.update(input_ids=split.take(mb["input_ids"][0].cpu(), rank)[None].to(device),
+               position_ids=split.take(mb["position_ids"][0].cpu(), rank)[None].to(device),
+               _segments=split.row[rank].to(device), _cp_mask=split.mask(rank).to(device),
+               _out_index=slot[mine][None].to(device), _cp_where=torch.nonzero(mine).flatten().to(device),
+               _cp_positions=int(mb["_segments"].numel()))
+    return out
 
 
 @dataclass(frozen=True)
@@ -141,9 +171,11 @@ def forward_step(spec: StepSpec, data_iterator, model):
     mb = next(data_iterator)
     head = {"output_processor": head_on_outputs, "output_processor_context": mb["_out_index"]} \
         if spec.head_on_outputs else {}
-    with expert_tokens(spec.expert_load, mb, spec.packed), \
-            packed_rope(model, mb["position_ids"][0] if spec.packed else None):
-        output = model(mb["input_ids"], mb["position_ids"], mb["_segments"] if spec.packed else spec.mask, **head)
+    cp = "_cp_mask" in mb
+    with expert_tokens(spec.expert_load, mb, spec.packed or cp), \
+            packed_rope(model, mb["position_ids"][0] if spec.packed or cp else None, mb.get("_cp_positions")):
+        mask = mb["_cp_mask"] if cp else mb["_segments"] if spec.packed else spec.mask
+        output = model(mb["input_ids"], mb["position_ids"], mask, **head)
     return output, partial(loss_func, spec, mb)
 
 
@@ -179,11 +211,25 @@ def model_outputs(spec: StepSpec, output: torch.Tensor, mb: dict) -> dict:
     else:
         logits = output.gather(1, idx.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
     rows, r = mb["_targets"].shape
+    where = mb.get("_cp_where")
+    if where is not None:  # context parallel: this rank's output columns [1, m]; the rest are other ranks'
+        out = _head(spec, logits, mb["_targets"].reshape(-1)[where][None])
+        from megatron.core import parallel_state as mpu
+
+        from megappo.parallel.context_parallel import sum_over_cp
+
+        group = mpu.get_context_parallel_group()
+        return {k: sum_over_cp(v.new_zeros(rows * r).index_copy(0, where, v[0]), group).reshape(rows, r)
+                for k, v in out.items()}
     if logits.shape[0] != rows:  # packed: [1, rows * R, *] -> [rows, R, *]
         logits = logits.reshape(rows, r, logits.shape[-1])
+    return _head(spec, logits, mb["_targets"])
+
+
+def _head(spec: StepSpec, logits: torch.Tensor, targets: torch.Tensor) -> dict:
     if spec.value_head:
         return {"values": logits[..., 0].float()}
-    logp, ent = vocab_parallel_logprobs(logits, mb["_targets"], vocab_size=spec.vocab_size,
+    logp, ent = vocab_parallel_logprobs(logits, targets, vocab_size=spec.vocab_size,
                                         temperature=spec.temperature, compute_entropy=spec.compute_entropy)
     out = {"logprobs": logp}
     if ent is not None:
@@ -205,7 +251,7 @@ def head_on_outputs(*, hidden_states, output_layer, output_weight, runtime_gathe
 
 
 @contextlib.contextmanager
-def packed_rope(model, positions: Optional[torch.Tensor]):
+def packed_rope(model, positions: Optional[torch.Tensor], width: Optional[int] = None):
     """For one model call: megatron's RoPE is indexed by column; a packed micro-batch's rows restart at
     their own positions (`positions` [T]), so the chunk's RotaryEmbedding looks the frequencies up per
     token: the GPTModel's one, or under multi-latent attention each layer's own (a YaRN embedding, which
@@ -218,10 +264,12 @@ def packed_rope(model, positions: Optional[torch.Tensor]):
     # the table of the packed width's positions: a row's positions run 0..n-1 over its n columns (left-padded
     # prompts' cumsum), so it holds every one; a host-side length, where positions.max() waited for the device in
     # each layer's RoPE (multi-latent attention: one per layer). Row p depends on p alone: the same values.
-    width = positions.numel()
+    # `width`: a context-parallel rank's tokens hold positions of the whole packed micro-batch
+    width = width or positions.numel()
 
     def by_position(module, args, output):
-        full = type(module).forward(module, width)  # [width, 1, 1, d] (no hooks)
+        # packed_seq: the whole table, never megatron's own CP slice of it (get_pos_emb_on_this_cp_rank)
+        full = type(module).forward(module, width, packed_seq=True)  # [width, 1, 1, d] (no hooks)
         if isinstance(full, tuple):  # YaRN: (frequencies, mscale)
             return (full[0].index_select(0, positions.to(full[0].device)),) + tuple(full[1:])
         return full.index_select(0, positions.to(full.device))
