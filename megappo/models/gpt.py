@@ -261,10 +261,12 @@ def build_gpt_chunks(hf_config, config, layout: ParallelLayout, value_head: bool
 
     dims = ModelDims.from_hf_config(hf_config, tp=layout.tp, value_head=value_head)
     layout.validate(dims.num_heads, dims.num_kv_heads, dims.num_layers, num_experts=dims.num_experts)
-    if dims.num_experts:
-        from megappo.parallel import cpu_compat
+    from megappo.parallel import cpu_compat
 
+    if dims.num_experts:
         cpu_compat.patch_moe_alltoall()
+    if layout.cp > 1:
+        cpu_compat.patch_cp_rope_slice()
     chunks = []
     for vp in range(layout.num_model_chunks):
         vp_stage = vp if layout.virtual_pp else None

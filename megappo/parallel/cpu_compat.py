@@ -41,6 +41,11 @@ and tests/test_hybrid_engine.py):
    process-wide), `vllm_cpu_rope_layouts()` (multi-latent attention's default RoPE natively: the kernel misreads
    its per-head layout; permanent, process-wide; tests/test_vllm_mla.py) and `vllm_cpu_linear_dispatch(mode)`
    (how linears are prepacked while the model is built; scoped to the build). Each says why it exists.
+8. `patch_cp_rope_slice()` - megatron's CP slice of a RoPE table (`get_pos_emb_on_this_cp_rank`, 0.19.2
+   rope_utils.py:62) builds its index with `pin_memory=True`, which fails without a driver; YaRN's constructor
+   calls it (the cos / sin cache) when a CP group exists. The same slice on the host. megappo's own split never
+   uses the slice (workers/megatron_step.packed_rope looks each token's position up in the whole table);
+   tests/test_context_parallel.py's DeepSeek-V3 case builds YaRN under CP2.
 """
 
 from __future__ import annotations
@@ -330,6 +335,27 @@ def patch_moe_alltoall() -> None:
 
     mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim = gather_uneven, scatter_uneven
     mappings._megappo_uneven = True
+
+
+# ---- shim 8: megatron's CP slice of a RoPE table on the host ------------------------------------------------
+
+def _host_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    cp, rank = cp_group.size(), cp_group.rank()
+    idx = torch.tensor([rank, 2 * cp - rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, idx)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+
+def patch_cp_rope_slice() -> None:
+    """Shim 8 (see the module docstring), in a CPU process only; idempotent."""
+    if not needs_cpu_compat():
+        return
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    for mod in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        if hasattr(mod, "get_pos_emb_on_this_cp_rank"):
+            mod.get_pos_emb_on_this_cp_rank = _host_pos_emb_on_this_cp_rank
 
 
 # ---- shim 6: the causal mask of megatron's local attention as a tensor --------------------------------

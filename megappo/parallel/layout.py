@@ -8,7 +8,9 @@ ranks of one expert group hold different experts, everything else is replicated 
 are split over tp like a dense MLP (expert tensor parallel = tp, megatron's default).
 
 megatron's `initialize_model_parallel(order="tp-cp-ep-dp-pp")` (the default) numbers ranks with tp
-fastest, then cp, then dp, then pp (ep subdivides dp):  rank = tp + TP * (cp + CP * (dp + DP * pp)).
+fastest, then cp, then dp, then pp:  rank = tp + TP * (cp + CP * (dp + DP * pp)). megatron's expert groups
+take ep consecutive ranks of the CP x DP grid (expert data parallel = cp * dp / ep), so at cp > 1 an EP group
+spans CP ranks.
 The context-parallel layout is not yet reachable from a config (issue #72: the engine's wiring comes next).
 `tests/test_layout.py` checks this against the groups parallel_state really builds.
 """
