@@ -454,13 +454,16 @@ def test_a_rewritten_history_streams_in_fully_async(ray_session, tiny_assets, da
 
     history, batches, sessions = _agent_run(tiny_assets, data_dir, tmp_path, REWRITING_AGENT,
                                             "algorithm.adv_estimator=grpo")
-    trained = []
+    trained, later_rows = [], 0
     for h, batch in zip(history, batches):
         b = batch.batch
         later = b["agent_segment"] > 0
-        assert later.any() and h["rollout/agent_segment_rows"] == int(later.sum())
+        # which groups a fully-async batch holds depends on arrival order: a batch may hold only unrewritten rows
+        assert h["rollout/agent_segment_rows"] == int(later.sum())
+        later_rows += int(later.sum())
         assert h["async/sample_staleness_max"] <= 1
         model = b["response_mask"].bool()
         assert (b["token_versions"][model] >= 0).all() and (b["token_versions"][~model] == -1).all()
         trained += trained_rows(b)
+    assert later_rows > 0  # the rewrites reached the trainer as rows of their own
     assert trained and set(trained) <= set(rewritten_sessions_rows(sessions))  # groups still in flight: not all

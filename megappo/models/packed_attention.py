@@ -36,21 +36,13 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from megappo.parallel.context_parallel import segment_spans
+
 # "model": always the model's dtype; "fp32": always upcast; None: fp32 only for bf16/fp16 on a CPU without
 # native bf16 (see the module docstring). IMPL: "auto" (grid or mask by cost), "grid", "mask", or "rows"
 # (the former per-row SDPA calls, kept for bench/packing.py's before/after and for tests).
 COMPUTE_DTYPE: Optional[str] = None
 IMPL = "auto"
-
-
-def segment_spans(segments: torch.Tensor) -> list[tuple[int, int]]:
-    """[start, end) of each run of equal ids in `segments` [T] (rows are contiguous in a packed sequence)."""
-    t = int(segments.shape[0])
-    if t == 0:
-        return []
-    cuts = (torch.nonzero(segments[1:] != segments[:-1]).flatten() + 1).tolist()
-    starts = [0] + cuts
-    return list(zip(starts, cuts + [t]))
 
 
 def _cpu_has_native_bf16() -> bool:

@@ -29,7 +29,15 @@ from dataclasses import dataclass
 
 import torch
 
-from megappo.models.packed_attention import segment_spans
+
+def segment_spans(segments: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each run of equal ids in `segments` [T] (rows are contiguous in a packed sequence)."""
+    t = int(segments.shape[0])
+    if t == 0:
+        return []
+    cuts = (torch.nonzero(segments[1:] != segments[:-1]).flatten() + 1).tolist()
+    starts = [0] + cuts
+    return list(zip(starts, cuts + [t]))
 
 
 @dataclass(frozen=True)
