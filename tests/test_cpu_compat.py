@@ -20,6 +20,7 @@ def _checks(rank, world, port):
     out["zeros_device"] = str(torch.zeros(2, device="cuda").device)
     out["tensor_device"] = str(torch.tensor([1.0], device=torch.device("cuda")).device)
     out["to_cuda"] = str(torch.ones(1).to("cuda").device) + "," + str(torch.ones(1).cuda().device)
+    out["pinned"] = torch.tensor([1, 2], device="cpu", pin_memory=True).cuda(non_blocking=True).tolist()
     out["type"] = torch.ones(1).type()
     out["type_bf16"] = torch.ones(1, dtype=torch.bfloat16).type()
     out["type_cast"] = torch.ones(1).type(torch.float64).dtype == torch.float64
@@ -88,6 +89,7 @@ def results():
 def test_cuda_placements_redirected_to_cpu(results):
     assert results["zeros_device"] == "cpu" and results["tensor_device"] == "cpu"
     assert results["to_cuda"] == "cpu,cpu"
+    assert results["pinned"] == [1, 2]  # pinned host memory needs a driver: plain host memory instead
 
 
 def test_tensor_type_reports_cuda_names(results):

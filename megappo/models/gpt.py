@@ -261,12 +261,10 @@ def build_gpt_chunks(hf_config, config, layout: ParallelLayout, value_head: bool
 
     dims = ModelDims.from_hf_config(hf_config, tp=layout.tp, value_head=value_head)
     layout.validate(dims.num_heads, dims.num_kv_heads, dims.num_layers, num_experts=dims.num_experts)
-    from megappo.parallel import cpu_compat
-
     if dims.num_experts:
+        from megappo.parallel import cpu_compat
+
         cpu_compat.patch_moe_alltoall()
-    if layout.cp > 1:
-        cpu_compat.patch_cp_rope_slice()
     chunks = []
     for vp in range(layout.num_model_chunks):
         vp_stage = vp if layout.virtual_pp else None
@@ -294,7 +292,7 @@ def build_gpt_chunks(hf_config, config, layout: ParallelLayout, value_head: bool
         if layout.cp > 1:  # megappo's split gives each token its own position (workers/megatron_step.packed_rope):
             from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-            for m in model.modules():  # never megatron's CP slice of the RoPE table (it pins host memory)
+            for m in model.modules():  # the whole RoPE table, never megatron's CP slice of it (YaRN's included)
                 if isinstance(m, RotaryEmbedding):
                     m.cp_group = None
         _cast_params(model, config.params_dtype)

@@ -137,21 +137,19 @@ class PackedCausalAttention(DotProductAttention):
         """query [T, 1, np, hn], key / value [T, 1, ng, hn], attention_mask = the segment ids [T] (or, under
         context parallelism, this rank's mask [T, cp * T] against the keys gathered over the group:
         parallel/context_parallel.py) -> context [T, 1, np * hn]."""
-        if attention_mask is not None and attention_mask.dim() == 2 and query.shape[1] == 1:
+        if attention_mask is None or attention_mask.dim() not in (1, 2) or query.shape[1] != 1:
+            raise ValueError("PackedCausalAttention needs one packed sequence ([T, 1, ...]) and its segment ids "
+                             "[T] (or a context-parallel rank's mask [T, cp * T]) as the attention mask (MegatronEngine with "
+                             "pack_sequences or parallel cp > 1)")
+        dtype = query.dtype
+        work = compute_dtype(dtype, query.device)
+        q, k, v = (x[:, 0].to(work) for x in (query, key, value))
+        if attention_mask.dim() == 2:
             from megatron.core import parallel_state as mpu
 
             from megappo.parallel.context_parallel import cp_attention
 
-            dtype = query.dtype
-            work = compute_dtype(dtype, query.device)
-            q, k, v = (x[:, 0].to(work) for x in (query, key, value))
             out = cp_attention(q, k, v, attention_mask, self.softmax_scale, mpu.get_context_parallel_group())
-            return out.reshape(query.shape[0], 1, -1).to(dtype)
-        if attention_mask is None or attention_mask.dim() != 1 or query.shape[1] != 1:
-            raise ValueError("PackedCausalAttention needs one packed sequence ([T, 1, ...]) and its segment ids "
-                             "[T] as the attention mask (MegatronEngine with pack_sequences)")
-        dtype = query.dtype
-        work = compute_dtype(dtype, query.device)
-        q, k, v = (x[:, 0].to(work) for x in (query, key, value))
-        out = layout_for(attention_mask).attend(q, k, v, self.softmax_scale)
+        else:
+            out = layout_for(attention_mask).attend(q, k, v, self.softmax_scale)
         return out.reshape(query.shape[0], 1, -1).to(dtype)

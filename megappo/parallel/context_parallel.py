@@ -2,7 +2,7 @@
 concatenated into one sequence [T], `segments` [T] the row of each column, -1 for the tail padding) is cut over
 `cp` ranks, and the attention mask each rank's queries need against the keys / values all-gathered over the CP
 group. Pure functions on index tensors, and the two collectives CP attention and the CP outputs need (with their
-autograd); the model wiring comes in a later slice.
+autograd). The engine's use of them: workers/megatron_step.cp_local and model_outputs, models/packed_attention.py.
 
     split = zigzag_split(segments, cp, multiple=1)          # every rank's slots, computed the same on each rank
     local = split.take(input_ids[0], rank)                  # [L]: this rank's tokens (0 on padding)
@@ -20,7 +20,7 @@ The split (megatron-core's and Llama 3's zigzag; verl's `preprocess_packed_seqs`
   key's place in the row is <= the query's ("same row and key position <= query position"). A padding query
   still sees itself, so no softmax row is empty (no NaN for outputs nobody reads).
 - Positions for RoPE are the tokens' own (`take(position_ids)`), so the split never touches RoPE tables: no
-  `get_pos_emb_on_this_cp_rank` (which pins host memory, and fails without a GPU driver).
+  `get_pos_emb_on_this_cp_rank` (models/gpt.py clears the rotary modules' CP group).
 """
 
 from __future__ import annotations
@@ -38,6 +38,11 @@ def segment_spans(segments: torch.Tensor) -> list[tuple[int, int]]:
     cuts = (torch.nonzero(segments[1:] != segments[:-1]).flatten() + 1).tolist()
     starts = [0] + cuts
     return list(zip(starts, cuts + [t]))
+
+
+def chunk_size(n: int, cp: int) -> int:
+    """The tokens of each of a row's 2 * cp chunks (the row padded to a multiple of 2 * cp)."""
+    return -(-n // (2 * cp))
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,7 @@ def zigzag_split(segments: torch.Tensor, cp: int, multiple: int = 1, width: int 
     place = [[] for _ in range(cp)]
     for k, (a, b) in enumerate((a, b) for a, b in segment_spans(segments) if int(segments[a]) >= 0):
         n = b - a
-        c = -(-n // chunks)
+        c = chunk_size(n, cp)
         for r in range(cp):
             for chunk in (r, chunks - 1 - r):
                 p = torch.arange(chunk * c, (chunk + 1) * c)
@@ -120,7 +125,7 @@ def local_width(segments_list: list[torch.Tensor], cp: int, multiple: int = 1) -
     widest = 0
     for seg in segments_list:
         lengths = [b - a for a, b in segment_spans(seg) if int(seg[a]) >= 0]
-        widest = max(widest, sum(-(-n // (2 * cp)) * 2 for n in lengths))
+        widest = max(widest, sum(2 * chunk_size(n, cp) for n in lengths))
     return -(-max(widest, 1) // multiple) * multiple
 
 

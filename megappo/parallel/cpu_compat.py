@@ -10,7 +10,9 @@ and tests/test_hybrid_engine.py):
 
 1. `CudaToCpuMode` - a process-wide `torch.overrides.TorchFunctionMode` that rewrites
    `device="cuda"` / `device=0` arguments, `.cuda()` and `.to("cuda")` to the CPU, and makes
-   `Tensor.type()` answer `torch.cuda.FloatTensor` (megatron type-checks grads/params with it:
+   `Tensor.type()` answer `torch.cuda.FloatTensor`, and drops `pin_memory=True` (pinned host memory needs a
+   driver: 0.19.2 rope_utils.py:62, megatron's CP slice of a RoPE table, which YaRN's constructor calls under
+   context parallelism; the copy is then plain host memory) (megatron type-checks grads/params with it:
    0.19.2 clip_grads.py:174, distrib_optimizer.py:466, optimizer.py:1028; 0.16.1 clip_grads.py:167,
    distrib_optimizer.py:420, optimizer.py:690). 68 hard-coded `device="cuda"` sites in 0.19.2
    (schedules.py:749's token counter, clip_grads.py:96/108/112/180/231, optimizer buffers, the causal
@@ -41,11 +43,6 @@ and tests/test_hybrid_engine.py):
    process-wide), `vllm_cpu_rope_layouts()` (multi-latent attention's default RoPE natively: the kernel misreads
    its per-head layout; permanent, process-wide; tests/test_vllm_mla.py) and `vllm_cpu_linear_dispatch(mode)`
    (how linears are prepacked while the model is built; scoped to the build). Each says why it exists.
-8. `patch_cp_rope_slice()` - megatron's CP slice of a RoPE table (`get_pos_emb_on_this_cp_rank`, 0.19.2
-   rope_utils.py:62) builds its index with `pin_memory=True`, which fails without a driver; YaRN's constructor
-   calls it (the cos / sin cache) when a CP group exists. The same slice on the host. megappo's own split never
-   uses the slice (workers/megatron_step.packed_rope looks each token's position up in the whole table);
-   tests/test_context_parallel.py's DeepSeek-V3 case builds YaRN under CP2.
 """
 
 from __future__ import annotations
@@ -94,6 +91,8 @@ class CudaToCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
@@ -335,27 +334,6 @@ def patch_moe_alltoall() -> None:
 
     mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim = gather_uneven, scatter_uneven
     mappings._megappo_uneven = True
-
-
-# ---- shim 8: megatron's CP slice of a RoPE table on the host ------------------------------------------------
-
-def _host_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
-    cp, rank = cp_group.size(), cp_group.rank()
-    idx = torch.tensor([rank, 2 * cp - rank - 1], device=pos_emb.device)
-    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp, -1, *pos_emb.shape[seq_dim + 1:])
-    pos_emb = pos_emb.index_select(seq_dim, idx)
-    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
-
-
-def patch_cp_rope_slice() -> None:
-    """Shim 8 (see the module docstring), in a CPU process only; idempotent."""
-    if not needs_cpu_compat():
-        return
-    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
-
-    for mod in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
-        if hasattr(mod, "get_pos_emb_on_this_cp_rank"):
-            mod.get_pos_emb_on_this_cp_rank = _host_pos_emb_on_this_cp_rank
 
 
 # ---- shim 6: the causal mask of megatron's local attention as a tensor --------------------------------

@@ -11,7 +11,7 @@ megatron's `initialize_model_parallel(order="tp-cp-ep-dp-pp")` (the default) num
 fastest, then cp, then dp, then pp:  rank = tp + TP * (cp + CP * (dp + DP * pp)). megatron's expert groups
 take ep consecutive ranks of the CP x DP grid (expert data parallel = cp * dp / ep), so at cp > 1 an EP group
 spans CP ranks.
-The context-parallel layout is not yet reachable from a config (issue #72: the engine's wiring comes next).
+The context-parallel layout is not yet reachable from a config (issue #72: the config key comes next).
 `tests/test_layout.py` checks this against the groups parallel_state really builds.
 """
 

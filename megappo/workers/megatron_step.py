@@ -171,10 +171,10 @@ def forward_step(spec: StepSpec, data_iterator, model):
     mb = next(data_iterator)
     head = {"output_processor": head_on_outputs, "output_processor_context": mb["_out_index"]} \
         if spec.head_on_outputs else {}
-    cp = "_cp_mask" in mb
-    with expert_tokens(spec.expert_load, mb, spec.packed or cp), \
-            packed_rope(model, mb["position_ids"][0] if spec.packed or cp else None, mb.get("_cp_positions")):
-        mask = mb["_cp_mask"] if cp else mb["_segments"] if spec.packed else spec.mask
+    # context parallel runs packed (MegatronEngine.packed): a CP rank's mask against the gathered keys, or the rows' ids
+    mask = mb.get("_cp_mask", mb.get("_segments")) if spec.packed else spec.mask
+    with expert_tokens(spec.expert_load, mb, spec.packed), \
+            packed_rope(model, mb["position_ids"][0] if spec.packed else None, mb.get("_cp_positions")):
         output = model(mb["input_ids"], mb["position_ids"], mask, **head)
     return output, partial(loss_func, spec, mb)
 
@@ -268,8 +268,7 @@ def packed_rope(model, positions: Optional[torch.Tensor], width: Optional[int] =
     width = width or positions.numel()
 
     def by_position(module, args, output):
-        # packed_seq: the whole table, never megatron's own CP slice of it (get_pos_emb_on_this_cp_rank)
-        full = type(module).forward(module, width, packed_seq=True)  # [width, 1, 1, d] (no hooks)
+        full = type(module).forward(module, width)  # [width, 1, 1, d] (no hooks)
         if isinstance(full, tuple):  # YaRN: (frequencies, mscale)
             return (full[0].index_select(0, positions.to(full[0].device)),) + tuple(full[1:])
         return full.index_select(0, positions.to(full.device))
