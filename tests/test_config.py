@@ -98,6 +98,11 @@ INVALID = [
     (["trainer.rollout_logprob_bound=0"], "must be > 0 (null: the bound measured for the run's dtype)"),
     (["trainer.rollout_check_every=-1"], "must be >= 0"),
     (["model.path=null", "model.arch.family=gemma3"], "choose one of: llama, qwen2, mistral, qwen3, qwen3_moe"),
+    (["actor.parallel.cp=2"], "actor.parallel tp*cp*pp*dp = 1*2*1*2 = 4 but the pool has 2 workers"),
+    (["actor.parallel.cp=3"], "tp*cp*pp = 3 does not divide the pool's 2 workers"),
+    (["critic.parallel.cp=0"], "critic.parallel.cp=0 must be a positive int"),
+    (["resources.device=cuda", "model.transformer_engine=true", "ref.parallel.cp=2", "ref.parallel.dp=1"],
+     "ref.parallel.cp=2 with model.transformer_engine=true: context parallel runs megappo's own CP attention"),
 ]
 
 
@@ -198,7 +203,7 @@ def test_cli_check_and_show():
 
     resolved = yaml.safe_load(shown.stdout)
     assert resolved["trainer"]["total_steps"] == 7
-    assert resolved["actor"]["parallel"] == {"tp": 8, "pp": 2, "vpp": None, "dp": 4, "ep": 1}
+    assert resolved["actor"]["parallel"] == {"tp": 8, "pp": 2, "vpp": None, "dp": 4, "ep": 1, "cp": 1}
 
 
 def test_cli_help_lists_subcommands():

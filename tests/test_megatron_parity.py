@@ -115,7 +115,7 @@ def _collect(outputs, li, fam, role, layout):
 def test_layout_matches_megatron_rank_order(megatron_outputs):
     for li, layout in enumerate(LAYOUTS):
         for rank, o in enumerate(megatron_outputs):
-            assert tuple(o["coords"][li]) == layout.coords(rank), (str(layout), rank)
+            assert tuple(o["coords"][li]) == layout.coords(rank) + (layout.cp_rank(rank),), (str(layout), rank)
 
 
 @pytest.mark.parametrize("fam,li", CASES, ids=[f"{f}-{LAYOUTS[i]}" for f, i in CASES])

@@ -415,7 +415,7 @@ def test_a_teacher_is_planned_from_its_own_config_json_and_may_have_a_pool_of_it
         plan(load_config(REPO / "configs/ppo_7b.yaml", ["teacher.model=/models/teacher", *layout]))
 
     tiny = load_config(REPO / "configs/ppo_tiny.yaml", [f"teacher.model={tiny_assets['tiny-llama']}"])
-    assert dict(tiny.teacher.parallel) == {"tp": 1, "pp": 1, "dp": 2, "vpp": None, "ep": 1}  # the actor's
+    assert dict(tiny.teacher.parallel) == {"tp": 1, "pp": 1, "dp": 2, "vpp": None, "ep": 1, "cp": 1}  # the actor's
 
     own = load_config(REPO / "configs/ppo_7b.yaml", [f"teacher.model={teacher}", "resources.teacher_workers=8",
                                                      "teacher.parallel.tp=8", "teacher.parallel.dp=1"])

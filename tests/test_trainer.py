@@ -326,23 +326,34 @@ def test_rollout_guard_stops_a_run_whose_rollout_is_not_its_policy(sync_baseline
     assert "rollout/gap_past_bound" not in again[0]
 
 
-def test_packed_sequences_in_a_run(sync_baseline, tiny_assets, data_dir, tmp_path):
+@pytest.mark.parametrize("cp", [pytest.param(1, marks=pytest.mark.long), 2])
+def test_packed_sequences_in_a_run(sync_baseline, tiny_assets, data_dir, tmp_path, cp):
     """Every role packed, the actor and critic updates by token budget: step 1 (same weights, same
     rollout) trains like the padded baseline's step 1 within fp32 rounding, computing no more tokens (these
-    rows have no padding to save: the long-tail case is bench/packing.py's and test_megatron_engine's)."""
+    rows have no padding to save: the long-tail case is bench/packing.py's and test_megatron_engine's).
+    CI runs it with every role context parallel instead of data parallel (cp=2, dp=1: each row's tokens split
+    over the two workers, which receive the same rows): the rollout, the weight sync into vLLM (pi_old against
+    the rollout's log-probs), the reference's KL, the critic's values and its update equal the DP2 baseline's.
+    The actor's update is another one there: its 8 rows are 2 mini-batches of 4, which take rows 0-3 then 4-7 at
+    dp=1 and rows 0, 1, 4, 5 then the rest at dp=2 (test_context_parallel proves the CP update exact)."""
+    layout = [f"{role}.parallel.{k}={v}" for role in ("actor", "critic", "ref") for k, v in (("cp", cp),
+                                                                                            ("dp", 2 // cp))]
     history = _run(_config(tiny_assets, data_dir, tmp_path / "packed", "actor.pack_sequences=true",
                            "critic.pack_sequences=true", "ref.pack_sequences=true",
                            "actor.max_tokens_per_micro_batch=40", "critic.max_tokens_per_micro_batch=64",
                            "trainer.total_steps=1", "trainer.save_every=0", "trainer.val_every=0",
-                           "trainer.export_hf=false"))
+                           "trainer.export_hf=false", *layout))
     base, got = sync_baseline[0][0], history[0]
     assert got["objective/scores"] == base["objective/scores"]  # the same rollout
-    for key in ("loss/policy_avg", "loss/value_avg", "objective/kl", "policy/clipfrac_avg", "actor/grad_norm",
-                "critic/grad_norm", "rollout/logprob_diff_mean"):
+    keys = ["loss/value_avg", "critic/grad_norm", "critic/values/mean", "objective/kl", "rollout/logprob_diff_mean"]
+    if cp == 1:
+        keys += ["loss/policy_avg", "policy/clipfrac_avg", "actor/grad_norm"]
+    for key in keys:
         assert got[key] == pytest.approx(base[key], rel=1e-4, abs=1e-6), (key, got[key], base[key])
     for role in ("actor", "critic"):
         real, computed = got[f"tokens/{role}_real"], got[f"tokens/{role}_computed"]
-        assert real == base[f"tokens/{role}_real"] and real <= computed <= base[f"tokens/{role}_computed"]
+        assert real == base[f"tokens/{role}_real"] and real <= computed  # both CP ranks' tokens counted
+        assert cp > 1 or computed <= base[f"tokens/{role}_computed"]  # CP pads each row to a multiple of 2 * cp
 
 
 def test_grpo_config_as_shipped(ray_session, tiny_assets, data_dir, tmp_path):

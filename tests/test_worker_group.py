@@ -99,7 +99,7 @@ class ToyMegatronWorker(Worker):
         lo, hi = s.clone(), s.clone()
         dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-        dp, pp, tp = self.megatron_coords()
+        dp, pp, tp, _ = self.megatron_coords()
         n = len(data)
         return DataProto.from_dict({
             "row": data.batch["row"].clone(),
@@ -170,6 +170,17 @@ def test_register_only_attaches_a_spec_and_plans_are_explicit():
         plan_call(specs["update"], 8, topo, (make_batch(5),), {}, "update")
     with pytest.raises(RuntimeError, match="init_model"):
         plan_call(specs["compute"], 8, None, (make_batch(4),), {}, "compute")
+    # context parallel: the cp ranks of a dp replica get its rows (they split each row's tokens themselves);
+    # one of them (cp == 0, tp == 0, last stage) is read
+    layout = ParallelLayout(tp=2, cp=2, dp=2)
+    topo = MegatronTopology(tuple(layout.coords(r) + (layout.cp_rank(r),) for r in range(8)))
+    assert (topo.dp_size, topo.cp_size, topo.tp_size) == (2, 2, 2)
+    plan = plan_call(specs["compute"], 8, topo, (make_batch(4),), {}, "compute")
+    for rank in range(8):
+        assert plan.args[rank][0].batch["row"].tolist() == [[0, 1], [2, 3]][layout.coords(rank)[0]]
+    assert plan.collect_ranks == [layout.rank(0, 0, 0, cp=0), layout.rank(1, 0, 0, cp=0)] == [0, 4]
+    with pytest.raises(ValueError, match="not a full dp x pp x tp x cp grid"):
+        MegatronTopology(tuple(layout.coords(r) for r in range(8)))  # cp ranks left out: coordinates repeat
 
 
 # ------------------------------------------------------------------------------------------ placement failures
@@ -222,7 +233,7 @@ class TestColocatedToyGroups:
         assert a.infos[0]["master_port"] != b.infos[0]["master_port"]
         assert {i["pid"] for i in a.infos}.isdisjoint({i["pid"] for i in b.infos})  # separate processes
         for g, layout in ((a, ParallelLayout(tp=2, pp=2, dp=1)), (b, ParallelLayout(tp=1, pp=2, dp=2))):
-            assert list(g.topology.coords) == [layout.coords(r) for r in range(4)]  # megatron agrees with layout
+            assert list(g.topology.coords) == [layout.coords(r) + (0,) for r in range(4)]  # megatron agrees (cp 0)
             assert (g.dp_size, g.pp_size, g.tp_size) == (layout.dp, layout.pp, layout.tp)
 
     def test_megatron_compute_pads_splits_and_collects_in_input_order(self, toy_groups):
@@ -235,7 +246,7 @@ class TestColocatedToyGroups:
             assert out.batch["same_chunk"].eq(1).all()  # every tp/pp rank of a dp group had the same chunk
             # read only from tp == 0 on the last pipeline stage
             assert out.batch["coords"][:, 1].eq(g.pp_size - 1).all() and out.batch["coords"][:, 2].eq(0).all()
-            assert out.meta_info["from_rank"] == g.topology.coords.index((0, g.pp_size - 1, 0))
+            assert out.meta_info["from_rank"] == g.topology.coords.index((0, g.pp_size - 1, 0, 0))
         # b: dp=2 -> 10 rows padded to... 10 (divisible); try 7 rows: padded to 8, 4 per dp rank
         out = b.compute(make_batch(7))
         assert out.batch["row"].tolist() == list(range(7))

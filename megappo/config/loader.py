@@ -112,7 +112,7 @@ def _default_teacher_layout(cfg, user) -> None:
     if not cfg.teacher.model or OmegaConf.select(user, "teacher.parallel") is not None:
         return
     own, a = cfg.resources.teacher_workers, cfg.actor.parallel
-    cfg.teacher.parallel = ParallelConfig(dp=own) if own else ParallelConfig(tp=a.tp, pp=a.pp, dp=a.dp)
+    cfg.teacher.parallel = ParallelConfig(dp=own) if own else ParallelConfig(tp=a.tp, pp=a.pp, dp=a.dp, cp=a.cp)
 
 
 def to_yaml(cfg) -> str:

@@ -27,6 +27,10 @@ class ParallelConfig:
     # of the dp ranks (megatron's expert data parallel = dp / ep); ep divides dp and the expert count.
     # Expert tensor parallel is the role's tp.
     ep: int = 1
+    # context parallel: each row's tokens split over cp ranks (zigzag, 2*cp chunks per row) for long samples;
+    # tp * cp * pp * dp = the role's worker count, and the cp ranks of a dp replica share its rows. Runs megappo's
+    # own CP attention (the local spec; Transformer Engine's CP is not wired yet)
+    cp: int = 1
 
 
 @dataclass

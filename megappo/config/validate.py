@@ -173,6 +173,14 @@ def _check_layouts(cfg, dims: ModelDims) -> None:
         if not cfg.reward.model.path:
             raise ConfigError("reward.model.enable=true needs reward.model.path (a HF *ForSequenceClassification dir)")
     _check_ep_of_shared_roles(cfg)
+    if cfg.model.transformer_engine:
+        for role in ("actor", "critic", "ref", "teacher", "reward.model"):
+            section = cfg.reward.model if role == "reward.model" else cfg[role]
+            if section.parallel.cp > 1:
+                raise ConfigError(f"{role}.parallel.cp={section.parallel.cp} with model.transformer_engine=true: "
+                                  "context parallel runs megappo's own CP attention on the local spec (Transformer "
+                                  "Engine's cp_comm_type path is not wired yet); leave model.transformer_engine null "
+                                  "or false")
 
 
 def _check_ep_of_shared_roles(cfg) -> None:

@@ -12,13 +12,14 @@ Modes (the whole table is `DISPATCH_TABLE` at the bottom of this file):
 - ALL_TO_ALL        every argument is a list of world_size items, rank i gets item i; returns the
                     per-rank results as a list.
 - MEGATRON_COMPUTE  DataProto arguments are padded to a multiple of the DP size (`pad_to_divisor`)
-                    and cut into DP chunks; every tp/pp rank of DP group d gets chunk d; only the
-                    ranks with tp == 0 on the last pipeline stage are read, in DP order; DataProto
+                    and cut into DP chunks; every tp/cp/pp rank of DP group d gets chunk d (context
+                    parallel ranks split each row's tokens among themselves); only the ranks with
+                    tp == cp == 0 on the last pipeline stage are read, in DP order; DataProto
                     results are concatenated and the padding is dropped, so the output has the rows
                     of the input, in input order.
 - MEGATRON_PP_AS_DP the same, but each (dp, pp) pair is its own replica (generation: pipeline stages
-                    act as extra data-parallel replicas; replica = dp * pp_size + pp); the tp == 0
-                    rank of every replica is read.
+                    act as extra data-parallel replicas; replica = dp * pp_size + pp); the
+                    tp == cp == 0 rank of every replica is read.
 
 Arguments that are not DataProtos go unchanged to every worker. Results that are not DataProtos
 (metrics dicts, ...) come back as a list in replica order.
@@ -76,16 +77,18 @@ def registered_methods(cls: type) -> dict[str, DispatchSpec]:
 
 @dataclass(frozen=True)
 class MegatronTopology:
-    """Each worker's megatron (dp, pp, tp) coordinates, indexed by the worker's rank in its group."""
+    """Each worker's megatron (dp, pp, tp, cp) coordinates, indexed by the worker's rank in its group ((dp, pp,
+    tp) is read as cp = 0: no context parallelism)."""
 
-    coords: tuple[tuple[int, int, int], ...]
+    coords: tuple[tuple[int, int, int, int], ...]
 
     def __post_init__(self):
         if not self.coords:
             raise ValueError("MegatronTopology needs at least one worker")
-        sizes = self.dp_size * self.pp_size * self.tp_size
+        object.__setattr__(self, "coords", tuple(tuple(c) + (0,) * (4 - len(c)) for c in self.coords))
+        sizes = self.dp_size * self.pp_size * self.tp_size * self.cp_size
         if sizes != len(self.coords) or len(set(self.coords)) != len(self.coords):
-            raise ValueError(f"worker coordinates {list(self.coords)} are not a full dp x pp x tp grid")
+            raise ValueError(f"worker coordinates {list(self.coords)} are not a full dp x pp x tp x cp grid")
 
     @property
     def dp_size(self) -> int:
@@ -98,6 +101,10 @@ class MegatronTopology:
     @property
     def tp_size(self) -> int:
         return 1 + max(c[2] for c in self.coords)
+
+    @property
+    def cp_size(self) -> int:
+        return 1 + max(c[3] for c in self.coords)
 
     @property
     def world_size(self) -> int:
@@ -164,7 +171,7 @@ def _plan_all_to_all(world: int, topology, args, kwargs, pad, method) -> CallPla
                     [{k: v[r] for k, v in kwargs.items()} for r in range(world)])
 
 
-def _plan_replicas(replica_of: Callable[[tuple[int, int, int]], int], is_reader: Callable[[tuple], bool],
+def _plan_replicas(replica_of: Callable[[tuple], int], is_reader: Callable[[tuple], bool],
                    n_replicas: int, topology: MegatronTopology, args, kwargs, pad, method) -> CallPlan:
     per_args, per_kwargs, pad_size = _split_protos(args, kwargs, n_replicas, pad, method)
     replicas = [replica_of(c) for c in topology.coords]
@@ -178,13 +185,13 @@ def _plan_replicas(replica_of: Callable[[tuple[int, int, int]], int], is_reader:
 
 def _plan_megatron_compute(world: int, topology, args, kwargs, pad, method) -> CallPlan:
     t = _require_topology(topology, method)
-    return _plan_replicas(lambda c: c[0], lambda c: c[2] == 0 and c[1] == t.pp_size - 1, t.dp_size,
+    return _plan_replicas(lambda c: c[0], lambda c: c[2] == c[3] == 0 and c[1] == t.pp_size - 1, t.dp_size,
                           t, args, kwargs, pad, method)
 
 
 def _plan_megatron_pp_as_dp(world: int, topology, args, kwargs, pad, method) -> CallPlan:
     t = _require_topology(topology, method)
-    return _plan_replicas(lambda c: c[0] * t.pp_size + c[1], lambda c: c[2] == 0, t.dp_size * t.pp_size,
+    return _plan_replicas(lambda c: c[0] * t.pp_size + c[1], lambda c: c[2] == c[3] == 0, t.dp_size * t.pp_size,
                           t, args, kwargs, pad, method)
 
 

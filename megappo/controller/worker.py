@@ -85,8 +85,8 @@ class Worker:
         init_megatron(layout, seed=seed)
 
     @register(Dispatch.ONE_TO_ALL)
-    def megatron_coords(self) -> tuple[int, int, int]:
-        """This rank's (dp, pp, tp) as megatron's parallel_state sees it."""
+    def megatron_coords(self) -> tuple[int, int, int, int]:
+        """This rank's (dp, pp, tp, cp) as megatron's parallel_state sees it."""
         from megappo.parallel.megatron_init import coords
 
         return coords()

@@ -84,9 +84,10 @@ def gather_hf_lora(model, dims: ModelDims,
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    # one replica's shards: data-parallel rank 0's, and for a routed expert (allreduce False: replicated over
-    # the expert-data-parallel group only) expert-data-parallel rank 0's of each expert-parallel rank
-    dense_rank0, expert_rank0 = mpu.get_data_parallel_rank() == 0, mpu.get_expert_data_parallel_rank() == 0
+    # one replica's shards: rank 0's of the data- (x context-) parallel replicas, and for a routed expert (allreduce
+    # False: replicated over the expert-data-parallel group only) expert-data-parallel rank 0's of each EP rank
+    dense_rank0 = mpu.get_data_parallel_rank(with_context_parallel=True) == 0
+    expert_rank0 = mpu.get_expert_data_parallel_rank() == 0
     # clone: a param is a view into DDP's whole param buffer, and pickling a view writes its whole storage
     # (on the CPU .cpu() is that view: every adapter tensor sent the buffer, 22 GB for SmolLM2 at rank 16)
     mine = {name: (_group_rank(m._lora_group), m.lora_A.detach().cpu().clone(),

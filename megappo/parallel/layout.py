@@ -10,8 +10,7 @@ are split over tp like a dense MLP (expert tensor parallel = tp, megatron's defa
 megatron's `initialize_model_parallel(order="tp-cp-ep-dp-pp")` (the default) numbers ranks with tp
 fastest, then cp, then dp, then pp:  rank = tp + TP * (cp + CP * (dp + DP * pp)). megatron's expert groups
 take ep consecutive ranks of the CP x DP grid (expert data parallel = cp * dp / ep), so at cp > 1 an EP group
-spans CP ranks.
-The context-parallel layout is not yet reachable from a config (issue #72: the config key comes next).
+spans CP ranks. A config's `<role>.parallel.cp` is this cp.
 `tests/test_layout.py` checks this against the groups parallel_state really builds.
 """
 
@@ -20,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-LAYOUT_KEYS = ("tp", "pp", "dp", "vpp", "ep")
+LAYOUT_KEYS = ("tp", "pp", "dp", "vpp", "ep", "cp")
 
 
 def sliced_sync(train_tp: int, rollout_tp: int) -> bool:
@@ -49,8 +48,7 @@ def check_layout(par, num_heads: Optional[int] = None, num_kv_heads: Optional[in
         return f"{where}.{k}" if where else k
 
     whole = f"{where} " if where else ""
-    tp, pp, dp, vpp, ep = (getattr(par, k) for k in ("tp", "pp", "dp", "vpp", "ep"))
-    cp = getattr(par, "cp", 1)
+    tp, pp, dp, vpp, ep, cp = (getattr(par, k) for k in ("tp", "pp", "dp", "vpp", "ep", "cp"))
     for k, v in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp), ("ep", ep)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{key(k)}={v!r} must be a positive int (>= 1)")

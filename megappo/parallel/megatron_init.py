@@ -107,9 +107,9 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
-def coords() -> tuple[int, int, int]:
-    """This rank's (dp, pp, tp) as megatron sees it."""
+def coords() -> tuple[int, int, int, int]:
+    """This rank's (dp, pp, tp, cp) as megatron sees it."""
     from megatron.core import parallel_state as mpu
 
     return (mpu.get_data_parallel_rank(), mpu.get_pipeline_model_parallel_rank(),
-            mpu.get_tensor_model_parallel_rank())
+            mpu.get_tensor_model_parallel_rank(), mpu.get_context_parallel_rank())

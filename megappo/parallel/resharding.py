@@ -98,7 +98,9 @@ class Resharder(ReshardPlan, ShmTransport, CollectiveTransport):
         self.sliced = sliced_sync(layout.tp, self.rollout_tp)
         self.tp_rank = mpu.get_tensor_model_parallel_rank()
         self.pp_rank = mpu.get_pipeline_model_parallel_rank()
-        self.dp_rank = mpu.get_data_parallel_rank()
+        # the rank among the replicas holding the same weights: data parallel x context parallel (a cp rank holds
+        # its replica's whole weights), so exactly one replica writes and fingerprints each weight
+        self.dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
         self.tp_group = mpu.get_tensor_model_parallel_group()
         self.pp_group = mpu.get_pipeline_model_parallel_group()
         self.pp_ranks = dist.get_process_group_ranks(self.pp_group) if layout.pp > 1 else [dist.get_rank()]

@@ -79,6 +79,7 @@ class MegatronEngine(EngineCheckpoints):
         self.tp_rank = mpu.get_tensor_model_parallel_rank()
         self.pp_rank = mpu.get_pipeline_model_parallel_rank()
         self.dp_rank = mpu.get_data_parallel_rank()
+        self.cp_rank = mpu.get_context_parallel_rank()
         # context parallel runs on the packed path: each packed micro-batch cut over the CP group, megappo's
         # own CP attention (models/packed_attention.py); TE's CP on GPU is not wired yet
         self.packed = self.config.pack_sequences or layout.cp > 1
@@ -102,9 +103,11 @@ class MegatronEngine(EngineCheckpoints):
         # MoE: tokens per expert in each update (forward hooks on the routers)
         self.expert_load = ExpertLoad(chunks, self.dims.num_layers, self.dims.num_experts) \
             if self.dims.num_experts else None
-        if self.config.pack_sequences and self.uses_te:
-            raise ValueError("pack_sequences with Transformer Engine needs megatron's THD path (cu_seqlens), "
-                             "not wired yet: set model.transformer_engine=false or pack_sequences=false")
+        if self.packed and self.uses_te:
+            what = f"context parallel (cp={layout.cp})" if layout.cp > 1 else "pack_sequences"
+            raise ValueError(f"{what} with Transformer Engine needs megatron's THD / cp_comm_type path, not wired "
+                             "yet: set model.transformer_engine=false" + ("" if layout.cp > 1 else
+                                                                         " or pack_sequences=false"))
         from_dist_ckpt = is_dist_checkpoint(model_path)
         self.value_head_initialised = [] if from_dist_ckpt else \
             load_hf_weights(chunks, model_path, self.dims, self.tp_rank, layout.tp)
@@ -263,7 +266,7 @@ class MegatronEngine(EngineCheckpoints):
         from megatron.core import parallel_state as mpu
 
         packed = self.packed
-        cp = (self.layout.cp, mpu.get_context_parallel_rank()) if self.layout.cp > 1 else None
+        cp = (self.layout.cp, self.cp_rank) if self.layout.cp > 1 else None
         micro = megatron_step.micro_batches(batch, micro_batch_size, packed=packed, pp=self.layout.pp,
                                             vpp=self.layout.vpp if self.layout.virtual_pp else None,
                                             seq_multiple=multiple,
@@ -366,7 +369,7 @@ class MegatronEngine(EngineCheckpoints):
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["update_successful"] = bool(ok)
         metrics["nan_skipped"] = float(not finite)
-        metrics["computed_tokens"] = float(computed)  # this rank's (padding in); the caller sums over DP
+        metrics["computed_tokens"] = float(computed)  # this DP replica's (padding in); the caller sums over DP
         if self.expert_load is not None:  # TP ranks route the same tokens unless sequence parallel splits them
             metrics.update(self.expert_load.metrics(self.tf_config.sequence_parallel or self.tp_rank == 0))
         return metrics

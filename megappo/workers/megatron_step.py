@@ -105,7 +105,7 @@ def micro_batches(batch: dict, micro_batch_size: int, *, packed: bool, pp: int, 
             size, rank = cp
             local = local_width([m["_segments"] for m in items], size, seq_multiple)
             items = [cp_local(m, size, rank, local) for m in items]
-            return MicroBatches(items, local, 1, local * len(items))
+            return MicroBatches(items, local, 1, local * size * len(items))  # the replica's CP ranks' together
         return MicroBatches(items, width, 1, width * len(groups))
     bsz, seq = batch["input_ids"].shape
     items = split_rows(batch, micro_batch_size)

@@ -89,7 +89,7 @@ def fused_role(actor: bool = False, rollout: bool = False, ref: bool = False) ->
 def _layout(parallel):
     from megappo.parallel.layout import ParallelLayout
 
-    return ParallelLayout(tp=parallel.tp, pp=parallel.pp, dp=parallel.dp, vpp=parallel.vpp, ep=parallel.ep)
+    return ParallelLayout(tp=parallel.tp, pp=parallel.pp, dp=parallel.dp, vpp=parallel.vpp, ep=parallel.ep, cp=parallel.cp)
 
 
 def check_reward_model_vocab(rm_path, policy_path) -> None:

@@ -197,7 +197,7 @@ class HybridEngine:
                                        temperature=temperature, compute_entropy=False)
         vec = torch.zeros(3, dtype=torch.float64, device="cpu")  # sum |d|, count, sum exp|d| (over gloo)
         mx = torch.zeros(1, dtype=torch.float64, device="cpu")
-        if res is not None and self.engine.tp_rank == 0:
+        if res is not None and self.engine.tp_rank == 0 and self.engine.cp_rank == 0:  # one rank per DP replica
             per = len(mine)
             start = self.engine.dp_rank * per
             keep = torch.arange(start, start + per, device="cpu") < n_real  # drop the padding rows
