@@ -1,9 +1,9 @@
 """`megappo logprobs`: score token rows with a model sharded over local processes (audit a checkpoint).
 
-    megappo logprobs --model DIR --tp T --pp P [--vpp V] [--dp D] --input tokens.jsonl \\
+    megappo logprobs --model DIR --tp T --pp P [--vpp V] [--dp D] [--cp C] --input tokens.jsonl \\
         --out logprobs.safetensors [--critic] [--temperature 1.0] [--micro-batch-size 1]
 
-Spawns T*P*D local processes (gloo on CPU, nccl on GPU), builds the megatron model from DIR (a
+Spawns T*C*P*D local processes (--cp: each row's tokens split over C context-parallel ranks) (gloo on CPU, nccl on GPU), builds the megatron model from DIR (a
 HuggingFace model dir, or a megatron dist checkpoint dir holding the HF config.json), and writes one
 tensor per input row to --out (safetensors): `logprobs.{i}` (or `values.{i}` with --critic) of length
 len(input_ids) - response_start, where `logprobs.{i}[j]` = log p(input_ids[k+j] | input_ids[:k+j])
@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+from megappo.parallel.layout import LAYOUT_KEYS
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="HF model dir, or megatron dist checkpoint dir with config.json")
@@ -25,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (interleaved)")
     parser.add_argument("--dp", type=int, default=1, help="data parallel size")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context parallel size: each row's tokens split over cp ranks (long rows)")
     parser.add_argument("--ep", type=int, default=1,
                         help="expert parallel size (mixture-of-experts models; must divide --dp and the expert count)")
     parser.add_argument("--input", required=True, help='JSON lines: {"input_ids": [...], "response_start": k}')
@@ -62,12 +66,10 @@ def build_batch(rows: list[dict], pad_id: int = 0):
 
 
 def _worker(rank, world, port, args_dict, rows):
-    from megappo.parallel.layout import ParallelLayout
     from megappo.parallel.megatron_init import destroy, init_distributed, init_megatron, resolve_device
     from megappo.workers.megatron_engine import EngineConfig, MegatronEngine
 
-    layout = ParallelLayout(tp=args_dict["tp"], pp=args_dict["pp"], dp=args_dict["dp"], vpp=args_dict["vpp"],
-                            ep=args_dict["ep"])
+    layout = args_dict["layout"]
     init_distributed(rank, world, "127.0.0.1", port)
     init_megatron(layout, seed=args_dict["seed"])
     from megatron.core import parallel_state as mpu
@@ -88,7 +90,7 @@ def _worker(rank, world, port, args_dict, rows):
     out = engine.forward_only({"input_ids": ids[sl], "attention_mask": mask[sl]}, response_length=resp,
                               micro_batch_size=mbs, temperature=args_dict["temperature"], compute_entropy=False)
     result = None
-    if out is not None and mpu.get_tensor_model_parallel_rank() == 0:
+    if out is not None and mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0:
         key = "values" if args_dict["critic"] else "logprobs"
         result = {"start": dp_rank * per_rank, key: out[key].float().cpu().contiguous()}
     destroy()
@@ -100,12 +102,9 @@ def score(args) -> dict:
     from megappo.parallel.launch import spawn_local
 
     rows = read_rows(args.input)
-    args_dict = {k: getattr(args, k) for k in ("model", "tp", "pp", "dp", "vpp", "critic", "temperature",
-                                                 "micro_batch_size", "seed")}
-    args_dict["ep"] = getattr(args, "ep", 1)
-    args_dict["device"] = getattr(args, "device", "auto")
-    world = args.tp * args.pp * args.dp
-    results = spawn_local(_worker, world, args_dict, rows)
+    args_dict = {k: getattr(args, k) for k in ("model", "critic", "temperature", "micro_batch_size", "seed")}
+    args_dict.update(layout=layout_of(args), device=getattr(args, "device", "auto"))
+    results = spawn_local(_worker, args_dict["layout"].world_size, args_dict, rows)
     key = "values" if args.critic else "logprobs"
     tensors = {}
     for res in results:
@@ -123,6 +122,13 @@ def score(args) -> dict:
     return tensors
 
 
+def layout_of(args):
+    """The ParallelLayout of the command's --tp/--pp/--vpp/--dp/--ep/--cp (ValueError, one line, when it is none)."""
+    from megappo.parallel.layout import ParallelLayout
+
+    return ParallelLayout(**{k: getattr(args, k, None if k == "vpp" else 1) for k in LAYOUT_KEYS})
+
+
 def check_model(model, layout) -> None:
     """Before any worker starts: a config.json of a family megappo maps, that `layout` can split; ValueError."""
     import json
@@ -138,10 +144,8 @@ def check_model(model, layout) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from megappo.parallel.layout import ParallelLayout
-
     try:
-        check_model(args.model, ParallelLayout(tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp, ep=args.ep))
+        check_model(args.model, layout_of(args))
     except ValueError as e:
         print(f"megappo logprobs: {e}", file=sys.stderr)
         return 2

@@ -159,10 +159,14 @@ def run(spec: StepSpec, micro: MicroBatches, model: list) -> list:
     outputs (the loss functions' reported dicts; on the last pipeline stage)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron.core import parallel_state as mpu
+
     iters = [iter(micro.items) for _ in model] if len(model) > 1 else iter(micro.items)
     fb = get_forward_backward_func()
+    # the schedule's p2p shape is seq_length / the CP size (its own CP's split): micro.seq is a CP rank's already
+    seq = micro.seq * mpu.get_context_parallel_world_size()
     return fb(forward_step_func=partial(forward_step, spec), data_iterator=iters,
-              model=model if len(model) > 1 else model[0], num_microbatches=len(micro.items), seq_length=micro.seq,
+              model=model if len(model) > 1 else model[0], num_microbatches=len(micro.items), seq_length=seq,
               micro_batch_size=micro.rows, forward_only=spec.forward_only)
 
 
