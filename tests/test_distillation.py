@@ -222,22 +222,21 @@ def test_opd_from_a_teacher_of_another_family_on_a_pool_of_its_own(ray_session, 
         assert h["distill/teacher_share"] == pytest.approx(h["timing/teacher_s"] / h["timing/step_s"], rel=1e-9)
 
 
-def test_a_megappo_serve_teacher_in_a_trainer_run(ray_session, tiny_assets, data_dir, tmp_path, monkeypatch):
-    """teacher.endpoint at a real server: `megappo serve` of the student's own weights in its own process (vLLM's
-    prompt log-probs over /v1/completions with echo, the key from teacher.api_key_env) beside PPO's GAE for 1 sync
-    step (fp32, on the trainer tests' warm workers):
+def test_a_megappo_serve_teacher_in_a_trainer_run(ray_session, tiny_assets, data_dir, tmp_path, monkeypatch,
+                                                  served_tiny_llama):
+    """teacher.endpoint at a real server: `megappo serve` of the student's own weights in its own process (the
+    session's, conftest `served_tiny_llama`: vLLM's prompt log-probs over /v1/completions with echo, the key from
+    teacher.api_key_env) beside PPO's GAE for 1 sync step (fp32, on the trainer tests' warm workers):
     every response token's teacher log-prob is the student's pi_old (the same weights in two engines, 1e-4), so the
     per-token term is at most that gap, and the server scored one request per row."""
-    from gateway_helpers import serve_process
     from trainer_utils import config, recording_updates, run
 
-    monkeypatch.setenv("MEGAPPO_TEACHER_API_KEY", "k-teacher")
-    with serve_process(tiny_assets["tiny-llama"], "--max-model-len", "256", "--max-tokens", "8", "--kv-cache-mb", "32",
-                       key="k-teacher") as (proc, url):
-        cfg = config(tiny_assets, data_dir, tmp_path / "run", f"teacher.endpoint={url}/v1", "algorithm.distill_coef=0.5",
-                     "trainer.total_steps=1", "trainer.save_every=0", "trainer.val_every=0", "trainer.export_hf=false")
-        batches = []
-        history, _ = run(cfg, setup=recording_updates(batches))
+    url, key = served_tiny_llama
+    monkeypatch.setenv("MEGAPPO_TEACHER_API_KEY", key)
+    cfg = config(tiny_assets, data_dir, tmp_path / "run", f"teacher.endpoint={url}/v1", "algorithm.distill_coef=0.5",
+                 "trainer.total_steps=1", "trainer.save_every=0", "trainer.val_every=0", "trainer.export_hf=false")
+    batches = []
+    history, _ = run(cfg, setup=recording_updates(batches))
     b, h = batches[0].batch, history[0]
     mask = b["response_mask"].bool()
     assert mask.sum() > 0 and h["distill/teacher_requests"] == len(batches[0]) and h["distill/teacher_retries"] == 0

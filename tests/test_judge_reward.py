@@ -47,16 +47,13 @@ def tokenizer(tiny_assets):
 
 
 @pytest.fixture(scope="module")
-def judge_server(tiny_assets):
-    """One `megappo serve` of the tiny llama for the module, its key in $MEGAPPO_JUDGE_API_KEY as reward.judge
-    reads it."""
-    from gateway_helpers import serve_process
-
+def judge_server(served_tiny_llama):
+    """The session's `megappo serve` of the tiny llama (conftest `served_tiny_llama`, test_distillation's teacher
+    too), its key in $MEGAPPO_JUDGE_API_KEY as reward.judge reads it."""
+    url, key = served_tiny_llama
     mp = pytest.MonkeyPatch()
-    mp.setenv("MEGAPPO_JUDGE_API_KEY", "k-judge")
-    with serve_process(tiny_assets["tiny-llama"], "--max-model-len", "256", "--max-tokens", "8", "--kv-cache-mb", "32",
-                       key="k-judge") as (proc, url):
-        yield f"{url}/v1"
+    mp.setenv("MEGAPPO_JUDGE_API_KEY", key)
+    yield f"{url}/v1"
     mp.undo()
 
 
