@@ -12,7 +12,7 @@ from megappo.parallel.layout import ParallelLayout
 from test_megatron_engine import OPTIM, R, make_batch, pg_loss, to_hf
 
 
-def _worker(rank, world, port, path, layout):
+def _worker(rank, world, port, path, layout, lora=False):
     from megappo.parallel.megatron_init import init_distributed, init_megatron
     from megappo.workers.megatron_engine import EngineConfig, MegatronEngine, OptimConfig
 
@@ -20,7 +20,9 @@ def _worker(rank, world, port, path, layout):
     from megatron.core import parallel_state as mpu
 
     init_megatron(layout)
-    eng = MegatronEngine(path, layout, EngineConfig(optim=OptimConfig(**OPTIM)))
+    from megappo.models.lora import LoraConfig
+
+    eng = MegatronEngine(path, layout, EngineConfig(optim=OptimConfig(**OPTIM), lora=LoraConfig(rank=4) if lora else None))
     seen = []  # the tokens each model call got on this rank
     eng.model[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].numel()))
     batch = make_batch()
@@ -34,18 +36,21 @@ def _worker(rank, world, port, path, layout):
             "params": {k: v.detach().clone() for k, v in eng.named_parameters_global()}}
 
 
-@pytest.mark.parametrize("family, layout", [
-    ("tiny-llama", dict(cp=2)),
+@pytest.mark.parametrize("family, layout, lora", [
+    ("tiny-llama", dict(cp=2), False),
     # multi-latent attention (the latent's RoPE part split like k) with routed experts: tokens routed after the split
-    ("tiny-deepseek_v3", dict(cp=2)),
-    pytest.param("tiny-llama", dict(tp=2, cp=2), marks=pytest.mark.long),
-    pytest.param("tiny-qwen3_moe", dict(cp=2, dp=2, ep=2), marks=pytest.mark.long),
+    ("tiny-deepseek_v3", dict(cp=2), False),
+    pytest.param("tiny-llama", dict(tp=2, cp=2), False, marks=pytest.mark.long),
+    pytest.param("tiny-qwen3_moe", dict(cp=2, dp=2, ep=2), False, marks=pytest.mark.long),
+    # LoRA (rank 4 on the default targets): the adapters' gradients reduced over DP x CP like any other; the
+    # weights compared are the merged ones (W + scaling * B @ A)
+    pytest.param("tiny-llama", dict(cp=2), True, marks=pytest.mark.long),
 ])
-def test_cp_forward_and_step_equal_cp1(tiny_assets, family, layout):
+def test_cp_forward_and_step_equal_cp1(tiny_assets, family, layout, lora):
     path = str(tiny_assets[family])
     lay = ParallelLayout(**layout)
-    single = spawn_local(_worker, 1, path, ParallelLayout())[0]
-    runs = spawn_local(_worker, lay.world_size, path, lay, threads=1)
+    single = spawn_local(_worker, 1, path, ParallelLayout(), lora)[0]
+    runs = spawn_local(_worker, lay.world_size, path, lay, lora, threads=1)
     mask = make_batch()["response_mask"].bool()
     for r in runs:
         n = mask.shape[0] // lay.dp

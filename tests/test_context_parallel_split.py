@@ -96,7 +96,7 @@ def _cp_job(rank, world, port, lengths):
     weight = torch.randn(t, 4, 8)  # a loss that weighs every output differently
     split = zigzag_split(seg, world)
     local = [split.take(x, rank).detach().requires_grad_() for x in (q, k, v)]
-    out = cp_attention(*local, split.mask(rank), 8 ** -0.5, dist.group.WORLD)
+    out = cp_attention(*local, split.attention_plan(rank, "cpu"), 8 ** -0.5, dist.group.WORLD)  # chunks
     # this rank's outputs scattered to their packed columns, summed over the group: the whole micro-batch's
     real = split.source[rank] >= 0
     full = torch.zeros(t, 4, 8).index_put((split.source[rank][real],), out[real])
@@ -130,3 +130,38 @@ def test_cp_attention_and_its_gradients_over_gloo_equal_one_process():
     for i, x in enumerate((q, k, v)):
         got = reports[0]["grads"][i] + reports[1]["grads"][i]
         torch.testing.assert_close(got[real], x.grad[real], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+@pytest.mark.parametrize("lengths", [[9], [1, 13, 4, 6]])
+@pytest.mark.parametrize("hv", [8, 5])  # multi-latent attention: values narrower than queries / keys
+def test_chunked_attention_and_its_gradients_equal_the_masked_one(cp, lengths, hv):
+    """The chunk path (flash on each chunk's prefix and its own chunk, merged by log-sum-exp; the backward from
+    the merged statistics) equals the masked SDPA call on every rank: outputs and q / k / v gradients, one process
+    standing in for the group (keys gathered by concatenation)."""
+    from megappo.parallel.context_parallel import _chunked_attention, _masked_attention
+
+    torch.manual_seed(0)
+    seg = packed_segments(lengths, tail=3)
+    split = zigzag_split(seg, cp, multiple=2)
+    t, heads, groups, dim = seg.numel(), 4, 2, 8
+    base = [torch.randn(t, n, d) for n, d in ((heads, dim), (groups, dim), (groups, hv))]
+    weight = torch.randn(split.local_tokens, heads, hv)
+    table = split.attention_plan(0, "cpu", "chunks")
+    assert table.tolist() == [[-(-n // (2 * cp)), n] for n in lengths]
+    for r in range(cp):
+        results = []
+        for path in ("chunks", "mask"):
+            q, k, v = (x.clone().requires_grad_() for x in base)
+            ql = split.take(q, r)
+            keys = torch.cat([split.take(k, s) for s in range(cp)])
+            values = torch.cat([split.take(v, s) for s in range(cp)])
+            if path == "chunks":
+                out = _chunked_attention(ql, keys, values, table, dim ** -0.5, cp, r)
+            else:
+                out = _masked_attention(ql, keys, values, split.mask(r), dim ** -0.5)
+            real = split.row[r] >= 0
+            (out[real] * weight[real]).sum().backward()
+            results.append((out.detach()[real], q.grad, k.grad, v.grad))
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-6)

@@ -46,10 +46,16 @@ def test_what_fully_async_does_not_do_yet_is_one_line(tiny_assets, data_dir, tmp
     assert "\n" not in str(e.value)
 
 
+CP2 = [f"{role}.parallel.{k}={v}" for role in ("actor", "critic", "ref") for k, v in (("cp", 2), ("dp", 1))]
+
+
 @pytest.mark.parametrize("pool", [
     # 65 s; CI keeps tp2 (the same driver, each group on one replica) and tp1 rollout workers in the tests below
     pytest.param([], marks=pytest.mark.long, id="tp1"),
-    pytest.param(["resources.rollout_workers=2", "rollout.tp=2"], id="tp2")])
+    pytest.param(["resources.rollout_workers=2", "rollout.tp=2"], id="tp2"),
+    # the trainer context parallel (every role CP2 x DP1): its weights reach the rollout pool once, from one CP
+    # rank. Step 1 only: the actor's 2 mini-batches hold other rows at dp=1 (test_trainer's CP case)
+    pytest.param(CP2, marks=pytest.mark.long, id="trainer_cp2")])
 def test_max_staleness_0_trains_the_sync_runs_batches(sync_baseline, tiny_assets, data_dir, tmp_path, pool):
     """One batch admitted at a time, each group seeded as the sync run seeds it, trained on-policy: the
     sync baseline's first two steps (same prompts, same samples, same losses) within fp32 rounding; the
@@ -59,14 +65,18 @@ def test_max_staleness_0_trains_the_sync_runs_batches(sync_baseline, tiny_assets
     history = _run(_config(tiny_assets, data_dir, tmp_path / "fa0", *FULLY_ASYNC, "trainer.max_staleness=0",
                            "trainer.total_steps=2", *pool))
     base = sync_baseline[0]
-    for got, want in zip(history, base[:2]):
+    cp = pool is CP2
+    for got, want in zip(history[:1] if cp else history, base[:2]):
         assert got["async/rollout_replicas"] == 1.0  # tp2: the two workers are one replica (checked: vLLM at TP2)
         assert got["async/sample_staleness_max"] == 0 and got["async/over_bound"] == 0
         assert got["rollout/weights_fingerprint_ok"] == 1.0
         assert got["objective/scores"] == pytest.approx(want["objective/scores"], abs=1e-6)  # the same samples
-        for key in ("response_length/mean", "loss/policy_avg", "loss/value_avg", "objective/kl",
-                    "policy/clipfrac_avg", "rollout/logprob_diff_max"):
+        actor = () if cp else ("loss/policy_avg", "policy/clipfrac_avg")
+        for key in ("response_length/mean", "loss/value_avg", "objective/kl", "rollout/logprob_diff_max", *actor):
             assert math.isclose(got[key], want[key], rel_tol=1e-3, abs_tol=1e-4), (key, got[key], want[key])
+    if cp:
+        assert history[1]["rollout/weights_fingerprint_ok"] == 1.0  # step 1's CP-trained weights reached vLLM
+        return
     assert history[1]["eval/verifiable_correct_rate"] == pytest.approx(base[1]["eval/verifiable_correct_rate"])
 
 
