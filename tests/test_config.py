@@ -19,7 +19,7 @@ def test_every_shipped_config_validates(path):
     lengths fit the model). base.yaml is the defaults every other file starts from: it must hold too."""
     cfg = load_config(path)
     p = cfg.actor.parallel
-    assert p.tp * p.pp * p.dp == cfg.resources.nodes * cfg.resources.workers_per_node, path
+    assert p.tp * p.cp * p.pp * p.dp == cfg.resources.nodes * cfg.resources.workers_per_node, path
 
 
 def test_the_shipped_configs_are_the_ones_the_quickstart_names():

@@ -42,6 +42,8 @@ def _worker(rank, world, port, path, layout, lora=False):
     ("tiny-deepseek_v3", dict(cp=2), False),
     pytest.param("tiny-llama", dict(tp=2, cp=2), False, marks=pytest.mark.long),
     pytest.param("tiny-qwen3_moe", dict(cp=2, dp=2, ep=2), False, marks=pytest.mark.long),
+    # an expert group of the two CP ranks of one replica (expert data parallel = dp * cp / ep = 1)
+    pytest.param("tiny-qwen3_moe", dict(cp=2, ep=2), False, marks=pytest.mark.long),
     # LoRA (rank 4 on the default targets): the adapters' gradients reduced over DP x CP like any other; the
     # weights compared are the merged ones (W + scaling * B @ A)
     pytest.param("tiny-llama", dict(cp=2), True, marks=pytest.mark.long),

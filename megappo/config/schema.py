@@ -22,9 +22,9 @@ class ParallelConfig:
     tp: int = 1  # tensor parallel size
     pp: int = 1  # pipeline parallel size
     vpp: Optional[int] = None  # virtual pipeline chunks per pp rank (interleaved 1F1B); None = off
-    dp: int = 1  # data parallel size; tp * pp * dp = the role's worker count
+    dp: int = 1  # data parallel size; tp * cp * pp * dp = the role's worker count
     # expert parallel (mixture-of-experts models only): each MoE layer's routed experts are split over ep
-    # of the dp ranks (megatron's expert data parallel = dp / ep); ep divides dp and the expert count.
+    # of the dp x cp ranks (megatron's expert data parallel = dp * cp / ep); ep divides dp * cp and the expert count.
     # Expert tensor parallel is the role's tp.
     ep: int = 1
     # context parallel: each row's tokens split over cp ranks (zigzag, 2*cp chunks per row) for long samples;

@@ -3,7 +3,7 @@ ranks, parallel/context_parallel.py), pipeline (pp, with vpp virtual stages per 
 groups, in megatron-core's rank order; and, for a mixture-of-experts model, how the routed experts are spread
 over expert-parallel ranks (ep).
 
-Expert parallelism reuses the data-parallel ranks (megatron's "expert data parallel" = dp / ep): the ep
+Expert parallelism reuses the data- (and context-) parallel ranks (expert data parallel = dp * cp / ep): the ep
 ranks of one expert group hold different experts, everything else is replicated over dp as usual. Experts
 are split over tp like a dense MLP (expert tensor parallel = tp, megatron's default).
 
@@ -65,9 +65,10 @@ def check_layout(par, num_heads: Optional[int] = None, num_kv_heads: Optional[in
         if num_experts and num_experts % ep:
             raise ValueError(f"{key('ep')}={ep} does not divide the model's {num_experts} experts; use a divisor "
                              f"of {num_experts}")
-    if dp % ep:
-        raise ValueError(f"{key('ep')}={ep} must divide {key('dp')}={dp} (expert parallel ranks are data parallel "
-                         f"ranks); raise dp or lower ep")
+    if (dp * cp) % ep:  # megatron's expert groups take ep of the CP x DP ranks
+        what = f"{key('dp')}={dp}" if cp == 1 else f"{key('dp')}*{key('cp')}={dp * cp}"
+        raise ValueError(f"{key('ep')}={ep} must divide {what} (expert parallel ranks are data (and context) "
+                         f"parallel ranks); raise dp or lower ep")
     if world_size is not None and tp * cp * pp * dp != world_size:
         shown = ("tp*cp*pp", f"{tp}*{cp}*{pp}", "tp, cp and pp") if cp > 1 else ("tp*pp", f"{tp}*{pp}", "tp and pp")
         if world_size % (tp * cp * pp) == 0:
