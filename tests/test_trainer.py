@@ -356,23 +356,43 @@ def test_packed_sequences_in_a_run(sync_baseline, tiny_assets, data_dir, tmp_pat
         assert cp > 1 or computed <= base[f"tokens/{role}_computed"]  # CP pads each row to a multiple of 2 * cp
 
 
-def test_grpo_config_as_shipped(ray_session, tiny_assets, data_dir, tmp_path):
-    """configs/grpo_tiny.yaml for 3 steps: no critic (no values phase, no value loss), each prompt's
-    responses are their own baseline (advantages sum to ~0 per group), the KL to the reference is a
-    loss term (actor/kl_loss, 0 while pi == ref, then > 0) and not a reward penalty."""
+def _grpo_tiny(data_dir, out, *extra):
     from megappo.assets import ensure_assets
     from megappo.config.loader import load_config
 
     # the config's own model, the demo's warm start (knows the answer format: its groups' rewards differ,
     # where a random tiny model never stops and every advantage is 0); built once (~20 s)
     model = ensure_assets(REPO_ROOT / "assets", demo=True)["tiny-llama-arith"]
-    cfg = load_config(REPO_ROOT / "configs/grpo_tiny.yaml", [
+    return load_config(REPO_ROOT / "configs/grpo_tiny.yaml", [
         f"model.path={model}", f"data.train_files=[{data_dir / 'arith_train.parquet'}]",
         f"data.val_files=[{data_dir / 'arith_val.parquet'}]", "data.train_batch_size=4", "rollout.n=8",
         "rollout.max_new_tokens=8", "rollout.kv_cache_memory_mb=16", "actor.ppo_mini_batch_size=32",
         "actor.ppo_epochs=1",  # one optimizer step per PPO step: step 1's loss sees pi == ref exactly
         "actor.micro_batch_size=4", "trainer.total_steps=3", "trainer.save_every=0", "trainer.val_every=0",
-        f"trainer.output_dir={tmp_path}", "trainer.loggers=[jsonl]", "reward.num_examine=0", "trainer.export_hf=false"])
+        f"trainer.output_dir={out}", "trainer.loggers=[jsonl]", "reward.num_examine=0", "trainer.export_hf=false",
+        *extra])
+
+
+@pytest.mark.long
+def test_a_grpo_step_at_cp2_equals_dp2(ray_session, tiny_assets, data_dir, tmp_path):
+    """grpo_tiny's step 1 (one mini-batch of all 32 rows, so both layouts take the same optimizer step) with
+    the actor and the reference context parallel (CP2 x DP1) against the shipped DP2: the same samples, and
+    the loss, grad norm, KL loss and pi_old's gap to the rollout within 1e-5."""
+    steps = ["trainer.total_steps=1"]
+    cp2 = [f"{role}.parallel.{k}={v}" for role in ("actor", "ref") for k, v in (("cp", 2), ("dp", 1))]
+    dp, cp = (_run(_grpo_tiny(data_dir, tmp_path / name, *steps, *extra))[0]
+              for name, extra in (("dp2", []), ("cp2", cp2)))
+    assert cp["objective/scores"] == dp["objective/scores"] and cp["advantages/max"] == dp["advantages/max"]
+    for key in ("loss/policy_avg", "actor/grad_norm", "actor/kl_loss", "rollout/logprob_diff_mean",
+                "policy/approxkl_avg"):
+        assert cp[key] == pytest.approx(dp[key], rel=1e-5, abs=1e-7), (key, cp[key], dp[key])
+
+
+def test_grpo_config_as_shipped(ray_session, tiny_assets, data_dir, tmp_path):
+    """configs/grpo_tiny.yaml for 3 steps: no critic (no values phase, no value loss), each prompt's
+    responses are their own baseline (advantages sum to ~0 per group), the KL to the reference is a
+    loss term (actor/kl_loss, 0 while pi == ref, then > 0) and not a reward penalty."""
+    cfg = _grpo_tiny(data_dir, tmp_path)
     assert not cfg.critic.enable and cfg.ref.enable and cfg.actor.use_kl_loss
     history = _run(cfg)
     assert len(history) == 3
