@@ -1,6 +1,7 @@
 """Layout / memory planner: per-GPU memory of every role of a colocated PPO job, phase by phase.
 
-`megappo plan --config configs/ppo_70b.yaml [--nodes N --gpus-per-node G --gpu-mem-gb M] [--json]`
+`megappo plan --config configs/ppo_70b.yaml [--nodes N --gpus-per-node G --gpu-mem-gb M] [--json]`; `--max-len`: the
+longest sample that fits the layout; `--seq-len N` plans N-token samples (with `--smallest`: the pool and cp for them)
 
 The model (stated so it can be checked by hand):
 - Parameters per GPU: the worst pipeline stage's parameters / tp (layers/pp of them, plus the
@@ -31,6 +32,17 @@ The model (stated so it can be checked by hand):
   backward's peak, 24 B with the entropy (an entropy bonus): measured with torch.profiler's memory
   events around models/logprobs.vocab_parallel_logprobs' forward and backward (bf16 logits, fp32 copy,
   exp, their grads).
+- Context parallel (`<role>.parallel.cp`, parallel/context_parallel.py): a rank holds L = s*b / cp of a
+  micro-batch's tokens (each row padded to 2*cp zigzag chunks, two per rank), so the per-token activations above
+  are counted for L tokens; the LM head runs on the rank's own response columns (the most any rank holds).
+  Attention all-gathers keys and values over the CP group: cp*L tokens of k and v per layer (the layer's kv heads /
+  tp; MLA: every head's qk_nope + qk_rope key and head_dim value), bf16, kept for the backward. SDPA gets a
+  boolean mask [L, cp*L] and converts it to an additive one in the query's dtype (2 B per element) that the fused
+  kernel keeps for the backward, per layer; the boolean masks of every micro-batch of one call sit on the GPU
+  until it ends (workers/megatron_step.micro_batches builds them up front; a forward's call is all of its DP
+  rank's rows, an update's one mini-batch). No unfused s x s scores: CP runs megappo's packed attention. Weights
+  and grads are whole on every CP rank; the distributed optimizer shards over dp * cp (megatron's data-parallel
+  group with context parallel), experts over dp * cp / ep.
 - vLLM (rollout phase): gpu_memory_utilization * GPU memory (weights/rollout_tp + KV cache + workspace).
 - Phases never overlap on a GPU: weight sync, rollout, ref/old-log-prob forward, critic update,
   actor update. A role with `offload: true` is resident only in its own phase (its memory goes back
@@ -75,11 +87,12 @@ from omegaconf import OmegaConf
 
 from megappo.config import ConfigError, load_config
 from megappo.config.schema import ArchConfig, MegappoConfig
+from megappo.parallel.context_parallel import chunk_size
 from megappo.parallel.layout import same_layout, sliced_sync
 from megappo.param_counts import (adapter_sync_params, kv_cache_bytes_per_token, lora_params, lora_rank, moe_layers,
                                   rollout_whole_params, shared_expert_params, stage_split, total_params)
 from megappo.parallel.weight_mapping import MOE_FAMILIES, padded_vocab_size
-from megappo.config.validate import arch_from_hf, validate_config
+from megappo.config.validate import arch_from_hf, max_positions, validate_config
 
 GB = 1024**3  # "GB" in this module is GiB, as the GPU reports its memory (resources.gpu_memory_gb)
 # a layout fits only with this share of the GPU left free: allocator fragmentation, NCCL's buffers past the
@@ -95,42 +108,101 @@ LOGIT_BYTES = 16  # per logit at the actor update's peak (module docstring); +8 
 FORWARD_LOGIT_BYTES = 10  # per logit of a frozen forward: bf16 logits, their fp32 copy and log-softmax
 
 
-def unfused_attention_bytes(a, s: int, b: int, tp: int) -> int:
+def unfused_attention_bytes(a, s: int, b: int, tp: int, packed: bool = False) -> int:
     """One layer's s x s attention scores where no fused kernel runs: multi-latent attention on megatron's local
     spec (TE's MLA is not mapped), Korthikanti et al.'s 5 a s^2 b bytes (the scores, the softmax, its dropout mask)
-    over the layer's heads / tp. Flash attention holds none of it."""
-    return 5 * (a.num_attention_heads // tp) * s * s * b if a.kv_lora_rank else 0
+    over the layer's heads / tp. Flash attention holds none of it, nor does megappo's packed / CP attention (`packed`:
+    pack_sequences or cp > 1, models/packed_attention.py: one SDPA call)."""
+    return 5 * (a.num_attention_heads // tp) * s * s * b if a.kv_lora_rank and not packed else 0
 
 
-def activation_bytes(cfg, role_cfg, par, lm_head: bool) -> int:
+def local_tokens(s: int, b: int, par) -> int:
+    """The tokens of one micro-batch (b rows of s) on one rank of its CP group: each row padded to 2*cp chunks, 2 of
+    them per rank (parallel/context_parallel.chunk_size), the sum rounded up to tp (sequence parallel); s*b at cp 1."""
+    if par.cp == 1:
+        return s * b
+    return -(-b * 2 * chunk_size(s, par.cp) // par.tp) * par.tp
+
+
+def response_columns(prompt: int, response: int, cp: int) -> int:
+    """The most response columns one CP rank holds of a row (rank r: chunks r and 2*cp-1-r of the zigzag split;
+    its LM head runs on those, megatron_step.cp_local): the response at cp 1."""
+    c = chunk_size(prompt + response, cp)
+    return max(sum(max(0, min((k + 1) * c, prompt + response) - max(k * c, prompt)) for k in (r, 2 * cp - 1 - r))
+               for r in range(cp))
+
+
+def cp_attention_terms(a, s: int, b: int, par, masks: int) -> tuple[int, int, int]:
+    """Context parallel's attention memory on one rank (0s at cp 1; parallel/context_parallel.cp_attention), bytes:
+    - per layer, the keys and values all-gathered over the CP group, cp*L tokens x (k + v) widths of the layer's
+      heads / tp in bf16 (MLA: every head's qk_nope + qk_rope key and head_dim value), kept for the backward;
+    - per layer, SDPA's additive mask: torch converts the bool mask into one of the query's dtype (2 B per element,
+      L x cp*L; convert_boolean_attn_mask) and the fused kernel keeps it for the backward;
+    - the bool masks themselves, L x cp*L bytes each: micro_batches builds every micro-batch's of one call up front
+      (`masks` of them), and each lives on the GPU until the call ends.
+    Returns (K/V per layer, additive mask per layer, the call's bool masks)."""
+    if par.cp == 1:
+        return 0, 0, 0
+    L = local_tokens(s, b, par)
+    if a.kv_lora_rank:
+        width = a.num_attention_heads // par.tp * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.head_dim)
+    else:
+        width = 2 * a.num_kv_heads // par.tp * (a.head_dim or a.hidden_size // a.num_attention_heads)
+    return 2 * par.cp * L * width, 2 * L * par.cp * L, masks * L * par.cp * L
+
+
+def per_token_bytes(a) -> int:
+    """One layer's activations per token, whole (Korthikanti et al.'s 34 h; a MoE layer's routed MLP instead of a
+    dense one's, the larger of the two layers); a rank holds them / tp (sequence parallel) for its local tokens."""
+    per_token = 34 * a.hidden_size
+    if moe_layers(a):  # the routed MLP's activations instead of a dense one's (the larger of the two layers)
+        h, k, f = a.hidden_size, a.num_experts_per_tok, getattr(a, MOE_FAMILIES[a.family].ffn_key)
+        fs = a.shared_expert_intermediate_size if shared_expert_params(a)[0] else 0  # one more FFN per token
+        per_token = max(per_token, 15 * h + k * (4 * h + 6 * f) + (4 * h + 6 * fs if fs else 0))
+    return per_token
+
+
+def activation_terms(cfg, role_cfg, par, lm_head: bool) -> dict:
+    """The actor's / critic's activation bytes per rank, term by term (they sum to activation_bytes)."""
     a = cfg.model.arch
     s = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     b = role_cfg.micro_batch_size
     h = a.hidden_size
     layers = a.num_layers // par.pp
-    per_token = 34 * h
-    if moe_layers(a):  # the routed MLP's activations instead of a dense one's (the larger of the two layers)
-        k, f = a.num_experts_per_tok, getattr(a, MOE_FAMILIES[a.family].ffn_key)
-        fs = a.shared_expert_intermediate_size if shared_expert_params(a)[0] else 0  # one more FFN per token
-        per_token = max(per_token, 15 * h + k * (4 * h + 6 * f) + (4 * h + 6 * fs if fs else 0))
-    full_layer = per_token * s * b // par.tp + unfused_attention_bytes(a, s, b, par.tp)
-    per_mb = (layers * 2 * s * b * h // par.tp + full_layer) if role_cfg.recompute_activations else layers * full_layer
+    L = local_tokens(s, b, par)
+    packed = role_cfg.pack_sequences or par.cp > 1
     micro_batches = max(1, role_cfg.ppo_mini_batch_size // (par.dp * b))
+    kv, bias, masks = cp_attention_terms(a, s, b, par, micro_batches)
+    full_layer = per_token_bytes(a) * L // par.tp + unfused_attention_bytes(a, s, b, par.tp, packed) + kv + bias
+    per_mb = (layers * 2 * L * h // par.tp + full_layer) if role_cfg.recompute_activations else layers * full_layer
     in_flight = min(par.pp, micro_batches)
     per_logit = LOGIT_BYTES + (8 if getattr(role_cfg, "entropy_coeff", 0) else 0)
-    logits = cfg.rollout.max_new_tokens * b * padded_vocab_size(a.vocab_size, par.tp) // par.tp * per_logit \
-        if lm_head else 0
-    return per_mb * in_flight + logits
+    columns = response_columns(cfg.data.max_prompt_length, cfg.rollout.max_new_tokens, par.cp)
+    logits = columns * b * padded_vocab_size(a.vocab_size, par.tp) // par.tp * per_logit if lm_head else 0
+    return {"layers": per_mb * in_flight, "cp_masks": masks, "logits": logits, "tokens_per_gpu": L,
+            "bytes_per_token": per_token_bytes(a) // par.tp, "cp_kv_per_layer": kv, "cp_bias_per_layer": bias}
+
+
+def activation_bytes(cfg, role_cfg, par, lm_head: bool) -> int:
+    t = activation_terms(cfg, role_cfg, par, lm_head)
+    return t["layers"] + t["cp_masks"] + t["logits"]
 
 
 def forward_bytes(cfg, shapes, role_cfg, par) -> int:
     """A frozen role's forward peak (no activations kept for a backward): one micro-batch's logits over the response
-    columns (log_prob_micro_batch_size rows), one layer's activations, and the unfused attention's scores."""
+    columns (log_prob_micro_batch_size rows), one layer's activations, and the unfused attention's scores; at cp > 1
+    one layer's gathered K/V and additive mask, and the bool masks of the call (every row of this DP rank: the
+    step's samples / dp, one call)."""
     a = shapes.model.arch
-    s = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    P, R = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
+    s = P + R
     b = role_cfg.log_prob_micro_batch_size
-    layer = 34 * a.hidden_size * s * b // par.tp + unfused_attention_bytes(a, s, b, par.tp)
-    logits = cfg.rollout.max_new_tokens * b * padded_vocab_size(a.vocab_size, par.tp) // par.tp * FORWARD_LOGIT_BYTES
+    packed = getattr(role_cfg, "pack_sequences", False) or par.cp > 1
+    calls = -(-cfg.data.train_batch_size * cfg.rollout.n // (par.dp * b))
+    layer = 34 * a.hidden_size * local_tokens(s, b, par) // par.tp + unfused_attention_bytes(a, s, b, par.tp, packed) \
+        + sum(cp_attention_terms(a, s, b, par, calls))
+    logits = response_columns(P, R, par.cp) * b * padded_vocab_size(a.vocab_size, par.tp) // par.tp \
+        * FORWARD_LOGIT_BYTES
     return layer + logits
 
 
@@ -142,6 +214,7 @@ class RoleMemory:
     grads_gb: float
     optimizer_gb: float
     activations_gb: float
+    terms: dict | None = None  # a trained role's activation_terms
 
     @property
     def resident_gb(self) -> float:
@@ -160,12 +233,15 @@ def role_memory(cfg, role: str) -> RoleMemory:
         k, k_exp = lora_params(cfg.model.arch, cfg.actor.lora, par.tp, par.pp, par.ep)
         k_all = k + k_exp
         return RoleMemory(n + k_all, experts, 2 * (n + k_all) / GB, 4 * k_all / GB,
-                          12 * (k / par.dp + k_exp / (par.dp // par.ep)) / GB,
-                          activation_bytes(cfg, rcfg, par, lm_head=True) / GB)
-    # the distributed optimizer shards dense params over dp, expert params over dp / ep (expert data parallel)
-    optimizer = 12 * (dense / par.dp + experts / (par.dp // par.ep))
+                          12 * (k / (par.dp * par.cp) + k_exp / (par.dp * par.cp // par.ep)) / GB,
+                          activation_bytes(cfg, rcfg, par, lm_head=True) / GB,
+                          activation_terms(cfg, rcfg, par, lm_head=True))
+    # the distributed optimizer shards dense params over dp * cp (megatron's data-parallel group with context
+    # parallel), expert params over dp * cp / ep (expert data parallel); weights and grads are whole on each CP rank
+    optimizer = 12 * (dense / (par.dp * par.cp) + experts / (par.dp * par.cp // par.ep))
     return RoleMemory(n, experts, 2 * n / GB, 4 * n / GB, optimizer / GB,
-                      activation_bytes(cfg, rcfg, par, lm_head=(role == "actor")) / GB)
+                      activation_bytes(cfg, rcfg, par, lm_head=(role == "actor")) / GB,
+                      activation_terms(cfg, rcfg, par, lm_head=(role == "actor")))
 
 
 def teacher_shapes(cfg):
@@ -260,6 +336,7 @@ def plan(cfg) -> dict:
         "layout": {r: _layout_str(cfg[r].parallel) for r in roles} | {"rollout": f"TP{cfg.rollout.tp}"},
         "gpus": cfg.resources.nodes * cfg.resources.workers_per_node,
         "gpu_mem_gb": gpu_gb,
+        "sample_tokens": cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
         "total_params_b": round(total_params(cfg) / 1e9, 3),
         "roles": {r: {"params_per_gpu_m": round(m.params_per_gpu / 1e6, 1),
                       "expert_params_per_gpu_m": round(m.expert_params_per_gpu / 1e6, 1),
@@ -267,6 +344,11 @@ def plan(cfg) -> dict:
                       "grads_gb": round(m.grads_gb, 2), "optimizer_gb": round(m.optimizer_gb, 2),
                       "activations_gb": round(m.activations_gb, 2), "offload": offload[r],
                       "freed_by_offload_gb": round(m.resident_gb + m.activations_gb, 2)}
+                  | ({"tokens_per_gpu": m.terms["tokens_per_gpu"],
+                      "activation_bytes_per_token": m.terms["bytes_per_token"],
+                      "cp_kv_gb_per_layer": round(m.terms["cp_kv_per_layer"] / GB, 3),
+                      "cp_mask_gb_per_layer": round(m.terms["cp_bias_per_layer"] / GB, 3),
+                      "cp_masks_gb": round(m.terms["cp_masks"] / GB, 2)} if m.terms else {})
                   for r, m in roles.items()}
         | {"rollout": {"vllm_gb": round(vllm_gb, 2), "weights_gb": round(vllm_weights_gb, 2),
                        "kv_cache_and_workspace_gb": round(vllm_gb - vllm_weights_gb, 2),
@@ -298,7 +380,8 @@ def plan(cfg) -> dict:
 def _layout_str(par) -> str:
     v = f"xVPP{par.vpp}" if par.vpp else ""
     e = f"xEP{par.ep}" if par.ep > 1 else ""
-    return f"TP{par.tp}xPP{par.pp}{v}xDP{par.dp}{e}"
+    c = f"xCP{par.cp}" if getattr(par, "cp", 1) > 1 else ""
+    return f"TP{par.tp}{c}xPP{par.pp}{v}xDP{par.dp}{e}"
 
 
 def with_pool(cfg, nodes: int | None, gpus_per_node: int | None, gpu_mem_gb: float | None):
@@ -313,15 +396,33 @@ def with_pool(cfg, nodes: int | None, gpus_per_node: int | None, gpu_mem_gb: flo
     world = cfg.resources.nodes * cfg.resources.workers_per_node
     for r in ROLES + (("teacher",) if cfg.teacher.model and not cfg.resources.teacher_workers else ()):
         par = cfg[r].parallel
-        if world % (par.tp * par.pp):
-            raise ConfigError(f"{r}.parallel tp*pp = {par.tp * par.pp} does not divide the {world} GPUs; "
-                              f"change tp/pp or the node count")
-        par.dp = world // (par.tp * par.pp)
+        if world % (par.tp * par.cp * par.pp):
+            what = ("tp*cp*pp", "tp/cp/pp") if par.cp > 1 else ("tp*pp", "tp/pp")
+            raise ConfigError(f"{r}.parallel {what[0]} = {par.tp * par.cp * par.pp} does not divide the {world} GPUs; "
+                              f"change {what[1]} or the node count")
+        par.dp = world // (par.tp * par.cp * par.pp)
     return cfg
 
 
-def suggest(cfg) -> dict | None:
-    """The nearest layout (fewest doublings/halvings of tp and pp, offload tried last) that fits."""
+def _with_cp(cfg, cp: int):
+    """cfg with every trained / frozen role (the pool's) at context parallel `cp`, dp refilling the pool."""
+    cfg = copy.deepcopy(cfg)
+    for r in ROLES:
+        cfg[r].parallel.cp = cp
+    return with_pool(cfg, None, None, None)
+
+
+def larger_cps(cfg) -> tuple[int, ...]:
+    """The actor's cp, then its doublings that divide the pool (context parallel for a longer sample)."""
+    world = cfg.resources.nodes * cfg.resources.workers_per_node
+    cp = cfg.actor.parallel.cp
+    return tuple(cp * 2**k for k in range(8) if world % (cp * 2**k) == 0)
+
+
+def suggest(cfg, cps: tuple[int, ...] | None = None) -> dict | None:
+    """The nearest layout (fewest doublings/halvings of tp and pp, offload tried last) that fits, at the config's cp,
+    else at each of `cps` in turn (default larger_cps: fewer tokens and a smaller CP mask per rank; dp * cp, which
+    shards the optimizer, stays world / (tp * pp))."""
     world = cfg.resources.nodes * cfg.resources.workers_per_node
     a = cfg.model.arch
     tps = [t for t in (1, 2, 4, 8) if t <= cfg.resources.workers_per_node
@@ -330,49 +431,105 @@ def suggest(cfg) -> dict | None:
     eps = [e for e in (1, 2, 4, 8, 16, 32, 64) if not a.num_experts and e == 1
            or a.num_experts and a.num_experts % e == 0 and e <= world]
     p0 = cfg.actor.parallel
-    candidates = []
-    for tp, pp, ep, off in itertools.product(tps, pps, eps, (False, True)):
-        if world % (tp * pp) or (world // (tp * pp)) % ep:
-            continue
-        cost = abs(math.log2(tp / p0.tp)) + abs(math.log2(pp / p0.pp)) + abs(math.log2(ep / p0.ep)) + (4 if off else 0)
-        candidates.append((cost, tp, pp, ep, off))
-    for _, tp, pp, ep, off in sorted(candidates):
-        c = OmegaConf.create(OmegaConf.to_container(cfg))
-        for r in ROLES:
-            c[r].parallel.tp, c[r].parallel.pp, c[r].parallel.vpp, c[r].parallel.ep = tp, pp, None, ep
-            c[r].parallel.dp = world // (tp * pp)
-            c[r].offload = off or bool(cfg[r].offload)
-        try:
-            validate_config(OmegaConf.merge(OmegaConf.structured(MegappoConfig), c))
-        except ConfigError:
-            continue
-        result = plan(c)
-        if result["fits"]:
-            return {"tp": tp, "pp": pp, "dp": world // (tp * pp), "ep": ep, "offload": off or None,
-                    "peak_gpu_gb": result["peak_gpu_gb"]}
-    return None
-
-
-def smallest(cfg, max_nodes: int = 64) -> dict | None:
-    """The fewest nodes (of resources.workers_per_node GPUs) on which the config's layout, refilled with dp,
-    or else suggest()'s nearest layout fits: {"nodes", "gpus", "tp", "pp", "dp", "ep", "offload", "peak_gpu_gb"}."""
-    for nodes in range(1, max_nodes + 1):
-        try:
-            c = with_pool(cfg, nodes, None, None)
-            validate_config(c)
+    for cp in (larger_cps(cfg) if cps is None else cps):
+        candidates = []
+        for tp, pp, ep, off in itertools.product(tps, pps, eps, (False, True)):
+            if world % (tp * cp * pp) or (world // (tp * pp)) % ep:  # validate_config has the ep rule
+                continue
+            cost = abs(math.log2(tp / p0.tp)) + abs(math.log2(pp / p0.pp)) + abs(math.log2(ep / p0.ep)) + \
+                (4 if off else 0)
+            candidates.append((cost, tp, pp, ep, off))
+        for _, tp, pp, ep, off in sorted(candidates):
+            c = OmegaConf.create(OmegaConf.to_container(cfg))
+            dp = world // (tp * cp * pp)
+            for r in ROLES:
+                c[r].parallel.tp, c[r].parallel.pp, c[r].parallel.vpp, c[r].parallel.ep = tp, pp, None, ep
+                c[r].parallel.cp, c[r].parallel.dp = cp, dp
+                c[r].offload = off or bool(cfg[r].offload)
+            try:
+                validate_config(OmegaConf.merge(OmegaConf.structured(MegappoConfig), c))
+            except ConfigError:
+                continue
             result = plan(c)
-        except ConfigError:
-            c, result = copy.deepcopy(cfg), None
-            c.resources.nodes = nodes
-        if result and result["fits"]:
-            p = c.actor.parallel
-            found = {"tp": p.tp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "offload": bool(c.actor.offload) or None,
-                     "peak_gpu_gb": result["peak_gpu_gb"]}
-        else:
-            found = suggest(c)
-        if found:
-            return {"nodes": nodes, "gpus": nodes * cfg.resources.workers_per_node, **found}
+            if result["fits"]:
+                return {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "offload": off or None,
+                        "peak_gpu_gb": result["peak_gpu_gb"]} | ({"cp": cp} if cp > 1 else {})
     return None
+
+
+def smallest(cfg, max_nodes: int = 64, cps: tuple[int, ...] | None = None) -> dict | None:
+    """The fewest nodes (of resources.workers_per_node GPUs) on which the config's layout, refilled with dp,
+    or else suggest()'s nearest layout fits: {"nodes", "gpus", "tp", "pp", "dp", "ep", "offload", "peak_gpu_gb"}
+    (and "cp" where > 1). `cps` (a long sample's search, --smallest --seq-len: the context-parallel sizes to try):
+    the config's tp / pp / ep at the first of them that fits, on the fewest nodes; only where that fits on no pool,
+    suggest()'s search at each of them. None: the config's cp only."""
+    cp0 = cfg.actor.parallel.cp
+
+    def own_layout(nodes: int, cp: int):
+        at = copy.deepcopy(cfg)
+        at.resources.nodes = nodes
+        try:
+            c = with_pool(at, None, None, None) if cp == cp0 else _with_cp(at, cp)
+            validate_config(c)
+        except ConfigError:
+            return at, None
+        result = plan(c)
+        if not result["fits"]:
+            return c, None
+        p = c.actor.parallel
+        return c, {"nodes": nodes, "gpus": nodes * cfg.resources.workers_per_node, "tp": p.tp, "pp": p.pp,
+                   "dp": p.dp, "ep": p.ep, "offload": bool(c.actor.offload) or None,
+                   "peak_gpu_gb": result["peak_gpu_gb"]} | ({"cp": cp} if cp > 1 else {})
+
+    if cps:
+        for nodes, cp in itertools.product(range(1, max_nodes + 1), cps):
+            found = own_layout(nodes, cp)[1]
+            if found:
+                return found
+    for nodes in range(1, max_nodes + 1):
+        c, found = own_layout(nodes, cp0)
+        if not found:
+            world = nodes * cfg.resources.workers_per_node
+            found = suggest(c, tuple(cp for cp in (cps or (cp0,)) if world % cp == 0))
+            if found:
+                found = {"nodes": nodes, "gpus": world, **found}
+        if found:
+            return found
+    return None
+
+
+def with_length(cfg, tokens: int, one_row: bool = False):
+    """cfg with samples of `tokens` (prompt + response: the prompt as configured, the response the rest); `one_row`:
+    one row per micro-batch in every Megatron role (a long sample's packing)."""
+    cfg = copy.deepcopy(cfg)
+    cfg.rollout.max_new_tokens = tokens - cfg.data.max_prompt_length
+    if one_row:
+        for r in ("actor", "critic"):
+            cfg[r].micro_batch_size = 1
+        for r in ("actor", "ref", "teacher"):
+            if "log_prob_micro_batch_size" in cfg[r]:
+                cfg[r].log_prob_micro_batch_size = 1
+    return cfg
+
+
+def max_len(cfg) -> dict:
+    """The longest sample (prompt + response tokens, one row per micro-batch) that fits the GPU at the config's
+    layout: a binary search over the response length with plan() (the memory grows with it), up to the model's
+    positions. {"tokens", "prompt", "response", "peak_gpu_gb", "peak_phase", "bound": memory | positions, "layout"}
+    ({"tokens": 0, ...} where even a one-token response does not fit)."""
+    lo, hi = cfg.data.max_prompt_length, max_positions(cfg)  # plan(lo) "fits" by convention; lo + 1 is the shortest
+    if not plan(with_length(cfg, lo + 1, True))["fits"]:
+        lo = 0
+    elif plan(with_length(cfg, hi, True))["fits"]:
+        lo = hi
+    else:
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if plan(with_length(cfg, mid, True))["fits"] else (lo, mid)
+    best = plan(with_length(cfg, max(lo, cfg.data.max_prompt_length + 1), True))
+    return {"tokens": lo, "prompt": cfg.data.max_prompt_length, "response": max(0, lo - cfg.data.max_prompt_length),
+            "peak_gpu_gb": best["peak_gpu_gb"], "peak_phase": best["peak_phase"],
+            "bound": "positions" if lo == max_positions(cfg) else "memory", "layout": best["layout"]["actor"]}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -385,24 +542,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(the sbatch passes the job's memory limit per node)")
     parser.add_argument("--smallest", action="store_true", help="print the fewest nodes (and the layout) on which "
                         "the config fits, instead of planning its own pool")
+    parser.add_argument("--seq-len", type=int, help="plan samples of this many tokens (prompt + response: the "
+                        "response is the rest after data.max_prompt_length); with --smallest, the context parallel "
+                        "size (powers of two) is chosen too, so that the sample fits")
+    parser.add_argument("--max-len", action="store_true", help="print the longest sample (prompt + response "
+                        "tokens, one row per micro-batch) that fits the GPU at the config's layout")
     parser.add_argument("--json", action="store_true", help="print one JSON object (peak_gpu_gb, per-role breakdown)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.parallel.tp=4")
 
 
 def main(args: argparse.Namespace) -> int:
+    seq_len = getattr(args, "seq_len", None)
     try:
+        if getattr(args, "max_len", False) and (getattr(args, "smallest", False) or seq_len):
+            raise ConfigError("--max-len finds the length at the config's layout: drop --smallest / --seq-len "
+                              "(--smallest --seq-len N finds the pool and cp for N tokens)")
         cfg = load_config(args.config, args.overrides, validate=False)
         cfg = with_pool(cfg, args.nodes, args.gpus_per_node or None, args.gpu_mem_gb)
+        if seq_len is not None:
+            prompt, positions = cfg.data.max_prompt_length, max_positions(cfg)
+            if not prompt < seq_len <= positions:
+                raise ConfigError(f"--seq-len {seq_len} must be above data.max_prompt_length={prompt} (the prompt) "
+                                  f"and at most the model's {positions} positions; pick a length in between")
+            cfg = with_length(cfg, seq_len)
         validate_config(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 1
+    if getattr(args, "max_len", False):
+        return _print_max_len(cfg, args.json)
     if getattr(args, "smallest", False):
-        found = smallest(cfg)
+        found = smallest(cfg, cps=tuple(cfg.actor.parallel.cp * 2**k for k in range(8)) if seq_len else None)
         print(json.dumps(found) if args.json or not found else
               f"smallest pool: {found['nodes']} node(s) x {cfg.resources.workers_per_node} GPUs, actor "
-              f"TP{found['tp']}xPP{found['pp']}xDP{found['dp']}" + (f"xEP{found['ep']}" if found["ep"] > 1 else "") +
-              (" offloaded" if found["offload"] else "") + f", peak {found['peak_gpu_gb']:.1f} GB")
+              f"{_found_layout(found)}" + (" offloaded" if found["offload"] else "") +
+              f", peak {found['peak_gpu_gb']:.1f} GB" + (f" at {seq_len:,} tokens" if seq_len else ""))
+        if not found and seq_len:
+            m = max_len(cfg)
+            print(f"no pool of up to 64 nodes fits a {seq_len:,}-token sample; at the config's layout "
+                  f"({m['layout']}) the longest that fits is {m['tokens']:,} tokens; raise actor.parallel.cp or tp "
+                  "(or the GPU memory), or shorten the sample", file=sys.stderr)
         return 0 if found else 1
     result = plan(cfg)
     if not result["fits"]:
@@ -430,6 +609,28 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _found_layout(found: dict) -> str:
+    return _layout_str(argparse.Namespace(tp=found["tp"], cp=found.get("cp", 1), pp=found["pp"], vpp=None,
+                                          dp=found["dp"], ep=found["ep"]))
+
+
+def _print_max_len(cfg, as_json: bool) -> int:
+    m = max_len(cfg)
+    if as_json:
+        print(json.dumps(m))
+    if not m["tokens"]:
+        print(f"not even a {cfg.data.max_prompt_length + 1}-token sample fits at {m['layout']} (the prompt is "
+              f"data.max_prompt_length={cfg.data.max_prompt_length}); raise actor.parallel.cp or tp, or add nodes "
+              "(more dp shards the optimizer states)", file=sys.stderr)
+        return 1
+    if not as_json:
+        bound = "the model's positions bound it" if m["bound"] == "positions" else "bound by GPU memory"
+        print(f"longest sample at {m['layout']}: {m['tokens']:,} tokens (prompt {m['prompt']:,} + response "
+              f"{m['response']:,}, one row per micro-batch), peak {m['peak_gpu_gb']:.1f} GB ({m['peak_phase']}); "
+              f"{bound}")
+    return 0
+
+
 def refusal(result: dict) -> str:
     t = result.get("teacher_pool")
     if t and not t["fits"] and result["peak_gpu_gb"] <= result["usable_gpu_gb"]:
@@ -446,7 +647,8 @@ def refusal(result: dict) -> str:
     if s:
         off = " with actor/critic/ref offload=true" if s["offload"] else ""
         ep = f" ep={s['ep']}" if s.get("ep", 1) > 1 else ""
-        msg += (f"; nearest layout that fits: tp={s['tp']} pp={s['pp']} dp={s['dp']}{ep}{off} "
+        cp = f" cp={s['cp']}" if s.get("cp", 1) > 1 else ""
+        msg += (f"; nearest layout that fits: tp={s['tp']}{cp} pp={s['pp']} dp={s['dp']}{ep}{off} "
                 f"({s['peak_gpu_gb']:.1f} GB)")
     else:
         msg += "; no layout of this pool fits: add nodes"
@@ -471,6 +673,12 @@ def render(result: dict) -> str:
     lines.append(f"vLLM KV cache: {v['kv_cache_bytes_per_token'] / 1024:.1f} KiB per token per GPU, room for "
                  f"{v['kv_cache_tokens']:,} tokens; a step's samples need {v['kv_cache_tokens_needed']:,} per engine"
                  + ("" if v["kv_cache_tokens"] >= v["kv_cache_tokens_needed"] else " (vLLM queues the rest)"))
+    for r, m in result["roles"].items():
+        if m.get("cp_kv_gb_per_layer") or m.get("cp_mask_gb_per_layer"):
+            lines.append(f"{r} context parallel: {m['tokens_per_gpu']:,} of the {result['sample_tokens']:,}-token "
+                         f"sample's tokens per GPU at {m['activation_bytes_per_token']:,} B per token per layer; "
+                         f"per layer gathered K/V {m['cp_kv_gb_per_layer']:.2f}G + SDPA's mask "
+                         f"{m['cp_mask_gb_per_layer']:.2f}G, the call's bool masks {m['cp_masks_gb']:.2f}G")
     lines.append("phases (GB/GPU incl. overhead): " + ", ".join(f"{k} {g:.1f}" for k, g in result["phases_gb"].items()))
     ws = result["weight_sync"]
     experts = f"; every one of {ws['experts_per_rollout_gpu']} (layer, expert) pairs, TP-sliced" \

@@ -1,5 +1,6 @@
 """megappo plan: numbers against a hand calculation, shipped configs fit, impossible layouts refused."""
 
+import copy
 import json
 import subprocess
 import sys
@@ -661,3 +662,134 @@ def test_published_smallest_pools_are_what_the_search_finds():
     _check_pools(search_all=True)
     v3 = load_config(REPO / "configs/grpo_deepseek_v3.yaml")
     assert smallest(v3)["nodes"] == v3.resources.nodes  # docs/moe.md: "`--smallest` finds no fewer nodes"
+
+
+# ---- context parallel (issue #72): a rank holds s / cp tokens of each sample ----------------------------------------
+QWEN_64K, V3_64K = "configs/grpo_qwen3_30b_a3b_64k.yaml", "configs/grpo_deepseek_v3_64k.yaml"
+
+
+def _cp(cfg, cp: int, dp: int, nodes: int | None = None):
+    cfg = copy.deepcopy(cfg)
+    for r in ("actor", "critic", "ref"):
+        cfg[r].parallel.cp, cfg[r].parallel.dp = cp, dp
+    if nodes:
+        cfg.resources.nodes = nodes
+    return cfg
+
+
+def test_context_parallel_splits_a_ranks_tokens_and_shards_the_optimizer_against_hand_calculation():
+    """Qwen3-30B-A3B at 64k tokens, TP4 x DP2 x EP2, at CP2 and CP4 (the pool grows): each rank's per-token
+    activations halve with cp; the attention's gathered K/V stay s x kv_dim per layer (all-gathered), SDPA's additive
+    mask is 2 B x L x cp*L, the call's bool masks L x cp*L each (L = s / cp); weights and grads are whole on every CP
+    rank, the optimizer's state sharded over dp * cp (experts over dp * cp / ep)."""
+    from megappo.planner import activation_terms
+
+    base = load_config(REPO / QWEN_64K)
+    s, got = 65536, {}
+    for cp in (2, 4):
+        cfg = _cp(base, cp, 2, nodes=cp)
+        par, actor = cfg.actor.parallel, cfg.actor
+        t = activation_terms(cfg, actor, par, lm_head=True)
+        L = s // cp
+        kv = 2 * cp * L * 2 * (4 // par.tp) * 128  # k and v: 4 kv heads of 128 over tp 4, bf16, cp*L gathered tokens
+        bias, masks = 2 * L * cp * L, (32 // 2) * L * cp * L  # 32-row mini-batches over dp 2: 16 micro-batches
+        per_token = 15 * 2048 + 8 * (4 * 2048 + 6 * 768)  # the routed MLP's (top-8) beside attention's 15 h
+        layers = 48 * 2 * L * 2048 // 4 + per_token * L // 4 + kv + bias  # full recompute: inputs + one layer
+        # the LM head on the rank's response columns (every column past the 1,024-token prompt), the busiest rank's
+        c = s // (2 * cp)
+        columns = max(sum(max(0, min((k + 1) * c, s) - max(k * c, 1024)) for k in (r, 2 * cp - 1 - r))
+                      for r in range(cp))
+        logits = columns * 151936 // 4 * 16
+        got_terms = (t["tokens_per_gpu"], t["cp_kv_per_layer"], t["cp_bias_per_layer"], t["cp_masks"])
+        assert got_terms == (L, kv, bias, masks)
+        assert (t["layers"], t["logits"]) == (layers, logits)
+        p = plan(cfg)
+        assert p["roles"]["actor"]["activations_gb"] == round((layers + masks + logits) / GB, 2)
+        got[cp] = (t, p["roles"]["actor"], cfg)
+    (t2, m2, c2), (t4, m4, c4) = got[2], got[4]
+    assert t4["tokens_per_gpu"] * 2 == t2["tokens_per_gpu"] and t4["cp_kv_per_layer"] == t2["cp_kv_per_layer"]
+    # the per-token terms halve (what is left of a layer when the attention's K/V and mask are taken out)
+    assert 2 * (t4["layers"] - t4["cp_kv_per_layer"] - t4["cp_bias_per_layer"]) == \
+        t2["layers"] - t2["cp_kv_per_layer"] - t2["cp_bias_per_layer"]
+    assert m2["weights_gb"] == m4["weights_gb"] and m2["grads_gb"] == m4["grads_gb"]
+    from megappo.planner import stage_split
+
+    dense, experts = stage_split(c4, 4, 1, 2, "lm")
+    assert m4["optimizer_gb"] == round(12 * (dense / (2 * 4) + experts / (2 * 4 // 2)) / GB, 2)
+    assert abs(2 * m4["optimizer_gb"] - m2["optimizer_gb"]) < 0.02
+
+
+def test_max_len_grows_with_cp_and_is_the_longest_that_fits():
+    """DeepSeek-V3 at TP8 x DP16 x EP16: without CP megatron's local MLA keeps each layer's s x s scores, with it the
+    CP attention runs fused: the longest sample that fits grows with cp (16, 32, 64 nodes) up to the model's
+    positions; one token more does not fit."""
+    from megappo.planner import max_len, with_length
+
+    base = load_config(REPO / V3_64K)
+    found = {cp: max_len(_cp(base, cp, 16, nodes=16 * cp)) for cp in (1, 2, 4)}
+    assert found[1]["tokens"] < found[2]["tokens"] < found[4]["tokens"] == 163840, found
+    assert found[4]["bound"] == "positions" and found[2]["bound"] == "memory"
+    assert found[2]["layout"] == "TP8xCP2xPP1xDP16xEP16" and found[1]["layout"] == "TP8xPP1xDP16xEP16"
+    at = _cp(base, 2, 16)
+    assert plan(with_length(at, found[2]["tokens"], True))["fits"]
+    assert not plan(with_length(at, found[2]["tokens"] + 1, True))["fits"]
+    doc = _doc("multi-node.md")
+    for fragment in (f"CP1 on 16 nodes {found[1]['tokens']:,} tokens", f"CP2 on 32 nodes {found[2]['tokens']:,} tokens",
+                     f"CP4 on 64 nodes the model's {found[4]['tokens']:,} positions"):
+        assert fragment in doc, fragment
+
+
+def test_smallest_chooses_cp_for_a_64k_target_and_bad_lengths_get_one_line(capsys):
+    """--smallest --seq-len: the config's tp / pp / ep at cp 1, 2, 4, ... on the fewest nodes. Qwen3-30B-A3B's 64k
+    recipe written at CP1 (TP4 x DP8 x EP2 on its 4 nodes): no cp fits fewer nodes, and on 4 the search picks a
+    cp > 1 where CP1 does not fit. Bad lengths get one line naming the fix."""
+    import argparse
+
+    from megappo.planner import _with_cp, add_arguments, main, smallest
+
+    cfg = _cp(load_config(REPO / QWEN_64K), 1, 8)
+    found = smallest(cfg, cps=(1, 2, 4, 8))
+    assert found["cp"] > 1 and (found["tp"], found["pp"], found["ep"]) == (4, 1, 2), found
+    at = copy.deepcopy(cfg)
+    at.resources.nodes = found["nodes"]
+    assert not plan(_with_cp(at, 1))["fits"]
+    got = plan(_with_cp(at, found["cp"]))
+    assert got["fits"] and got["peak_gpu_gb"] == found["peak_gpu_gb"]
+    assert (f"smallest pool: {found['nodes']} node(s) x 8 GPUs, actor TP4xCP{found['cp']}xPP1xDP{found['dp']}xEP2 "
+            f"offloaded, peak {found['peak_gpu_gb']:.1f} GB at 65,536 tokens") in _doc("multi-node.md")
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for argv, fix in ((["--seq-len", "512"], "must be above data.max_prompt_length=1024"),
+                      (["--seq-len", "200000"], "at most the model's 163840 positions"),
+                      (["--max-len", "--smallest"], "drop --smallest / --seq-len"),
+                      (["--max-len", "actor.parallel.cp=1", "ref.parallel.cp=1", "actor.parallel.dp=32",
+                        "ref.parallel.dp=32", "actor.micro_batch_size=1", "data.max_prompt_length=32768"],
+                       "not even a 32769-token sample fits at TP8xPP1xDP32xEP16")):
+        assert main(parser.parse_args(["--config", str(REPO / V3_64K), *argv])) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and fix in err[0], (argv, err)
+
+
+def test_the_64k_recipes_fit_as_the_docs_say():
+    """configs/grpo_qwen3_30b_a3b_64k.yaml and grpo_deepseek_v3_64k.yaml: valid, 64k-token samples at CP > 1 that
+    fit, and their plans and longest samples as docs/multi-node.md records them."""
+    from megappo.planner import max_len
+
+    doc = _doc("multi-node.md")
+    for name in (QWEN_64K, V3_64K):
+        cfg = load_config(REPO / name)
+        p, m = plan(cfg), max_len(cfg)
+        assert p["fits"] and p["sample_tokens"] == 65536 and cfg.actor.parallel.cp > 1 and m["tokens"] > 65536
+        par = cfg.actor.parallel
+        layout = f"TP{par.tp}xCP{par.cp}xPP{par.pp}xDP{par.dp}xEP{par.ep}"
+        assert p["layout"]["actor"] == layout
+        for fragment in (f"peak {p['peak_gpu_gb']:.1f} GB ({p['peak_phase']}): fits",
+                         f"longest sample at {layout}: {m['tokens']:,} tokens"):
+            assert fragment in doc, (name, fragment)
+    # Qwen's pool without CP (TP4 x DP8 x EP8) holds 64k too: the docs compare the two
+    no_cp = load_config(REPO / QWEN_64K, [f"{r}.parallel.{k}={v}" for r in ("actor", "ref")
+                                          for k, v in (("cp", 1), ("dp", 8), ("ep", 8))])
+    p, m = plan(no_cp), max_len(no_cp)
+    assert p["layout"]["actor"] == "TP4xPP1xDP8xEP8" and p["fits"]
+    assert f"at TP4xDP8xEP8: peak {p['peak_gpu_gb']:.1f} GB, at most {m['tokens']:,} tokens" in doc
