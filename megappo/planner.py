@@ -38,9 +38,9 @@ The model (stated so it can be checked by hand):
   Attention all-gathers keys and values over the CP group: cp*L tokens of k and v per layer (the layer's kv heads /
   tp; MLA: every head's qk_nope + qk_rope key and head_dim value), bf16, kept for the backward. SDPA gets a
   boolean mask [L, cp*L] and converts it to an additive one in the query's dtype (2 B per element) that the fused
-  kernel keeps for the backward, per layer; the boolean masks of every micro-batch of one call sit on the GPU
-  until it ends (workers/megatron_step.micro_batches builds them up front; a forward's call is all of its DP
-  rank's rows, an update's one mini-batch). No unfused s x s scores: CP runs megappo's packed attention. Weights
+  kernel keeps for the backward, per layer; the boolean mask itself is one at a time (a micro-batch carries only
+  its rows' chunk table; each attention call builds its mask from it). No unfused s x s scores: CP runs megappo's
+  packed attention. Weights
   and grads are whole on every CP rank; the distributed optimizer shards over dp * cp (megatron's data-parallel
   group with context parallel), experts over dp * cp / ep.
 - vLLM (rollout phase): gpu_memory_utilization * GPU memory (weights/rollout_tp + KV cache + workspace).
@@ -132,15 +132,15 @@ def response_columns(prompt: int, response: int, cp: int) -> int:
                for r in range(cp))
 
 
-def cp_attention_terms(a, s: int, b: int, par, masks: int) -> tuple[int, int, int]:
+def cp_attention_terms(a, s: int, b: int, par) -> tuple[int, int, int]:
     """Context parallel's attention memory on one rank (0s at cp 1; parallel/context_parallel.cp_attention), bytes:
     - per layer, the keys and values all-gathered over the CP group, cp*L tokens x (k + v) widths of the layer's
       heads / tp in bf16 (MLA: every head's qk_nope + qk_rope key and head_dim value), kept for the backward;
     - per layer, SDPA's additive mask: torch converts the bool mask into one of the query's dtype (2 B per element,
       L x cp*L; convert_boolean_attn_mask) and the fused kernel keeps it for the backward;
-    - the bool masks themselves, L x cp*L bytes each: micro_batches builds every micro-batch's of one call up front
-      (`masks` of them), and each lives on the GPU until the call ends.
-    Returns (K/V per layer, additive mask per layer, the call's bool masks)."""
+    - the bool mask itself, L x cp*L bytes, one at a time: a micro-batch carries only its rows' chunk table, and each
+      attention call builds its mask from it (context_parallel.table_mask).
+    Returns (K/V per layer, additive mask per layer, the bool mask)."""
     if par.cp == 1:
         return 0, 0, 0
     L = local_tokens(s, b, par)
@@ -148,7 +148,7 @@ def cp_attention_terms(a, s: int, b: int, par, masks: int) -> tuple[int, int, in
         width = a.num_attention_heads // par.tp * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.head_dim)
     else:
         width = 2 * a.num_kv_heads // par.tp * (a.head_dim or a.hidden_size // a.num_attention_heads)
-    return 2 * par.cp * L * width, 2 * L * par.cp * L, masks * L * par.cp * L
+    return 2 * par.cp * L * width, 2 * L * par.cp * L, L * par.cp * L
 
 
 def per_token_bytes(a) -> int:
@@ -172,7 +172,7 @@ def activation_terms(cfg, role_cfg, par, lm_head: bool) -> dict:
     L = local_tokens(s, b, par)
     packed = role_cfg.pack_sequences or par.cp > 1
     micro_batches = max(1, role_cfg.ppo_mini_batch_size // (par.dp * b))
-    kv, bias, masks = cp_attention_terms(a, s, b, par, micro_batches)
+    kv, bias, masks = cp_attention_terms(a, s, b, par)
     full_layer = per_token_bytes(a) * L // par.tp + unfused_attention_bytes(a, s, b, par.tp, packed) + kv + bias
     per_mb = (layers * 2 * L * h // par.tp + full_layer) if role_cfg.recompute_activations else layers * full_layer
     in_flight = min(par.pp, micro_batches)
@@ -191,16 +191,14 @@ def activation_bytes(cfg, role_cfg, par, lm_head: bool) -> int:
 def forward_bytes(cfg, shapes, role_cfg, par) -> int:
     """A frozen role's forward peak (no activations kept for a backward): one micro-batch's logits over the response
     columns (log_prob_micro_batch_size rows), one layer's activations, and the unfused attention's scores; at cp > 1
-    one layer's gathered K/V and additive mask, and the bool masks of the call (every row of this DP rank: the
-    step's samples / dp, one call)."""
+    one layer's gathered K/V, additive mask and bool mask."""
     a = shapes.model.arch
     P, R = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
     s = P + R
     b = role_cfg.log_prob_micro_batch_size
     packed = getattr(role_cfg, "pack_sequences", False) or par.cp > 1
-    calls = -(-cfg.data.train_batch_size * cfg.rollout.n // (par.dp * b))
     layer = 34 * a.hidden_size * local_tokens(s, b, par) // par.tp + unfused_attention_bytes(a, s, b, par.tp, packed) \
-        + sum(cp_attention_terms(a, s, b, par, calls))
+        + sum(cp_attention_terms(a, s, b, par))
     logits = response_columns(P, R, par.cp) * b * padded_vocab_size(a.vocab_size, par.tp) // par.tp \
         * FORWARD_LOGIT_BYTES
     return layer + logits
@@ -678,7 +676,7 @@ def render(result: dict) -> str:
             lines.append(f"{r} context parallel: {m['tokens_per_gpu']:,} of the {result['sample_tokens']:,}-token "
                          f"sample's tokens per GPU at {m['activation_bytes_per_token']:,} B per token per layer; "
                          f"per layer gathered K/V {m['cp_kv_gb_per_layer']:.2f}G + SDPA's mask "
-                         f"{m['cp_mask_gb_per_layer']:.2f}G, the call's bool masks {m['cp_masks_gb']:.2f}G")
+                         f"{m['cp_mask_gb_per_layer']:.2f}G, the bool mask {m['cp_masks_gb']:.2f}G")
     lines.append("phases (GB/GPU incl. overhead): " + ", ".join(f"{k} {g:.1f}" for k, g in result["phases_gb"].items()))
     ws = result["weight_sync"]
     experts = f"; every one of {ws['experts_per_rollout_gpu']} (layer, expert) pairs, TP-sliced" \

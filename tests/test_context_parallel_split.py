@@ -83,7 +83,7 @@ def test_one_width_for_every_micro_batch():
         zigzag_split(segs[0], 2, multiple=4, width=10)
 
 
-def _cp_job(rank, world, port, lengths):
+def _cp_job(rank, world, port, lengths, impl):
     import torch.distributed as dist
 
     from megappo.parallel.context_parallel import cp_attention, sum_over_cp
@@ -96,7 +96,7 @@ def _cp_job(rank, world, port, lengths):
     weight = torch.randn(t, 4, 8)  # a loss that weighs every output differently
     split = zigzag_split(seg, world)
     local = [split.take(x, rank).detach().requires_grad_() for x in (q, k, v)]
-    out = cp_attention(*local, split.attention_plan(rank, "cpu"), 8 ** -0.5, dist.group.WORLD)  # chunks
+    out = cp_attention(*local, split.chunk_sizes(), 8 ** -0.5, dist.group.WORLD, impl)
     # this rank's outputs scattered to their packed columns, summed over the group: the whole micro-batch's
     real = split.source[rank] >= 0
     full = torch.zeros(t, 4, 8).index_put((split.source[rank][real],), out[real])
@@ -108,13 +108,15 @@ def _cp_job(rank, world, port, lengths):
     return {"full": full.detach(), "loss": float(loss), "grads": grads}
 
 
-def test_cp_attention_and_its_gradients_over_gloo_equal_one_process():
+@pytest.mark.parametrize("impl", ["chunks", "mask"])
+def test_cp_attention_and_its_gradients_over_gloo_equal_one_process(impl):
     """Two gloo ranks: the forward, the loss and q / k / v's gradients (each rank's share, put together) equal
-    the whole micro-batch's in one process; the all-gather's backward sums every rank's use of its keys."""
+    the whole micro-batch's in one process; the all-gather's backward sums every rank's use of its keys. Both
+    attention paths: the CPU default (chunks) and the mask the chunk table gives (other devices)."""
     from megappo.parallel.launch import spawn_local
 
     lengths = [11, 4, 1]
-    reports = spawn_local(_cp_job, 2, lengths, timeout=120, threads=1)
+    reports = spawn_local(_cp_job, 2, lengths, impl, timeout=120, threads=1)
     torch.manual_seed(0)
     seg = packed_segments(lengths, tail=1)
     t = seg.numel()
@@ -139,7 +141,7 @@ def test_chunked_attention_and_its_gradients_equal_the_masked_one(cp, lengths, h
     """The chunk path (flash on each chunk's prefix and its own chunk, merged by log-sum-exp; the backward from
     the merged statistics) equals the masked SDPA call on every rank: outputs and q / k / v gradients, one process
     standing in for the group (keys gathered by concatenation)."""
-    from megappo.parallel.context_parallel import _chunked_attention, _masked_attention
+    from megappo.parallel.context_parallel import _chunked_attention, _masked_attention, table_mask
 
     torch.manual_seed(0)
     seg = packed_segments(lengths, tail=3)
@@ -147,8 +149,10 @@ def test_chunked_attention_and_its_gradients_equal_the_masked_one(cp, lengths, h
     t, heads, groups, dim = seg.numel(), 4, 2, 8
     base = [torch.randn(t, n, d) for n, d in ((heads, dim), (groups, dim), (groups, hv))]
     weight = torch.randn(split.local_tokens, heads, hv)
-    table = split.attention_plan(0, "cpu", "chunks")
+    table = split.chunk_sizes()
     assert table.tolist() == [[-(-n // (2 * cp)), n] for n in lengths]
+    for r in range(cp):  # the mask the table gives is the split's
+        assert torch.equal(table_mask(table, cp, r, split.local_tokens), split.mask(r))
     for r in range(cp):
         results = []
         for path in ("chunks", "mask"):

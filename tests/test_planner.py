@@ -680,7 +680,7 @@ def _cp(cfg, cp: int, dp: int, nodes: int | None = None):
 def test_context_parallel_splits_a_ranks_tokens_and_shards_the_optimizer_against_hand_calculation():
     """Qwen3-30B-A3B at 64k tokens, TP4 x DP2 x EP2, at CP2 and CP4 (the pool grows): each rank's per-token
     activations halve with cp; the attention's gathered K/V stay s x kv_dim per layer (all-gathered), SDPA's additive
-    mask is 2 B x L x cp*L, the call's bool masks L x cp*L each (L = s / cp); weights and grads are whole on every CP
+    mask is 2 B x L x cp*L, the bool mask L x cp*L, one at a time (L = s / cp); weights and grads are whole on every CP
     rank, the optimizer's state sharded over dp * cp (experts over dp * cp / ep)."""
     from megappo.planner import activation_terms
 
@@ -692,7 +692,7 @@ def test_context_parallel_splits_a_ranks_tokens_and_shards_the_optimizer_against
         t = activation_terms(cfg, actor, par, lm_head=True)
         L = s // cp
         kv = 2 * cp * L * 2 * (4 // par.tp) * 128  # k and v: 4 kv heads of 128 over tp 4, bf16, cp*L gathered tokens
-        bias, masks = 2 * L * cp * L, (32 // 2) * L * cp * L  # 32-row mini-batches over dp 2: 16 micro-batches
+        bias, masks = 2 * L * cp * L, L * cp * L  # each attention call builds its own from the chunk table
         per_token = 15 * 2048 + 8 * (4 * 2048 + 6 * 768)  # the routed MLP's (top-8) beside attention's 15 h
         layers = 48 * 2 * L * 2048 // 4 + per_token * L // 4 + kv + bias  # full recompute: inputs + one layer
         # the LM head on the rank's response columns (every column past the 1,024-token prompt), the busiest rank's

@@ -135,11 +135,11 @@ class PackedCausalAttention(DotProductAttention):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         """query [T, 1, np, hn], key / value [T, 1, ng, hn], attention_mask = the segment ids [T] (or, under
-        context parallelism, this rank's CPSplit.attention_plan, 2-D: its rows' chunk table or its mask against the
-        keys gathered over the group, parallel/context_parallel.py) -> context [T, 1, np * hn]."""
+        context parallelism, its rows' chunk table [rows, 2], parallel/context_parallel.py) -> context
+        [T, 1, np * hn]."""
         if attention_mask is None or attention_mask.dim() not in (1, 2) or query.shape[1] != 1:
             raise ValueError("PackedCausalAttention needs one packed sequence ([T, 1, ...]) and its segment ids "
-                             "[T] (or a context-parallel rank's attention plan, 2-D) as the attention mask (MegatronEngine with "
+                             "[T] (or, context parallel, the rows' chunk table [rows, 2]) as the attention mask (MegatronEngine with "
                              "pack_sequences or parallel cp > 1)")
         dtype = query.dtype
         work = compute_dtype(dtype, query.device)

@@ -6,8 +6,8 @@ autograd). The engine's use of them: workers/megatron_step.cp_local and model_ou
 
     split = zigzag_split(segments, cp, multiple=1)          # every rank's slots, computed the same on each rank
     local = split.take(input_ids[0], rank)                  # [L]: this rank's tokens (0 on padding)
-    plan = split.attention_plan(rank, device)               # the rows' chunk table (CPU) or the [L, cp * L] mask
-    out = cp_attention(q, k, v, plan, scale, group)         # this rank's queries against the gathered k / v
+    table = split.chunk_sizes()                             # [rows, 2]: each row's chunk size and length
+    out = cp_attention(q, k, v, table, scale, group)        # this rank's queries against the gathered k / v
 
 The split (megatron-core's and Llama 3's zigzag; verl's `preprocess_packed_seqs` does the same per packed row):
 - each row of n tokens is padded to a multiple of 2*cp (n_pad), cut into 2*cp chunks of c = n_pad / (2*cp), and
@@ -27,9 +27,10 @@ Attention (`cp_attention`), two ways to the same result:
   0..t-1 (all visible: no mask) and its own chunk (causal, square), two calls of torch's CPU flash kernel merged
   by their log-sum-exps; the backward runs each part's flash backward with the merged output and log-sum-exp
   (ring attention's rule). Nothing quadratic is held: no mask, no score matrix (the kernel works in blocks),
-  and a causal chunk's blocks above the diagonal are skipped. The plan is the rows' chunk sizes [rows, 2].
-- "mask": one SDPA call against the mask [L, cp * L] (L * cp * L bytes, which the kernel widens to floats):
-  devices without that CPU kernel, and the tests' reference.
+  and a causal chunk's blocks above the diagonal are skipped.
+- "mask": one SDPA call against the mask [L, cp * L] (L * cp * L bytes, which the kernel widens to floats), built
+  from the chunk table for that call only: devices without that CPU kernel, and the tests' reference.
+Either way the micro-batch carries only its rows' chunk table [rows, 2] (CPSplit.chunk_sizes).
 """
 
 from __future__ import annotations
@@ -80,10 +81,7 @@ class CPSplit:
 
     def mask(self, rank: int) -> torch.Tensor:
         """[L, cp * L]: rank's queries against the keys gathered over the group in rank order (True: attend)."""
-        rq, pq = self.row[rank], self.place[rank]
-        rk, pk = self.row.reshape(-1), self.place.reshape(-1)
-        same = rq[:, None] == rk[None, :]
-        return same & (pk[None, :] <= pq[:, None])
+        return _visible(self.row[rank], self.place[rank], self.row.reshape(-1), self.place.reshape(-1))
 
     def chunk_sizes(self) -> torch.Tensor:
         """[rows, 2]: each row's chunk size c (the row padded to 2 * cp * c) and its real length, in row order."""
@@ -91,18 +89,6 @@ class CPSplit:
         lengths = torch.bincount(real) if real.numel() else torch.zeros(0, dtype=torch.long)
         c = torch.tensor([chunk_size(int(n), self.cp) for n in lengths.tolist()], dtype=torch.long)
         return torch.stack([c, lengths], 1)
-
-    def attention_plan(self, rank: int, device, impl: str | None = None) -> torch.Tensor:
-        """What `cp_attention` takes for `rank`: the chunk table (impl "chunks") or the mask (impl "mask"); None:
-        CP_ATTENTION, "auto" = chunks on CPU (where its flash kernel is), the mask elsewhere."""
-        impl = impl or CP_ATTENTION
-        if impl == "auto":
-            impl = "chunks" if torch.device(device).type == "cpu" else "mask"
-        if impl == "chunks":
-            return self.chunk_sizes().to(device)
-        if impl == "mask":
-            return self.mask(rank).to(device)
-        raise ValueError(f"CP attention impl {impl!r}: choose auto, chunks or mask")
 
     def owner(self, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed columns [n] -> (the rank holding each, its slot there), both [n]."""
@@ -118,37 +104,48 @@ class CPSplit:
         return got[:, 0], got[:, 1]
 
 
+def _visible(rq, pq, rk, pk) -> torch.Tensor:
+    """The CP mask's rule: a query (row rq, place pq) sees a key (rk, pk) in the same row at a place <= its own."""
+    return (rq[:, None] == rk[None, :]) & (pk[None, :] <= pq[:, None])
+
+
+def rank_slots(table: torch.Tensor, cp: int, rank: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's slots from the rows' chunk table [rows, 2] (chunk size c, real length n): the row of each slot
+    [width] (-1: padding) and its place in the row [width] (0 on tail padding). Row after row, chunk `rank` then
+    chunk 2cp-1-rank, c slots each; then tail padding."""
+    rows, places = [], []
+    for m, (c, n) in enumerate(table.tolist()):
+        for chunk in (rank, 2 * cp - 1 - rank):
+            p = torch.arange(chunk * c, (chunk + 1) * c)
+            rows.append(torch.where(p < n, m, -1))
+            places.append(p)
+    own = sum(int(x.numel()) for x in rows)
+    if width < own:
+        raise ValueError(f"local width {width} must be >= {own}")
+    tail = torch.full((width - own,), -1, dtype=torch.long)
+    return torch.cat(rows + [tail]), torch.cat(places + [torch.zeros_like(tail)])
+
+
 def zigzag_split(segments: torch.Tensor, cp: int, multiple: int = 1, width: int | None = None) -> CPSplit:
     """The split of a packed micro-batch whose columns belong to rows `segments` [T] (-1: tail padding).
     `width`: the local length every rank gets (>= the split's own; one width for every micro-batch of a
     pipeline call, whose p2p buffers have one shape); None: the split's own, rounded up to `multiple`."""
     if cp < 1:
         raise ValueError(f"cp={cp} must be >= 1")
-    chunks = 2 * cp
-    src = [[] for _ in range(cp)]
-    row = [[] for _ in range(cp)]
-    place = [[] for _ in range(cp)]
-    for k, (a, b) in enumerate((a, b) for a, b in segment_spans(segments) if int(segments[a]) >= 0):
-        n = b - a
-        c = chunk_size(n, cp)
-        for r in range(cp):
-            for chunk in (r, chunks - 1 - r):
-                p = torch.arange(chunk * c, (chunk + 1) * c)
-                real = p < n
-                src[r].append(torch.where(real, a + p, -1))
-                row[r].append(torch.where(real, k, -1))
-                place[r].append(p)
-    own = sum(int(x.numel()) for x in src[0])
+    spans = [(a, b) for a, b in segment_spans(segments) if int(segments[a]) >= 0]
+    table = torch.tensor([[chunk_size(b - a, cp), b - a] for a, b in spans], dtype=torch.long).reshape(-1, 2)
+    own = 2 * int(table[:, 0].sum())
     need = -(-max(own, 1) // multiple) * multiple
     if width is None:
         width = need
     if width < own or width % multiple:
         raise ValueError(f"local width {width} must be >= {own} and a multiple of {multiple}")
-
-    def stack(parts, fill):
-        return torch.stack([torch.cat(p + [torch.full((width - own,), fill, dtype=torch.long)]) for p in parts])
-
-    return CPSplit(cp, stack(src, -1), stack(row, -1), stack(place, 0))
+    starts = torch.tensor([a for a, _ in spans] + [0], dtype=torch.long)  # [rows + 1]: row -1 reads the last
+    slots = [rank_slots(table, cp, r, width) for r in range(cp)]
+    row = torch.stack([r for r, _ in slots])
+    place = torch.stack([p for _, p in slots])
+    source = torch.where(row >= 0, starts[row] + place, -1)
+    return CPSplit(cp, source, row, place)
 
 
 def local_width(segments_list: list[torch.Tensor], cp: int, multiple: int = 1) -> int:
@@ -209,16 +206,29 @@ def sum_over_cp(x: torch.Tensor, group) -> torch.Tensor:
     return _SumOverCP.apply(x, group)
 
 
-def cp_attention(q, k, v, plan, scale, group):
-    """q [L, np, hn], k [L, ng, hn], v [L, ng, hv] (this rank's slots), `plan` (CPSplit.attention_plan: the rows'
-    chunk table [rows, 2] long, or the mask [L, cp * L] bool) -> context [L, np, hv]: this rank's queries
-    against the keys and values gathered over the CP group (Llama 3's all-gather CP)."""
-    keys, values = gather_over_cp(k, group), gather_over_cp(v, group)
-    if plan.dtype == torch.bool:
-        return _masked_attention(q, keys, values, plan, scale)
+def cp_attention(q, k, v, table, scale, group, impl: str | None = None):
+    """q [L, np, hn], k [L, ng, hn], v [L, ng, hv] (this rank's slots), `table` (CPSplit.chunk_sizes: the rows'
+    chunk size and length [rows, 2]) -> context [L, np, hv]: this rank's queries against the keys and values
+    gathered over the CP group (Llama 3's all-gather CP). `impl`: CP_ATTENTION's choices (None: CP_ATTENTION;
+    auto = chunks on CPU, where their flash kernel is, else the mask, built here for this call only)."""
     import torch.distributed as dist
 
-    return _chunked_attention(q, keys, values, plan, scale, dist.get_world_size(group), dist.get_rank(group))
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    keys, values = gather_over_cp(k, group), gather_over_cp(v, group)
+    impl = impl or CP_ATTENTION
+    if impl == "auto":
+        impl = "chunks" if q.device.type == "cpu" else "mask"
+    if impl == "chunks":
+        return _chunked_attention(q, keys, values, table, scale, cp, rank)
+    if impl == "mask":
+        return _masked_attention(q, keys, values, table_mask(table, cp, rank, q.shape[0]).to(q.device), scale)
+    raise ValueError(f"CP attention impl {impl!r}: choose auto, chunks or mask")
+
+
+def table_mask(table: torch.Tensor, cp: int, rank: int, width: int) -> torch.Tensor:
+    """CPSplit.mask(rank) from the rows' chunk table alone: [width, cp * width]."""
+    slots = [rank_slots(table.cpu(), cp, r, width) for r in range(cp)]
+    return _visible(*slots[rank], torch.cat([r for r, _ in slots]), torch.cat([p for _, p in slots]))
 
 
 def _masked_attention(q, keys, values, mask, scale):
