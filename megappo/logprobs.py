@@ -3,9 +3,9 @@
     megappo logprobs --model DIR --tp T --pp P [--vpp V] [--dp D] [--cp C] --input tokens.jsonl \\
         --out logprobs.safetensors [--critic] [--temperature 1.0] [--micro-batch-size 1]
 
-Spawns T*C*P*D local processes (--cp: each row's tokens split over C context-parallel ranks) (gloo on CPU, nccl on GPU), builds the megatron model from DIR (a
-HuggingFace model dir, or a megatron dist checkpoint dir holding the HF config.json), and writes one
-tensor per input row to --out (safetensors): `logprobs.{i}` (or `values.{i}` with --critic) of length
+Spawns T*C*P*D local processes (gloo on CPU, nccl on GPU; --cp: each row's tokens split over C context-parallel
+ranks), builds the megatron model from DIR (a HuggingFace model dir, or a megatron dist checkpoint dir holding the
+HF config.json), and writes one tensor per input row to --out (safetensors): `logprobs.{i}` (or `values.{i}` with --critic) of length
 len(input_ids) - response_start, where `logprobs.{i}[j]` = log p(input_ids[k+j] | input_ids[:k+j])
 (k = response_start) and `values.{i}[j]` is the critic's value of the state before that token.
 Input: JSON lines {"input_ids": [...], "response_start": k} with 1 <= k < len(input_ids).
@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp", type=int, default=1,
                         help="context parallel size: each row's tokens split over cp ranks (long rows)")
     parser.add_argument("--ep", type=int, default=1,
-                        help="expert parallel size (mixture-of-experts models; must divide --dp and the expert count)")
+                        help="expert parallel size (mixture-of-experts models; must divide --dp x --cp and the "
+                             "expert count)")
     parser.add_argument("--input", required=True, help='JSON lines: {"input_ids": [...], "response_start": k}')
     parser.add_argument("--out", required=True, help="output .safetensors")
     parser.add_argument("--critic", action="store_true", help="score values with a value head instead of log-probs")

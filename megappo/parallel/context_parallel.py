@@ -67,6 +67,7 @@ class CPSplit:
     source: torch.Tensor  # [cp, L]
     row: torch.Tensor  # [cp, L]
     place: torch.Tensor  # [cp, L]
+    table: torch.Tensor  # [rows, 2]: each row's chunk size c and real length (chunk_sizes)
 
     @property
     def local_tokens(self) -> int:
@@ -85,10 +86,7 @@ class CPSplit:
 
     def chunk_sizes(self) -> torch.Tensor:
         """[rows, 2]: each row's chunk size c (the row padded to 2 * cp * c) and its real length, in row order."""
-        real = self.row[self.row >= 0]
-        lengths = torch.bincount(real) if real.numel() else torch.zeros(0, dtype=torch.long)
-        c = torch.tensor([chunk_size(int(n), self.cp) for n in lengths.tolist()], dtype=torch.long)
-        return torch.stack([c, lengths], 1)
+        return self.table
 
     def owner(self, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed columns [n] -> (the rank holding each, its slot there), both [n]."""
@@ -145,7 +143,7 @@ def zigzag_split(segments: torch.Tensor, cp: int, multiple: int = 1, width: int 
     row = torch.stack([r for r, _ in slots])
     place = torch.stack([p for _, p in slots])
     source = torch.where(row >= 0, starts[row] + place, -1)
-    return CPSplit(cp, source, row, place)
+    return CPSplit(cp, source, row, place, table)
 
 
 def local_width(segments_list: list[torch.Tensor], cp: int, multiple: int = 1) -> int:
@@ -278,7 +276,7 @@ def _chunked_attention(q, keys, values, table, scale, cp, rank):
     """Every local query chunk against its row's chunks in causal order (the gathered keys' slots of rank rho are
     its rows' chunks rho then 2cp-1-rho, c each, row after row, then tail padding)."""
     L, h, hn = q.shape
-    g, hv = keys.shape[1], values.shape[2]
+    hv = values.shape[2]
     if hv < hn:  # multi-latent attention's narrower values: zero-padded for the kernel, the output cut back
         values = torch.nn.functional.pad(values, (0, hn - hv))
 

@@ -120,8 +120,8 @@ def micro_batches(batch: dict, micro_batch_size: int, *, packed: bool, pp: int, 
 def cp_local(mb: dict, cp: int, rank: int, width: int) -> dict:
     """A packed micro-batch -> context-parallel rank `rank`'s share: its tokens and positions [1, L], its
     slots' rows `_segments` [L] (-1: padding), what its attention needs against the keys gathered over the
-    group `_cp_attention` (CPSplit.chunk_sizes: the rows' chunk table [rows, 2]), and of the output columns (`_out_index`) the ones it holds: `_out_index`
-    [1, m] (its slots) and `_cp_where` [m] (their places among the micro-batch's outputs). Per-row keys stay
+    group `_cp_attention` (CPSplit.chunk_sizes: the rows' chunk table [rows, 2]), and of the output columns
+    (`_out_index`) the ones it holds: `_out_index` [1, m] (its slots) and `_cp_where` [m] (their places among the micro-batch's outputs). Per-row keys stay
     whole: every CP rank computes the loss from the outputs summed over the group (model_outputs)."""
     from megappo.parallel.context_parallel import zigzag_split
 
