@@ -103,6 +103,8 @@ INVALID = [
     (["critic.parallel.cp=0"], "critic.parallel.cp=0 must be a positive int"),
     (["resources.device=cuda", "model.transformer_engine=true", "ref.parallel.cp=2", "ref.parallel.dp=1"],
      "ref.parallel.cp=2 with model.transformer_engine=true: context parallel runs megappo's own CP attention"),
+    (["actor.router_replay=r2"], "replays mixture-of-experts routes, and assets/tiny-llama-arith is a dense model"),
+    (["actor.router_replay=r1"], "choose one of: off, r2, r3"),
 ]
 
 
@@ -123,6 +125,9 @@ MOE_INVALID = [
     (["model.moe.token_dispatcher=flex"], "needs DeepEP on GPUs"),
     (["model.moe.token_dispatcher=allgather"], "use alltoall"),
     (["model.moe.aux_loss_coeff=-0.1"], "model.moe.aux_loss_coeff=-0.1 must be >= 0"),
+    # the shipped MoE demo takes pi_old from the sampler: no pi_old forward to record routes in
+    (["actor.router_replay=r2"], "set actor.use_rollout_log_probs=false and actor.proximal=recompute"),
+    (["actor.router_replay=r3", "actor.use_rollout_log_probs=false"], "rollout does not capture yet"),
 ]
 
 

@@ -37,7 +37,10 @@ EP1 = ["actor.parallel.ep=1", "critic.parallel.ep=1", "ref.parallel.ep=1"]
 # (none of them stops within 8 tokens: the non-stop penalty, off here, would score them all alike).
 GRPO = ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "critic.enable=false",
         "reward.non_stop_penalty=false"]
-FAMILIES = {"tiny-qwen3_moe": [], "tiny-deepseek_v3": GRPO, "tiny-glm4_moe": GRPO, "tiny-qwen2_moe": GRPO}
+# DeepSeek-V3's run replays the pi_old forward's routes in its update passes (actor.router_replay=r2, which needs
+# that forward: pi_old recomputed rather than taken from the sampler)
+R2 = ["actor.router_replay=r2", "actor.use_rollout_log_probs=false"]
+FAMILIES = {"tiny-qwen3_moe": [], "tiny-deepseek_v3": GRPO + R2, "tiny-glm4_moe": GRPO, "tiny-qwen2_moe": GRPO}
 SIGMOID = ("tiny-deepseek_v3", "tiny-glm4_moe")
 LENGTH_RULE = "def score(response, ground_truth, extra_info):\n    return len(response) / 100.0\n"
 
@@ -46,7 +49,7 @@ def _config(tiny_assets, data_dir, out, *extra, family="tiny-qwen3_moe"):
     from megappo.config.loader import load_config
 
     rule = []
-    if FAMILIES[family] is GRPO:
+    if GRPO[0] in FAMILIES[family]:
         (out.parent / "length_rule.py").write_text(LENGTH_RULE)
         rule = [f"reward.rules.arithmetic={out.parent / 'length_rule.py'}:score"]
     return load_config(REPO / "configs/ppo_tiny_moe.yaml", overrides(
@@ -98,6 +101,13 @@ def test_moe_rl_expert_parallel_resume_at_another_ep_and_export(ray_session, tin
         assert (shared is not None) == (family != "tiny-qwen3_moe")
         assert ("actor/moe_shared_gate_mean" in h) == (family == "tiny-qwen2_moe")
         assert shared is None or shared * steps == h["tokens/actor_real"] * layers, (shared, h["tokens/actor_real"])
+        # r2: every update pass routed each token as pi_old did (mismatch 0); its routers, moved by the earlier
+        # optimizer steps of the step, still chose those experts themselves for most routes
+        replayed = "actor/moe_route_agreement" in h
+        assert replayed == (family == "tiny-deepseek_v3"), h.keys()
+        if replayed:
+            assert h["actor/moe_replay_mismatch"] == 0, h["actor/moe_replay_mismatch"]
+            assert 0.5 < h["actor/moe_route_agreement_worst_layer"] <= h["actor/moe_route_agreement"] <= 1, h
 
     # resume from step 2 at EP1: step 3 as the uninterrupted EP2 run
     resumed = tmp_path / "ep1"

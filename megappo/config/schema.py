@@ -193,6 +193,12 @@ class ActorConfig:
     # log pi_behav) per token, alpha = (v - v_behav) / (v + 1 - v_behav) for a token sampled at v_behav
     # and trained from version v (0 for an on-policy token: pi_prox = pi_behav; 1/2 one version behind)
     proximal: str = "recompute"
+    # MoE routing replay (models/routing_replay.py; docs/moe.md). off: the trainer's routers choose. r2: the update
+    # passes route every token as the step's pi_old forward did (the weights move, the experts of a token stay
+    # those pi_old scored it with). r3: the rollout's own routes, for pi_old and the update (not wired yet: the
+    # vLLM rollout does not capture them). Every step with routes logs actor/moe_route_agreement (how often
+    # the trainer's routers chose the given experts themselves) and actor/moe_replay_mismatch (must be 0).
+    router_replay: str = "off"
     # sequence packing: each micro-batch's rows as one sequence of real tokens (no padding computed;
     # attention kept within each row; equal to the padded path within fp32 rounding). CPU: megatron's
     # local attention with a block-causal mask (memory: tokens^2 per micro-batch). Not yet with TE.
@@ -542,6 +548,12 @@ LR_SCHEDULES = ("constant", "cosine")
 FILTER_GROUPS_METRICS = ("acc", "score")  # algorithm.filter_groups.metric (ppo/core_algos.groups_to_keep)
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "gpg", "opo", "grpo_passk")
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "kl", "mse", "low_var_kl")  # kl/mse/low_var_kl: verl's k1/k2/k3
+def recomputes_old_log_probs(actor) -> bool:
+    """Whether the driver runs a pi_old forward before the update: not with actor.use_rollout_log_probs,
+    nor with A-3PO's interpolated proximal (actor.proximal=loglinear); then pi_old is the sampler's."""
+    return not (actor.use_rollout_log_probs or actor.proximal == "loglinear")
+
+
 CHOICES: dict[str, tuple[Any, ...]] = {
     "model.arch.family": SUPPORTED_MODEL_TYPES,  # what parallel/model_dims.py knows, weight_mapping.py maps
     "model.dtype": ("auto", "fp32", "bf16"),
@@ -553,6 +565,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "actor.kl_loss_type": KL_ESTIMATORS,
     "actor.policy_loss": ("ppo", "decoupled"),
     "actor.proximal": ("recompute", "loglinear"),
+    "actor.router_replay": ("off", "r2", "r3"),
     "actor.lora.init": LORA_INITS,
     "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
                                 "remax", "gpg", "opo", "grpo_passk", "opd"),

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from megappo.config.errors import ConfigError
 from megappo.config.paths import check_on_disk, hf_config_json
-from megappo.config.schema import CHOICES, GROUP_ESTIMATORS, LOGGERS, LORA_TARGETS
+from megappo.config.schema import CHOICES, GROUP_ESTIMATORS, LOGGERS, LORA_TARGETS, recomputes_old_log_probs
 from megappo.parallel.layout import check_layout, same_layout
 from megappo.parallel.model_dims import DEEPSEEK_V3_ROUTER
 from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS, LORA_MLA_TARGETS, MLA_MODEL_TYPES, MLA_WITHOUT_TE, \
@@ -151,6 +151,7 @@ def validate_config(cfg, check_paths: bool = False) -> None:
     _check_data_and_batches(cfg)
     _check_packing(cfg)
     _check_lora(cfg, dims)
+    _check_router_replay(cfg, dims)
     _check_multi_turn(cfg)
     _check_reward_rules(cfg)
     _check_reward_sources(cfg)
@@ -241,6 +242,22 @@ def _check_moe(cfg, dims: ModelDims) -> None:
     if m.token_dispatcher == "allgather" and max(eps.values()) > 1:
         raise ConfigError("model.moe.token_dispatcher=allgather needs the same token count on every rank of an "
                           "expert-parallel group, which right-aligned micro-batches do not have; use alltoall")
+
+
+def _check_router_replay(cfg, dims: ModelDims) -> None:
+    mode = cfg.actor.router_replay
+    if mode == "off":
+        return
+    if not dims.num_experts:
+        raise ConfigError(f"actor.router_replay={mode} replays mixture-of-experts routes, and {cfg.model.path} is a "
+                          "dense model: set actor.router_replay=off")
+    if mode == "r3":
+        raise ConfigError("actor.router_replay=r3 replays the rollout's routes, which megappo's vLLM rollout does not "
+                          "capture yet (issue #73): use actor.router_replay=r2 (the pi_old forward's routes) or off")
+    if not recomputes_old_log_probs(cfg.actor):
+        raise ConfigError("actor.router_replay=r2 replays the routes of the pi_old forward, which this config skips "
+                          "(actor.use_rollout_log_probs=true or actor.proximal=loglinear): set "
+                          "actor.use_rollout_log_probs=false and actor.proximal=recompute, or actor.router_replay=off")
 
 
 def _check_algorithm(cfg) -> None:

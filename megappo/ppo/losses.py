@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import torch
 
-from megappo.config.schema import CHOICES
+from megappo.config.schema import CHOICES, recomputes_old_log_probs
 from megappo.ppo.core_algos import kl_penalty, masked_mean, masked_sum
 from megappo.ppo.staleness import loglinear_proximal
 
@@ -260,11 +260,7 @@ class PolicyLoss:
     parity_in_update: bool = False
     name: str = "actor"  # metric prefix
 
-    @staticmethod
-    def recomputes_old_log_probs(actor) -> bool:
-        """Whether the driver runs a pi_old forward before the update: not with actor.use_rollout_log_probs,
-        nor with A-3PO's interpolated proximal (actor.proximal=loglinear); then pi_old is the sampler's."""
-        return not (actor.use_rollout_log_probs or actor.proximal == "loglinear")
+    recomputes_old_log_probs = staticmethod(recomputes_old_log_probs)
 
     @classmethod
     def from_config(cls, actor) -> "PolicyLoss":

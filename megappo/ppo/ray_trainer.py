@@ -76,6 +76,7 @@ from megappo.protocol import DataProto
 from megappo.rewards.manager import RewardManager
 from megappo.rewards.rules import load_rewards
 from megappo.utils.checkpoint import PendingCheckpoint
+from megappo.workers.role_batches import ROUTES
 from megappo.workers.rollout.sampling import SamplingSpec
 
 _MODEL_IN = ["input_ids", "attention_mask", "position_ids", "responses"]
@@ -556,6 +557,7 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
             with self._phase("update_critic", timing):
                 critic_metrics = self.critic_wg.update_critic(data, self.value_loss)[0]
         keys = _MODEL_IN + self.policy_loss.required_keys + [k for k in self.policy_loss.optional_keys if k in b]
+        keys += [ROUTES] if ROUTES in b else []  # actor.router_replay: the MoE routes the update replays
         data = self._update_data(b, keys, meta, self.config.actor, segments)
         with self._phase("update_actor", timing):
             actor_metrics = self.actor_wg.update_actor(data, self.policy_loss)[0]

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from megappo.models.gpt import build_gpt_chunks, build_transformer_config, load_hf_config, use_transformer_engine, \
     load_hf_weights
 from megappo.models.expert_load import ExpertLoad
+from megappo.models.routing_replay import RoutingReplay
 from megappo.models.lora import apply_lora, lora_disabled, merged_named_parameters, reseed_dropout
 from megappo.parallel.cpu_compat import causal_mask
 from megappo.parallel.layout import ParallelLayout
@@ -102,6 +103,9 @@ class MegatronEngine(EngineCheckpoints):
         self.head_on_outputs = not self.tf_config.sequence_parallel
         # MoE: tokens per expert in each update (forward hooks on the routers)
         self.expert_load = ExpertLoad(chunks, self.dims.num_layers, self.dims.num_experts) \
+            if self.dims.num_experts else None
+        # MoE: routes given to the routers (a batch's `routed_experts`) or recorded from them (models/routing_replay.py)
+        self.routing = RoutingReplay(chunks, self.dims.num_layers, int(self.tf_config.moe_router_topk)) \
             if self.dims.num_experts else None
         if self.packed and self.uses_te:
             what = f"context parallel (cp={layout.cp})" if layout.cp > 1 else "pack_sequences"
@@ -253,12 +257,28 @@ class MegatronEngine(EngineCheckpoints):
 
     def _run(self, batch: dict, response_length: int, micro_batch_size: int, forward_only: bool,
              loss_fn: Optional[Callable], normalizer: Optional[float], temperature: float,
-             compute_entropy: bool) -> tuple[list, int]:
+             compute_entropy: bool, record_routes: Optional[torch.Tensor] = None) -> tuple[list, int]:
         """One pass of megatron's pipeline schedule over the batch (megatron_step.py); returns its
-        per-micro-batch outputs (on the last pipeline stage) and the tokens this rank computed (padding in)."""
+        per-micro-batch outputs (on the last pipeline stage) and the tokens this rank computed (padding in).
+        A batch's `routed_experts` [B, S, layers, k] are replayed (MoE); `record_routes` [B * S, layers, k]
+        gets the routers' own choices."""
         seq = batch["input_ids"].shape[1]
         if not 1 <= response_length < seq:
             raise ValueError(f"response_length must be in [1, {seq - 1}], got {response_length}")
+        batch = dict(batch)
+        given = batch.pop("routed_experts", None)
+        if (given is not None or record_routes is not None) and self.routing is None:
+            raise ValueError(f"routing replay needs a mixture-of-experts model; {self.model_path} is dense: set "
+                             "actor.router_replay=off")
+        if given is not None:
+            b, s = batch["input_ids"].shape
+            if tuple(given.shape) != (b, s, *self.routing.shape):
+                raise ValueError(f"routed_experts {tuple(given.shape)} does not match the batch [{b}, {s}] with "
+                                 f"{self.routing.shape[0]} layers x top-{self.routing.shape[1]} routes")
+            given = given.to(self.device).reshape(b * s, *self.routing.shape)
+        if given is not None or record_routes is not None:
+            b, s = batch["input_ids"].shape
+            batch["_token_index"] = torch.arange(b * s, device=batch["input_ids"].device).view(b, s)
         # the batch on the engine's device, right-aligned and cut to its longest row
         multiple = self.layout.tp if self.tf_config.sequence_parallel else 1
         batch = right_align({k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
@@ -278,7 +298,9 @@ class MegatronEngine(EngineCheckpoints):
             # attention applies it itself; megatron's local attention gets it as a tensor (cpu_compat shim 6)
             mask=None if self.uses_te or packed else causal_mask(micro.seq, self.device),
             forward_only=forward_only, loss_fn=loss_fn, normalizer=normalizer, temperature=temperature,
-            compute_entropy=compute_entropy, expert_load=self.expert_load)
+            compute_entropy=compute_entropy, expert_load=self.expert_load,
+            routing=self.routing, sequence_parallel=self.tf_config.sequence_parallel, given_routes=given,
+            record_routes=record_routes, recompute=self.config.recompute and not forward_only)
         return megatron_step.run(spec, micro, self.model), micro.computed_tokens
 
     # ---- public API ------------------------------------------------------------------------------
@@ -289,14 +311,26 @@ class MegatronEngine(EngineCheckpoints):
 
     @torch.no_grad()
     def forward_only(self, batch: dict, response_length: int, micro_batch_size: int = 1,
-                     temperature: float = 1.0, compute_entropy: bool = True) -> Optional[dict]:
+                     temperature: float = 1.0, compute_entropy: bool = True,
+                     record_routes: bool = False) -> Optional[dict]:
         """LM head: {"logprobs", "entropy"} [B, R] (log-softmax of logits / temperature); value head:
-        {"values"} [B, R]. On the last pipeline stage (every TP rank); None on the other stages."""
+        {"values"} [B, R]. On the last pipeline stage (every TP rank); None on the other stages.
+        MoE: a batch's `routed_experts` are replayed; `record_routes` adds the routers' own choices,
+        {"routed_experts"} [B, S, layers, k] (int16, -1 on padding; collective over TP, CP and PP)."""
         for m in self.model:
             m.eval()
+        record = None
+        if record_routes:
+            if self.routing is None:
+                raise ValueError(f"recording routes needs a mixture-of-experts model; {self.model_path} is dense: "
+                                 "set actor.router_replay=off")
+            b, s = batch["input_ids"].shape
+            record = torch.full((b * s, *self.routing.shape), -1, dtype=torch.int16, device=self.device)
         with self.resident(parts=["params"]):  # a forward needs the weights only: optimizer and grads stay off
             store, _ = self._run(batch, response_length, micro_batch_size, True, None, None, temperature,
-                                 compute_entropy)
+                                 compute_entropy, record_routes=record)
+        if record is not None:  # each rank holds its tokens (CP, sequence parallel) of its layers (PP)
+            self._gather_routes(record)
         if not self.is_last_stage:
             return None
         out = {k: torch.cat([d[k] for d in store], dim=0) for k in store[0]}
@@ -306,7 +340,22 @@ class MegatronEngine(EngineCheckpoints):
                 back = torch.empty_like(v)
                 back[rows.to(v.device)] = v
                 out[k] = back
+        if record is not None:
+            out["routed_experts"] = record.view(*batch["input_ids"].shape, *self.routing.shape)
         return out
+
+    def _gather_routes(self, record: torch.Tensor) -> None:
+        """Every rank's recorded routes (-1 where another rank routed the token) -> the whole batch's, in place."""
+        from megatron.core import parallel_state as mpu
+
+        groups = [(self.layout.tp, mpu.get_tensor_model_parallel_group),
+                  (self.layout.cp, mpu.get_context_parallel_group),
+                  (self.layout.pp, mpu.get_pipeline_model_parallel_group)]
+        for size, group in groups:
+            if size > 1:
+                wide = record.to(torch.int32)  # gloo reduces no int16
+                dist.all_reduce(wide, op=dist.ReduceOp.MAX, group=group())
+                record.copy_(wide)
 
     def train_step(self, batch: dict, loss_fn: Callable, normalizer: float, response_length: int,
                    micro_batch_size: int = 1, temperature: float = 1.0, compute_entropy: bool = True) -> dict:
@@ -332,6 +381,8 @@ class MegatronEngine(EngineCheckpoints):
         self.optimizer.zero_grad()
         if self.expert_load is not None:
             self.expert_load.reset()
+        if self.routing is not None:
+            self.routing.reset()
         if self.lora is not None and self.lora.dropout > 0:  # the TP ranks' column masks agree, after a resume too
             reseed_dropout((self.config.seed * 1_000_003 + self.steps * 101 + self.pp_rank) % 2**63, self.device)
         store, computed = self._run(batch, response_length, micro_batch_size, False, loss_fn, float(normalizer),
@@ -372,6 +423,8 @@ class MegatronEngine(EngineCheckpoints):
         metrics["computed_tokens"] = float(computed)  # this DP replica's (padding in); the caller sums over DP
         if self.expert_load is not None:  # TP ranks route the same tokens unless sequence parallel splits them
             metrics.update(self.expert_load.metrics(self.tf_config.sequence_parallel or self.tp_rank == 0))
+        if self.routing is not None:
+            metrics.update(self.routing.metrics(self.tf_config.sequence_parallel or self.tp_rank == 0))
         return metrics
 
     def _loss_is_finite(self, store) -> bool:

@@ -63,6 +63,8 @@ def right_align(batch: dict, response_length: int, seq_multiple: int = 1) -> dic
     out["input_ids"] = torch.where(valid, ids.gather(1, src), torch.zeros((), dtype=ids.dtype, device=ids.device))
     out["position_ids"] = torch.where(valid, pos.gather(1, src), torch.zeros((), dtype=pos.dtype, device=pos.device))
     out["attention_mask"] = valid.long()
+    if "_token_index" in batch:  # each token's place in the batch as given (routing replay's routes are kept by it)
+        out["_token_index"] = torch.where(valid, batch["_token_index"].gather(1, src), -1)
     out["_out_index"] = (first[:, None] + torch.arange(r, device=ids.device)[None]).clamp(0, width - 1)
     out["_targets"] = ids[:, s - r:]
     return out
@@ -135,6 +137,8 @@ def cp_local(mb: dict, cp: int, rank: int, width: int) -> dict:
                _segments=split.row[rank].to(device), _cp_attention=split.chunk_sizes().to(device),
                _out_index=slot[mine][None].to(device), _cp_where=torch.nonzero(mine).flatten().to(device),
                _cp_positions=int(mb["_segments"].numel()))
+    if "_token_index" in mb:
+        out["_token_index"] = split.take(mb["_token_index"][0].cpu(), rank, fill=-1)[None].to(device)
     return out
 
 
@@ -152,6 +156,14 @@ class StepSpec:
     temperature: float
     compute_entropy: bool
     expert_load: Any = None  # models/expert_load.ExpertLoad of a MoE model, else None
+    # routing replay (models/routing_replay.py) of a MoE model: the routes to give the routers, [tokens of the
+    # batch as given (B * S), layers, k], and / or where to record theirs (same shape); the micro-batches'
+    # `_token_index` says which of those tokens each column is
+    routing: Any = None
+    sequence_parallel: bool = False
+    given_routes: Optional[torch.Tensor] = None
+    record_routes: Optional[torch.Tensor] = None
+    recompute: bool = False
 
 
 def run(spec: StepSpec, micro: MicroBatches, model: list) -> list:
@@ -177,7 +189,7 @@ def forward_step(spec: StepSpec, data_iterator, model):
         if spec.head_on_outputs else {}
     # context parallel runs packed (MegatronEngine.packed): a CP rank's mask against the gathered keys, or the rows' ids
     mask = mb.get("_cp_attention", mb.get("_segments")) if spec.packed else spec.mask
-    with expert_tokens(spec.expert_load, mb, spec.packed), \
+    with expert_tokens(spec.expert_load, mb, spec.packed), routes_of(spec, mb), \
             packed_rope(model, mb["position_ids"][0] if spec.packed else None, mb.get("_cp_positions")):
         output = model(mb["input_ids"], mb["position_ids"], mask, **head)
     return output, partial(loss_func, spec, mb)
@@ -295,3 +307,39 @@ def expert_tokens(expert_load, mb: dict, packed: bool):
     else:
         valid = mb["attention_mask"].bool().t() if "attention_mask" in mb else None
     return expert_load.tokens(valid)
+
+
+def router_tokens(token_index: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """A micro-batch's `_token_index` [b, s] -> the tokens its routers see, in their order: megatron flattens the
+    hidden states [s, b, h] (s major); under sequence parallelism a TP rank routes its own slice of s."""
+    tokens = token_index.t()
+    if sequence_parallel:
+        from megatron.core import parallel_state as mpu
+
+        s = tokens.shape[0] // mpu.get_tensor_model_parallel_world_size()
+        r = mpu.get_tensor_model_parallel_rank()
+        tokens = tokens[r * s:(r + 1) * s]
+    return tokens.reshape(-1)
+
+
+@contextlib.contextmanager
+def routes_of(spec: StepSpec, mb: dict):
+    """MoE routing replay for one model call: the routers get the micro-batch's given routes (-1 where a
+    token has none: padding), and / or their own choices are written to `spec.record_routes` by token."""
+    if spec.routing is None or (spec.given_routes is None and spec.record_routes is None):
+        yield
+        return
+    tokens = router_tokens(mb["_token_index"], spec.sequence_parallel)
+    real = tokens >= 0
+    target = None
+    if spec.given_routes is not None:
+        given = spec.given_routes
+        target = torch.where(real.to(given.device)[:, None, None], given[tokens.clamp(min=0).to(given.device)], -1)
+    with spec.routing.given(target, recompute=spec.recompute), contextlib.ExitStack() as stack:
+        recorded = stack.enter_context(spec.routing.recording()) if spec.record_routes is not None else None
+        yield
+    if recorded:
+        into = spec.record_routes
+        where = tokens[real].to(into.device)
+        for layer, idx in recorded.items():
+            into[where, layer] = idx[real.to(idx.device)].to(into.dtype).to(into.device)

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 
 # per-row keys the packed micro-batch recomputes; every other [B, ...] key is selected by row
-_PACKED_KEYS = ("input_ids", "position_ids", "attention_mask", "_out_index")
+_PACKED_KEYS = ("input_ids", "position_ids", "attention_mask", "_out_index", "_token_index")
 TRIM_RESPONSES = True
 
 
@@ -77,6 +77,8 @@ def pack(batch: dict, rows: list[int], width: int) -> dict:
     ids = torch.zeros(width, dtype=batch["input_ids"].dtype, device=device)
     pos = torch.zeros(width, dtype=batch["position_ids"].dtype, device=device)
     seg = torch.full((width,), -1, dtype=torch.long, device=device)
+    index = batch.get("_token_index")  # routing replay: each column's token in the batch as given (-1: padding)
+    tok = None if index is None else torch.full((width,), -1, dtype=index.dtype, device=device)
     out_index, start = [], 0
     for k, r in enumerate(rows):
         n = int(lengths[r])
@@ -85,6 +87,8 @@ def pack(batch: dict, rows: list[int], width: int) -> dict:
         ids[start:start + n] = batch["input_ids"][r, :n]
         pos[start:start + n] = batch["position_ids"][r, :n]
         seg[start:start + n] = k
+        if tok is not None:
+            tok[start:start + n] = index[r, :n]
         out_index.append(start + batch["_out_index"][r, :w].clamp(0, max(n - 1, 0)))
         start += n
     out = {k: v[rows] for k, v in batch.items() if torch.is_tensor(v) and k not in _PACKED_KEYS
@@ -93,6 +97,8 @@ def pack(batch: dict, rows: list[int], width: int) -> dict:
     out.update(input_ids=ids[None], position_ids=pos[None], _segments=seg, _response_width=full,
                _out_index=torch.cat(out_index)[None] if out_index else torch.zeros(1, 0, dtype=torch.long),
                _rows=torch.tensor(rows, dtype=torch.long, device="cpu"))
+    if tok is not None:
+        out["_token_index"] = tok[None]
     return out
 
 

@@ -13,6 +13,7 @@ from typing import Optional
 from megappo.protocol import DataProto
 
 _MODEL_KEYS = ("input_ids", "attention_mask", "position_ids")
+ROUTES = "routed_experts"  # a MoE batch's routes [B, S, layers, k] (models/routing_replay.py)
 
 
 def _response_length(data: DataProto) -> int:
@@ -29,14 +30,15 @@ def _logprob_temperature(data: DataProto) -> float:
 
 
 def _forward(engine, data: DataProto, response_length: int, micro_batch_size: int, frozen: bool = False,
-             **kw) -> Optional[dict]:
+             replay_routes: bool = False, **kw) -> Optional[dict]:
     """engine.forward_only over this rank's rows, padding them to a multiple of the micro-batch size. `frozen`: a
     frozen role in a process of its own (the teacher, a reward model, a reference outside the actor's), whose forward
     peak (a micro-batch's logits: R x b x V / tp, fp32 log-softmax beside them) would otherwise stay reserved in
-    PyTorch's cache while vLLM wakes into the memory it sized at start: on GPU the cache is emptied after it."""
+    PyTorch's cache while vLLM wakes into the memory it sized at start: on GPU the cache is emptied after it.
+    `replay_routes`: a MoE batch's `routed_experts` route the forward (models/routing_replay.py)."""
     n = len(data)
     mbs = max(1, min(int(micro_batch_size), n))
-    keys = [k for k in _MODEL_KEYS if k in data.batch]
+    keys = [k for k in _MODEL_KEYS if k in data.batch] + ([ROUTES] if replay_routes and ROUTES in data.batch else [])
     padded, _ = data.select(batch_keys=keys, non_tensor_keys=[], meta_info_keys=[]).pad_to_divisor(mbs)
     out = engine.forward_only(dict(padded.batch), response_length=response_length, micro_batch_size=mbs, **kw)
     out = None if out is None else {k: v[:n].cpu() for k, v in out.items()}  # the driver gets CPU tensors
@@ -96,6 +98,13 @@ def _train(engine, data: DataProto, loss, role_cfg, dp: int, temperature: float 
         raise KeyError(f"{loss.name} update: batch lacks {missing}")
     keys = [k for k in _MODEL_KEYS if k in data.batch] + list(loss.required_keys) + \
         [k for k in loss.optional_keys if k in data.batch]
+    replay = getattr(role_cfg, "router_replay", "off")
+    if replay != "off":  # the update routes every token as the batch's routes say
+        if ROUTES not in data.batch:
+            raise KeyError(f"actor.router_replay={replay}: the batch has no '{ROUTES}' (the pi_old forward records "
+                           "them under r2; a batch from before router_replay was set has none): set "
+                           "actor.router_replay=off for it")
+        keys.append(ROUTES)
     r = _response_length(data)
     history = defaultdict(list)
     tokens = [0.0, 0.0, 0.0]  # real, computed (after right_align), in the padded batch

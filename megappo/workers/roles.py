@@ -15,7 +15,8 @@
 Batch keys (DataProto, one row per sequence; prompts left-padded, responses right-padded):
   in:   input_ids [B, S], attention_mask [B, S], responses [B, R] (R = response length, the last R
         columns of input_ids), optional position_ids [B, S]
-  out:  compute_log_prob -> old_log_probs [B, R], entropy [B, R]
+  out:  compute_log_prob -> old_log_probs [B, R], entropy [B, R] (+ routed_experts [B, S, layers, k] under
+        actor.router_replay=r2: the MoE routes the update replays)
         compute_ref_log_prob -> ref_log_prob [B, R]
         compute_values -> values [B, R]
         compute_rm_score -> rm_scores [B] (the RM's score at the last valid token)
@@ -52,7 +53,7 @@ from typing import Optional
 from megappo.controller.dispatch import Dispatch, register
 from megappo.controller.worker import Worker
 from megappo.protocol import DataProto
-from megappo.workers.role_batches import _forward, _logprob_temperature, _response_length, _train
+from megappo.workers.role_batches import ROUTES, _forward, _logprob_temperature, _response_length, _train
 from megappo.workers.rollout_role import RolloutRole
 
 __all__ = ["ActorRolloutRefWorker", "CriticWorker", "ActorCriticWorker", "RewardModelWorker", "ACTOR_ROLES",
@@ -223,11 +224,14 @@ class ActorRolloutRefWorker(RolloutRole, _MegatronRoleWorker):  # the mixin firs
     @register(Dispatch.MEGATRON_COMPUTE)
     def compute_log_prob(self, data: DataProto) -> Optional[DataProto]:
         engine = self._need(self.actor, "actor")
+        # actor.router_replay=r2: the routes of this forward are the ones the update replays
+        record = self.config.actor.router_replay == "r2"
         out = _forward(engine, data, _response_length(data), self.config.actor.log_prob_micro_batch_size,
-                       temperature=_logprob_temperature(data), compute_entropy=True)
+                       temperature=_logprob_temperature(data), compute_entropy=True, record_routes=record)
         if out is None:
             return None
-        return DataProto.from_dict({"old_log_probs": out["logprobs"], "entropy": out["entropy"]})
+        routes = {ROUTES: out[ROUTES]} if record else {}
+        return DataProto.from_dict({"old_log_probs": out["logprobs"], "entropy": out["entropy"], **routes})
 
     @register(Dispatch.MEGATRON_COMPUTE)
     def compute_ref_log_prob(self, data: DataProto) -> Optional[DataProto]:
