@@ -111,6 +111,9 @@ def test_recorded_routes_replay_exactly_and_given_routes_are_used(tiny_assets, f
     pytest.param("tiny-qwen3_moe", dict(tp=2), False, True, marks=pytest.mark.long),
     pytest.param("tiny-qwen3_moe", dict(pp=2, vpp=2), True, False, marks=pytest.mark.long),
     pytest.param("tiny-deepseek_v3", dict(dp=2, ep=2), False, False, marks=pytest.mark.long),
+    # context parallel: each CP rank routes its zigzag share of every packed micro-batch
+    pytest.param("tiny-qwen3_moe", dict(cp=2), True, True, marks=pytest.mark.long),
+    pytest.param("tiny-deepseek_v3", dict(cp=2, ep=2), True, False, marks=pytest.mark.long),
 ])
 def test_replayed_step_equals_single_process_on_the_same_routes(tiny_assets, family, layout, packed, recompute):
     path = str(tiny_assets[family])

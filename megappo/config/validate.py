@@ -251,9 +251,18 @@ def _check_router_replay(cfg, dims: ModelDims) -> None:
     if not dims.num_experts:
         raise ConfigError(f"actor.router_replay={mode} replays mixture-of-experts routes, and {cfg.model.path} is a "
                           "dense model: set actor.router_replay=off")
-    if mode == "r3":
-        raise ConfigError("actor.router_replay=r3 replays the rollout's routes, which megappo's vLLM rollout does not "
-                          "capture yet (issue #73): use actor.router_replay=r2 (the pi_old forward's routes) or off")
+    if mode == "r3":  # what the rollout's route capture (workers/rollout/route_capture.py) covers so far
+        if cfg.resources.device == "cuda":
+            raise ConfigError("actor.router_replay=r3 captures routes through vLLM's router hook on CPU; on GPU vLLM "
+                              "returns them from its V2 model runner only, not wired yet: use actor.router_replay=r2")
+        if cfg.trainer.mode != "sync":
+            raise ConfigError(f"actor.router_replay=r3 captures the hybrid engine's routes (trainer.mode=sync); the "
+                              f"rollout pool of trainer.mode={cfg.trainer.mode} is not captured yet: use "
+                              "actor.router_replay=r2")
+        if cfg.rollout.multi_turn.enable or cfg.rollout.agent:
+            raise ConfigError("actor.router_replay=r3 captures the routes of plain generation; the multi-turn loop "
+                              "and rollout.agent are not captured yet: use actor.router_replay=r2")
+        return
     if not recomputes_old_log_probs(cfg.actor):
         raise ConfigError("actor.router_replay=r2 replays the routes of the pi_old forward, which this config skips "
                           "(actor.use_rollout_log_probs=true or actor.proximal=loglinear): set "

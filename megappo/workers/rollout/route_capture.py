@@ -1,0 +1,118 @@
+"""The rollout's own MoE routes (actor.router_replay=r3): which experts vLLM's routers sent every token to, prompt
+tokens and sampled ones, so that the trainer can replay them (models/routing_replay.py).
+
+    llm.collective_rpc(install_capture)        # once, after the engine is built: hooks on every MoE router
+    llm.collective_rpc(start_capture)          # before a generate call
+    got = llm.collective_rpc(take_routes, args=(request_ids,))[0]   # {request id: (positions [n], routes [n, L, k])}
+    routes = rows_of_routes(got, ids, prompt_lengths, width, ...)  # [rows, width, L, k] int16, -1 where none
+
+How (vLLM 0.32, the V1 model runner megappo pins; on CPU):
+- vLLM's routers (fused_moe/router/base_router.py) call `capture_fn(topk_ids)` with the step's flattened tokens'
+  logical expert ids, before any expert-parallel remapping; vLLM's own `bind_routed_experts_capturer` sets
+  that hook on every MoE layer with the layer's global index. A `_Capture` takes its calls: one step buffer
+  [tokens, layers, k].
+- The step's tokens are laid out request by request in the runner's input batch (`input_batch.req_ids`,
+  `query_start_loc`), each with its position (`positions`), which `_model_forward` (the runner's documented
+  override point) is called with: after each forward the buffer is cut per request and kept by position. vLLM's
+  request ids are the caller's id + "-" + a suffix: routes are kept under the caller's.
+- A token vLLM did not compute is not captured: a prompt prefix found in the prefix cache. The rollout turns
+  prefix caching off when it captures (every prompt token is then computed once per sample). The last sampled
+  token is never fed to the model: it has no route (the trainer's router picks its experts; nothing reads its
+  output for the policy's log-probs).
+On GPU, vLLM captures routes on its V2 model runner only (`enable_return_routed_experts`); CUDA graphs would
+replay without calling the hook: not wired here.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+_ATTR = "megappo_route_capture"  # the vLLM worker's attribute holding its _Capture
+
+
+class _Capture:
+    def __init__(self, runner, num_layers: int, topk: int):
+        self.runner = runner
+        self.shape = (num_layers, topk)
+        self.step: Optional[torch.Tensor] = None
+        self.active = False
+        self.routes: dict[str, list] = {}  # caller's request id -> [(positions [n], routes [n, L, k])]
+
+    def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:  # vLLM's capturer interface
+        if not self.active:
+            return
+        n = topk_ids.shape[0]
+        if self.step is None or self.step.shape[0] < n:
+            self.step = torch.full((max(n, 256), *self.shape), -1, dtype=torch.int16)
+        self.step[:n, layer_id] = topk_ids.to(device="cpu", dtype=torch.int16)
+
+    def after_forward(self, positions: torch.Tensor) -> None:
+        if not self.active or self.step is None:
+            return
+        batch = self.runner.input_batch
+        n = batch.num_reqs
+        bounds = self.runner.query_start_loc.cpu[:n + 1].tolist()
+        positions = positions[:bounds[-1]].to("cpu")
+        for i, req_id in enumerate(batch.req_ids[:n]):
+            a, b = bounds[i], bounds[i + 1]
+            caller = req_id.rsplit("-", 1)[0]
+            self.routes.setdefault(caller, []).append((positions[a:b].clone(), self.step[a:b].clone()))
+        self.step[:bounds[-1]] = -1
+
+
+def install_capture(worker, num_layers: int, topk: int) -> int:
+    """collective_rpc target: hooks on the model's MoE routers and its runner's forward; the routers bound."""
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
+
+    runner = worker.model_runner
+    cap = _Capture(runner, num_layers, topk)
+    bind_routed_experts_capturer(runner.get_model(), cap)
+    forward = runner._model_forward
+
+    def model_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        cap.after_forward(kwargs["positions"] if "positions" in kwargs else args[1])
+        return out
+
+    runner._model_forward = model_forward
+    setattr(worker, _ATTR, cap)
+    return sum(1 for m in runner.get_model().modules() if getattr(getattr(m, "router", None), "capture_fn", None))
+
+
+def start_capture(worker) -> None:
+    """collective_rpc target: capture the next generate call's routes (earlier ones dropped)."""
+    cap = getattr(worker, _ATTR)
+    cap.routes.clear()
+    cap.active = True
+
+
+def take_routes(worker, request_ids: list) -> dict:
+    """collective_rpc target: {request id: (positions [n], routes [n, L, k])} of the capture since start_capture
+    (each position once: the last step that computed it), and the capture stopped."""
+    cap = getattr(worker, _ATTR)
+    cap.active = False
+    out = {}
+    for rid in request_ids:
+        parts = cap.routes.get(str(rid), [])
+        if parts:
+            out[str(rid)] = (torch.cat([p for p, _ in parts]), torch.cat([r for _, r in parts]))
+    cap.routes.clear()
+    return out
+
+
+def rows_of_routes(got: dict, request_ids: list, prompt_lengths: list, prompt_width: int, width: int,
+                   shape: tuple) -> torch.Tensor:
+    """The rows' routes aligned with the rollout batch's input_ids [rows, width] (a left-padded prompt of
+    `prompt_width` columns, then the response): position p of row k sits at column prompt_width - plen_k + p.
+    -1 where a token has no route (padding, the last sampled token)."""
+    out = torch.full((len(request_ids), width, *shape), -1, dtype=torch.int16)
+    for k, (rid, plen) in enumerate(zip(request_ids, prompt_lengths)):
+        if str(rid) not in got:
+            continue
+        positions, routes = got[str(rid)]
+        cols = prompt_width - int(plen) + positions.long()
+        keep = (cols >= 0) & (cols < width)
+        out[k, cols[keep]] = routes[keep]
+    return out

