@@ -287,6 +287,7 @@ def test_a_rollout_worker_killed_mid_generation_is_replaced_and_its_groups_regen
     assert sorted(g for groups in survived.values() for g in groups) == list(range(12))
 
 
+@pytest.mark.long  # 51 s; CI keeps ReMax's advantages (test_core_algos) and the pool's other calls in fully_async above
 def test_remax_takes_its_greedy_baseline_from_the_pool(ray_session, tiny_assets, data_dir, tmp_path):
     """algorithm.adv_estimator=remax in fully_async: each batch's prompts get one greedy response from the pool
     (its newest weights) and every sample's advantage is its score minus that response's reward."""

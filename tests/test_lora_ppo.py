@@ -435,7 +435,9 @@ def test_a_lora_ppo_run_end_to_end(ray_session, tiny_assets, data_dir, tmp_path,
 
 
 @pytest.mark.parametrize("sampler", [
-    "single_turn", "multi_turn",
+    "single_turn",
+    # 25 s; CI keeps the adapter sync above and multi-turn samples trained in test_agent
+    pytest.param("multi_turn", marks=pytest.mark.long),
     # 13 s; CI keeps the adapter on the gateway's engine (the agent's requests go through it) in
     # test_adapter_sync_in_fully_async_resubmits_the_samples_in_flight below
     pytest.param("agent", marks=pytest.mark.long)])

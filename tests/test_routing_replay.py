@@ -7,7 +7,8 @@
 - one optimizer step on fixed, perturbed routes (every route moved to the next expert, so no router chose them)
   at TP2 (sequence parallel), PP2 x VPP2, DP2 x EP2, packed and with activation recompute equals the single
   process's step on the same routes: loss, grad norm, and each router's gradient (never zero: the replayed
-  experts' weights are the current router's scores) within 1e-5.
+  experts' weights are the current router's scores) within 1e-5; and the routes recorded under that layout (each
+  rank its tokens and layers, gathered over TP, CP and PP) are the single process's.
 """
 
 import functools
@@ -60,6 +61,9 @@ def _worker(rank, world, port, path, layout, packed=False, recompute=False, rout
         routes = _perturbed(free["routed_experts"], eng.dims.num_experts)
     else:
         routes = routes[dp * n:(dp + 1) * n]
+        # the routers' own routes recorded under this layout (each rank its tokens and layers, gathered)
+        rec = eng.forward_only(local, response_length=R, micro_batch_size=mbs, record_routes=True)
+        out["recorded"] = None if rec is None else rec["routed_experts"]
     m = eng.train_step({**local, "routed_experts": routes}, pg_loss, batch["response_mask"].sum().item(),
                        response_length=R, micro_batch_size=mbs)
     out["metrics"] = m
@@ -129,6 +133,11 @@ def test_replayed_step_equals_single_process_on_the_same_routes(tiny_assets, fam
         assert abs(m1["loss"] - m2["loss"]) <= 1e-5 * abs(m1["loss"]), (m1["loss"], m2["loss"])
         assert abs(m1["grad_norm"] - m2["grad_norm"]) <= 1e-5 * m1["grad_norm"], (m1["grad_norm"], m2["grad_norm"])
         grads.update(r["router_grads"])
+        if r["recorded"] is not None:  # the last stage's: every layer's routes, recorded across TP / CP / PP
+            n = single["free"]["routed_experts"].shape[0] // lay.dp
+            want = single["free"]["routed_experts"][r["dp"] * n:(r["dp"] + 1) * n]
+            got, want = r["recorded"].sort(-1).values, want.sort(-1).values  # top-k order is the kernel's
+            assert torch.equal(got, want), float((got != want).float().mean())
     assert sorted(grads) == sorted(single["router_grads"])  # every stage's routers, together
     for k, g in single["router_grads"].items():
         err = ((grads[k] - g).norm() / g.norm()).item()

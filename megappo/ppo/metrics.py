@@ -79,7 +79,7 @@ CONSOLE_KEYS = (
     ("score", "objective/scores"), ("correct", "objective/verifiable_correct_rate"),
     ("eval_correct", "eval/verifiable_correct_rate"), ("kl", "objective/kl"), ("pg_loss", "loss/policy_avg"),
     ("vf_loss", "loss/value_avg"), ("len", "response_length/mean"), ("staleness", "async/sample_staleness_mean"),
-    ("s/step", "timing/step_s"),
+    ("routes", "actor/moe_route_agreement"), ("s/step", "timing/step_s"),
 )
 
 
