@@ -12,29 +12,16 @@ move away from the rollout's; replaying the captured routes (r3) uses every one 
 the log-probs back toward the sampler's. Unperturbed, the replayed forward equals the rollout within fp32 (1e-4)."""
 
 import functools
-import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from megappo.parallel.launch import spawn_local
 
-
-def _job(rank, world, port, path):
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from megappo.config.schema import RolloutConfig
-    from megappo.protocol import DataProto
-    from megappo.workers.rollout.sampling import SamplingSpec
-    from megappo.workers.rollout.vllm_rollout import VLLMRollout, left_pad
-
-    rollout = VLLMRollout(path, RolloutConfig(n=2, kv_cache_memory_mb=16), seed=0, dtype="float32",
-                          max_model_len=128, capture_routes=True)
-    prompts = DataProto.from_dict(left_pad([[5, 17, 33, 9, 41, 2, 8], [7, 12], [90, 3, 14, 5]], 0),
-                                  {"uid": ["a", "b", "c"]})
-    out = rollout.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch,
-                                               {"sampling": SamplingSpec(n=2, max_new_tokens=6)}))
-    return {k: out.batch[k] for k in ("input_ids", "attention_mask", "position_ids", "response_mask", "responses",
-                                      "rollout_log_probs", "routed_experts")}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from routing_replay import sample_with_routes, trainer_gaps  # noqa: E402
 
 
 def _hf_routes(path, b):
@@ -87,46 +74,17 @@ def test_captured_routes_are_the_rollouts(tiny_assets, family):
     assert S == b["input_ids"].shape[1] and R > 1
 
 
-def _trainer(rank, world, port, path, batch, noises):
-    """Per router-noise level (times each router weight's mean magnitude): the largest gap to the rollout's log-probs
-    of a free and of a replaying forward, and the replaying forward's agreement / mismatch counts."""
-    from megappo.parallel.layout import ParallelLayout
-    from megappo.parallel.megatron_init import init_distributed, init_megatron
-    from megappo.workers.megatron_engine import EngineConfig, MegatronEngine
-
-    init_distributed(rank, world, "127.0.0.1", port)
-    init_megatron(ParallelLayout())
-    eng = MegatronEngine(path, ParallelLayout(), EngineConfig())
-    routers = {n: p for n, p in eng.named_parameters_global() if n.endswith("router.weight")}
-    original = {n: p.detach().clone() for n, p in routers.items()}
-    rows = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "responses")}
-    R, mask = batch["responses"].shape[1], batch["response_mask"].bool()
-    gap = lambda lp: float((lp - batch["rollout_log_probs"]).abs()[mask].max())  # noqa: E731
-    out = {}
-    for noise in noises:
-        g = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for n, p in routers.items():
-                p.copy_(original[n] + noise * original[n].abs().mean() * torch.randn(p.shape, generator=g))
-        free = eng.forward_only(rows, response_length=R, micro_batch_size=2)["logprobs"]
-        eng.routing.reset()
-        replayed = eng.forward_only({**rows, "routed_experts": batch["routed_experts"]}, response_length=R,
-                                    micro_batch_size=2)["logprobs"]
-        out[noise] = {"free": gap(free), "replayed": gap(replayed), **eng.routing.metrics()}
-    return out
-
-
 @functools.lru_cache(maxsize=None)
 def _rollout(path):
     """One rollout's rows (a fresh vLLM process), shared by the tests of a model."""
-    return spawn_local(_job, 1, path, timeout=300)[0]
+    return spawn_local(sample_with_routes, 1, path, timeout=300)[0]
 
 
 def test_replaying_the_rollouts_routes_undoes_a_perturbed_router(tiny_assets):
     """Measured (tiny Qwen3-MoE, fp32): noise 0.3 -> agreement 0.91, max gap 0.38 free vs 0.13 replayed; noise 1.0
     -> agreement 0.78, 0.66 vs 0.37."""
     path = str(tiny_assets["tiny-qwen3_moe"])
-    (r,) = spawn_local(_trainer, 1, path, _rollout(path), (0.0, 1.0))
+    (r,) = spawn_local(trainer_gaps, 1, path, _rollout(path), (0.0, 1.0))
     same, noisy = r[0.0], r[1.0]
     assert same["free"] <= 1e-4 and same["replayed"] <= 1e-4, same  # the trainer's routers agree with vLLM's
     assert same["moe_route_agreement"] == 1 and same["moe_replay_mismatch"] == 0, same
