@@ -5,8 +5,8 @@
 
 Spawns T*C*P*D local processes (gloo on CPU, nccl on GPU; --cp: each row's tokens split over C context-parallel
 ranks), builds the megatron model from DIR (a HuggingFace model dir, or a megatron dist checkpoint dir holding the
-HF config.json), and writes one tensor per input row to --out (safetensors): `logprobs.{i}` (or `values.{i}` with --critic) of length
-len(input_ids) - response_start, where `logprobs.{i}[j]` = log p(input_ids[k+j] | input_ids[:k+j])
+HF config.json), and writes one tensor per input row to --out (safetensors): `logprobs.{i}` (or `values.{i}` with
+--critic) of length len(input_ids) - response_start, where `logprobs.{i}[j]` = log p(input_ids[k+j] | input_ids[:k+j])
 (k = response_start) and `values.{i}[j]` is the critic's value of the state before that token.
 Input: JSON lines {"input_ids": [...], "response_start": k} with 1 <= k < len(input_ids).
 """

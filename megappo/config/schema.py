@@ -195,9 +195,10 @@ class ActorConfig:
     proximal: str = "recompute"
     # MoE routing replay (models/routing_replay.py; docs/moe.md). off: the trainer's routers choose. r2: the update
     # passes route every token as the step's pi_old forward did (the weights move, the experts of a token stay
-    # those pi_old scored it with). r3: the rollout's own routes, for pi_old and the update (not wired yet: the
-    # vLLM rollout does not capture them). Every step with routes logs actor/moe_route_agreement (how often
-    # the trainer's routers chose the given experts themselves) and actor/moe_replay_mismatch (must be 0).
+    # those pi_old scored it with). r3: the rollout's own routes, captured in vLLM (CPU, trainer.mode=sync, plain
+    # generation: workers/rollout/route_capture.py), for pi_old and the update. Every step with routes logs
+    # actor/moe_route_agreement (how often the trainer's routers chose the given experts themselves) and
+    # actor/moe_replay_mismatch (must be 0).
     router_replay: str = "off"
     # sequence packing: each micro-batch's rows as one sequence of real tokens (no padding computed;
     # attention kept within each row; equal to the padded path within fp32 rounding). CPU: megatron's

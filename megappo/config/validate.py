@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 
 from megappo.config.errors import ConfigError
 from megappo.config.paths import check_on_disk, hf_config_json
-from megappo.config.schema import CHOICES, GROUP_ESTIMATORS, LOGGERS, LORA_TARGETS, recomputes_old_log_probs
+from megappo.config.moe_checks import check_moe, check_router_replay
+from megappo.config.schema import CHOICES, GROUP_ESTIMATORS, LOGGERS, LORA_TARGETS
 from megappo.parallel.layout import check_layout, same_layout
 from megappo.parallel.model_dims import DEEPSEEK_V3_ROUTER
 from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS, LORA_MLA_TARGETS, MLA_MODEL_TYPES, MLA_WITHOUT_TE, \
@@ -151,7 +152,7 @@ def validate_config(cfg, check_paths: bool = False) -> None:
     _check_data_and_batches(cfg)
     _check_packing(cfg)
     _check_lora(cfg, dims)
-    _check_router_replay(cfg, dims)
+    check_router_replay(cfg, dims)
     _check_multi_turn(cfg)
     _check_reward_rules(cfg)
     _check_reward_sources(cfg)
@@ -223,50 +224,10 @@ def _check_rollout(cfg, dims: ModelDims) -> None:
                           "NCCL settings); use trainer.mode=async or fully_async (a rollout pool of its own) or "
                           "drop it")
     check_weight_load(r, dims.num_experts, on_cpu=cfg.resources.device != "cuda")  # cpu, or auto here
-    _check_moe(cfg, dims)
+    check_moe(cfg, dims)
     if cfg.data.max_prompt_length + r.max_new_tokens > max_positions(cfg):
         raise ConfigError(f"data.max_prompt_length + rollout.max_new_tokens = {cfg.data.max_prompt_length + r.max_new_tokens}"
                           f" exceeds the model's {max_positions(cfg)} positions; shorten one of them")
-
-
-def _check_moe(cfg, dims: ModelDims) -> None:
-    m = cfg.model.moe
-    for key in ("aux_loss_coeff", "z_loss_coeff"):
-        if getattr(m, key) < 0:
-            raise ConfigError(f"model.moe.{key}={getattr(m, key)} must be >= 0 (0 = off)")
-    if not dims.num_experts:
-        return
-    if m.token_dispatcher == "flex" and cfg.resources.device == "cpu":
-        raise ConfigError("model.moe.token_dispatcher=flex needs DeepEP on GPUs; use alltoall on CPU")
-    eps = {role: getattr(cfg, role).parallel.ep for role in ("actor", "critic", "ref")}
-    if m.token_dispatcher == "allgather" and max(eps.values()) > 1:
-        raise ConfigError("model.moe.token_dispatcher=allgather needs the same token count on every rank of an "
-                          "expert-parallel group, which right-aligned micro-batches do not have; use alltoall")
-
-
-def _check_router_replay(cfg, dims: ModelDims) -> None:
-    mode = cfg.actor.router_replay
-    if mode == "off":
-        return
-    if not dims.num_experts:
-        raise ConfigError(f"actor.router_replay={mode} replays mixture-of-experts routes, and {cfg.model.path} is a "
-                          "dense model: set actor.router_replay=off")
-    if mode == "r3":  # what the rollout's route capture (workers/rollout/route_capture.py) covers so far
-        if cfg.resources.device == "cuda":
-            raise ConfigError("actor.router_replay=r3 captures routes through vLLM's router hook on CPU; on GPU vLLM "
-                              "returns them from its V2 model runner only, not wired yet: use actor.router_replay=r2")
-        if cfg.trainer.mode != "sync":
-            raise ConfigError(f"actor.router_replay=r3 captures the hybrid engine's routes (trainer.mode=sync); the "
-                              f"rollout pool of trainer.mode={cfg.trainer.mode} is not captured yet: use "
-                              "actor.router_replay=r2")
-        if cfg.rollout.multi_turn.enable or cfg.rollout.agent:
-            raise ConfigError("actor.router_replay=r3 captures the routes of plain generation; the multi-turn loop "
-                              "and rollout.agent are not captured yet: use actor.router_replay=r2")
-        return
-    if not recomputes_old_log_probs(cfg.actor):
-        raise ConfigError("actor.router_replay=r2 replays the routes of the pi_old forward, which this config skips "
-                          "(actor.use_rollout_log_probs=true or actor.proximal=loglinear): set "
-                          "actor.use_rollout_log_probs=false and actor.proximal=recompute, or actor.router_replay=off")
 
 
 def _check_algorithm(cfg) -> None:

@@ -35,6 +35,16 @@ import torch
 import torch.distributed as dist
 
 
+def sequence_parallel_share(x: torch.Tensor) -> torch.Tensor:
+    """[s, b, ...] over a micro-batch -> the rows this TP rank holds under sequence parallelism (its slice of s),
+    in the order megatron's layers see them."""
+    from megatron.core import parallel_state as mpu
+
+    s = x.shape[0] // mpu.get_tensor_model_parallel_world_size()
+    r = mpu.get_tensor_model_parallel_rank()
+    return x[r * s:(r + 1) * s]
+
+
 class ExpertLoad:
     def __init__(self, chunks: list, num_layers: int, num_experts: int):
         from megatron.core.transformer.moe.router import TopKRouter
@@ -64,11 +74,7 @@ class ExpertLoad:
             return None
         flat = valid.reshape(-1)
         if flat.numel() != n:  # sequence parallel: this TP rank's slice of s
-            from megatron.core import parallel_state as mpu
-
-            s = valid.shape[0] // mpu.get_tensor_model_parallel_world_size()
-            r = mpu.get_tensor_model_parallel_rank()
-            flat = valid[r * s:(r + 1) * s].reshape(-1)
+            flat = sequence_parallel_share(valid).reshape(-1)
         return flat
 
     def _hook(self, layer: int):

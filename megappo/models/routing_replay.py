@@ -40,6 +40,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+ROUTES = "routed_experts"  # a MoE batch's routes [B, S, layers, k] int16 global expert ids (-1: none)
+
 
 def _recomputing() -> bool:
     """Inside megatron's activation recompute (the backward's re-run of a checkpointed forward)."""

@@ -72,11 +72,11 @@ from megappo.ppo.segments import Segments
 from megappo.ppo.staleness import batch_token_versions, loglinear_proximal_alpha
 from megappo.ppo.teacher_endpoint import TeacherEndpoint, place, rows_of
 from megappo.ppo.workers import WorkersMixin
+from megappo.models.routing_replay import ROUTES
 from megappo.protocol import DataProto
 from megappo.rewards.manager import RewardManager
 from megappo.rewards.rules import load_rewards
 from megappo.utils.checkpoint import PendingCheckpoint
-from megappo.workers.role_batches import ROUTES
 from megappo.workers.rollout.sampling import SamplingSpec
 
 _MODEL_IN = ["input_ids", "attention_mask", "position_ids", "responses"]

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from megappo.models.gpt import build_gpt_chunks, build_transformer_config, load_hf_config, use_transformer_engine, \
     load_hf_weights
 from megappo.models.expert_load import ExpertLoad
-from megappo.models.routing_replay import RoutingReplay
+from megappo.models.routing_replay import ROUTES, RoutingReplay
 from megappo.models.lora import apply_lora, lora_disabled, merged_named_parameters, reseed_dropout
 from megappo.parallel.cpu_compat import causal_mask
 from megappo.parallel.layout import ParallelLayout
@@ -266,18 +266,15 @@ class MegatronEngine(EngineCheckpoints):
         if not 1 <= response_length < seq:
             raise ValueError(f"response_length must be in [1, {seq - 1}], got {response_length}")
         batch = dict(batch)
-        given = batch.pop("routed_experts", None)
-        if (given is not None or record_routes is not None) and self.routing is None:
-            raise ValueError(f"routing replay needs a mixture-of-experts model; {self.model_path} is dense: set "
-                             "actor.router_replay=off")
-        if given is not None:
-            b, s = batch["input_ids"].shape
-            if tuple(given.shape) != (b, s, *self.routing.shape):
-                raise ValueError(f"routed_experts {tuple(given.shape)} does not match the batch [{b}, {s}] with "
-                                 f"{self.routing.shape[0]} layers x top-{self.routing.shape[1]} routes")
-            given = given.to(self.device).reshape(b * s, *self.routing.shape)
+        given = batch.pop(ROUTES, None)
         if given is not None or record_routes is not None:
+            shape = self._route_shape()
             b, s = batch["input_ids"].shape
+            if given is not None:
+                if tuple(given.shape) != (b, s, *shape):
+                    raise ValueError(f"{ROUTES} {tuple(given.shape)} does not match the batch [{b}, {s}] with "
+                                     f"{shape[0]} layers x top-{shape[1]} routes")
+                given = given.to(self.device).reshape(b * s, *shape)
             batch["_token_index"] = torch.arange(b * s, device=batch["input_ids"].device).view(b, s)
         # the batch on the engine's device, right-aligned and cut to its longest row
         multiple = self.layout.tp if self.tf_config.sequence_parallel else 1
@@ -321,11 +318,8 @@ class MegatronEngine(EngineCheckpoints):
             m.eval()
         record = None
         if record_routes:
-            if self.routing is None:
-                raise ValueError(f"recording routes needs a mixture-of-experts model; {self.model_path} is dense: "
-                                 "set actor.router_replay=off")
             b, s = batch["input_ids"].shape
-            record = torch.full((b * s, *self.routing.shape), -1, dtype=torch.int16, device=self.device)
+            record = torch.full((b * s, *self._route_shape()), -1, dtype=torch.int16, device=self.device)
         with self.resident(parts=["params"]):  # a forward needs the weights only: optimizer and grads stay off
             store, _ = self._run(batch, response_length, micro_batch_size, True, None, None, temperature,
                                  compute_entropy, record_routes=record)
@@ -341,8 +335,15 @@ class MegatronEngine(EngineCheckpoints):
                 back[rows.to(v.device)] = v
                 out[k] = back
         if record is not None:
-            out["routed_experts"] = record.view(*batch["input_ids"].shape, *self.routing.shape)
+            out[ROUTES] = record.view(*batch["input_ids"].shape, *self.routing.shape)
         return out
+
+    def _route_shape(self) -> tuple[int, int]:
+        """(layers, top-k) of the routes a MoE model replays or records; a dense model has none."""
+        if self.routing is None:
+            raise ValueError(f"routing replay needs a mixture-of-experts model; {self.model_path} is dense: set "
+                             "actor.router_replay=off")
+        return self.routing.shape
 
     def _gather_routes(self, record: torch.Tensor) -> None:
         """Every rank's recorded routes (-1 where another rank routed the token) -> the whole batch's, in place."""

@@ -123,8 +123,9 @@ def cp_local(mb: dict, cp: int, rank: int, width: int) -> dict:
     """A packed micro-batch -> context-parallel rank `rank`'s share: its tokens and positions [1, L], its
     slots' rows `_segments` [L] (-1: padding), what its attention needs against the keys gathered over the
     group `_cp_attention` (CPSplit.chunk_sizes: the rows' chunk table [rows, 2]), and of the output columns
-    (`_out_index`) the ones it holds: `_out_index` [1, m] (its slots) and `_cp_where` [m] (their places among the micro-batch's outputs). Per-row keys stay
-    whole: every CP rank computes the loss from the outputs summed over the group (model_outputs)."""
+    (`_out_index`) the ones it holds: `_out_index` [1, m] (its slots) and `_cp_where` [m] (their places among the
+    micro-batch's outputs). Per-row keys stay whole: every CP rank computes the loss from the outputs summed over
+    the group (model_outputs)."""
     from megappo.parallel.context_parallel import zigzag_split
 
     split = zigzag_split(mb["_segments"].cpu(), cp, width=width)
@@ -312,14 +313,10 @@ def expert_tokens(expert_load, mb: dict, packed: bool):
 def router_tokens(token_index: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
     """A micro-batch's `_token_index` [b, s] -> the tokens its routers see, in their order: megatron flattens the
     hidden states [s, b, h] (s major); under sequence parallelism a TP rank routes its own slice of s."""
-    tokens = token_index.t()
-    if sequence_parallel:
-        from megatron.core import parallel_state as mpu
+    from megappo.models.expert_load import sequence_parallel_share
 
-        s = tokens.shape[0] // mpu.get_tensor_model_parallel_world_size()
-        r = mpu.get_tensor_model_parallel_rank()
-        tokens = tokens[r * s:(r + 1) * s]
-    return tokens.reshape(-1)
+    tokens = token_index.t()
+    return (sequence_parallel_share(tokens) if sequence_parallel else tokens).reshape(-1)
 
 
 @contextlib.contextmanager

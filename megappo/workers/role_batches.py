@@ -10,10 +10,10 @@ import functools
 from collections import defaultdict
 from typing import Optional
 
+from megappo.models.routing_replay import ROUTES
 from megappo.protocol import DataProto
 
 _MODEL_KEYS = ("input_ids", "attention_mask", "position_ids")
-ROUTES = "routed_experts"  # a MoE batch's routes [B, S, layers, k] (models/routing_replay.py)
 
 
 def _response_length(data: DataProto) -> int:

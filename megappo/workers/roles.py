@@ -53,7 +53,8 @@ from typing import Optional
 from megappo.controller.dispatch import Dispatch, register
 from megappo.controller.worker import Worker
 from megappo.protocol import DataProto
-from megappo.workers.role_batches import ROUTES, _forward, _logprob_temperature, _response_length, _train
+from megappo.models.routing_replay import ROUTES
+from megappo.workers.role_batches import _forward, _logprob_temperature, _response_length, _train
 from megappo.workers.rollout_role import RolloutRole
 
 __all__ = ["ActorRolloutRefWorker", "CriticWorker", "ActorCriticWorker", "RewardModelWorker", "ACTOR_ROLES",

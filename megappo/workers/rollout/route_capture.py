@@ -97,9 +97,21 @@ def take_routes(worker, request_ids: list) -> dict:
     for rid in request_ids:
         parts = cap.routes.get(str(rid), [])
         if parts:
-            out[str(rid)] = (torch.cat([p for p, _ in parts]), torch.cat([r for _, r in parts]))
+            positions, routes = torch.cat([p for p, _ in parts]), torch.cat([r for _, r in parts])
+            keep = _last_of_each(positions)  # a preempted request recomputes its tokens: the last pass counts
+            out[str(rid)] = (positions[keep], routes[keep])
     cap.routes.clear()
     return out
+
+
+def _last_of_each(positions: torch.Tensor) -> torch.Tensor:
+    """Indices of the last occurrence of each position in `positions` [n] (in capture order), by position."""
+    n = positions.numel()
+    order = (positions.long() * n + torch.arange(n)).argsort()
+    p = positions[order]
+    last = torch.ones(n, dtype=torch.bool)
+    last[:-1] = p[1:] != p[:-1]
+    return order[last]
 
 
 def rows_of_routes(got: dict, request_ids: list, prompt_lengths: list, prompt_width: int, width: int,

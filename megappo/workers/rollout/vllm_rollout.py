@@ -71,6 +71,7 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 import torch
 
+from megappo.models.routing_replay import ROUTES
 from megappo.parallel import cpu_compat
 from megappo.parallel.weight_mapping import MLA_MODEL_TYPES, num_routed_experts
 from megappo.protocol import DataProto
@@ -125,7 +126,11 @@ class VLLMRollout:
         kwargs = self._engine_kwargs(dtype, max_model_len, tokenizer_path, load_format)
         self.capture_routes = bool(capture_routes)
         if self.capture_routes:
-            _check_route_capture(agent is not None)
+            from megappo.config.moe_checks import route_capture_problem
+
+            problem = route_capture_problem(on_gpu(), None, agent is not None)
+            if problem:
+                raise ValueError(problem)
             kwargs["enable_prefix_caching"] = False  # a cached prompt prefix is not computed: no routes for it
         if stepwise:
             kwargs["async_scheduling"] = False
@@ -380,7 +385,7 @@ class VLLMRollout:
                 res = self.response_tensors([(o.outputs[0].token_ids, sampled_logprobs(o.outputs[0]),
                                               o.outputs[0].finish_reason) for o in outs], R)
                 if self.capture_routes:
-                    res["routed_experts"] = self._routes([o.request_id for o in outs], requests,
+                    res[ROUTES] = self._routes([o.request_id for o in outs], requests,
                                                          prompts.batch["input_ids"].shape[1], R)
             else:
                 from megappo.agent.loop import trajectory_rows, trajectory_tensors
@@ -496,17 +501,6 @@ def replica_share(compute):
     return group.broadcast_object(compute() if group.rank_in_group == 0 else None, src=0)
 
 
-def _check_route_capture(agent: bool) -> None:
-    """What the rollout's route capture (actor.router_replay=r3) does not cover yet, each in one line."""
-    if on_gpu():
-        raise ValueError("actor.router_replay=r3 captures routes through vLLM's router hook on CPU; on GPU vLLM "
-                         "returns them from its V2 model runner only (enable_return_routed_experts), not wired yet: "
-                         "use actor.router_replay=r2")
-    if agent:
-        raise ValueError("actor.router_replay=r3 captures the routes of plain generation; a multi-turn loop or "
-                         "rollout.agent is not captured yet: use actor.router_replay=r2")
-
-
 def left_pad(token_lists: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
     """Left-padded `input_ids`, `attention_mask`, `position_ids` for a list of prompts."""
     P = max(len(t) for t in token_lists)
@@ -520,7 +514,7 @@ def left_pad(token_lists: list[list[int]], pad_id: int) -> dict[str, torch.Tenso
     return {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
 
 
-_PROMPT_COLUMNS = {"prompts": None, "input_ids": None, "attention_mask": 0, "position_ids": 0, "routed_experts": -1}
+_PROMPT_COLUMNS = {"prompts": None, "input_ids": None, "attention_mask": 0, "position_ids": 0, ROUTES: -1}
 
 
 def left_pad_prompts(parts: list, pad_id: int) -> list:

@@ -1,0 +1,61 @@
+"""The config checks of a mixture-of-experts run (validate.py calls them): the MoE knobs, and routing replay
+(actor.router_replay) with what the rollout's route capture covers, which the rollout itself checks too
+(workers/rollout/vllm_rollout.py), from the one rule here."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megappo.config.errors import ConfigError
+from megappo.config.schema import recomputes_old_log_probs
+from megappo.parallel.model_dims import ModelDims
+
+
+def route_capture_problem(gpu: bool, trainer_mode: Optional[str], agent: bool) -> Optional[str]:
+    """Why actor.router_replay=r3 cannot capture the rollout's routes here (one line), or None. `trainer_mode`
+    None: not known (the rollout engine itself); `agent`: the multi-turn loop or rollout.agent samples."""
+    if gpu:
+        return ("actor.router_replay=r3 captures routes through vLLM's router hook on CPU; on GPU vLLM returns them "
+                "from its V2 model runner only (enable_return_routed_experts), not wired yet: use "
+                "actor.router_replay=r2")
+    if trainer_mode not in (None, "sync"):
+        return (f"actor.router_replay=r3 captures the hybrid engine's routes (trainer.mode=sync); the rollout pool "
+                f"of trainer.mode={trainer_mode} is not captured yet: use actor.router_replay=r2")
+    if agent:
+        return ("actor.router_replay=r3 captures the routes of plain generation; the multi-turn loop and "
+                "rollout.agent are not captured yet: use actor.router_replay=r2")
+    return None
+
+
+def check_moe(cfg, dims: ModelDims) -> None:
+    m = cfg.model.moe
+    for key in ("aux_loss_coeff", "z_loss_coeff"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.moe.{key}={getattr(m, key)} must be >= 0 (0 = off)")
+    if not dims.num_experts:
+        return
+    if m.token_dispatcher == "flex" and cfg.resources.device == "cpu":
+        raise ConfigError("model.moe.token_dispatcher=flex needs DeepEP on GPUs; use alltoall on CPU")
+    eps = {role: getattr(cfg, role).parallel.ep for role in ("actor", "critic", "ref")}
+    if m.token_dispatcher == "allgather" and max(eps.values()) > 1:
+        raise ConfigError("model.moe.token_dispatcher=allgather needs the same token count on every rank of an "
+                          "expert-parallel group, which right-aligned micro-batches do not have; use alltoall")
+
+
+def check_router_replay(cfg, dims: ModelDims) -> None:
+    mode = cfg.actor.router_replay
+    if mode == "off":
+        return
+    if not dims.num_experts:
+        raise ConfigError(f"actor.router_replay={mode} replays mixture-of-experts routes, and {cfg.model.path} is a "
+                          "dense model: set actor.router_replay=off")
+    if mode == "r3":
+        problem = route_capture_problem(cfg.resources.device == "cuda", cfg.trainer.mode,
+                                        bool(cfg.rollout.multi_turn.enable or cfg.rollout.agent))
+        if problem:
+            raise ConfigError(problem)
+        return
+    if not recomputes_old_log_probs(cfg.actor):
+        raise ConfigError("actor.router_replay=r2 replays the routes of the pi_old forward, which this config skips "
+                          "(actor.use_rollout_log_probs=true or actor.proximal=loglinear): set "
+                          "actor.use_rollout_log_probs=false and actor.proximal=recompute, or actor.router_replay=off")
