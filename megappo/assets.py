@@ -163,8 +163,6 @@ def make_model(out_dir: str | os.PathLike, family: str = "llama", seed: int = 0,
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megappo.parallel.weight_mapping import HF_ROUTER_BIAS
-
     out = Path(out_dir)
     with tempfile.TemporaryDirectory() as tmp:
         tok_dir = Path(tokenizer_dir) if tokenizer_dir else make_tokenizer(Path(tmp) / "tok")
@@ -172,26 +170,36 @@ def make_model(out_dir: str | os.PathLike, family: str = "llama", seed: int = 0,
         cfg = _hf_config(family, len(tok), tok.eos_token_id, tok.pad_token_id, **config_overrides)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        # HF initialises with std=initializer_range (0.02): too flat for a meaningful tiny model test.
-        # A larger std gives peaked, seed-dependent distributions that catch layout bugs.
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if family in ODD_VOCAB_FAMILIES and name.endswith("mlp.gate.weight"):  # a router
-                    p.normal_(0.0, SIGMOID_ROUTER_STD if hasattr(cfg, "routed_scaling_factor") else ROUTER_STD)
-                elif p.dim() > 1:
-                    p.normal_(0.0, 0.08)
-                elif "norm" in name:
-                    p.uniform_(0.8, 1.2)
-                else:
-                    p.normal_(0.0, 0.05)
-            for name, b in model.named_buffers():  # a sigmoid router's correction bias: non-zero, so it counts
-                if name.endswith(HF_ROUTER_BIAS):
-                    b.normal_(0.0, 0.5)
+        init_tiny_weights(model, router_std=(SIGMOID_ROUTER_STD if hasattr(cfg, "routed_scaling_factor") else ROUTER_STD)
+                          if family in ODD_VOCAB_FAMILIES else None)
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out, safe_serialization=True)
         tok.save_pretrained(out)
         model.generation_config.save_pretrained(out)
     return out
+
+
+def init_tiny_weights(model, router_std=None) -> None:
+    """HF initialises with std=initializer_range (0.02): too flat for a meaningful tiny model test. A larger std
+    gives peaked, seed-dependent distributions that catch layout bugs. `router_std`: the routers' (`mlp.gate`)
+    own spread; a sigmoid router's correction bias is made non-zero, so it counts."""
+    import torch
+
+    from megappo.parallel.weight_mapping import HF_ROUTER_BIAS
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if router_std is not None and name.endswith("mlp.gate.weight"):  # a router
+                p.normal_(0.0, router_std)
+            elif p.dim() > 1:
+                p.normal_(0.0, 0.08)
+            elif "norm" in name or "ln_q" in name:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith(HF_ROUTER_BIAS):
+                b.normal_(0.0, 0.5)
 
 
 def arith_sft_examples(n: int, seed: int, correct_frac: float) -> list[tuple[str, str]]:
@@ -264,12 +272,13 @@ def hf_response_logprobs(model_dir: str | os.PathLike, rows: list[dict]) -> list
     return out
 
 
+VL_ASSET = "tiny-qwen2_5_vl"  # megappo/vision_assets.py's tiny Qwen2.5-VL
 # warm starts on the demo task (make_arith_sft_model): asset name -> the tiny model it starts from
 DEMO_MODELS = {"tiny-llama-arith": "tiny-llama", "tiny-qwen3_moe-arith": "tiny-qwen3_moe"}
 
 
 def ensure_assets(root: str | os.PathLike, demo: bool = False, demo_moe: bool = False) -> dict[str, Path]:
-    """Build (once) the tokenizer and the tiny llama/qwen2/mistral/qwen3/qwen3_moe/mixtral models under `root`;
+    """Build (once) the tokenizer, the tiny models of every family (FAMILIES) and the tiny Qwen2.5-VL under `root`;
     with `demo`, also the demo's warm-started tiny-llama-arith (a short SFT, ~20 s on 2 cores); with
     `demo_moe`, the MoE demo's tiny-qwen3_moe-arith (configs/ppo_tiny_moe.yaml).
 
@@ -279,6 +288,7 @@ def ensure_assets(root: str | os.PathLike, demo: bool = False, demo_moe: bool = 
     root.mkdir(parents=True, exist_ok=True)
     paths = {"tokenizer": root / "tiny-tokenizer"}
     paths.update({f"tiny-{f}": root / f"tiny-{f}" for f in FAMILIES})
+    paths[VL_ASSET] = root / VL_ASSET
     if demo:
         paths["tiny-llama-arith"] = root / "tiny-llama-arith"  # the CPU demo's warm start
     if demo_moe:
@@ -290,6 +300,10 @@ def ensure_assets(root: str | os.PathLike, demo: bool = False, demo_moe: bool = 
         tmp.chmod(0o755)
         if key == "tokenizer":
             make_tokenizer(tmp)
+        elif key == VL_ASSET:
+            from megappo.vision_assets import make_vl_model
+
+            make_vl_model(tmp, paths["tokenizer"])
         elif key in DEMO_MODELS:
             make_arith_sft_model(tmp, paths[DEMO_MODELS[key]])
         else:

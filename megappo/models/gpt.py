@@ -17,7 +17,7 @@ import torch
 from megappo.parallel.device import transformer_engine_problem
 from megappo.parallel.layout import ParallelLayout
 from megappo.parallel.weight_mapping import LORA_COLUMN_TARGETS, MLA_WITHOUT_TE, ModelDims, global_named_parameters, \
-    hf_names, hf_to_megatron_shard, rope_theta, transformer_config_kwargs
+    hf_names, hf_to_megatron_shard, language_config, rope_theta, transformer_config_kwargs
 
 
 def use_transformer_engine(device: str, want: Optional[bool] = None, packed: bool = False, lora=None,
@@ -276,10 +276,12 @@ class ValueHead(torch.nn.Module):
 
 
 def build_gpt_chunks(hf_config, config, layout: ParallelLayout, value_head: bool = False, seed: int = 0,
-                     use_te: bool = False, packed: bool = False) -> list:
+                     use_te: bool = False, packed: bool = False, freeze_vision: bool = False) -> list:
     """This rank's GPTModel chunks (one per virtual pipeline stage), where `config` places them (the host
     with use_cpu_initialization, the current GPU otherwise; the caller moves what is left on the host),
-    with TE's layer spec when `use_te` (use_transformer_engine); `packed`: attention for packed rows."""
+    with TE's layer spec when `use_te` (use_transformer_engine); `packed`: attention for packed rows. A
+    vision-language model's chunks are models/vision_gpt.VisionLanguageGPT (M-RoPE; the vision tower on the
+    first stage, frozen when `freeze_vision`)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.enums import ModelType
     from megatron.core.models.gpt import GPTModel
@@ -296,19 +298,26 @@ def build_gpt_chunks(hf_config, config, layout: ParallelLayout, value_head: bool
         pre = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         layer_spec = _block_spec(config, use_te, packed, vp_stage)
-        model = GPTModel(
+        cls, vision = GPTModel, {}
+        if dims.vision:
+            from megappo.models.vision_gpt import VisionLanguageGPT
+
+            cls, vision = VisionLanguageGPT, dict(vision_config=hf_config.vision_config, freeze_vision=freeze_vision,
+                                                  image_token_id=hf_config.image_token_id)
+        model = cls(
             config=config,
             transformer_layer_spec=layer_spec,
             vocab_size=dims.padded_vocab_size,
-            max_sequence_length=hf_config.max_position_embeddings,
+            max_sequence_length=language_config(hf_config).max_position_embeddings,
             pre_process=pre,
             post_process=post,
             parallel_output=True,
             share_embeddings_and_output_weights=dims.tied_embeddings,
-            position_embedding_type="rope",
+            position_embedding_type="mrope" if dims.vision else "rope",
             rotary_base=rope_theta(hf_config),
             rotary_percent=dims.rotary_percent,  # GLM-4.5: the first half of each head, NeoX halves
             vp_stage=vp_stage,
+            **vision,
         )
         model.model_type = ModelType.encoder_or_decoder
         model.vp_stage = vp_stage

@@ -14,8 +14,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe",
-                         "deepseek_v3")
+                         "deepseek_v3", "qwen2_5_vl")
 MLA_MODEL_TYPES = ("deepseek_v3",)  # multi-latent attention (megatron's MLASelfAttention)
+# vision-language models: model_type -> the family of its language model (config.json's text_config), whose tensors
+# keep that family's names (`model.*`, `lm_head`); the vision tower's are `visual.*`, megatron's names too
+# (models/vision.py holds HF's module under that attribute). M-RoPE's sections come from the text config.
+VISION_MODEL_TYPES = {"qwen2_5_vl": "qwen2"}
+VISION_PREFIX = "visual."
 # DeepSeek-V3's router in config.json's keys, which transformers' DeepseekV3 computes whatever they say (megatron:
 # MoeFamily.router / expert_bias); a config without them gets them for vLLM (conversion/vllm_config.py)
 DEEPSEEK_V3_ROUTER = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
@@ -185,6 +190,7 @@ def rope_type(hf_config) -> str:
 
 def rope_theta(hf_config) -> float:
     """RoPE's base. Default RoPE everywhere; YaRN only under multi-latent attention (megatron's MLA applies it)."""
+    hf_config = language_config(hf_config)
     allowed = ("default", "yarn") if getattr(hf_config, "model_type", None) in MLA_MODEL_TYPES else ("default",)
     if rope_type(hf_config) not in allowed:
         raise ValueError(f"rope_type {rope_type(hf_config)!r} is not supported (only {' and '.join(allowed)} RoPE)")
@@ -228,6 +234,33 @@ def _mla_kwargs(dims: "ModelDims", hf_config) -> dict:
                 beta_fast=float(params.get("beta_fast", 32)), beta_slow=float(params.get("beta_slow", 1)),
                 mscale=float(params.get("mscale", 1.0)) if yarn else 1.0,
                 mscale_all_dim=float(params.get("mscale_all_dim", 0.0) or 0.0) if yarn else 0.0)
+
+
+def _namespace(d: dict):
+    import types
+
+    return types.SimpleNamespace(**d)
+
+
+def language_config(hf_config):
+    """A vision-language config's language model as a config of its text family (VISION_MODEL_TYPES): the text
+    config's fields, the top level's tie_word_embeddings, and M-RoPE's rope type read as default RoPE (its sections
+    are ModelDims.mrope_section). A text model's config is returned as it is."""
+    mt = getattr(hf_config, "model_type", None)
+    if mt not in VISION_MODEL_TYPES:
+        return hf_config
+    text = hf_config.text_config
+    fields = dict(text) if isinstance(text, dict) else text.to_dict()
+    params = dict(rope_params(_namespace(fields)))
+    if "mrope_section" not in params:
+        raise ValueError(f"a {mt} config needs text_config.rope_parameters.mrope_section (M-RoPE's temporal, height "
+                         "and width sections; rope_scaling.mrope_section in older config.json files)")
+    if params.get("rope_type", params.get("type")) in ("mrope", "default", None):
+        params["rope_type"] = "default"
+    fields.update(model_type=VISION_MODEL_TYPES[mt], rope_parameters=params, rope_scaling=None,
+                  mrope_section=list(params["mrope_section"]),
+                  tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
+    return _namespace(fields)
 
 
 def rotary_percent(hf_config) -> float:
@@ -282,6 +315,13 @@ class ModelDims:
     # multi-token-prediction layers a checkpoint stores after the decoder (`model.layers.{num_layers + i}.*`,
     # num_nextn_predict_layers): not part of the policy, skipped on import and not exported
     mtp_layers: int = 0
+    # a vision-language model (VISION_MODEL_TYPES): its language model's M-RoPE sections (temporal, height, width
+    # frequency pairs; () for a text model); the vision tower's tensors are VISION_PREFIX's
+    mrope_section: tuple = ()
+
+    @property
+    def vision(self) -> bool:
+        return bool(self.mrope_section)
 
     @property
     def mla(self) -> bool:
@@ -300,6 +340,12 @@ class ModelDims:
         mt = hf_config.model_type
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {mt!r} not supported; choose one of {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if mt in VISION_MODEL_TYPES:
+            import dataclasses
+
+            text = language_config(hf_config)
+            return dataclasses.replace(cls.from_hf_config(text, tp, value_head, vocab_divisible_by), model_type=mt,
+                                       mrope_section=tuple(text.mrope_section))
         quant = getattr(hf_config, "quantization_config", None)
         if quant:
             method = (quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)) or "a"
@@ -376,6 +422,7 @@ def transformer_config_kwargs(hf_config, grouped_gemm: bool = False) -> dict:
     import torch.nn.functional as F
 
     dims = ModelDims.from_hf_config(hf_config)
+    hf_config = language_config(hf_config)
     if hf_config.hidden_act != "silu":
         raise ValueError(f"hidden_act {hf_config.hidden_act!r} not supported (SwiGLU/silu only)")
     if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True) \
@@ -426,5 +473,6 @@ def transformer_config_kwargs(hf_config, grouped_gemm: bool = False) -> dict:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
+        **(dict(mrope_section=list(dims.mrope_section)) if dims.vision else {}),
         **moe,
     )

@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Mapping, Optional
 from megappo.parallel.model_dims import (  # noqa: F401 (re-exported: the model's facts, read with its names)
     DEFAULT_VOCAB_DIVISOR, LORA_COLUMN_TARGETS, LORA_INITS, LORA_MLA_TARGETS, LORA_ROW_TARGETS, LORA_TARGETS,
     MLA_COLUMN_LINEARS, MLA_DOWN_LINEARS, MLA_MODEL_TYPES, MLA_WITHOUT_TE, MOE_FAMILIES, SUPPORTED_MODEL_TYPES,
-    ModelDims, MoeFamily, num_routed_experts, padded_vocab_size, rope_theta, transformer_config_kwargs)
+    VISION_PREFIX, ModelDims, MoeFamily, language_config, num_routed_experts, padded_vocab_size, rope_theta,
+    transformer_config_kwargs)
 
 if TYPE_CHECKING:  # torch is imported where a tensor is built: the driver validates its config
     import torch   # before Ray (and torch) start
@@ -203,6 +204,8 @@ def megatron_param_names(dims: ModelDims, te_fused_norms: bool = False) -> list[
 
 def hf_names(mcore_name: str, dims: ModelDims) -> list[str]:
     """The HF tensor names that make up one megatron parameter (global layer index)."""
+    if mcore_name.startswith(VISION_PREFIX):  # the vision tower keeps HF's names (models/vision.py)
+        return [mcore_name]
     m = _LAYER_RE.match(mcore_name)
     if m:
         layer, suffix = m.groups()
@@ -258,6 +261,8 @@ def routed_expert(mcore_name: str) -> Optional[int]:
 
 def megatron_name(hf_name: str, dims: ModelDims, te_fused_norms: bool = False) -> str:
     """The megatron parameter (global layer index) that a HF tensor belongs to."""
+    if dims.vision and hf_name.startswith(VISION_PREFIX):
+        return hf_name
     m = _HF_LAYER_RE.match(hf_name)
     if m:
         layer, suffix = m.groups()
@@ -364,6 +369,8 @@ def global_named_parameters(chunk):
 
 
 def _kind(mcore_name: str, dims: ModelDims) -> str:
+    if mcore_name.startswith(VISION_PREFIX):  # the vision tower: whole on every TP rank
+        return "replicated"
     m = _LAYER_RE.match(mcore_name)
     e = parse_expert(m.group(2)) if m else None
     if e:  # an expert's fc1 is column-parallel ([gate; up] per rank), its fc2 row-parallel

@@ -41,6 +41,8 @@ class EngineConfig:
     # LoRA (models/lora.py; actor only): adapters on the frozen base, applied after the HF weights load and
     # before DDP and the optimizer (the base gets no grad buffer and no optimizer state). None = off
     lora: Optional[LoraConfig] = None
+    # a vision-language model (models/vision_gpt.py): its vision tower and merger frozen (no grads, no optimizer state)
+    freeze_vision: bool = False
 
 
 def lora_config_from(cfg) -> Optional[LoraConfig]:

@@ -51,6 +51,7 @@ from megappo.models.gpt import build_gpt_chunks, build_transformer_config, load_
     load_hf_weights
 from megappo.models.expert_load import ExpertLoad
 from megappo.models.routing_replay import ROUTES, RoutingReplay
+from megappo.models.vision import IMAGE_KEYS, IMAGE_MASK, mrope_positions
 from megappo.models.lora import apply_lora, lora_disabled, merged_named_parameters, reseed_dropout
 from megappo.parallel.cpu_compat import causal_mask
 from megappo.parallel.layout import ParallelLayout
@@ -84,6 +85,9 @@ class MegatronEngine(EngineCheckpoints):
         # context parallel runs on the packed path: each packed micro-batch cut over the CP group, megappo's
         # own CP attention (models/packed_attention.py); TE's CP on GPU is not wired yet
         self.packed = self.config.pack_sequences or layout.cp > 1
+        if self.dims.vision and layout.cp > 1:
+            raise ValueError(f"context parallel (cp={layout.cp}) with a vision-language model ({self.dims.model_type}) "
+                             "is not supported yet: set cp 1")
         self.uses_te = use_transformer_engine(self.config.device, self.config.transformer_engine,
                                               packed=self.packed,
                                               lora=self.config.lora, mla=self.dims.mla)
@@ -97,7 +101,8 @@ class MegatronEngine(EngineCheckpoints):
         # head) moves before the HF weights are copied in
         chunks = [c.to(self.device) for c in build_gpt_chunks(self.hf_config, self.tf_config, layout,
                                                                value_head=self.value_head, seed=self.config.seed,
-                                                               use_te=self.uses_te, packed=self.packed)]
+                                                               use_te=self.uses_te, packed=self.packed,
+                                                               freeze_vision=self.config.freeze_vision)]
         # the LM / value head runs on the R output columns only (megatron_step.head_on_outputs); not under
         # sequence parallel, where the head's input is a sequence shard that the head all-gathers itself
         self.head_on_outputs = not self.tf_config.sequence_parallel
@@ -276,6 +281,14 @@ class MegatronEngine(EngineCheckpoints):
                                      f"{shape[0]} layers x top-{shape[1]} routes")
                 given = given.to(self.device).reshape(b * s, *shape)
             batch["_token_index"] = torch.arange(b * s, device=batch["input_ids"].device).view(b, s)
+        if self.dims.vision:  # M-RoPE positions and the prompts' image pads, from the rows' images (models/vision.py)
+            batch["position_ids"], batch[IMAGE_MASK] = mrope_positions(
+                batch["input_ids"], batch["attention_mask"], batch.get("image_grid_thw"), self.hf_config.image_token_id,
+                self.hf_config.vision_config.spatial_merge_size, prompt_end=seq - response_length)
+        elif any(k in batch for k in IMAGE_KEYS):
+            raise ValueError(f"the batch carries images ({', '.join(k for k in IMAGE_KEYS if k in batch)}) but "
+                             f"{self.model_path} is a text model ({self.dims.model_type}): drop the images or use a "
+                             "vision-language model")
         # the batch on the engine's device, right-aligned and cut to its longest row
         multiple = self.layout.tp if self.tf_config.sequence_parallel else 1
         batch = right_align({k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megappo.models.logprobs import vocab_parallel_logprobs
+from megappo.models.vision import images_of
 from megappo.workers import packing
 
 
@@ -58,16 +59,21 @@ def right_align(batch: dict, response_length: int, seq_multiple: int = 1) -> dic
     # R + 1 columns (a short row in a scoring batch) gets clamped columns there: outputs for padding
     first = s - r - 1 - lead
     pos = batch.get("position_ids")
-    pos = position_ids_from_mask(mask) if pos is None else pos
-    out = dict(batch)
-    out["input_ids"] = torch.where(valid, ids.gather(1, src), torch.zeros((), dtype=ids.dtype, device=ids.device))
-    out["position_ids"] = torch.where(valid, pos.gather(1, src), torch.zeros((), dtype=pos.dtype, device=pos.device))
+    out = dict(batch, position_ids=position_ids_from_mask(mask) if pos is None else pos)
+    for key, fill in packing.TOKEN_KEYS.items():  # the per-token keys, each row's from column 0
+        if key in out:
+            out[key] = take_columns(out[key], src, valid, fill)
     out["attention_mask"] = valid.long()
-    if "_token_index" in batch:  # each token's place in the batch as given (routing replay's routes are kept by it)
-        out["_token_index"] = torch.where(valid, batch["_token_index"].gather(1, src), -1)
     out["_out_index"] = (first[:, None] + torch.arange(r, device=ids.device)[None]).clamp(0, width - 1)
     out["_targets"] = ids[:, s - r:]
     return out
+
+
+def take_columns(x: torch.Tensor, src: torch.Tensor, valid: torch.Tensor, fill) -> torch.Tensor:
+    """[B, S, *] -> [B, W, *]: row b's columns src[b] where `valid` [B, W], `fill` elsewhere."""
+    extra = (1,) * (x.dim() - 2)
+    taken = x.gather(1, src.view(*src.shape, *extra).expand(*src.shape, *x.shape[2:]))
+    return torch.where(valid.view(*valid.shape, *extra), taken, torch.as_tensor(fill, dtype=x.dtype, device=x.device))
 
 
 def split_rows(batch: dict, mbs: int) -> list[dict]:
@@ -190,9 +196,11 @@ def forward_step(spec: StepSpec, data_iterator, model):
         if spec.head_on_outputs else {}
     # context parallel runs packed (MegatronEngine.packed): a CP rank's mask against the gathered keys, or the rows' ids
     mask = mb.get("_cp_attention", mb.get("_segments")) if spec.packed else spec.mask
+    # packed rows restart their positions: RoPE by token (M-RoPE, positions [b, s, 3], takes them per token itself)
+    by_token = spec.packed and mb["position_ids"].dim() == 2
     with expert_tokens(spec.expert_load, mb, spec.packed), routes_of(spec, mb), \
-            packed_rope(model, mb["position_ids"][0] if spec.packed else None, mb.get("_cp_positions")):
-        output = model(mb["input_ids"], mb["position_ids"], mask, **head)
+            packed_rope(model, mb["position_ids"][0] if by_token else None, mb.get("_cp_positions")):
+        output = model(mb["input_ids"], mb["position_ids"], mask, **head, **images_of(mb))
     return output, partial(loss_func, spec, mb)
 
 

@@ -29,8 +29,15 @@ from typing import Optional, Sequence
 
 import torch
 
-# per-row keys the packed micro-batch recomputes; every other [B, ...] key is selected by row
-_PACKED_KEYS = ("input_ids", "position_ids", "attention_mask", "_out_index", "_token_index")
+from megappo.models.vision import IMAGE_KEYS, IMAGE_MASK
+
+# per-token keys [B, S, *], laid out with the tokens (right_align, pack, the CP split), and their padding's value:
+# routing replay's `_token_index` (each column's token in the batch as given), a vision model's M-RoPE positions
+# [B, S, 3] and its image mask (models/vision.py)
+TOKEN_KEYS = {"input_ids": 0, "position_ids": 0, "_token_index": -1, IMAGE_MASK: 0}
+# per-row keys the packed micro-batch recomputes; every other [B, ...] key is selected by row (and cut to the
+# response window unless it is a row's images)
+_PACKED_KEYS = tuple(TOKEN_KEYS) + ("attention_mask", "_out_index")
 TRIM_RESPONSES = True
 
 
@@ -74,31 +81,26 @@ def pack(batch: dict, rows: list[int], width: int) -> dict:
     # is right-padded, so they are a prefix of the R columns)
     responses = (batch["_out_index"][rows] < (lengths[rows] - 1)[:, None]).sum(-1)
     w = max(int(responses.max()), 1) if TRIM_RESPONSES and rows else full
-    ids = torch.zeros(width, dtype=batch["input_ids"].dtype, device=device)
-    pos = torch.zeros(width, dtype=batch["position_ids"].dtype, device=device)
+    laid = {k: torch.full((width, *batch[k].shape[2:]), fill, dtype=batch[k].dtype, device=device)
+            for k, fill in TOKEN_KEYS.items() if k in batch}
     seg = torch.full((width,), -1, dtype=torch.long, device=device)
-    index = batch.get("_token_index")  # routing replay: each column's token in the batch as given (-1: padding)
-    tok = None if index is None else torch.full((width,), -1, dtype=index.dtype, device=device)
     out_index, start = [], 0
     for k, r in enumerate(rows):
         n = int(lengths[r])
         if start + n > width:
             raise ValueError(f"packed micro-batch needs {start + n} columns, width is {width}")
-        ids[start:start + n] = batch["input_ids"][r, :n]
-        pos[start:start + n] = batch["position_ids"][r, :n]
+        for key, t in laid.items():
+            t[start:start + n] = batch[key][r, :n]
         seg[start:start + n] = k
-        if tok is not None:
-            tok[start:start + n] = index[r, :n]
         out_index.append(start + batch["_out_index"][r, :w].clamp(0, max(n - 1, 0)))
         start += n
     out = {k: v[rows] for k, v in batch.items() if torch.is_tensor(v) and k not in _PACKED_KEYS
            and v.dim() >= 1 and v.shape[0] == valid.shape[0]}
-    out = {k: v[:, :w] if v.dim() >= 2 and v.shape[1] == full else v for k, v in out.items()}
-    out.update(input_ids=ids[None], position_ids=pos[None], _segments=seg, _response_width=full,
+    out = {k: v[:, :w] if v.dim() >= 2 and v.shape[1] == full and k not in IMAGE_KEYS else v for k, v in out.items()}
+    out.update({k: t[None] for k, t in laid.items()})
+    out.update(_segments=seg, _response_width=full,
                _out_index=torch.cat(out_index)[None] if out_index else torch.zeros(1, 0, dtype=torch.long),
                _rows=torch.tensor(rows, dtype=torch.long, device="cpu"))
-    if tok is not None:
-        out["_token_index"] = tok[None]
     return out
 
 

@@ -1,0 +1,181 @@
+"""Qwen2.5-VL on megatron (models/vision_gpt.py) against transformers on the same weights (fp32, CPU, gloo): rows with
+one image, two images of other shapes, and none, left-padded prompts and a right-padded response; log-probs within
+1e-4 of Qwen2_5_VLForConditionalGeneration run on each row unpadded, at DP2, TP2 (sequence parallel) and PP2 (the
+vision tower on the first stage), each unpacked and packed. M-RoPE's positions equal transformers' get_rope_index.
+One update step moves the vision tower's weights, identically on both TP ranks, and none of them when it is frozen."""
+
+import pytest
+import torch
+
+from megappo.parallel.launch import spawn_local
+from megappo.parallel.layout import ParallelLayout
+
+R = 6
+TEMPERATURE = 0.8
+LAYOUTS = [ParallelLayout(dp=2), ParallelLayout(tp=2), ParallelLayout(pp=2)]
+# each row's images as (height, width) in pixels; 112 x 112 is 16 tokens, 56 x 56 four, 112 x 56 eight
+ROW_IMAGES = [[(112, 112)], [(56, 56), (112, 56)], [], [(56, 112)]]
+
+
+def _prompts(path):
+    from transformers import AutoProcessor
+
+    from megappo.vision_assets import square_image
+
+    processor = AutoProcessor.from_pretrained(path)
+    rows = []
+    for r, sizes in enumerate(ROW_IMAGES):
+        images = [square_image(1, seed=10 * r + i).resize((w, h)) for i, (h, w) in enumerate(sizes)]
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": f"how many squares {r}?"}]
+        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                             tokenize=False)
+        rows.append(processor(text=[text], images=images or None, return_tensors="pt"))
+    return rows
+
+
+def make_batch(path):
+    """The rows as the engine takes them: [B, S] ids / mask (left-padded prompts, R response columns, the last row's
+    response 2 short), pixel_values [B, P, D] and image_grid_thw [B, 2, 3], zeros past each row's own."""
+    rows = _prompts(path)
+    g = torch.Generator().manual_seed(0)
+    width = max(r["input_ids"].shape[1] for r in rows)
+    b, patches = len(rows), max(r["pixel_values"].shape[0] if "pixel_values" in r else 0 for r in rows)
+    ids = torch.zeros(b, width + R, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    pixels = torch.zeros(b, patches, rows[0]["pixel_values"].shape[1])
+    grids = torch.zeros(b, 2, 3, dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = r["input_ids"].shape[1]
+        ids[i, width - n:width] = r["input_ids"][0]
+        ids[i, width:] = torch.randint(0, 1000, (R,), generator=g)
+        mask[i, width - n:] = 1
+        if "pixel_values" in r:
+            pixels[i, :r["pixel_values"].shape[0]] = r["pixel_values"]
+            grids[i, :r["image_grid_thw"].shape[0]] = r["image_grid_thw"]
+    mask[-1, -2:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels, "image_grid_thw": grids}
+
+
+def _hf_logprobs(path):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    batch = make_batch(path)
+    out = torch.zeros(len(ROW_IMAGES), R)
+    for i in range(len(ROW_IMAGES)):
+        keep = batch["attention_mask"][i].bool()
+        ids = batch["input_ids"][i][keep][None]
+        grids = batch["image_grid_thw"][i][batch["image_grid_thw"][i, :, 0] > 0]
+        extra = {}
+        if len(grids):
+            extra = dict(pixel_values=batch["pixel_values"][i, :int(grids.prod(-1).sum())], image_grid_thw=grids,
+                         mm_token_type_ids=(ids == model.config.image_token_id).long())
+        with torch.no_grad():
+            logits = model(input_ids=ids, **extra).logits[0].float() / TEMPERATURE
+        n = int(keep[-R:].sum())  # this row's response tokens
+        logp = torch.log_softmax(logits[-n - 1:-1], -1).gather(-1, ids[0, -n:, None])[:, 0]
+        out[i, :n] = logp
+    return out
+
+
+def test_mrope_positions_match_transformers(tiny_assets):
+    """models/vision.mrope_positions on left-padded rows equals transformers' get_rope_index (images of three
+    shapes, two in one row, a row with none)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from megappo.models.vision import mrope_positions
+
+    path = tiny_assets["tiny-qwen2_5_vl"]
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    batch = make_batch(path)
+    ids, mask, grids = batch["input_ids"], batch["attention_mask"], batch["image_grid_thw"]
+    ours, where = mrope_positions(ids, mask, grids, model.config.image_token_id, 2, prompt_end=ids.shape[1] - R)
+    for i in range(len(ROW_IMAGES)):
+        keep = mask[i].bool()
+        row_grids = grids[i][grids[i, :, 0] > 0]
+        pads = (ids[i][keep] == model.config.image_token_id)[None]
+        if len(row_grids):
+            theirs, _ = model.model.get_rope_index(ids[i][keep][None], mm_token_type_ids=pads.long(),
+                                                   image_grid_thw=row_grids)
+            theirs = theirs[:, 0].t()
+        else:
+            theirs = torch.arange(int(keep.sum()))[:, None].expand(-1, 3)
+        assert torch.equal(ours[i][keep], theirs), i
+        assert int(where[i].sum()) == int((row_grids.prod(-1) // 4).sum())
+
+
+def _worker(rank, world, port, path):
+    from megatron.core import parallel_state as mpu
+
+    from megappo.parallel.megatron_init import init_distributed, init_megatron
+    from megappo.workers.megatron_engine import EngineConfig, MegatronEngine, OptimConfig
+
+    init_distributed(rank, world, "127.0.0.1", port)
+    batch = make_batch(path)
+    out = {"logprobs": {}, "visual": {}}
+    for li, layout in enumerate(LAYOUTS):
+        init_megatron(layout, seed=0)
+        dp, n = mpu.get_data_parallel_rank(), len(ROW_IMAGES) // layout.dp
+        mine = {k: v[dp * n:(dp + 1) * n] for k, v in batch.items()}
+        for packed in (False, True):
+            eng = MegatronEngine(path, layout, EngineConfig(pack_sequences=packed, sequence_parallel=layout.tp > 1))
+            res = eng.forward_only(mine, response_length=R, micro_batch_size=2 if layout.pp > 1 else n,
+                                   temperature=TEMPERATURE)
+            if res is not None:
+                out["logprobs"][(li, packed, dp)] = res["logprobs"]
+            if li == 0 and not packed:  # the images reach the language model: other pixels, other log-probs
+                blank = eng.forward_only(dict(mine, pixel_values=torch.zeros_like(mine["pixel_values"])),
+                                         response_length=R, micro_batch_size=n, temperature=TEMPERATURE)
+                out["blank"] = (res["logprobs"] - blank["logprobs"]).abs().amax(-1)
+            del eng
+    # one update at TP2: the vision tower's weights move (the same on both ranks), or stay when frozen
+    init_megatron(LAYOUTS[1], seed=0)
+    for frozen in (False, True):
+        eng = MegatronEngine(path, LAYOUTS[1], EngineConfig(optim=OptimConfig(lr=1e-2), sequence_parallel=True,
+                                                            freeze_vision=frozen))
+        before = {k: p.detach().clone() for k, p in eng.model[0].module.visual.named_parameters()}
+
+        def loss_fn(outs, mb):
+            mask = mb["attention_mask"][:, -R:].float() if "attention_mask" in mb else 1.0
+            return -(outs["logprobs"] * mask).sum(), {}
+
+        eng.train_step(batch, loss_fn, normalizer=float(len(ROW_IMAGES) * R), response_length=R, micro_batch_size=4)
+        after = dict(eng.model[0].module.visual.named_parameters())
+        out["visual"][frozen] = {k: after[k].detach() - before[k] for k in before}
+        del eng
+    return out
+
+
+@pytest.fixture(scope="module")
+def megatron_outputs(tiny_assets):
+    return spawn_local(_worker, 2, str(tiny_assets["tiny-qwen2_5_vl"]), timeout=900)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("li", range(len(LAYOUTS)), ids=["dp2", "tp2", "pp2"])
+def test_logprobs_match_transformers(megatron_outputs, tiny_assets, li, packed):
+    ref = _hf_logprobs(tiny_assets["tiny-qwen2_5_vl"])
+    layout = LAYOUTS[li]
+    n = len(ROW_IMAGES) // layout.dp
+    got = torch.zeros_like(ref)
+    for rank_out in megatron_outputs:
+        for (i, p, dp), lp in rank_out["logprobs"].items():
+            if (i, p) == (li, packed):
+                got[dp * n:(dp + 1) * n] = lp
+    mask = make_batch(tiny_assets["tiny-qwen2_5_vl"])["attention_mask"][:, -R:].bool()
+    gap = (got - ref).abs()[mask].max().item()
+    print(f"max |dlogp| {gap:.2e}")
+    assert gap <= 1e-4, gap
+
+
+def test_images_change_the_logprobs(megatron_outputs):
+    gaps = torch.cat([out["blank"] for out in megatron_outputs])  # per row: rows 0, 1, 3 have images, row 2 none
+    assert gaps[2] == 0 and min(gaps[0], gaps[1], gaps[3]) > 1e-2, gaps
+
+
+def test_vision_tower_trains_or_stays_frozen(megatron_outputs):
+    moved = [{k: float(d.abs().max()) for k, d in out["visual"][False].items()} for out in megatron_outputs]
+    assert min(moved[0].values()) > 0, [k for k, v in moved[0].items() if v == 0]
+    for k, d in megatron_outputs[0]["visual"][False].items():  # replicated over TP: the same update on both ranks
+        assert torch.equal(d, megatron_outputs[1]["visual"][False][k]), k
+    assert all(float(d.abs().max()) == 0 for out in megatron_outputs for d in out["visual"][True].values())
