@@ -6,6 +6,11 @@
   safetensors next to a copy of that tokenizer. Head dim is 32 (vLLM's CPU attention rejects 16) and
   the vocab (TOKENIZER_VOCAB) is deliberately not a multiple of 128, so padded-vocab code paths run.
 
+- `make_vl_model(dir, tokenizer_dir)`: a tiny random Qwen2.5-VL. Its language model has TINY_SHAPES (M-RoPE
+  sections [4, 6, 6] of head_dim 32's 16 frequency pairs), its vision tower 2 blocks of width 64 (the second with
+  full attention) merging 2 x 2 patches of 14 px into one token: a 112 x 112 image is 16 tokens. The tokenizer is
+  the tiny one plus Qwen2.5-VL's vision tokens; its processor keeps small images small.
+
 - `make_arith_sft_model(dir, base)`: the CPU demo's warm start (see its docstring).
 
 `megappo assets --out DIR [--demo]` builds them (idempotent: an existing, complete dir is kept).
@@ -202,6 +207,70 @@ def init_tiny_weights(model, router_std=None) -> None:
                 b.normal_(0.0, 0.5)
 
 
+# Qwen2.5-VL's tokens around an image's run of <|image_pad|> (one per merged patch), in its tokenizer's names
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+MROPE_SECTION = [4, 6, 6]  # temporal, height, width frequency pairs of head_dim 32
+VISION_SHAPES = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=14,
+                     spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1])
+# images are resized to a multiple of 28 px between these areas: 56 x 56 (4 tokens) to 224 x 224 (64 tokens)
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 224 * 224
+# ChatML whose content is a string or a list of parts ({"type": "image"} / {"type": "text", "text": ...}), an image
+# written as Qwen2.5-VL's template writes it
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def make_vl_model(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """Save a tiny random Qwen2.5-VL (fp32 safetensors in the hub's names: `model.*`, `visual.*`, `lm_head`) with
+    its tokenizer, processor and generation config into `out_dir`."""
+    import torch
+    from transformers import (AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                              Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
+
+    out = Path(out_dir)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tok.chat_template = VL_CHAT_TEMPLATE
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    text = dict(TINY_SHAPES, vocab_size=len(tok), rms_norm_eps=1e-6, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id, bos_token_id=None, tie_word_embeddings=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": MROPE_SECTION})
+    cfg = Qwen2_5_VLConfig(text_config=text, vision_config=dict(VISION_SHAPES, out_hidden_size=text["hidden_size"]),
+                           image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                           vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                           tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(cfg).to(torch.float32)
+    init_tiny_weights(model)
+    image_processor = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
+                                            patch_size=VISION_SHAPES["patch_size"],
+                                            merge_size=VISION_SHAPES["spatial_merge_size"],
+                                            temporal_patch_size=VISION_SHAPES["temporal_patch_size"])
+    processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tok,
+                                    video_processor=Qwen2VLVideoProcessor(), chat_template=VL_CHAT_TEMPLATE)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    processor.save_pretrained(out)
+    tok.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    return out
+
+
+def noise_image(height: int = 112, width: int = 112, seed: int = 0):
+    """A deterministic RGB test image (PIL) of uniform noise: every patch differs."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
+
+
 def arith_sft_examples(n: int, seed: int, correct_frac: float) -> list[tuple[str, str]]:
     """(user prompt, assistant answer) pairs of the synthetic task (megappo.data.preprocess_arithmetic's
     prompt). Only `correct_frac` of the answers are right; the rest are random sums in 0..18."""
@@ -272,7 +341,7 @@ def hf_response_logprobs(model_dir: str | os.PathLike, rows: list[dict]) -> list
     return out
 
 
-VL_ASSET = "tiny-qwen2_5_vl"  # megappo/vision_assets.py's tiny Qwen2.5-VL
+VL_ASSET = "tiny-qwen2_5_vl"  # make_vl_model's tiny Qwen2.5-VL
 # warm starts on the demo task (make_arith_sft_model): asset name -> the tiny model it starts from
 DEMO_MODELS = {"tiny-llama-arith": "tiny-llama", "tiny-qwen3_moe-arith": "tiny-qwen3_moe"}
 
@@ -301,8 +370,6 @@ def ensure_assets(root: str | os.PathLike, demo: bool = False, demo_moe: bool = 
         if key == "tokenizer":
             make_tokenizer(tmp)
         elif key == VL_ASSET:
-            from megappo.vision_assets import make_vl_model
-
             make_vl_model(tmp, paths["tokenizer"])
         elif key in DEMO_MODELS:
             make_arith_sft_model(tmp, paths[DEMO_MODELS[key]])

@@ -20,12 +20,12 @@ ROW_IMAGES = [[(112, 112)], [(56, 56), (112, 56)], [], [(56, 112)]]
 def _prompts(path):
     from transformers import AutoProcessor
 
-    from megappo.vision_assets import square_image
+    from megappo.assets import noise_image
 
     processor = AutoProcessor.from_pretrained(path)
     rows = []
     for r, sizes in enumerate(ROW_IMAGES):
-        images = [square_image(1, seed=10 * r + i).resize((w, h)) for i, (h, w) in enumerate(sizes)]
+        images = [noise_image(h, w, seed=10 * r + i) for i, (h, w) in enumerate(sizes)]
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": f"how many squares {r}?"}]
         text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                              tokenize=False)
@@ -104,7 +104,7 @@ def test_mrope_positions_match_transformers(tiny_assets):
         assert int(where[i].sum()) == int((row_grids.prod(-1) // 4).sum())
 
 
-def _worker(rank, world, port, path):
+def _worker(rank, world, port, path, converted):
     from megatron.core import parallel_state as mpu
 
     from megappo.parallel.megatron_init import init_distributed, init_megatron
@@ -128,6 +128,11 @@ def _worker(rank, world, port, path):
                                          response_length=R, micro_batch_size=n, temperature=TEMPERATURE)
                 out["blank"] = (res["logprobs"] - blank["logprobs"]).abs().amax(-1)
             del eng
+    # the converter's megatron checkpoint (written at TP2) loads into the engine at TP2: megatron's own keys
+    init_megatron(LAYOUTS[1], seed=0)
+    eng = MegatronEngine(converted, LAYOUTS[1], EngineConfig(sequence_parallel=True))
+    out["converted"] = eng.forward_only(batch, response_length=R, micro_batch_size=4, temperature=TEMPERATURE)["logprobs"]
+    del eng
     # one update at TP2: the vision tower's weights move (the same on both ranks), or stay when frozen
     init_megatron(LAYOUTS[1], seed=0)
     for frozen in (False, True):
@@ -147,8 +152,39 @@ def _worker(rank, world, port, path):
 
 
 @pytest.fixture(scope="module")
-def megatron_outputs(tiny_assets):
-    return spawn_local(_worker, 2, str(tiny_assets["tiny-qwen2_5_vl"]), timeout=900)
+def converted(tiny_assets, tmp_path_factory):
+    from megappo.conversion.to_mcore import hf_to_mcore
+
+    out = tmp_path_factory.mktemp("vl") / "mcore"
+    hf_to_mcore(tiny_assets["tiny-qwen2_5_vl"], out, tp=2, pp=2, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def megatron_outputs(tiny_assets, converted):
+    return spawn_local(_worker, 2, str(tiny_assets["tiny-qwen2_5_vl"]), str(converted), timeout=900)
+
+
+def test_converter_round_trip_is_bit_exact(tiny_assets, converted, tmp_path):
+    """HF -> megatron (TP2 x PP2 hint) -> HF gives back every tensor, the vision tower's included, bit for bit."""
+    from safetensors.torch import load_file
+
+    from megappo.conversion.to_hf import mcore_to_hf
+
+    src = tiny_assets["tiny-qwen2_5_vl"]
+    mcore_to_hf(converted, tmp_path / "hf", progress=False)
+    a, b = load_file(str(src / "model.safetensors")), {}
+    for f in sorted((tmp_path / "hf").glob("*.safetensors")):
+        b.update(load_file(str(f)))
+    assert sorted(a) == sorted(b) and any(k.startswith("visual.") for k in a)
+    assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "hf" / "config.json").read_bytes() == (src / "config.json").read_bytes()
+
+
+def test_converted_checkpoint_loads_into_the_engine(megatron_outputs, tiny_assets):
+    ref = _hf_logprobs(tiny_assets["tiny-qwen2_5_vl"])
+    mask = make_batch(tiny_assets["tiny-qwen2_5_vl"])["attention_mask"][:, -R:].bool()
+    assert (megatron_outputs[0]["converted"] - ref).abs()[mask].max() <= 1e-4
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megappo.parallel.weight_mapping import (HF_ROUTER_BIAS, ModelDims, hf_names, is_hf_moe_tensor, megatron_name,
+from megappo.parallel.weight_mapping import (HF_ROUTER_BIAS, VISION_PREFIX, ModelDims, hf_names, is_hf_moe_tensor, megatron_name,
                                              megatron_param_names, mla_attention_names, mla_shapes, routed_expert,
                                              transformer_config_kwargs)
 from megappo.conversion.dcp_io import Item
@@ -49,6 +49,7 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": ("qwen2_moe", "causal-lm"),
     "Glm4MoeForCausalLM": ("glm4_moe", "causal-lm"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "causal-lm"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "causal-lm"),
     "LlamaForSequenceClassification": ("llama", "reward"),
     "Qwen2ForSequenceClassification": ("qwen2", "reward"),
     "MistralForSequenceClassification": ("mistral", "reward"),
@@ -147,6 +148,11 @@ def megatron_shape(name: str, d: ModelDims) -> tuple:
     raise KeyError(name)
 
 
+def source_shape(u: "Unit", name: str, d: ModelDims) -> tuple:
+    """The shape of HF tensor `name`, one of unit `u`'s sources: the vision tower's are the unit's own."""
+    return u.shape if name.startswith(VISION_PREFIX) else hf_shape(name, d)
+
+
 def hf_shape(name: str, d: ModelDims) -> tuple:
     h, hd = d.hidden_size, d.head_dim
     if d.mla and ".self_attn." in name:
@@ -220,13 +226,18 @@ def fast_kind(u: Unit) -> str:
     return "same"
 
 
-def megatron_units(d: ModelDims) -> list[Unit]:
+def megatron_units(d: ModelDims, hf_config=None) -> list[Unit]:
     """Every parameter with the key megatron's sharded_state_dict (local spec) gives it. A dense model
     stacks each layer parameter into one [num_layers, ...] key; with MoE layers megatron keys every layer
     on its own (TransformerBlock's non_homogeneous_layers, forced by an explicit moe_layer_freq) and
-    stacks a layer's experts along a [num_experts, ...] axis."""
+    stacks a layer's experts along a [num_experts, ...] axis. A vision-language model's vision tower (read
+    from `hf_config`) is keyed by its HF names, whole (megatron's default for a module of plain torch)."""
     per_layer = bool(d.moe_layers)
     units = []
+    if d.vision:
+        from megappo.models.vision import vision_tensors
+
+        units += [Unit(name, name, None, 0, shape, (name,)) for name, shape in vision_tensors(hf_config).items()]
     for name in megatron_param_names(d, te_fused_norms=True):  # megatron's checkpoint names for the norms
         shape, hf = megatron_shape(name, d), tuple(hf_names(name, d))
         e = routed_expert(name)

@@ -14,7 +14,7 @@ import torch
 
 from megappo.parallel.weight_mapping import ModelDims, kept_in_fp32, megatron_shards_to_hf
 from megappo.conversion.core import (SEQ_CLS, SIDE_FILES, Progress, Unit, atomic_dir, check_out, checked_dims,
-                                     copy_side_files, fast_kind, hf_shape, load_config_object, log,
+                                     copy_side_files, fast_kind, load_config_object, log, source_shape,
                                      megatron_units, read_hf_config)
 from megappo.conversion.dcp_io import CheckpointReader
 from megappo.conversion.errors import ConvertError
@@ -44,15 +44,16 @@ def mcore_to_hf(ckpt_dir, out_dir, config: Optional[str] = None, dtype: Optional
     kind = "critic" if "output_layer.bias" in tensors else "actor"
     if kind == "actor" and src_kind == "reward":
         raise ConvertError(f"{ckpt} has an LM head but its config is {arch}")
-    d = _checkpoint_dims(load_config_object(cfg_file), tensors, kind)
-    units = _check_mcore_tensors(megatron_units(d), tensors, d, ckpt)
+    hf_config = load_config_object(cfg_file)
+    d = _checkpoint_dims(hf_config, tensors, kind)
+    units = _check_mcore_tensors(megatron_units(d, hf_config), tensors, d, ckpt)
     if kind == "actor" and d.tied_embeddings and "output_layer.weight" in tensors:
         log("config ties the embeddings: the checkpoint's separate output_layer.weight is not exported")
     keep_bias = kind == "critic" and _value_bias_nonzero(reader)
     def cast_of(name: str):  # a router's correction bias stays fp32, as transformers keeps it (_keep_in_fp32)
         return None if kept_in_fp32(name) else cast
 
-    specs = [(n, hf_shape(n, d), cast_of(n) or tensors[u.key].properties.dtype)
+    specs = [(n, source_shape(u, n, d), cast_of(n) or tensors[u.key].properties.dtype)
              for u in units for n in u.hf if n != "score.bias" or keep_bias]
     out_cfg = _hf_output_config(raw, kind, src_kind, family, cast)
     if d.mtp_layers:  # megatron holds the decoder's layers only: vLLM's MTP drafting would find no weights

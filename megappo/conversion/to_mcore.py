@@ -13,7 +13,7 @@ import torch
 
 from megappo.parallel.weight_mapping import ModelDims, hf_to_megatron_full, is_hf_moe_tensor
 from megappo.conversion.core import (FORMAT, INFO_FILE, Progress, Unit, atomic_dir, check_out, checked_dims,
-                                     copy_side_files, extra_state_items, fast_kind, hf_shape, load_config_object,
+                                     copy_side_files, extra_state_items, fast_kind, load_config_object, source_shape,
                                      log, megatron_units, read_hf_config)
 from megappo.conversion.dcp_io import Item, save_lazy
 from megappo.conversion.errors import ConvertError
@@ -32,10 +32,11 @@ def hf_to_mcore(hf_dir, out_dir, tp: int = 1, pp: int = 1, vpp: Optional[int] = 
     check_out(out, overwrite, [src])
     raw, arch, family, src_kind = read_hf_config(src)
     kind = _target_kind(model, src_kind, arch)
-    d = checked_dims(load_config_object(src / "config.json"), tp, value_head=kind == "critic")
+    hf_config = load_config_object(src / "config.json")
+    d = checked_dims(hf_config, tp, value_head=kind == "critic")
     _check_layout(d, tp, pp, vpp, ep)
     st = SafetensorsDir(src)
-    units = megatron_units(d)
+    units = megatron_units(d, hf_config)
     fresh_head = kind == "critic" and src_kind == "causal-lm"
     dtypes = _check_hf_tensors(st, units, d, src, kind, fresh_head)
     items = [Item(u.key, u.shape, dtypes[u.mname], u.index, u.stack, payload=u) for u in units]
@@ -86,7 +87,7 @@ def _check_hf_tensors(st, units: list["Unit"], d: ModelDims, src: Path, kind: st
         for n in srcs:
             if n not in st:
                 raise ConvertError(f"missing tensor {n} in {src} (needed for {u.mname})")
-            got, want = st.info(n).shape, hf_shape(n, d)
+            got, want = st.info(n).shape, source_shape(u, n, d)
             if is_hf_moe_tensor(n) and ".experts." not in n and tuple(got[1:]) == tuple(want[1:]) and got[0] != want[0]:
                 raise ConvertError(f"{n} in {src} routes to {got[0]} experts, its config.json says num_experts "
                                    f"{d.num_experts}: fix the config")

@@ -20,6 +20,23 @@ IMAGE_KEYS = ("pixel_values", "image_grid_thw")  # a row's images (whole per row
 IMAGE_MASK = "_image_mask"  # [B, S] bool: the prompt tokens that take an image feature (engine-made, per token)
 
 
+def vision_tower(vision_config, dtype: torch.dtype):
+    """transformers' Qwen2.5-VL vision tower + merger (Qwen2_5_VisionTransformerPretrainedModel), built from the
+    checkpoint's vision_config; its weights are the caller's `visual.*` copy."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    return Qwen2_5_VisionTransformerPretrainedModel._from_config(vision_config, dtype=dtype)
+
+
+def vision_tensors(hf_config) -> dict[str, tuple]:
+    """{`visual.*` name: shape} of the vision tower's weights, from the module itself (built on the meta device)."""
+    from megappo.parallel.model_dims import VISION_PREFIX
+
+    with torch.device("meta"):
+        tower = vision_tower(hf_config.vision_config, torch.float32)
+    return {VISION_PREFIX + k: tuple(v.shape) for k, v in tower.state_dict().items()}
+
+
 def image_runs(ids: torch.Tensor, image_token_id: int, prompt_end: int) -> list[tuple[int, int]]:
     """(start, length) of each run of image pads among a row's first `prompt_end` tokens."""
     pads = torch.zeros(len(ids) + 2, dtype=torch.int8)

@@ -19,13 +19,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
 
-
-def vision_tower(vision_config, dtype: torch.dtype):
-    """transformers' Qwen2.5-VL vision tower + merger, built from the checkpoint's vision_config (weights: the
-    caller's `visual.*` copy)."""
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-
-    return Qwen2_5_VisionTransformerPretrainedModel._from_config(vision_config, dtype=dtype)
+from megappo.models.vision import vision_tower
 
 
 class VisionLanguageGPT(GPTModel):
