@@ -215,3 +215,55 @@ def test_vision_tower_trains_or_stays_frozen(megatron_outputs):
     for k, d in megatron_outputs[0]["visual"][False].items():  # replicated over TP: the same update on both ranks
         assert torch.equal(d, megatron_outputs[1]["visual"][False][k]), k
     assert all(float(d.abs().max()) == 0 for out in megatron_outputs for d in out["visual"][True].values())
+
+
+def test_dataset_rows_carry_their_images(tiny_assets, tmp_path):
+    """A parquet `images` column (bytes, a path beside the file, {"bytes"}) through RLHFDataset and collate: the
+    prompt's ids hold each image expanded as the processor expands it, the batch its pixels in models/vision.py's
+    layout, a text-only row zeros; bad inputs are one line each."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoProcessor, AutoTokenizer
+
+    from megappo.assets import noise_image
+    from megappo.data.dataset import RLHFDataset
+
+    path = tiny_assets["tiny-qwen2_5_vl"]
+    processor, tok = AutoProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+    def png(h, w, seed):
+        buf = io.BytesIO()
+        noise_image(h, w, seed).save(buf, format="PNG")
+        return buf.getvalue()
+
+    (tmp_path / "a.png").write_bytes(png(56, 112, 2))
+    label = dict(data_source="count", reward_model={"ground_truth": "1", "style": "rule"})
+    # one file of encoded bytes (and a row without images), one of datasets' {"bytes", "path"} (a path beside it)
+    pq.write_table(pa.Table.from_pylist([dict(label, prompt="how many?", images=[png(112, 112, 1)]),
+                                         dict(label, prompt="no picture here", images=[])]), tmp_path / "a.parquet")
+    two = [{"bytes": None, "path": "a.png"}, {"bytes": png(56, 56, 3), "path": None}]
+    pq.write_table(pa.Table.from_pylist([dict(label, prompt=[{"role": "user", "content": "first <image> then <image>?"}],
+                                              images=two)]), tmp_path / "b.parquet")
+    ds = RLHFDataset([tmp_path / "a.parquet", tmp_path / "b.parquet"], tok, max_prompt_length=128, processor=processor)
+    batch = ds.get_batch([0, 2, 1])
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert [int((batch.batch["input_ids"][i] == pad).sum()) for i in range(3)] == [16, 8 + 4, 0]
+    assert batch.batch["image_grid_thw"].tolist() == [[[1, 8, 8], [0, 0, 0]], [[1, 4, 8], [1, 4, 4]],
+                                                      [[0, 0, 0], [0, 0, 0]]]  # a.png is 56 x 112: 4 x 8 patches
+    assert batch.batch["pixel_values"].shape == (3, 64, 1176) and batch.batch["pixel_values"][2].abs().sum() == 0
+    assert [len(x) for x in batch.non_tensor_batch["images"]] == [1, 2, 0]
+    # the second row's pixels are the processor's own on its two images, in order
+    from megappo.data.images import decode
+
+    theirs = processor.image_processor(images=[decode(b) for b in ds[2]["images"]], return_tensors="pt")
+    assert torch.equal(batch.batch["pixel_values"][1, :48], theirs["pixel_values"])
+    with pytest.raises(ValueError, match="has an images column but the model is a text model"):
+        RLHFDataset(tmp_path / "a.parquet", tok, max_prompt_length=128)
+    for bad, match in ((["https://x.org/a.png"], "megappo fetches nothing"), (["missing.png"], "is not a file"),
+                       ([png(56, 56, 0), png(56, 56, 1)], "marks 1 image")):
+        pq.write_table(pa.Table.from_pylist([dict(label, prompt="one <image> only", images=bad)]),
+                       tmp_path / "bad.parquet")
+        with pytest.raises(ValueError, match=match):
+            RLHFDataset(tmp_path / "bad.parquet", tok, max_prompt_length=128, processor=processor)

@@ -97,6 +97,9 @@ class ModelConfig:
     # Transformer Engine's layer spec on GPU: null = when TE imports (megatron's local spec otherwise, with
     # a warning) | true = TE or a one-line error saying what is missing | false = the local spec. Never on CPU.
     transformer_engine: Optional[bool] = None
+    # a vision-language model (Qwen2.5-VL): its vision tower and merger frozen in the actor (no grads, no optimizer
+    # state), false: trained with the language model (models/vision_gpt.py)
+    freeze_vision: bool = False
     arch: ArchConfig = field(default_factory=ArchConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
 

@@ -153,6 +153,7 @@ def validate_config(cfg, check_paths: bool = False) -> None:
     _check_packing(cfg)
     _check_lora(cfg, dims)
     check_router_replay(cfg, dims)
+    _check_vision(cfg, dims)
     _check_multi_turn(cfg)
     _check_reward_rules(cfg)
     _check_reward_sources(cfg)
@@ -183,6 +184,22 @@ def _check_layouts(cfg, dims: ModelDims) -> None:
                                   "context parallel runs megappo's own CP attention on the local spec (Transformer "
                                   "Engine's cp_comm_type path is not wired yet); leave model.transformer_engine null "
                                   "or false")
+
+
+def _check_vision(cfg, dims: ModelDims) -> None:
+    """A vision-language model: what its images do not reach yet, refused in one line each."""
+    if not dims.vision:
+        return
+    for role in ("actor", "critic", "ref"):
+        if cfg[role].enable if role != "actor" else True:
+            if cfg[role].parallel.cp > 1:
+                raise ConfigError(f"{role}.parallel.cp={cfg[role].parallel.cp} with a vision-language model "
+                                  f"({dims.model_type}): context parallel does not split images yet; set cp 1")
+    if cfg.rollout.multi_turn.enable or cfg.rollout.agent or cfg.trainer.mode != "sync":
+        what = "rollout.multi_turn" if cfg.rollout.multi_turn.enable else \
+            "rollout.agent" if cfg.rollout.agent else f"trainer.mode={cfg.trainer.mode}"
+        raise ConfigError(f"{what} with a vision-language model ({dims.model_type}) is not supported yet: images "
+                          "reach the hybrid engine's plain generation (trainer.mode=sync, no agent loop)")
 
 
 def _check_ep_of_shared_roles(cfg) -> None:

@@ -5,6 +5,10 @@ Parquet schema (written by megappo.data.preprocess_*):
   data_source   str, picks the reward rule (see megappo.rewards)
   reward_model  {"ground_truth": str, "style": "rule"}
   extra_info    dict (optional)
+  images        list of images (optional; a vision-language model's prompts: data/images.py)
+
+A vision-language model (`processor`: its HF processor): a row's prompt is tokenized with its images expanded as
+the processor expands them (the ids the trainer scores), and the batch carries the pixels (data/images.py).
 
 Multi-turn runs (`tools_for`: data_source -> tool names, agent/environment.Environments.tools_for): each
 prompt shows its row's tools, and the row carries their names (non_tensor "tools") to the rollout.
@@ -22,6 +26,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from megappo.data.images import decode, pixel_batch, read_images, with_image_parts
 from megappo.protocol import DataProto
 
 logger = logging.getLogger(__name__)
@@ -63,24 +68,31 @@ class RLHFDataset:
         apply_chat_template: bool = True,
         tools_for: Optional[Callable[[str], Sequence[str]]] = None,
         tool_prompt: Optional[str] = None,
+        processor=None,
     ):
         files = [parquet_files] if isinstance(parquet_files, (str, os.PathLike)) else list(parquet_files)
         self.tokenizer = tokenizer
+        self.processor = processor
         self.max_prompt_length = max_prompt_length
         self.rows: list[dict[str, Any]] = []
         self.num_filtered = 0
         for file in files:
             rows = _read_rows(Path(file), prompt_key)
             tools = _row_tools(rows, tools_for, file) if tools_for is not None else [((), None)] * len(rows)
-            texts = [prompt_to_text(row[prompt_key], tokenizer, apply_chat_template, schemas, tool_prompt)
-                     for row, (_, schemas) in zip(rows, tools)]
-            all_ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"] if texts else []
-            for row, ids, row_tools in zip(rows, all_ids, tools):
+            images = _row_images(rows, file, processor)
+            prompts = [row[prompt_key] if imgs is None else with_image_parts(row[prompt_key], len(imgs), f"{file} row {i}")
+                       for i, (row, imgs) in enumerate(zip(rows, images))]
+            texts = [prompt_to_text(prompt, tokenizer, apply_chat_template, schemas, tool_prompt)
+                     for prompt, (_, schemas) in zip(prompts, tools)]
+            all_ids = [_expanded_ids(processor, text, imgs) for text, imgs in zip(texts, images)] if processor else \
+                tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"] if texts else []
+            for row, ids, row_tools, imgs in zip(rows, all_ids, tools, images):
                 if len(ids) > max_prompt_length:
                     self.num_filtered += 1
                     continue
                 self.rows.append({
                     **({"tools": row_tools[0]} if tools_for is not None else {}),
+                    **({"images": imgs} if imgs is not None else {}),
                     "input_ids": ids,
                     "raw_prompt": row[prompt_key],
                     "data_source": row["data_source"],
@@ -102,7 +114,26 @@ class RLHFDataset:
         return self.rows[i]
 
     def get_batch(self, indices: Sequence[int]) -> DataProto:
-        return collate([self.rows[int(i)] for i in indices], self.tokenizer, self.max_prompt_length)
+        return collate([self.rows[int(i)] for i in indices], self.tokenizer, self.max_prompt_length,
+                       self.processor.image_processor if self.processor is not None else None)
+
+
+def _row_images(rows: list[dict], file, processor) -> list:
+    """Each row's images (encoded bytes) when the model takes images (`processor`), else None per row; a file with
+    images for a text model is refused in one line."""
+    has = bool(rows) and "images" in rows[0]
+    if processor is None:
+        if has and any(r["images"] for r in rows):
+            raise ValueError(f"RLHFDataset: {str(file)!r} has an images column but the model is a text model: use a "
+                             "vision-language model (model.path) or drop the column")
+        return [None] * len(rows)
+    return [read_images(r.get("images"), Path(file).parent, f"{file} row {i}") for i, r in enumerate(rows)]
+
+
+def _expanded_ids(processor, text: str, images: list) -> list[int]:
+    """The prompt's ids with each image expanded into its pad tokens, as the processor (and the trainer) has it."""
+    got = processor(text=[text], images=[decode(b) for b in images] or None, return_tensors="pt")
+    return got["input_ids"][0].tolist()
 
 
 def _row_tools(rows: list[dict], tools_for: Callable[[str], Sequence[str]], file) -> list[tuple]:
@@ -153,22 +184,25 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
     return input_ids, attention_mask
 
 
-def collate(rows: Sequence[dict[str, Any]], tokenizer, max_prompt_length: int) -> DataProto:
+def collate(rows: Sequence[dict[str, Any]], tokenizer, max_prompt_length: int, image_processor=None) -> DataProto:
     """Left-pad the prompts to the longest in the batch.
 
-    batch: input_ids, attention_mask, position_ids (cumsum(mask) - 1, clipped at 0), all [B, L] int64.
-    non_tensor_batch: data_source, reward_model, extra_info, raw_prompt, (multi-turn) tools, index, and a fresh `uid`
-    per prompt (GRPO/RLOO group id; DataProto.repeat(n) copies it to the n responses)."""
+    batch: input_ids, attention_mask, position_ids (cumsum(mask) - 1, clipped at 0), all [B, L] int64; with
+    images, pixel_values and image_grid_thw (data/images.pixel_batch).
+    non_tensor_batch: data_source, reward_model, extra_info, raw_prompt, (multi-turn) tools, (images) images,
+    index, and a fresh `uid` per prompt (GRPO/RLOO group id; DataProto.repeat(n) copies it to the n responses)."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     lengths = [len(r["input_ids"]) for r in rows]
     if max(lengths) > max_prompt_length:
         raise ValueError(f"collate: a prompt has {max(lengths)} tokens > max_prompt_length={max_prompt_length}")
     input_ids, attention_mask = left_pad([r["input_ids"] for r in rows], pad_id)
     position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
-    keys = ("data_source", "reward_model", "extra_info", "raw_prompt") + (("tools",) if "tools" in rows[0] else ())
+    keys = ("data_source", "reward_model", "extra_info", "raw_prompt") + \
+        tuple(k for k in ("tools", "images") if k in rows[0])
     non_tensors = {key: [r[key] for r in rows] for key in keys}
     non_tensors["index"] = np.array([r["index"] for r in rows], dtype=np.int64)
     non_tensors["uid"] = [str(uuid.uuid4()) for _ in rows]
-    return DataProto.from_dict(
-        {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}, non_tensors
-    )
+    tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    if "images" in rows[0] and image_processor is not None:
+        tensors.update(pixel_batch([r["images"] for r in rows], image_processor) or {})
+    return DataProto.from_dict(tensors, non_tensors)

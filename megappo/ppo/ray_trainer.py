@@ -59,6 +59,7 @@ import torch
 from megappo.agent.loop import agent_metrics
 from megappo.agent.environment import Environments
 from megappo.data.dataset import RLHFDataset
+from megappo.data.images import processor_for
 from megappo.data.sampler import EpochSampler
 from megappo.ppo import core_algos as algos
 from megappo.ppo.checkpointing import CheckpointingMixin
@@ -73,6 +74,7 @@ from megappo.ppo.staleness import batch_token_versions, loglinear_proximal_alpha
 from megappo.ppo.teacher_endpoint import TeacherEndpoint, place, rows_of
 from megappo.ppo.workers import WorkersMixin
 from megappo.models.routing_replay import ROUTES
+from megappo.models.vision import IMAGE_KEYS
 from megappo.protocol import DataProto
 from megappo.rewards.manager import RewardManager
 from megappo.rewards.rules import load_rewards
@@ -80,6 +82,11 @@ from megappo.utils.checkpoint import PendingCheckpoint
 from megappo.workers.rollout.sampling import SamplingSpec
 
 _MODEL_IN = ["input_ids", "attention_mask", "position_ids", "responses"]
+
+
+def _model_in(b: dict) -> list:
+    """What every model role reads of the rows: _MODEL_IN, and a vision-language model's images (models/vision.py)."""
+    return _MODEL_IN + [k for k in IMAGE_KEYS if k in b]
 
 
 @contextlib.contextmanager
@@ -143,6 +150,7 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
                     fn.environments = self.environments
         # the built-in loop shows each row its environment's tools; your own agent sends the tools it has
         d, tools = cfg.data, (self.environments.prompt_args() if cfg.rollout.multi_turn.enable else {})
+        tools["processor"] = processor_for(cfg.model.path)  # a vision-language model's prompts carry their images
         self.train_dataset = RLHFDataset(list(d.train_files), self.tokenizer, d.prompt_key, d.max_prompt_length,
                                          d.apply_chat_template, **tools)
         self.val_dataset = RLHFDataset(list(d.val_files), self.tokenizer, d.prompt_key, d.max_prompt_length,
@@ -470,7 +478,8 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
     def _score_tokens(self, batch: DataProto, timing: dict) -> DataProto:
         # actor.router_replay=r3: the rollout's MoE routes go with the rows (the actor's pi_old forward replays them)
         routes = [ROUTES] if ROUTES in batch.batch and self.config.actor.router_replay == "r3" else []
-        model_in = batch.select(batch_keys=_MODEL_IN + routes, non_tensor_keys=[], meta_info_keys=["sampling"])
+        model_in = batch.select(batch_keys=_model_in(batch.batch) + routes, non_tensor_keys=[],
+                                meta_info_keys=["sampling"])
         b = batch.batch
         teacher = None  # a teacher server scores while the workers run pi_old and the reference
         if self.teacher_endpoint is not None:
@@ -554,11 +563,11 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
         meta = {"sampling": batch.meta_info["sampling"]}  # the actor's log-probs at the sampling temperature
         critic_metrics = {}
         if self.critic_wg is not None:
-            keys = _MODEL_IN + list(self.value_loss.required_keys)
+            keys = _model_in(b) + list(self.value_loss.required_keys)
             data = self._update_data(b, keys, meta, self.config.critic, segments)
             with self._phase("update_critic", timing):
                 critic_metrics = self.critic_wg.update_critic(data, self.value_loss)[0]
-        keys = _MODEL_IN + self.policy_loss.required_keys + [k for k in self.policy_loss.optional_keys if k in b]
+        keys = _model_in(b) + self.policy_loss.required_keys + [k for k in self.policy_loss.optional_keys if k in b]
         keys += [ROUTES] if ROUTES in b else []  # actor.router_replay: the MoE routes the update replays
         data = self._update_data(b, keys, meta, self.config.actor, segments)
         with self._phase("update_actor", timing):

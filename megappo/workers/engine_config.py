@@ -80,6 +80,7 @@ def engine_config_from(cfg, role: str) -> EngineConfig:
         moe_z_loss_coeff=float(cfg.model.moe.z_loss_coeff),
         moe_token_dispatcher=cfg.model.moe.token_dispatcher,
         lora=lora_config_from(cfg) if role == "actor" else None,
+        freeze_vision=bool(cfg.model.freeze_vision),
     )
 
 

@@ -11,9 +11,10 @@ from collections import defaultdict
 from typing import Optional
 
 from megappo.models.routing_replay import ROUTES
+from megappo.models.vision import IMAGE_KEYS
 from megappo.protocol import DataProto
 
-_MODEL_KEYS = ("input_ids", "attention_mask", "position_ids")
+_MODEL_KEYS = ("input_ids", "attention_mask", "position_ids") + IMAGE_KEYS  # the images: a vision-language model's
 
 
 def _response_length(data: DataProto) -> int:
