@@ -177,6 +177,11 @@ def _qkv_blocks(layer, subs: list, tp_rank: int, tp_size: int, rows: int) -> lis
     q_n, kv_n = layer.num_heads * hs, layer.num_kv_heads * hs
     reps = getattr(layer, "num_kv_head_replicas", 1)  # kv heads replicated when tp > kv heads
     kv_shard, kv_owner = tp_rank // reps, tp_rank % reps == 0
+    if len(subs) == 1 and subs[0] != "qkv_proj":  # one HF tensor [q; k; v] (Qwen2.5-VL's vision `attn.qkv`)
+        q_all, kv_all = layer.total_num_heads * hs, layer.total_num_kv_heads * hs
+        return [(0, q_n, subs[0], tp_rank * q_n, True),
+                (q_n, kv_n, subs[0], q_all + kv_shard * kv_n, kv_owner),
+                (q_n + kv_n, kv_n, subs[0], q_all + kv_all + kv_shard * kv_n, kv_owner)]
     names = subs if len(subs) == 3 else ["q_proj", "k_proj", "v_proj"]
     return [(0, q_n, names[0], tp_rank * q_n, True),
             (q_n, kv_n, names[1], kv_shard * kv_n, kv_owner),
@@ -278,6 +283,18 @@ def _vllm_tp_rank() -> int:
         return 0
 
 
+# vLLM's module prefixes that are not the HF checkpoint's: a vision-language model (Qwen2.5-VL) nests its language
+# model (`visual.*` keeps HF's names)
+_VLLM_TO_HF_PREFIX = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head."}
+
+
+def hf_name(vllm_name: str) -> str:
+    for theirs, ours in _VLLM_TO_HF_PREFIX.items():
+        if vllm_name.startswith(theirs):
+            return ours + vllm_name[len(theirs):]
+    return vllm_name
+
+
 def vllm_model_fingerprints(model: torch.nn.Module) -> dict[str, tuple[float, float]]:
     """This vLLM TP rank's contribution to {hf_name: (fp, scale)} for every weight the model holds
     (summing the contributions over the rollout TP group gives the full-tensor values). Every rank
@@ -311,7 +328,7 @@ def vllm_model_fingerprints(model: torch.nn.Module) -> dict[str, tuple[float, fl
                     values.append((f"{base}{leaf}.{pname}" if mod_name else pname,
                                    tensor_fingerprint(p) if tp_rank == 0 else (0.0, 0.0)))
         for name, (fp, scale) in values:
-            acc = out.setdefault(name, [0.0, 0.0])
+            acc = out.setdefault(hf_name(name), [0.0, 0.0])
             acc[0] += fp
             acc[1] += scale
     return {k: (v[0], v[1]) for k, v in out.items()}

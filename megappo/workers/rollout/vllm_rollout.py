@@ -29,6 +29,10 @@ This file is the engine adapter only (build, generate, load weights, fingerprint
 Input DataProto: `input_ids`, `attention_mask`, `position_ids` [B, P] (left-padded prompts) + any
 non-tensors; meta_info["sampling"]: the call's SamplingSpec (rollout/sampling.py; default: the
 rollout config's, unseeded). n = spec.num_samples responses per prompt (1 when greedy).
+A vision-language model (Qwen2.5-VL): non_tensor `images` (per row its encoded images, in prompt order; [] for a
+text row) beside ids that expand each image as the HF processor does, and `pixel_values` / `image_grid_thw`
+(models/vision.py); vLLM gets each image run collapsed to one pad with the decoded images and expands it itself,
+and its expanded prompt must equal the row's ids (else one line names the mismatch). Single-turn only.
 
 Output DataProto (B*n rows; sample j of prompt i is row i*n + j; non-tensors repeated likewise):
 - `prompts` [B*n, P] left-padded, `responses` [B*n, R] right-padded with the pad id (R =
@@ -41,6 +45,7 @@ Output DataProto (B*n rows; sample j of prompt i is row i*n + j; non-tensors rep
   renormalised distribution actually sampled from.
 - `stopped` bool [B*n]: the response ended on EOS / a stop token id (False: cut at max_new_tokens;
   the non-stop penalty uses it).
+- images: the prompt rows' `pixel_values` / `image_grid_thw`, repeated like the prompts.
 - multi-turn (an `agent` handed in, megappo/agent/loop.py): `responses` hold the model's and the
   tools' tokens in order; `response_mask` is 1 on the model's only, the attention mask on all of them;
   `rollout_log_probs` are 0 on tool tokens; plus the per-row agent statistics (agent/loop.STAT_KEYS)
@@ -72,6 +77,7 @@ import numpy as np
 import torch
 
 from megappo.models.routing_replay import ROUTES
+from megappo.models.vision import IMAGE_KEYS
 from megappo.parallel import cpu_compat
 from megappo.parallel.weight_mapping import MLA_MODEL_TYPES, num_routed_experts
 from megappo.protocol import DataProto
@@ -84,6 +90,8 @@ from megappo.workers.rollout.vllm_env import (  # noqa: F401 (_ENV_DONE, ONE_GPU
 from megappo.workers.rollout.vllm_weights import (  # noqa: F401 (DIRECT_LOAD_MOE_BACKENDS: re-exported)
     DIRECT_LOAD_MOE_BACKENDS, LoadMode, direct_load, moe_direct_load_problem, moe_methods, quiet_reload_logs,
     refresh_tied_lm_head, repack_cpu_linears)
+
+IMAGES_KEY = "images"  # non_tensor: each prompt row's images, encoded bytes in prompt order (vision-language data)
 
 # the collective_rpc targets under their former names here (tests and benches import them from this module)
 _direct_load, _moe_methods = direct_load, moe_methods
@@ -165,10 +173,13 @@ class VLLMRollout:
             else self.tokenizer.eos_token_id
         self.eos_token_id = self.tokenizer.eos_token_id
         self.weights_dtype = self.llm.llm_engine.model_config.dtype
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        # a vision-language model (Qwen2.5-VL): its prompts' image placeholder; None for a text model
+        self.image_token_id = getattr(hf_config, "image_token_id", None) if hasattr(hf_config, "vision_config") \
+            else None
         self.agent = agent(self.llm, self.tokenizer) if agent is not None else None
         if self.agent is not None and hasattr(self.agent, "share_results") and self.distributed and self.tp > 1:
             self.agent.share_results = replica_share  # the built-in loop's tool results, from the replica's first rank
-        hf_config = self.llm.llm_engine.model_config.hf_config
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.num_experts = num_routed_experts(hf_config)  # its family's config keys (model_dims.MOE_FAMILIES)
         check_weight_load(self.config, self.num_experts, on_cpu=not on_gpu())  # reload cannot refit CPU experts
@@ -221,6 +232,9 @@ class VLLMRollout:
         if max_model_len:
             kwargs["max_model_len"] = int(max_model_len)
         raw = _hf_config_json(self.model_path)
+        if "vision_config" in raw:  # a vision-language model: images only (IMAGES_KEY), as many as the context holds
+            context = max_model_len or (raw.get("text_config") or raw).get("max_position_embeddings", 4096)
+            kwargs["limit_mm_per_prompt"] = {"image": max(1, int(context) // 3), "video": 0}
         fixes, self.config_note = vllm_config_fixes(raw)
         if fixes:
             kwargs["hf_overrides"] = fixes
@@ -278,6 +292,8 @@ class VLLMRollout:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
                 if self.tie_word_embeddings and any(n == "model.embed_tokens.weight" for n, _ in weights):
                     self.llm.collective_rpc(refresh_tied_lm_head)
+        if weights and self.image_token_id is not None:  # else a repeated image keeps the old tower's features
+            self.llm.llm_engine.reset_encoder_cache()
         if reset_prefix_cache:
             self.reset_prefix_cache()
 
@@ -371,7 +387,9 @@ class VLLMRollout:
         base_seed = spec.seed if spec.seed is not None else self.seed + 1000003 * self._calls
         self._calls += 1
         attn = prompts.batch["attention_mask"].cpu().bool()
-        requests, params = self._requests(prompts.batch["input_ids"].cpu(), attn, spec, base_seed)
+        images = self._images(prompts.non_tensor_batch)
+        requests, params = self._requests(prompts.batch["input_ids"].cpu(), attn, spec, base_seed, images,
+                                          self.image_token_id)
         trajs = None
         with preserved_rng(), cpu_compat.suspended():  # vLLM needs no megatron shim
             if self.agent is None:
@@ -382,6 +400,8 @@ class VLLMRollout:
 
                     self.llm.collective_rpc(start_capture)
                 outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
+                if images is not None:
+                    self._check_expanded(prompts.batch["input_ids"].cpu(), attn, outs, n)
                 res = self.response_tensors([(o.outputs[0].token_ids, sampled_logprobs(o.outputs[0]),
                                               o.outputs[0].finish_reason) for o in outs], R)
                 if self.capture_routes:
@@ -394,6 +414,34 @@ class VLLMRollout:
                                                        self._agent_input(prompts.non_tensor_batch, n)))
                 res = trajectory_tensors(trajs, R, self.pad_token_id)
         return self.assemble(prompts, res, spec.with_seed(base_seed), trajs, requests)
+
+    def _images(self, non_tensor: dict) -> Optional[list]:
+        """Each prompt row's images (non_tensor IMAGES_KEY: a list of encoded bytes per row, in prompt order) as
+        PIL images, or None when the prompts carry none."""
+        if IMAGES_KEY not in non_tensor:
+            return None
+        if self.image_token_id is None:
+            raise ValueError(f"the prompts carry images but {self.model_path} is a text model: use a vision-language "
+                             "model (Qwen2.5-VL) or drop the data's images column")
+        if self.agent is not None or self.capture_routes:
+            raise ValueError("prompts with images are generated single-turn only: turn off rollout.multi_turn / "
+                             "rollout.agent and actor.router_replay=r3 for a vision-language model")
+        import io
+
+        from PIL import Image
+
+        return [[Image.open(io.BytesIO(b)).convert("RGB") for b in row] for row in non_tensor[IMAGES_KEY]]
+
+    @staticmethod
+    def _check_expanded(ids: torch.Tensor, mask: torch.Tensor, outs: list, n: int) -> None:
+        """vLLM expands each image itself: its prompt must be the row's ids as the data's processor expanded them,
+        or the trainer would score another prompt than the one sampled from."""
+        for k, o in enumerate(outs):
+            want = ids[k // n][mask[k // n]].tolist()
+            if list(o.prompt_token_ids) != want:
+                raise ValueError(f"prompt row {k // n}: vLLM expanded its images to {len(o.prompt_token_ids)} prompt "
+                                 f"tokens, the batch's row has {len(want)}: the data's image processor and vLLM's "
+                                 "disagree (build the prompts with the model's own processor config)")
 
     def _routes(self, request_ids: list, requests: list, prompt_width: int, R: int) -> torch.Tensor:
         """The routes captured for the call's requests, aligned with the batch's input_ids [rows, prompt_width + R]."""
@@ -436,6 +484,7 @@ class VLLMRollout:
             "rollout_log_probs": logps,
             "stopped": stopped,
             **res,  # multi-turn: agent/loop.STAT_KEYS per row
+            **{k: rep(prompts.batch[k].cpu()) for k in IMAGE_KEYS if k in prompts.batch},  # each row's images
         }
         non_tensor = {k: np.repeat(v, n, axis=0)[source] for k, v in prompts.non_tensor_batch.items()}
         if trajs is not None:  # what each row's environment scores (agent/environment.py); DataProto makes
@@ -458,8 +507,11 @@ class VLLMRollout:
         return None if tools is None else np.repeat(tools, n, axis=0)
 
     @staticmethod
-    def _requests(ids: torch.Tensor, mask: torch.Tensor, spec: SamplingSpec, base_seed: int) -> tuple[list, list]:
-        """One vLLM request per (prompt i, sample j), in that order, seeded base_seed + i * n + j."""
+    def _requests(ids: torch.Tensor, mask: torch.Tensor, spec: SamplingSpec, base_seed: int,
+                  images: Optional[list] = None, image_token_id: Optional[int] = None) -> tuple[list, list]:
+        """One vLLM request per (prompt i, sample j), in that order, seeded base_seed + i * n + j. A row with
+        `images` (PIL, in prompt order) sends them as multi_modal_data with each <|image_pad|> run of its ids
+        collapsed to one pad: vLLM expands every image itself (and would expand an expanded run again)."""
         from vllm import SamplingParams
 
         n, kwargs = spec.num_samples, spec.vllm_kwargs()
@@ -468,8 +520,13 @@ class VLLMRollout:
             toks = ids[i][mask[i]].tolist()
             if not toks:
                 raise ValueError(f"prompt row {i} is empty (attention_mask all zero)")
+            request = {"prompt_token_ids": toks}
+            if images is not None and len(images[i]):
+                request = {"prompt_token_ids": [t for k, t in enumerate(toks)
+                                                if t != image_token_id or k == 0 or toks[k - 1] != image_token_id],
+                           "multi_modal_data": {"image": list(images[i])}}
             for j in range(n):
-                requests.append({"prompt_token_ids": toks})
+                requests.append(dict(request))
                 params.append(SamplingParams(seed=base_seed + i * n + j, logprobs=0, **kwargs))
         return requests, params
 
