@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megappo.parallel.model_dims import language_config
+
 
 class ModelDirError(ValueError):
     """One line naming the fix; a command prefixes its name."""
@@ -39,7 +41,7 @@ def tokenizer_of(model_dir: Path):
     except (OSError, ValueError) as e:
         raise ModelDirError(f"{model_dir} has no usable tokenizer ({type(e).__name__}); copy the tokenizer files "
                             "(tokenizer.json, tokenizer_config.json) from the model it was trained from") from None
-    vocab = AutoConfig.from_pretrained(str(model_dir)).vocab_size
+    vocab = language_config(AutoConfig.from_pretrained(str(model_dir))).vocab_size
     if len(tok) > vocab:
         raise ModelDirError(f"tokenizer of {model_dir} has {len(tok)} tokens but the model's vocab_size is {vocab}: "
                             "they do not belong together; use the tokenizer the model was trained with")
@@ -64,7 +66,7 @@ def check_same_tokenizer(teacher_dir, student_tokenizer_dir) -> None:
         teacher = AutoTokenizer.from_pretrained(str(teacher_dir))
     except (OSError, ValueError):  # a dir without tokenizer files: only its vocab size can be checked
         teacher = None
-    vocab = AutoConfig.from_pretrained(str(teacher_dir)).vocab_size
+    vocab = language_config(AutoConfig.from_pretrained(str(teacher_dir))).vocab_size
     if teacher is not None and teacher.get_vocab() != student.get_vocab() or vocab < len(student):
         raise ModelDirError(f"teacher.model {teacher_dir} does not share the student's tokenizer "
                             f"({student_tokenizer_dir}): on-policy distillation scores the student's token ids; "

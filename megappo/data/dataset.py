@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from megappo.data.images import decode, pixel_batch, read_images, with_image_parts
+from megappo.data.images import IMAGES, decode, pixel_batch, read_images, with_image_parts
 from megappo.protocol import DataProto
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class RLHFDataset:
                     continue
                 self.rows.append({
                     **({"tools": row_tools[0]} if tools_for is not None else {}),
-                    **({"images": imgs} if imgs is not None else {}),
+                    **({IMAGES: imgs} if imgs is not None else {}),
                     "input_ids": ids,
                     "raw_prompt": row[prompt_key],
                     "data_source": row["data_source"],
@@ -121,13 +121,13 @@ class RLHFDataset:
 def _row_images(rows: list[dict], file, processor) -> list:
     """Each row's images (encoded bytes) when the model takes images (`processor`), else None per row; a file with
     images for a text model is refused in one line."""
-    has = bool(rows) and "images" in rows[0]
+    has = bool(rows) and IMAGES in rows[0]
     if processor is None:
-        if has and any(r["images"] for r in rows):
+        if has and any(r[IMAGES] for r in rows):
             raise ValueError(f"RLHFDataset: {str(file)!r} has an images column but the model is a text model: use a "
                              "vision-language model (model.path) or drop the column")
         return [None] * len(rows)
-    return [read_images(r.get("images"), Path(file).parent, f"{file} row {i}") for i, r in enumerate(rows)]
+    return [read_images(r.get(IMAGES), Path(file).parent, f"{file} row {i}") for i, r in enumerate(rows)]
 
 
 def _expanded_ids(processor, text: str, images: list) -> list[int]:
@@ -198,11 +198,11 @@ def collate(rows: Sequence[dict[str, Any]], tokenizer, max_prompt_length: int, i
     input_ids, attention_mask = left_pad([r["input_ids"] for r in rows], pad_id)
     position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
     keys = ("data_source", "reward_model", "extra_info", "raw_prompt") + \
-        tuple(k for k in ("tools", "images") if k in rows[0])
+        tuple(k for k in ("tools", IMAGES) if k in rows[0])
     non_tensors = {key: [r[key] for r in rows] for key in keys}
     non_tensors["index"] = np.array([r["index"] for r in rows], dtype=np.int64)
     non_tensors["uid"] = [str(uuid.uuid4()) for _ in rows]
     tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-    if "images" in rows[0] and image_processor is not None:
-        tensors.update(pixel_batch([r["images"] for r in rows], image_processor) or {})
+    if IMAGES in rows[0] and image_processor is not None:
+        tensors.update(pixel_batch([r[IMAGES] for r in rows], image_processor) or {})
     return DataProto.from_dict(tensors, non_tensors)

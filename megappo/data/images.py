@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 
 IMAGE_MARKER = "<image>"
+IMAGES = "images"  # the parquet column, a row's key and the batch's non_tensor key: each row's images (encoded bytes)
 
 
 def read_images(value: Any, base_dir: Path, where: str) -> list[bytes]:

@@ -46,6 +46,7 @@ and rollout/*:
                              = the engines disagree by ~1% on a typical token's probability)
   rollout/tis_weight_mean, tis_capped_frac  truncated importance weights min(pi_old / pi_rollout, 2)
   rollout/weights_fingerprint_ok  1 when vLLM's weights matched the trainer's after the sync
+  rollout/weights_fingerprint_vision_tensors  a vision-language model: its vision tower's tensors among them
   multi-turn (agent/loop.agent_metrics): rollout/turns_mean, tool_calls_mean, tool_call_rate (share of
   samples that called a tool), tool_call_valid_rate, tool_errors, tool_timeouts, tokens_model,
   tokens_tool; timing/tool_s (summed over calls; calls of a turn run concurrently). With rollout.agent the

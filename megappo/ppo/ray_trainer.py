@@ -75,6 +75,7 @@ from megappo.ppo.teacher_endpoint import TeacherEndpoint, place, rows_of
 from megappo.ppo.workers import WorkersMixin
 from megappo.models.routing_replay import ROUTES
 from megappo.models.vision import IMAGE_KEYS
+from megappo.parallel.model_dims import language_config
 from megappo.protocol import DataProto
 from megappo.rewards.manager import RewardManager
 from megappo.rewards.rules import load_rewards
@@ -198,7 +199,7 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
         from transformers import AutoConfig
 
         m = self.config.model
-        vocab = AutoConfig.from_pretrained(str(m.path)).vocab_size
+        vocab = language_config(AutoConfig.from_pretrained(str(m.path))).vocab_size
         if len(self.tokenizer) > vocab:
             raise ValueError(f"the tokenizer ({m.tokenizer or m.path}) has {len(self.tokenizer)} tokens but the model "
                              f"({m.path}) has vocab_size {vocab}: they do not belong together; use the model's own "

@@ -41,6 +41,7 @@ from megappo.parallel import device
 from megappo.models.lora import base_named_parameters, lazily_merged_named_parameters
 from megappo.models.lora_peft import gather_hf_lora
 from megappo.models.vision import IMAGE_KEYS
+from megappo.parallel.model_dims import VISION_PREFIX
 from megappo.parallel.resharding import Resharder
 from megappo.protocol import DataProto
 from megappo.utils.checkpoint import rng_state, set_rng_state
@@ -135,6 +136,8 @@ class HybridEngine:
             ok = torch.tensor([0 if bad else 1], dtype=torch.int32, device="cpu")
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
             m["rollout/weights_fingerprint_ok"] = float(ok.item())
+            if self.engine.dims.vision:  # the vision tower's tensors among the compared (parallel/model_dims.py)
+                m["rollout/weights_fingerprint_vision_tensors"] = float(sum(n.startswith(VISION_PREFIX) for n in expected))
             if bad:
                 raise WeightSyncError(
                     f"rank {self.rank}: weights held by vLLM differ from the trainer's after the sync "

@@ -80,9 +80,9 @@ class RolloutStream:
     def _start(self, prompts: DataProto, i: int, base=None) -> tuple:
         """Row i's group into the engine: (its one-row DataProto, its SamplingSpec seeded `base`, one future
         per sample)."""
-        from megappo.workers.rollout.vllm_rollout import IMAGES_KEY
+        from megappo.data.images import IMAGES
 
-        if IMAGES_KEY in prompts.non_tensor_batch:
+        if IMAGES in prompts.non_tensor_batch:
             raise ValueError("fully_async streams text prompts only: train a vision-language model with "
                              "trainer.mode=sync")
         spec = prompts.meta_info["sampling"]

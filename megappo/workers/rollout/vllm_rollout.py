@@ -76,6 +76,7 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 import torch
 
+from megappo.data.images import IMAGES, decode
 from megappo.models.routing_replay import ROUTES
 from megappo.models.vision import IMAGE_KEYS
 from megappo.parallel import cpu_compat
@@ -91,7 +92,6 @@ from megappo.workers.rollout.vllm_weights import (  # noqa: F401 (DIRECT_LOAD_MO
     DIRECT_LOAD_MOE_BACKENDS, LoadMode, direct_load, moe_direct_load_problem, moe_methods, quiet_reload_logs,
     refresh_tied_lm_head, repack_cpu_linears)
 
-IMAGES_KEY = "images"  # non_tensor: each prompt row's images, encoded bytes in prompt order (vision-language data)
 
 # the collective_rpc targets under their former names here (tests and benches import them from this module)
 _direct_load, _moe_methods = direct_load, moe_methods
@@ -232,9 +232,14 @@ class VLLMRollout:
         if max_model_len:
             kwargs["max_model_len"] = int(max_model_len)
         raw = _hf_config_json(self.model_path)
-        if "vision_config" in raw:  # a vision-language model: images only (IMAGES_KEY), as many as the context holds
+        if "vision_config" in raw:  # a vision-language model: images only (IMAGES), as many as the context holds
             context = max_model_len or (raw.get("text_config") or raw).get("max_position_embeddings", 4096)
             kwargs["limit_mm_per_prompt"] = {"image": max(1, int(context) // 3), "video": 0}
+            # the pixels normalised by the HF image processor on the host, as the trainer's are: vLLM 0.32's
+            # on-device normalisation keeps its mean / std in model buffers, which load_format=dummy (the hybrid
+            # engine's) fills with noise and no weight sync restores (the images then mean nothing: caught by the
+            # rollout guard at 1.1 nats, tests/test_vision_ppo.py)
+            kwargs["mm_device_do_normalize"] = False
         fixes, self.config_note = vllm_config_fixes(raw)
         if fixes:
             kwargs["hf_overrides"] = fixes
@@ -416,9 +421,9 @@ class VLLMRollout:
         return self.assemble(prompts, res, spec.with_seed(base_seed), trajs, requests)
 
     def _images(self, non_tensor: dict) -> Optional[list]:
-        """Each prompt row's images (non_tensor IMAGES_KEY: a list of encoded bytes per row, in prompt order) as
+        """Each prompt row's images (non_tensor IMAGES: a list of encoded bytes per row, in prompt order) as
         PIL images, or None when the prompts carry none."""
-        if IMAGES_KEY not in non_tensor:
+        if IMAGES not in non_tensor:
             return None
         if self.image_token_id is None:
             raise ValueError(f"the prompts carry images but {self.model_path} is a text model: use a vision-language "
@@ -426,11 +431,7 @@ class VLLMRollout:
         if self.agent is not None or self.capture_routes:
             raise ValueError("prompts with images are generated single-turn only: turn off rollout.multi_turn / "
                              "rollout.agent and actor.router_replay=r3 for a vision-language model")
-        import io
-
-        from PIL import Image
-
-        return [[Image.open(io.BytesIO(b)).convert("RGB") for b in row] for row in non_tensor[IMAGES_KEY]]
+        return [[decode(b) for b in row] for row in non_tensor[IMAGES]]
 
     @staticmethod
     def _check_expanded(ids: torch.Tensor, mask: torch.Tensor, outs: list, n: int) -> None:
