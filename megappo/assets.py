@@ -324,6 +324,59 @@ def make_arith_sft_model(out_dir: str | os.PathLike, base_dir: str | os.PathLike
     return out
 
 
+def make_vl_count_sft_model(out_dir: str | os.PathLike, base_dir: str | os.PathLike, steps: int = 200,
+                            correct_frac: float = 0.25, seed: int = 0) -> Path:
+    """Warm-start the tiny Qwen2.5-VL for the vision recipe (configs/grpo_tiny_vl.yaml): a short SFT on the
+    square-counting task's format (data/preprocess_count_squares.py), where only `correct_frac` of the targets
+    are the image's count (the rest a random count). It answers "#### <n>" and stops, and is right about as often
+    as chance, so GRPO has a reward signal from step 1 and the counting to learn from the images."""
+    import random
+
+    import torch
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    from megappo.data.images import decode
+    from megappo.data.preprocess_count_squares import QUESTION, squares_png
+
+    torch.manual_seed(seed)
+    processor = AutoProcessor.from_pretrained(base_dir)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(base_dir, dtype=torch.float32)
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(steps * 32):
+        count = rng.randint(1, 4)
+        answer = count if rng.random() < correct_frac else rng.randint(1, 4)
+        image = decode(squares_png(count, rng))
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+        examples.append((messages, f"#### {answer}", image))
+    tok = processor.tokenizer
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    for step in range(steps):
+        chunk = examples[step * 32:(step + 1) * 32]
+        texts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) + a + tok.eos_token
+                 for m, a, _ in chunk]
+        inputs = processor(text=texts, images=[image for _, _, image in chunk], return_tensors="pt", padding=True,
+                           padding_side="right", add_special_tokens=False)
+        labels = inputs["input_ids"].clone()
+        for k, (_, a, _) in enumerate(chunk):  # the answer and its end token: the row's last real tokens
+            n = len(tok(a + tok.eos_token, add_special_tokens=False).input_ids)
+            end = int(inputs["attention_mask"][k].sum())
+            labels[k, :end - n] = -100
+            labels[k, end:] = -100
+        loss = model(**inputs, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    processor.save_pretrained(out)
+    tok.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    return out
+
+
 def hf_response_logprobs(model_dir: str | os.PathLike, rows: list[dict]) -> list:
     """The reference the scoring tests compare against: transformers' fp32 log-probs of each row's
     response tokens (`{"input_ids": [...], "response_start": k}`), one unpadded forward per row."""
@@ -342,14 +395,18 @@ def hf_response_logprobs(model_dir: str | os.PathLike, rows: list[dict]) -> list
 
 
 VL_ASSET = "tiny-qwen2_5_vl"  # make_vl_model's tiny Qwen2.5-VL
-# warm starts on the demo task (make_arith_sft_model): asset name -> the tiny model it starts from
-DEMO_MODELS = {"tiny-llama-arith": "tiny-llama", "tiny-qwen3_moe-arith": "tiny-qwen3_moe"}
+# warm starts on a demo's task: asset name -> (the tiny model it starts from, its SFT)
+DEMO_MODELS = {"tiny-llama-arith": ("tiny-llama", make_arith_sft_model),
+               "tiny-qwen3_moe-arith": ("tiny-qwen3_moe", make_arith_sft_model),
+               "tiny-qwen2_5_vl-count": (VL_ASSET, make_vl_count_sft_model)}
 
 
-def ensure_assets(root: str | os.PathLike, demo: bool = False, demo_moe: bool = False) -> dict[str, Path]:
+def ensure_assets(root: str | os.PathLike, demo: bool = False, demo_moe: bool = False,
+                  demo_vl: bool = False) -> dict[str, Path]:
     """Build (once) the tokenizer, the tiny models of every family (FAMILIES) and the tiny Qwen2.5-VL under `root`;
     with `demo`, also the demo's warm-started tiny-llama-arith (a short SFT, ~20 s on 2 cores); with
-    `demo_moe`, the MoE demo's tiny-qwen3_moe-arith (configs/ppo_tiny_moe.yaml).
+    `demo_moe`, the MoE demo's tiny-qwen3_moe-arith (configs/ppo_tiny_moe.yaml); with `demo_vl`, the vision
+    recipe's tiny-qwen2_5_vl-count (configs/grpo_tiny_vl.yaml; ~3 min on 2 cores).
 
     Each asset is written to a temp dir and renamed into place, so an interrupted build never leaves a
     half-written directory that a later call would trust."""
@@ -362,6 +419,8 @@ def ensure_assets(root: str | os.PathLike, demo: bool = False, demo_moe: bool = 
         paths["tiny-llama-arith"] = root / "tiny-llama-arith"  # the CPU demo's warm start
     if demo_moe:
         paths["tiny-qwen3_moe-arith"] = root / "tiny-qwen3_moe-arith"
+    if demo_vl:
+        paths["tiny-qwen2_5_vl-count"] = root / "tiny-qwen2_5_vl-count"
     for key, path in paths.items():
         if (path / ".complete").exists():
             continue
@@ -372,7 +431,8 @@ def ensure_assets(root: str | os.PathLike, demo: bool = False, demo_moe: bool = 
         elif key == VL_ASSET:
             make_vl_model(tmp, paths["tokenizer"])
         elif key in DEMO_MODELS:
-            make_arith_sft_model(tmp, paths[DEMO_MODELS[key]])
+            base, sft = DEMO_MODELS[key]
+            sft(tmp, paths[base])
         else:
             make_model(tmp, family=key.removeprefix("tiny-"), tokenizer_dir=paths["tokenizer"])
         (tmp / ".complete").write_text(json.dumps({"asset": key}))
@@ -386,9 +446,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--demo", action="store_true", help="also build the demo's warm-started tiny-llama-arith")
     parser.add_argument("--demo-moe", action="store_true",
                         help="also build the MoE demo's warm-started tiny-qwen3_moe-arith (configs/ppo_tiny_moe.yaml)")
+    parser.add_argument("--demo-vl", action="store_true",
+                        help="also build the vision recipe's warm-started tiny-qwen2_5_vl-count (configs/grpo_tiny_vl.yaml)")
 
 
 def main(args: argparse.Namespace) -> int:
-    for key, path in ensure_assets(args.out, demo=args.demo, demo_moe=args.demo_moe).items():
+    for key, path in ensure_assets(args.out, demo=args.demo, demo_moe=args.demo_moe,
+                                         demo_vl=args.demo_vl).items():
         print(f"{key}: {path}")
     return 0

@@ -184,6 +184,7 @@ def evaluate(model, data: list[str], settings: dict, n_samples: int = 1, tempera
     from megappo.agent.factory import agent_loop_builder
     from megappo.config.schema import RolloutConfig
     from megappo.data.dataset import RLHFDataset
+    from megappo.data.images import processor_for
     from megappo.ppo.metrics import eval_metrics
     from megappo.protocol import DataProto
     from megappo.rewards.manager import DEFAULT_SCORERS, RewardManager
@@ -203,7 +204,7 @@ def evaluate(model, data: list[str], settings: dict, n_samples: int = 1, tempera
             envs = Environments(mt, {**DEFAULT_SCORERS, **rules}) if mt else None
         except ValueError as e:
             raise EvalError(str(e)) from None
-        tools = envs.prompt_args() if envs else {}
+        tools = dict(envs.prompt_args() if envs else {}, processor=processor_for(model_dir))  # a VL model's images
         for file in data:  # one file at a time: files differ in prompt length, batches never mix them
             try:
                 datasets.append(RLHFDataset([file], tok, settings["prompt_key"], prompt_len,

@@ -52,7 +52,7 @@ def positions_of(model_dir: Path) -> int:
     """The positions the model was built for (config.json's max_position_embeddings)."""
     from transformers import AutoConfig
 
-    return int(AutoConfig.from_pretrained(str(model_dir)).max_position_embeddings)
+    return int(language_config(AutoConfig.from_pretrained(str(model_dir))).max_position_embeddings)
 
 
 def check_same_tokenizer(teacher_dir, student_tokenizer_dir) -> None:
