@@ -17,43 +17,19 @@ LAYOUTS = [ParallelLayout(dp=2), ParallelLayout(tp=2), ParallelLayout(pp=2)]
 ROW_IMAGES = [[(112, 112)], [(56, 56), (112, 56)], [], [(56, 112)]]
 
 
-def _prompts(path):
-    from transformers import AutoProcessor
-
-    from megappo.assets import noise_image
-
-    processor = AutoProcessor.from_pretrained(path)
-    rows = []
-    for r, sizes in enumerate(ROW_IMAGES):
-        images = [noise_image(h, w, seed=10 * r + i) for i, (h, w) in enumerate(sizes)]
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": f"how many squares {r}?"}]
-        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                             tokenize=False)
-        rows.append(processor(text=[text], images=images or None, return_tensors="pt"))
-    return rows
-
-
 def make_batch(path):
     """The rows as the engine takes them: [B, S] ids / mask (left-padded prompts, R response columns, the last row's
     response 2 short), pixel_values [B, P, D] and image_grid_thw [B, 2, 3], zeros past each row's own."""
-    rows = _prompts(path)
+    from tests.vision_helpers import vl_prompts
+
+    prompts = vl_prompts(path, ROW_IMAGES).batch
     g = torch.Generator().manual_seed(0)
-    width = max(r["input_ids"].shape[1] for r in rows)
-    b, patches = len(rows), max(r["pixel_values"].shape[0] if "pixel_values" in r else 0 for r in rows)
-    ids = torch.zeros(b, width + R, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    pixels = torch.zeros(b, patches, rows[0]["pixel_values"].shape[1])
-    grids = torch.zeros(b, 2, 3, dtype=torch.long)
-    for i, r in enumerate(rows):
-        n = r["input_ids"].shape[1]
-        ids[i, width - n:width] = r["input_ids"][0]
-        ids[i, width:] = torch.randint(0, 1000, (R,), generator=g)
-        mask[i, width - n:] = 1
-        if "pixel_values" in r:
-            pixels[i, :r["pixel_values"].shape[0]] = r["pixel_values"]
-            grids[i, :r["image_grid_thw"].shape[0]] = r["image_grid_thw"]
+    b, width = prompts["input_ids"].shape
+    ids = torch.cat([prompts["input_ids"], torch.randint(0, 1000, (b, R), generator=g)], dim=1)
+    mask = torch.cat([prompts["attention_mask"], torch.ones(b, R, dtype=torch.long)], dim=1)
     mask[-1, -2:] = 0
-    return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels, "image_grid_thw": grids}
+    return {"input_ids": ids, "attention_mask": mask, "pixel_values": prompts["pixel_values"],
+            "image_grid_thw": prompts["image_grid_thw"]}
 
 
 def _hf_logprobs(path):
@@ -221,22 +197,15 @@ def test_dataset_rows_carry_their_images(tiny_assets, tmp_path):
     """A parquet `images` column (bytes, a path beside the file, {"bytes"}) through RLHFDataset and collate: the
     prompt's ids hold each image expanded as the processor expands it, the batch its pixels in models/vision.py's
     layout, a text-only row zeros; bad inputs are one line each."""
-    import io
-
     import pyarrow as pa
     import pyarrow.parquet as pq
     from transformers import AutoProcessor, AutoTokenizer
 
-    from megappo.assets import noise_image
     from megappo.data.dataset import RLHFDataset
+    from tests.vision_helpers import png
 
     path = tiny_assets["tiny-qwen2_5_vl"]
     processor, tok = AutoProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path)
-
-    def png(h, w, seed):
-        buf = io.BytesIO()
-        noise_image(h, w, seed).save(buf, format="PNG")
-        return buf.getvalue()
 
     (tmp_path / "a.png").write_bytes(png(56, 112, 2))
     label = dict(data_source="count", reward_model={"ground_truth": "1", "style": "rule"})

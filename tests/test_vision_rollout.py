@@ -6,7 +6,6 @@ the vision tower's `visual.*` tensors included, and on the SAME images again (vL
 features) the log-probs still match, where a sync that keeps the encoder cache does not. A row whose ids do not
 expand its image as vLLM does is refused. One process, one vLLM engine."""
 
-import io
 import os
 
 import pytest
@@ -17,36 +16,9 @@ N, R, TEMPERATURE, TOL = 2, 6, 0.8, 1e-3
 
 
 def _prompts(path):
-    """The prompt DataProto as the data side makes it: ids expanded by the processor and left-padded,
-    pixel_values [B, P, D] / image_grid_thw [B, 2, 3] zero past a row's own, non_tensor images as PNG bytes."""
-    from transformers import AutoProcessor
+    from tests.vision_helpers import vl_prompts
 
-    from megappo.assets import noise_image
-    from megappo.protocol import DataProto
-    from megappo.workers.rollout.vllm_rollout import left_pad
-
-    processor = AutoProcessor.from_pretrained(path)
-    rows, pngs = [], []
-    for r, sizes in enumerate(ROW_IMAGES):
-        images = [noise_image(h, w, seed=10 * r + i) for i, (h, w) in enumerate(sizes)]
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": f"how many squares {r}?"}]
-        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                             tokenize=False)
-        rows.append(processor(text=[text], images=images or None, return_tensors="pt"))
-        pngs.append([])
-        for im in images:
-            buf = io.BytesIO()
-            im.save(buf, format="PNG")
-            pngs[-1].append(buf.getvalue())
-    batch = left_pad([r["input_ids"][0].tolist() for r in rows], processor.tokenizer.pad_token_id)
-    patches = max(r["pixel_values"].shape[0] for r in rows if "pixel_values" in r)
-    batch["pixel_values"] = torch.zeros(len(rows), patches, rows[0]["pixel_values"].shape[1])
-    batch["image_grid_thw"] = torch.zeros(len(rows), 2, 3, dtype=torch.long)
-    for i, r in enumerate(rows):
-        if "pixel_values" in r:
-            batch["pixel_values"][i, :r["pixel_values"].shape[0]] = r["pixel_values"]
-            batch["image_grid_thw"][i, :r["image_grid_thw"].shape[0]] = r["image_grid_thw"]
-    return DataProto.from_dict(batch, {"images": pngs, "uid": [f"p{i}" for i in range(len(rows))]})
+    return vl_prompts(path, ROW_IMAGES)
 
 
 def _job(rank, world, port, path, layout=None, rollout_tp=1):
