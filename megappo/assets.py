@@ -324,12 +324,13 @@ def make_arith_sft_model(out_dir: str | os.PathLike, base_dir: str | os.PathLike
     return out
 
 
-def make_vl_count_sft_model(out_dir: str | os.PathLike, base_dir: str | os.PathLike, steps: int = 200,
-                            correct_frac: float = 0.25, seed: int = 0) -> Path:
+def make_vl_count_sft_model(out_dir: str | os.PathLike, base_dir: str | os.PathLike, steps: int = 120,
+                            correct_frac: float = 1.0, seed: int = 0, lr: float = 1e-3) -> Path:
     """Warm-start the tiny Qwen2.5-VL for the vision recipe (configs/grpo_tiny_vl.yaml): a short SFT on the
-    square-counting task's format (data/preprocess_count_squares.py), where only `correct_frac` of the targets
-    are the image's count (the rest a random count). It answers "#### <n>" and stops, and is right about as often
-    as chance, so GRPO has a reward signal from step 1 and the counting to learn from the images."""
+    square-counting task (data/preprocess_count_squares.py; `correct_frac` of the targets are the image's count,
+    the rest a random one). After 120 steps it answers "#### <n>" and stops, and counts no better than chance
+    (sampled accuracy 0.30 of 64 held-out images, chance 0.25): the format is learnt, the counting is not yet
+    (400 steps of the same SFT count every image right). ~25 s on 2 cores."""
     import random
 
     import torch
@@ -351,7 +352,7 @@ def make_vl_count_sft_model(out_dir: str | os.PathLike, base_dir: str | os.PathL
         examples.append((messages, f"#### {answer}", image))
     tok = processor.tokenizer
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     for step in range(steps):
         chunk = examples[step * 32:(step + 1) * 32]
         texts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) + a + tok.eos_token

@@ -333,6 +333,8 @@ def test_remax_takes_its_greedy_baseline_from_the_pool(ray_session, tiny_assets,
     assert len(set(every.flatten().tolist())) > 1  # rewards and baselines vary: the check above has teeth
 
 
+# 45 s; CI keeps dynamic sampling's filter in a sync run (test_trainer's DAPO controls) and the stream's other calls
+@pytest.mark.long
 def test_dapo_filter_drops_groups_whose_responses_agree(ray_session, tiny_assets, data_dir, tmp_path):
     """algorithm.filter_groups in fully_async: each group is scored by its rule as it finishes and dropped when
     all its responses are equally right (metric=acc); its place goes to a new group. Every trained group has
