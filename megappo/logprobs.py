@@ -8,7 +8,10 @@ ranks), builds the megatron model from DIR (a HuggingFace model dir, or a megatr
 HF config.json), and writes one tensor per input row to --out (safetensors): `logprobs.{i}` (or `values.{i}` with
 --critic) of length len(input_ids) - response_start, where `logprobs.{i}[j]` = log p(input_ids[k+j] | input_ids[:k+j])
 (k = response_start) and `values.{i}[j]` is the critic's value of the state before that token.
-Input: JSON lines {"input_ids": [...], "response_start": k} with 1 <= k < len(input_ids).
+Input: JSON lines {"input_ids": [...], "response_start": k} with 1 <= k < len(input_ids). A vision-language model's
+row may carry "images": paths (relative to the input file's directory) of the images its prompt shows, in order; its
+input_ids then hold each image as the model's HF processor expands it (<|vision_start|>, n x <|image_pad|>,
+<|vision_end|>), before response_start.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_rows(path) -> list[dict]:
+    from megappo.data.images import IMAGES, read_images
+
     rows = []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
@@ -52,6 +57,8 @@ def read_rows(path) -> list[dict]:
         if not isinstance(ids, list) or not isinstance(k, int) or not 1 <= k < len(ids):
             raise ValueError(f"{path}:{n}: need input_ids (list) and 1 <= response_start < len(input_ids)")
         rows.append({"input_ids": ids, "response_start": k})
+        if row.get(IMAGES):
+            rows[-1][IMAGES] = read_images(row[IMAGES], Path(path).parent, f"{path}:{n}")
     if not rows:
         raise ValueError(f"{path}: no rows")
     return rows
@@ -88,7 +95,8 @@ def _worker(rank, world, port, args_dict, rows):
     padded = rows + [rows[0]] * (per_rank * layout.dp - len(rows))
     ids, mask, resp = build_batch(padded)
     sl = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-    out = engine.forward_only({"input_ids": ids[sl], "attention_mask": mask[sl]}, response_length=resp,
+    batch = {"input_ids": ids, "attention_mask": mask, **image_batch(padded, args_dict["model"])}
+    out = engine.forward_only({k: v[sl] for k, v in batch.items()}, response_length=resp,
                               micro_batch_size=mbs, temperature=args_dict["temperature"], compute_entropy=False)
     result = None
     if out is not None and mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0:
@@ -96,6 +104,27 @@ def _worker(rank, world, port, args_dict, rows):
         result = {"start": dp_rank * per_rank, key: out[key].float().cpu().contiguous()}
     destroy()
     return result
+
+
+def image_batch(rows: list[dict], model) -> dict:
+    """The rows' images as the engine takes them (pixel_values, image_grid_thw: data/images.pixel_batch), {} when no
+    row has any; ValueError, one line, for images given to a text model or ids that do not expand them."""
+    from megappo.data.images import IMAGES, pixel_batch, processor_for
+
+    if not any(r.get(IMAGES) for r in rows):
+        return {}
+    processor = processor_for(model)
+    if processor is None:
+        raise ValueError(f"rows carry images but --model {model} is a text model (or its dir lacks the processor "
+                         "files: processor_config.json / preprocessor_config.json): score them with a vision-language "
+                         "model's dir")
+    out = pixel_batch([r.get(IMAGES, []) for r in rows], processor.image_processor)
+    from megappo.models.vision import mrope_positions
+
+    ids, mask, resp = build_batch(rows)
+    mrope_positions(ids, mask, out["image_grid_thw"], processor.image_token_id, processor.image_processor.merge_size,
+                    prompt_end=ids.shape[1] - resp)  # raises where a row's ids do not expand its images
+    return out
 
 
 def score(args) -> dict:
@@ -147,6 +176,7 @@ def check_model(model, layout) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         check_model(args.model, layout_of(args))
+        image_batch(read_rows(args.input), args.model)  # a row's images against its ids, before any worker starts
     except ValueError as e:
         print(f"megappo logprobs: {e}", file=sys.stderr)
         return 2

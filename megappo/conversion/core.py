@@ -64,7 +64,9 @@ SEQ_CLS = {fam: arch for arch, (fam, k) in ARCHITECTURES.items() if k == "reward
 EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
               "chat_template.jinja", "chat_template.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model",
-              "generation_config.json")
+              "generation_config.json",
+              # a vision-language model's processor (its image processor's settings: vLLM and transformers read them)
+              "processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
 INFO_FILE = "megappo_convert.json"
 FORMAT = "megappo-convert/1"
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
