@@ -403,11 +403,12 @@ DEMO_MODELS = {"tiny-llama-arith": ("tiny-llama", make_arith_sft_model),
 
 
 def ensure_assets(root: str | os.PathLike, demo: bool = False, demo_moe: bool = False,
-                  demo_vl: bool = False) -> dict[str, Path]:
+                  demo_vl: bool = False, vision: bool = True) -> dict[str, Path]:
     """Build (once) the tokenizer, the tiny models of every family (FAMILIES) and the tiny Qwen2.5-VL under `root`;
     with `demo`, also the demo's warm-started tiny-llama-arith (a short SFT, ~20 s on 2 cores); with
     `demo_moe`, the MoE demo's tiny-qwen3_moe-arith (configs/ppo_tiny_moe.yaml); with `demo_vl`, the vision
-    recipe's tiny-qwen2_5_vl-count (configs/grpo_tiny_vl.yaml; ~3 min on 2 cores).
+    recipe's tiny-qwen2_5_vl-count (configs/grpo_tiny_vl.yaml; ~25 s on 2 cores). `vision=False` leaves the
+    vision-language ones out (a GPU image without torchvision or a processor's optional packages: tools/gpu_smoke.py).
 
     Each asset is written to a temp dir and renamed into place, so an interrupted build never leaves a
     half-written directory that a later call would trust."""
@@ -415,7 +416,8 @@ def ensure_assets(root: str | os.PathLike, demo: bool = False, demo_moe: bool = 
     root.mkdir(parents=True, exist_ok=True)
     paths = {"tokenizer": root / "tiny-tokenizer"}
     paths.update({f"tiny-{f}": root / f"tiny-{f}" for f in FAMILIES})
-    paths[VL_ASSET] = root / VL_ASSET
+    if vision or demo_vl:
+        paths[VL_ASSET] = root / VL_ASSET
     if demo:
         paths["tiny-llama-arith"] = root / "tiny-llama-arith"  # the CPU demo's warm start
     if demo_moe:

@@ -24,6 +24,14 @@ def tiny_assets() -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def demo_assets() -> dict[str, Path]:
+    """tiny_assets plus the demo's warm start (tiny-llama-arith, configs/ppo_tiny.yaml's model.path: ~20 s once)."""
+    from megappo.assets import ensure_assets
+
+    return ensure_assets(REPO / "assets", demo=True)
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     """One local Ray instance for the whole pytest session (each ray.init costs 4-7 s). 8 logical CPUs: a
     trainer run's warm workers (trainer_utils.WARM, up to 4 bundles) stay placed next to another test's groups."""

@@ -449,6 +449,9 @@ def test_bad_input_is_a_4xx_with_one_line_and_loses_nothing(served):
         "stream_options not an object": ("/v1/chat/completions", {**ok, "stream": True, "stream_options": "usage"},
                                          mine.key, 400, "stream_options must be an object"),
         "bad messages": ("/v1/chat/completions", {"messages": [{"content": "x"}]}, mine.key, 400, "role"),
+        "an image part (was dropped unsaid)": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+            mine.key, 400, "'image_url' content part; this server takes text only"),
         "max_tokens 0": ("/v1/chat/completions", {**ok, "max_tokens": 0}, mine.key, 400, "positive integer"),
         "JSON mode": ("/v1/chat/completions", {**ok, "response_format": {"type": "json_object"}}, mine.key, 400,
                       "response_format is not supported"),

@@ -604,7 +604,7 @@ def test_an_offloaded_lora_actor_syncs_merged_weights(tiny_assets):
 
 # ---- refused before any worker starts: a resume onto other adapters; TE's spec chosen around LoRA ---------------
 
-def test_resuming_other_adapters_is_refused_before_any_worker_starts(tmp_path, data_dir):
+def test_resuming_other_adapters_is_refused_before_any_worker_starts(tmp_path, data_dir, demo_assets):
     """trainer.resume finds an adapter checkpoint of another rank / base, or LoRA against full fine-tuning: the
     driver's config check says so in one line (the workers used to find out after Ray, Megatron and vLLM were
     up). The same adapters with the targets in another order resume."""
@@ -645,14 +645,14 @@ def test_a_lora_actor_builds_the_local_spec_unless_te_can_take_its_targets(monke
     assert gpt.use_transformer_engine("cuda", None, lora=LoraConfig(rank=4, target_modules=["linear_proj", "linear_fc2"]))
 
 
-def test_lora_on_a_megatron_checkpoint_base_is_refused(tmp_path):
+def test_lora_on_a_megatron_checkpoint_base_is_refused(tmp_path, demo_assets):
     """model.path a megatron dist checkpoint (config.json + metadata.json): LoRA's base comes from HF
     safetensors; one line naming the conversion."""
     import shutil
 
     base = tmp_path / "mcore"
     base.mkdir()
-    shutil.copy(REPO / "assets" / "tiny-llama-arith" / "config.json", base / "config.json")
+    shutil.copy(demo_assets["tiny-llama-arith"] / "config.json", base / "config.json")
     (base / "metadata.json").write_text("{}")
     with pytest.raises(ConfigError) as info:
         load_config(TINY, [f"model.path={base}", "actor.lora.rank=4", f"trainer.output_dir={tmp_path / 'out'}"])

@@ -83,7 +83,7 @@ def run_overrides(out: Path, steps: int, tp: int, gpus: int, device: str = "cuda
     from megappo.assets import ensure_assets
     from megappo.data.preprocess_arithmetic import main as make_data
 
-    assets = ensure_assets(REPO / "assets")
+    assets = ensure_assets(REPO / "assets", vision=False)
     make_data(["--out", str(out / "data"), "--train-size", "64", "--val-size", "8"])
     return [
         f"model.path={assets['tiny-llama']}", f"model.dtype={dtype}", f"resources.device={device}",
@@ -111,7 +111,7 @@ def _all_roles(key: str, value) -> list[str]:
 def _moe(out: Path, gpus: int) -> list[str]:
     from megappo.assets import ensure_assets
 
-    model = ensure_assets(REPO / "assets")["tiny-qwen3_moe"]
+    model = ensure_assets(REPO / "assets", vision=False)["tiny-qwen3_moe"]
     return [f"model.path={model}", *_all_roles("parallel.ep", 2), *_all_roles("parallel.dp", gpus)]
 
 

@@ -341,7 +341,7 @@ def main(argv=None) -> int:
     from megappo.parallel.layout import ParallelLayout
     from megappo.parallel.megatron_init import init_distributed, init_megatron
 
-    assets = ensure_assets(Path(args.out) / "assets")
+    assets = ensure_assets(Path(args.out) / "assets", vision=False)
     # both backends on cuda, as the trainer's workers: the engine reduces its metric vectors on the CPU (gloo)
     init_distributed(0, 1, "127.0.0.1", free_port(), backend="cpu:gloo,cuda:nccl" if args.device == "cuda" else "gloo")
     init_megatron(ParallelLayout(), seed=7)

@@ -151,8 +151,13 @@ def messages(messages) -> list[dict]:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise GatewayError(400, f"messages[{i}] must be an object with a role in {', '.join(ROLES)}")
         content = m.get("content")
-        if isinstance(content, list):  # content parts: the text ones, joined
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if isinstance(content, list):  # content parts: text ones, joined (never an image dropped unsaid)
+            other = next((p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content
+                          if not isinstance(p, dict) or p.get("type") != "text"), None)
+            if other is not None:
+                raise GatewayError(400, f"messages[{i}] has a {other!r} content part; this server takes text only "
+                                        "(images reach training through the data's images column: docs/vision.md)")
+            content = "".join(p.get("text", "") for p in content)
         if content is not None and not isinstance(content, str):
             raise GatewayError(400, f"messages[{i}].content must be a string, a list of text parts or null")
         out.append({**m, "content": content})
