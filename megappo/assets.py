@@ -177,10 +177,18 @@ def make_model(out_dir: str | os.PathLike, family: str = "llama", seed: int = 0,
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         init_tiny_weights(model, router_std=(SIGMOID_ROUTER_STD if hasattr(cfg, "routed_scaling_factor") else ROUTER_STD)
                           if family in ODD_VOCAB_FAMILIES else None)
-        out.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out, safe_serialization=True)
-        tok.save_pretrained(out)
-        model.generation_config.save_pretrained(out)
+        save_model(model, out, tok)
+    return out
+
+
+def save_model(model, out_dir, *also) -> Path:
+    """`model` as fp32 safetensors in `out_dir` with its generation config and `also` (tokenizer, processor)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    for part in also:
+        part.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
     return out
 
 
@@ -254,12 +262,7 @@ def make_vl_model(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike, 
                                             temporal_patch_size=VISION_SHAPES["temporal_patch_size"])
     processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tok,
                                     video_processor=Qwen2VLVideoProcessor(), chat_template=VL_CHAT_TEMPLATE)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    processor.save_pretrained(out)
-    tok.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-    return out
+    return save_model(model, out, processor, tok)
 
 
 def noise_image(height: int = 112, width: int = 112, seed: int = 0):
@@ -316,12 +319,7 @@ def make_arith_sft_model(out_dir: str | os.PathLike, base_dir: str | os.PathLike
         opt.zero_grad()
         loss.backward()
         opt.step()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-    return out
+    return save_model(model, out_dir, tok)
 
 
 def make_vl_count_sft_model(out_dir: str | os.PathLike, base_dir: str | os.PathLike, steps: int = 120,
@@ -369,13 +367,7 @@ def make_vl_count_sft_model(out_dir: str | os.PathLike, base_dir: str | os.PathL
         opt.zero_grad()
         loss.backward()
         opt.step()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    processor.save_pretrained(out)
-    tok.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-    return out
+    return save_model(model, out_dir, processor, tok)
 
 
 def hf_response_logprobs(model_dir: str | os.PathLike, rows: list[dict]) -> list:
