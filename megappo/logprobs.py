@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 from megappo.parallel.layout import LAYOUT_KEYS
 
@@ -73,7 +74,7 @@ def build_batch(rows: list[dict], pad_id: int = 0):
     return ids, mask, resp
 
 
-def _worker(rank, world, port, args_dict, rows):
+def _worker(rank, world, port, args_dict, rows, images):
     from megappo.parallel.megatron_init import destroy, init_distributed, init_megatron, resolve_device
     from megappo.workers.megatron_engine import EngineConfig, MegatronEngine
 
@@ -92,10 +93,10 @@ def _worker(rank, world, port, args_dict, rows):
     per_unit = mbs * (layout.pp if layout.virtual_pp else 1)
     per_rank = -(-len(rows) // layout.dp)
     per_rank = -(-per_rank // per_unit) * per_unit
-    padded = rows + [rows[0]] * (per_rank * layout.dp - len(rows))
-    ids, mask, resp = build_batch(padded)
+    order = list(range(len(rows))) + [0] * (per_rank * layout.dp - len(rows))
+    ids, mask, resp = build_batch([rows[i] for i in order])
     sl = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-    batch = {"input_ids": ids, "attention_mask": mask, **image_batch(padded, args_dict["model"])}
+    batch = {"input_ids": ids, "attention_mask": mask, **{k: v[order] for k, v in images.items()}}
     out = engine.forward_only({k: v[sl] for k, v in batch.items()}, response_length=resp,
                               micro_batch_size=mbs, temperature=args_dict["temperature"], compute_entropy=False)
     result = None
@@ -127,14 +128,17 @@ def image_batch(rows: list[dict], model) -> dict:
     return out
 
 
-def score(args) -> dict:
-    """Run the scoring workers; returns {f"{key}.{i}": tensor} for every input row."""
+def score(args, rows: Optional[list] = None, images: Optional[dict] = None) -> dict:
+    """Run the scoring workers; returns {f"{key}.{i}": tensor} for every input row (`rows` / `images`: read_rows /
+    image_batch of args.input, when the caller has them already)."""
     from megappo.parallel.launch import spawn_local
 
-    rows = read_rows(args.input)
+    if rows is None:
+        rows = read_rows(args.input)
+        images = image_batch(rows, args.model)
     args_dict = {k: getattr(args, k) for k in ("model", "critic", "temperature", "micro_batch_size", "seed")}
     args_dict.update(layout=layout_of(args), device=getattr(args, "device", "auto"))
-    results = spawn_local(_worker, args_dict["layout"].world_size, args_dict, rows)
+    results = spawn_local(_worker, args_dict["layout"].world_size, args_dict, rows, images or {})
     key = "values" if args.critic else "logprobs"
     tensors = {}
     for res in results:
@@ -176,13 +180,14 @@ def check_model(model, layout) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         check_model(args.model, layout_of(args))
-        image_batch(read_rows(args.input), args.model)  # a row's images against its ids, before any worker starts
+        rows = read_rows(args.input)
+        images = image_batch(rows, args.model)  # a row's images against its ids, before any worker starts
     except ValueError as e:
         print(f"megappo logprobs: {e}", file=sys.stderr)
         return 2
     from safetensors.torch import save_file
 
-    tensors = score(args)
+    tensors = score(args, rows, images)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, args.out, metadata={"model": str(args.model), "rows": str(len(tensors))})
     print(f"wrote {len(tensors)} rows to {args.out}")

@@ -273,3 +273,15 @@ def test_logprobs_cli_scores_rows_with_images(tiny_assets, tmp_path):
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "takes 4 <|image_pad|> tokens, its prompt has 16" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_what_images_do_not_reach_yet_is_one_line(tiny_assets):
+    from megappo.config import ConfigError, load_config
+    from tests.trainer_utils import REPO
+
+    path = f"model.path={tiny_assets['tiny-qwen2_5_vl']}"
+    for extra, says in ((["actor.parallel.cp=2", "actor.parallel.dp=1"], "context parallel does not split images"),
+                        (["trainer.mode=async", "resources.rollout_workers=1"], "trainer.mode=async with a vision"),
+                        (["rollout.multi_turn.enable=true"], "rollout.multi_turn with a vision")):
+        with pytest.raises(ConfigError, match=says):
+            load_config(REPO / "configs/grpo_tiny_vl.yaml", [path, *extra])

@@ -191,10 +191,9 @@ def _check_vision(cfg, dims: ModelDims) -> None:
     if not dims.vision:
         return
     for role in ("actor", "critic", "ref"):
-        if cfg[role].enable if role != "actor" else True:
-            if cfg[role].parallel.cp > 1:
-                raise ConfigError(f"{role}.parallel.cp={cfg[role].parallel.cp} with a vision-language model "
-                                  f"({dims.model_type}): context parallel does not split images yet; set cp 1")
+        if (role == "actor" or cfg[role].enable) and cfg[role].parallel.cp > 1:
+            raise ConfigError(f"{role}.parallel.cp={cfg[role].parallel.cp} with a vision-language model "
+                              f"({dims.model_type}): context parallel does not split images yet; set cp 1")
     if cfg.rollout.multi_turn.enable or cfg.rollout.agent or cfg.trainer.mode != "sync":
         what = "rollout.multi_turn" if cfg.rollout.multi_turn.enable else \
             "rollout.agent" if cfg.rollout.agent else f"trainer.mode={cfg.trainer.mode}"

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megappo.parallel.weight_mapping import (HF_ROUTER_BIAS, VISION_PREFIX, ModelDims, hf_names, is_hf_moe_tensor, megatron_name,
-                                             megatron_param_names, mla_attention_names, mla_shapes, routed_expert,
-                                             transformer_config_kwargs)
+from megappo.parallel.weight_mapping import (HF_ROUTER_BIAS, VISION_PREFIX, ModelDims, hf_names, is_hf_moe_tensor,
+                                             megatron_name, megatron_param_names, mla_attention_names, mla_shapes,
+                                             routed_expert, transformer_config_kwargs)
 from megappo.conversion.dcp_io import Item
 from megappo.conversion.errors import ConvertError, read_json
 

@@ -302,8 +302,7 @@ def build_gpt_chunks(hf_config, config, layout: ParallelLayout, value_head: bool
         if dims.vision:
             from megappo.models.vision_gpt import VisionLanguageGPT
 
-            cls, vision = VisionLanguageGPT, dict(vision_config=hf_config.vision_config, freeze_vision=freeze_vision,
-                                                  image_token_id=hf_config.image_token_id)
+            cls, vision = VisionLanguageGPT, dict(vision_config=hf_config.vision_config, freeze_vision=freeze_vision)
         model = cls(
             config=config,
             transformer_layer_spec=layer_spec,

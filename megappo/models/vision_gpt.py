@@ -26,9 +26,8 @@ class VisionLanguageGPT(GPTModel):
     """GPTModel with a vision tower on its first stage. forward takes `images` (models/vision.images_of) and
     position_ids [b, s, 3] (M-RoPE; megatron's are [3, b, s]); a later stage ignores the images."""
 
-    def __init__(self, *args, vision_config, image_token_id: int, freeze_vision: bool = False, **kwargs):
+    def __init__(self, *args, vision_config, freeze_vision: bool = False, **kwargs):
         super().__init__(*args, scatter_embedding_sequence_parallel=False, **kwargs)
-        self.image_token_id = int(image_token_id)
         if self.pre_process:
             self.visual = vision_tower(vision_config, self.config.params_dtype)
             self.visual.requires_grad_(not freeze_vision)

@@ -390,9 +390,7 @@ class ModelDims:
     @classmethod
     def from_hf_dict(cls, raw: dict, tp: int = 1, value_head: bool = False) -> "ModelDims":
         """From a HF config.json read as a dict (no transformers import)."""
-        import types
-
-        return cls.from_hf_config(types.SimpleNamespace(**raw), tp=tp, value_head=value_head)
+        return cls.from_hf_config(_namespace(raw), tp=tp, value_head=value_head)
 
     @property
     def heads_per_group(self) -> int:
