@@ -153,7 +153,7 @@ def rehearse(cfg, shard, model_dir: Path, micro_batches: int, meter: Meter) -> d
 
     from megappo.parallel.layout import ParallelLayout
     from megappo.parallel.resharding import Resharder
-    from megappo.planner import total_params
+    from megappo.param_counts import total_params
     from megappo.workers.engine_config import engine_config_from
     from megappo.workers.megatron_engine import MegatronEngine
 
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     from megappo.parallel.launch import free_port
     from megappo.parallel.layout import ParallelLayout
     from megappo.parallel.megatron_init import init_distributed, init_megatron
-    from megappo.planner import CUDA_CONTEXT_GB, OVERHEAD_GB, plan
+    from megappo.memory_model import CUDA_CONTEXT_GB, OVERHEAD_GB, plan
 
     try:
         cfg = load_config(args.config, args.overrides)

@@ -1,4 +1,4 @@
-"""Parameter counts of a config's model.arch, as `megappo plan` counts them (planner.py's docstring states the model):
+"""Parameter counts of a config's model.arch, as `megappo plan` counts them (memory_model.py states the model):
 per layer (attention, multi-latent attention, the MoE layers and their experts, shared experts), per GPU of the worst
 pipeline stage, in all; LoRA's adapters and an adapter sync; vLLM's KV cache per token and the parameters every
 rollout TP rank holds whole. Shapes only: no torch."""

@@ -283,7 +283,7 @@ def test_gpu_rehearsal_runs_the_phases_with_torch_and_megatron_only():
     import json
 
     from megappo.config import load_config
-    from megappo.planner import total_params
+    from megappo.param_counts import total_params
 
     sys.path.insert(0, str(REPO / "bench"))
     from gpu_rehearsal import PHASES, shard_config

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from megappo.config import load_config
-from megappo.planner import plan, total_params, with_pool
+from megappo.memory_model import plan
+from megappo.param_counts import total_params
+from megappo.planner import with_pool
 
 REPO = Path(__file__).resolve().parents[1]
 GB = 1024**3
@@ -203,7 +205,7 @@ def _count_adapters(rank, world, port, path, lora_rank, targets=None):
 def test_lora_adapter_count_equals_apply_lora_on_the_tiny_model(tiny_assets):
     """The planner's adapter parameters per GPU are the real apply_lora's, at TP1 and TP2 (A / B split)."""
     from megappo.parallel.launch import spawn_local
-    from megappo.planner import lora_params
+    from megappo.param_counts import lora_params
 
     path = str(tiny_assets["tiny-llama"])
     cfg = load_config(REPO / "configs/ppo_tiny.yaml", [f"model.path={path}", "actor.lora.rank=4"], validate=False)
@@ -216,7 +218,7 @@ def test_mla_lora_adapter_count_equals_apply_lora(tiny_assets):
     """LoRA on multi-latent attention's projections (and its dense layers' MLP): the planner's adapter parameters per
     GPU are apply_lora's on the tiny DeepSeek-V3 at TP2 (every MLA projection column-parallel: B split)."""
     from megappo.parallel.launch import spawn_local
-    from megappo.planner import lora_params
+    from megappo.param_counts import lora_params
 
     path = str(tiny_assets["tiny-deepseek_v3"])
     targets = ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj",
@@ -260,7 +262,7 @@ def test_expert_lora_adapter_count_equals_apply_lora_at_ep2(tiny_assets):
     """With actor.lora.experts the planner's (dense, expert) adapter parameters per GPU are apply_lora's on the
     tiny Qwen3-MoE at DP2 x EP2 (each rank's 2 of the 4 experts of layers 1-3, layer 0's dense MLP)."""
     from megappo.parallel.launch import spawn_local
-    from megappo.planner import lora_params
+    from megappo.param_counts import lora_params
 
     path = str(tiny_assets["tiny-qwen3_moe"])
     cfg = load_config(REPO / "configs/ppo_tiny_moe.yaml", [f"model.path={path}", "actor.lora.rank=4",
@@ -324,7 +326,7 @@ def test_adapter_sync_count_equals_the_gathered_peft_adapter(tiny_assets):
     """The planner's adapter-sync parameters are what gather_hf_lora (the adapter sync's payload) holds: the tiny
     Llama at TP2 and the tiny Qwen3-MoE with expert adapters at DP2 x EP2."""
     from megappo.parallel.launch import spawn_local
-    from megappo.planner import adapter_sync_params
+    from megappo.param_counts import adapter_sync_params
 
     for name, base, experts in (("tiny-llama", "ppo_tiny.yaml", False), ("tiny-qwen3_moe", "ppo_tiny_moe.yaml", True)):
         path = str(tiny_assets[name])
@@ -365,7 +367,7 @@ def test_a_frozen_roles_forward_peak_is_planned_in_its_phase_and_unfused_mla_cou
     its s x s scores (5 a s^2 b / tp bytes), so DeepSeek-V3's plan grows with the square of the length and a length
     that does not fit is refused (flash attention's families grow linearly)."""
     from megappo.parallel.weight_mapping import padded_vocab_size
-    from megappo.planner import FORWARD_LOGIT_BYTES, forward_bytes
+    from megappo.memory_model import FORWARD_LOGIT_BYTES, forward_bytes
 
     cfg = load_config(REPO / "configs/ppo_7b.yaml", ["critic.offload=false"])
     got = plan(cfg)
@@ -620,7 +622,8 @@ def _published_pools() -> list:
 def _check_pools(search_all: bool) -> None:
     """Each published pool fits at its layout with its peak; `search_all` (else: 1-node pools only): --smallest
     finds exactly it. Then the LoRA figures below the table, from the 235B's two LoRA pools."""
-    from megappo.planner import lora_params, smallest
+    from megappo.param_counts import lora_params
+    from megappo.planner import smallest
 
     pools = _published_pools()
     for cfg, m in pools:
@@ -682,7 +685,7 @@ def test_context_parallel_splits_a_ranks_tokens_and_shards_the_optimizer_against
     activations halve with cp; the attention's gathered K/V stay s x kv_dim per layer (all-gathered), SDPA's additive
     mask is 2 B x L x cp*L, the bool mask L x cp*L, one at a time (L = s / cp); weights and grads are whole on every CP
     rank, the optimizer's state sharded over dp * cp (experts over dp * cp / ep)."""
-    from megappo.planner import activation_terms
+    from megappo.memory_model import activation_terms
 
     base = load_config(REPO / QWEN_64K)
     s, got = 65536, {}
@@ -712,7 +715,7 @@ def test_context_parallel_splits_a_ranks_tokens_and_shards_the_optimizer_against
     assert 2 * (t4["layers"] - t4["cp_kv_per_layer"] - t4["cp_bias_per_layer"]) == \
         t2["layers"] - t2["cp_kv_per_layer"] - t2["cp_bias_per_layer"]
     assert m2["weights_gb"] == m4["weights_gb"] and m2["grads_gb"] == m4["grads_gb"]
-    from megappo.planner import stage_split
+    from megappo.param_counts import stage_split
 
     dense, experts = stage_split(c4, 4, 1, 2, "lm")
     assert m4["optimizer_gb"] == round(12 * (dense / (2 * 4) + experts / (2 * 4 // 2)) / GB, 2)

@@ -111,7 +111,7 @@ class ResourcesConfig:
     workers_per_node: int = 2  # GPUs per node on GPU; worker processes per node on CPU
     cpus_per_worker: int = 1
     # per GPU, for the planner: GiB as the device reports it (torch.cuda.get_device_properties(0).total_memory / 2**30:
-    # 79.6 on an 80 GB H100 or A100, 139.8 on a 141 GB H200); a plan must leave 5% of it free (planner.HEADROOM)
+    # 79.6 on an 80 GB H100 or A100, 139.8 on a 141 GB H200); a plan must leave 5% of it free (memory_model.HEADROOM)
     gpu_memory_gb: float = 79.6
     # async mode: rollout runs on its own pool of this many workers (0 = colocated hybrid engine)
     rollout_workers: int = 0

@@ -32,7 +32,7 @@ def sliced_sync(train_tp: int, rollout_tp: int) -> bool:
 def same_layout(a, b, but: tuple[str, ...] = ()) -> bool:
     """Whether two roles' parallel settings (a config's `parallel` or a ParallelLayout) cut the world the
     same way, ep included (the keys in `but` aside): roles that do share worker processes, and so one
-    megatron parallel_state (ppo/workers.py; planner.py counts the processes the same way)."""
+    megatron parallel_state (ppo/workers.py; memory_model.py counts the processes the same way)."""
     return all(getattr(a, k) == getattr(b, k) for k in LAYOUT_KEYS if k not in but)
 
 
