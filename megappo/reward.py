@@ -12,6 +12,7 @@ score is the rule's (a reward.combine source's weighted sum), as training has it
 length penalties, which need the generated tokens; terms is each term's value (a source without
 reward.combine has one, rule:<source>); metrics the rule's own (the code reward's outcome, the judge's judge_errors). A row whose rule
 failed has "failed": "error" | "timeout" and scores 0, as in training. A bad row is one line naming the fix.
+A reward.judge.model judge is served on its own engine for the run (rewards/judge_engine.py).
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ def score(rows: list[dict], scorers: dict) -> list[dict]:
 
 def main(args: argparse.Namespace) -> int:
     from megappo.config import ConfigError, load_config
+    from megappo.rewards.judge import start_judges
 
     path, out = Path(args.input), Path(args.out)
     try:
@@ -115,10 +117,15 @@ def main(args: argparse.Namespace) -> int:
         scorers = _scorers(cfg)
         rows = read_records(path)
         _check(rows, scorers, path)
-    except DataError as e:
+        judges = start_judges(scorers)  # reward.judge.model: its engine, for these rows
+    except ValueError as e:  # DataError, and a judge engine that does not start
         print(f"megappo reward: {e}", file=sys.stderr)
         return 1
-    lines = score(rows, scorers)
+    try:
+        lines = score(rows, scorers)
+    finally:
+        for judge in judges:
+            judge.close()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(line) + "\n" for line in lines))
     summary = defaultdict(list)

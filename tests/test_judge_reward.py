@@ -2,8 +2,9 @@
 tiny llama equals the probability transformers computes on the same weights (fp32), for chat: false and
 chat: true, through the RewardManager as the trainer's reward step runs it (a judge source and a combine term);
 a stand-in server (tests/distill_helpers.FakeTeacher) for the concurrency cap, a judge dropping connections
-mid-run (retried, counted) and one that fails every try (the fallback, reward/judge_errors); bad input in one
-line each."""
+mid-run (retried, counted) and one that fails every try (the fallback, reward/judge_errors); reward.judge.model
+through `megappo reward`: the judge on its own engine (a Ray actor) gives the same probability, and is stopped;
+bad input in one line each."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from test_reward_rules import BASE, batch
 TEMPLATE = "Question: {prompt} Answer: {response} Reference: {ground_truth} Is the answer right?"
 PROMPTS = ["What is 2+3?", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]]
 RESPONSES, TRUTHS = ["5", "blue"], ["5", "red"]
+QUESTIONS = ["What is 2+3?", "Name a color."]  # what the judge reads of PROMPTS (a chat prompt: its last user turn)
 
 
 def judge_config(tiny_assets, url: str, *overrides: str):
@@ -70,34 +72,41 @@ def fake():
         s.close()
 
 
-@pytest.mark.parametrize("chat", [False, True])
-def test_p_positive_is_the_judge_models_own(tiny_assets, tokenizer, judge_server, chat):
+def transformers_p(model, tokenizer, prompt, response, truth, chat: bool) -> float:
+    """P(" Yes") / (P(" Yes") + P(" No")) as transformers computes it on the judge model (fp32, summed in fp64)."""
+    text = TEMPLATE.format(prompt=prompt, response=response, ground_truth=truth)
+    if chat:
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)
+        ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(text)["input_ids"]
+
+    def log_p(verdict):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + verdict])).logits[0].double().log_softmax(-1)
+        return sum(float(logits[len(ids) + j - 1, t]) for j, t in enumerate(verdict))
+
+    yes, no = (log_p(tokenizer(v, add_special_tokens=False)["input_ids"]) for v in (" Yes", " No"))
+    return float(np.exp(yes) / (np.exp(yes) + np.exp(no)))
+
+
+@pytest.fixture(scope="module")
+def judge_model(tiny_assets):
     from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_pretrained(tiny_assets["tiny-llama"], dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_p_positive_is_the_judge_models_own(tiny_assets, tokenizer, judge_model, judge_server, chat):
     cfg = judge_config(tiny_assets, judge_server, f"reward.judge.chat={str(chat).lower()}",
                        "reward.judge.sources=[judged]",
                        "reward.combine={mix: [{term: judge, weight: 0.75}, {term: 'rule:arithmetic', weight: 0.25}]}")
     manager = RewardManager(tokenizer, 0, non_stop_penalty=False, scorers=load_rewards(cfg.reward))
     rows = manager.score_rows(judge_batch(tokenizer, ["judged", "mix"], PROMPTS, RESPONSES, TRUTHS))
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_assets["tiny-llama"], dtype=torch.float32).eval()
-    questions = ["What is 2+3?", "Name a color."]  # a chat prompt: its last user turn
-
-    def log_p(ids, verdict):
-        with torch.no_grad():
-            logits = model(torch.tensor([ids + verdict])).logits[0].double().log_softmax(-1)
-        return sum(float(logits[len(ids) + j - 1, t]) for j, t in enumerate(verdict))
-
     for i, row in enumerate(rows):
-        text = TEMPLATE.format(prompt=questions[i], response=RESPONSES[i], ground_truth=TRUTHS[i])
-        if chat:
-            rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                     add_generation_prompt=True)
-            ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
-        else:
-            ids = tokenizer(text)["input_ids"]
-        yes, no = (log_p(ids, tokenizer(v, add_special_tokens=False)["input_ids"]) for v in (" Yes", " No"))
-        want = np.exp(yes) / (np.exp(yes) + np.exp(no))
+        want = transformers_p(judge_model, tokenizer, QUESTIONS[i], RESPONSES[i], TRUTHS[i], chat)
         got = row.extras["term/judge"] if row.source == "mix" else row.rule_score
         assert not row.scorer_error and got == pytest.approx(want, abs=1e-4), (i, got, want)
         assert 0.0 < got < 1.0
@@ -171,13 +180,23 @@ def test_an_endpoint_that_never_answers_is_one_line_and_the_fallback(tiny_assets
                                  "e.g. ' Yes'"),
     ("reward.judge.negative=''", "reward.judge.negative is empty; give the verdict text the judge answers, e.g. ' No'"),
     ("reward.judge.fallback=null", "reward.judge.fallback=None must be a finite number: the score a row gets"),
-    ("reward.judge.model=/models/judge", "reward.judge.model (a judge megappo serves on its own engines) is not yet "
-                                         "built; serve it"),
     ("reward.judge.tokenizer=/nonexistent", "reward.judge.tokenizer=/nonexistent is not a directory"),
+    # where the judge runs: a server or a model megappo serves (one of them); the model a HF dir, on 0 or 1 GPUs
+    ("reward.judge.model=TINY", "reward.judge sets both endpoint (a server) and model (a judge megappo serves); "
+                                "set one"),
+    ("reward.judge.endpoint=null", "reward.judge needs reward.judge.endpoint, an OpenAI-compatible server, e.g. "
+                                   "http://127.0.0.1:8000/v1 (megappo serve --model DIR, vllm serve), or "
+                                   "reward.judge.model, a HF dir"),
+    (("reward.judge.endpoint=null", "reward.judge.model=/nonexistent"),
+     "reward.judge.model=/nonexistent is not a HF model dir (config.json + *.safetensors)"),
+    (("reward.judge.endpoint=null", "reward.judge.model=TINY", "reward.judge.gpus=2"),
+     "reward.judge.gpus=2 must be 0 (the CPU) or 1; a judge on more GPUs: serve"),
 ])
 def test_bad_judge_settings_are_one_line(tiny_assets, override, message):
     with pytest.raises(ConfigError) as e:
-        judge_config(tiny_assets, "http://127.0.0.1:9/v1", "reward.judge.sources=[judged]", override)
+        judge_config(tiny_assets, "http://127.0.0.1:9/v1", "reward.judge.sources=[judged]",
+                     *(o.replace("TINY", str(tiny_assets["tiny-llama"])) for o in
+                       ((override,) if isinstance(override, str) else override)))
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -212,3 +231,46 @@ def test_megappo_reward_passes_the_rows_prompt_to_the_judge(tiny_assets, judge_s
     rc, _, stderr = run_cli("reward", "--config", BASE, "--input", tmp_path / "rows.jsonl", "--out",
                             tmp_path / "s.jsonl", *args)
     assert rc == 1 and "row 1 has no prompt, which reward.judge.prompt's {prompt} reads" in stderr.strip()
+
+
+def test_megappo_reward_serves_reward_judge_model_on_its_own_engine(tiny_assets, tokenizer, judge_model, ray_session,
+                                                                    tmp_path):
+    """reward.judge.model: `megappo reward` starts the judge on its own vLLM engine (a Ray actor serving it on
+    loopback), scores each row through it as through an endpoint (echoed verdict log-probs), and stops it; the
+    probability is the judge model's own. An engine that cannot start is one line."""
+    import json
+
+    from ray._private.state import actors
+
+    from cli_helpers import run_cli
+
+    args = [f"reward.judge.model={tiny_assets['tiny-llama']}", f"reward.judge.prompt='{TEMPLATE}'",
+            "reward.judge.fallback=0.5", "reward.judge.sources=[judged]", "reward.judge.chat=false",
+            "reward.judge.max_model_len=256", "reward.judge.max_tokens=8", "reward.judge.kv_cache_memory_mb=32"]
+    rows = [{"data_source": "judged", "prompt": p, "response": r, "ground_truth": t}
+            for p, r, t in zip(PROMPTS, RESPONSES, TRUTHS)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def judge_actors(state=None):
+        return [a for a in actors().values() if a["ActorClassName"].endswith("_JudgeServer")
+                and (state is None or a["State"] == state)]
+
+    before = len(judge_actors())
+    rc, _, stderr = run_cli("reward", "--config", BASE, "--input", tmp_path / "rows.jsonl", "--out",
+                            tmp_path / "s.jsonl", *args)
+    assert rc == 0, stderr
+    lines = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
+    for i, line in enumerate(lines):
+        want = transformers_p(judge_model, tokenizer, QUESTIONS[i], RESPONSES[i], TRUTHS[i], chat=False)
+        assert line["metrics"] == {"judge_errors": 0.0} and line["score"] == pytest.approx(want, abs=1e-4), (i, line)
+    # one engine started for the run, and stopped with it
+    assert len(judge_actors()) == before + 1 and judge_actors("ALIVE") == []
+    # an engine that cannot start: one line, before anything is scored
+    for override, message in [("reward.judge.gpus=1", "reward.judge.gpus=1 but this node has 0 GPUs in Ray; set "
+                                                      "reward.judge.gpus=0 to run the judge on the CPU"),
+                              ("reward.judge.max_model_len=4096", "reward.judge.max_model_len=4096 exceeds the "
+                                                                  "judge's 512 positions")]:
+        rc, _, stderr = run_cli("reward", "--config", BASE, "--input", tmp_path / "rows.jsonl", "--out",
+                                tmp_path / "t.jsonl", *args, override)
+        assert rc == 1 and stderr.strip().startswith(f"megappo reward: {message}") and "\n" not in stderr.strip()
+    assert not (tmp_path / "t.jsonl").exists() and judge_actors("ALIVE") == []

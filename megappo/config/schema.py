@@ -350,6 +350,11 @@ class DataConfig:
     val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"
     max_prompt_length: int = 128
+    # a vision-language model, for `megappo plan`: the most image-pad tokens one sample holds (its images' merged
+    # patches: a 112 x 112 image is 16), which sizes the vision tower's activations (spatial_merge_size^2 patches
+    # each; vision_memory.py); null: data.max_prompt_length, every prompt token an image's (the bound). The data are
+    # not checked against it
+    max_image_tokens: Optional[int] = None
     train_batch_size: int = 8  # prompts per PPO step
     val_batch_size: int = 16
     shuffle: bool = True
@@ -426,7 +431,8 @@ class CodeRewardConfig:
 
 @dataclass
 class JudgeRewardConfig:
-    """The generative judge (rewards/judge.py): a model behind an OpenAI-compatible server judges each response;
+    """The generative judge (rewards/judge.py): a model behind an OpenAI-compatible server (`endpoint`, or `model`
+    on an engine of megappo's own) judges each response;
     the score is P(positive) / (P(positive) + P(negative)), each verdict's log-probability scored exactly (prompt
     + verdict ids over /v1/completions with echo), or a grade `parse` reads from its text. Used by the sources
     listed in `sources` and by a reward.combine term `judge`."""
@@ -435,8 +441,18 @@ class JudgeRewardConfig:
     endpoint: Optional[str] = None
     endpoint_model: Optional[str] = None  # the model name sent; None = the first one /v1/models lists
     api_key_env: str = "MEGAPPO_JUDGE_API_KEY"  # the environment variable holding its key (never logged)
-    model: Optional[str] = None  # a judge megappo serves on its own engines: not yet built (use endpoint)
+    # instead of endpoint: a HF dir megappo serves the judge from, on a vLLM engine of its own (a Ray actor on this
+    # node, on loopback; rewards/judge_engine.py). Not colocated in the rollout's pool (its GPUs by sleep mode)
+    model: Optional[str] = None
+    # model: its GPUs, 0 (the CPU) or 1, its own (not the pools'); null = 1 when this node has a GPU, else 0
+    gpus: Optional[int] = None
+    # model: its vLLM engine (rollout's keys): tokens of one request, prompt + verdict (null: the model's positions)
+    max_model_len: Optional[int] = None
+    dtype: Optional[str] = None  # model: null = bfloat16 on GPU, float32 on CPU
+    gpu_memory_utilization: float = 0.9  # model, on GPU: its GPU's share (the GPU is the judge's alone)
+    kv_cache_memory_mb: int = 64  # model, on CPU: vLLM's KV cache
     # the judge model's HF dir: its tokenizer (and chat template) renders the token ids the server scores
+    # (null with model: the model's)
     tokenizer: Optional[str] = None
     # the judge's prompt: a template of {prompt}, {response} (required) and {ground_truth}
     prompt: str = ""

@@ -77,6 +77,7 @@ from megappo.models.routing_replay import ROUTES
 from megappo.models.vision import IMAGE_KEYS
 from megappo.parallel.model_dims import language_config
 from megappo.protocol import DataProto
+from megappo.rewards.judge import start_judges
 from megappo.rewards.manager import RewardManager
 from megappo.rewards.rules import load_rewards
 from megappo.utils.checkpoint import PendingCheckpoint
@@ -192,6 +193,14 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
             self.teacher_endpoint.check()  # there, and its model named, before any worker starts
         self.resource_pool_manager = None
         self._plotting: Optional[threading.Thread] = None  # fit's reward_curve.png, drawn in the background
+        # reward.judge.model: the judge's own engine, once, after every check and before any worker (shutdown stops it)
+        self.judges = start_judges(rules)
+
+    def shutdown(self, stop_ray: bool = False) -> None:
+        """WorkersMixin.shutdown, the judge's own engine (reward.judge.model) first."""
+        for judge in self.judges:
+            judge.close()
+        super().shutdown(stop_ray)
 
     def _check_inputs(self) -> None:
         """Before any worker starts: the tokenizer fits the model, and every data_source has a reward rule

@@ -106,7 +106,7 @@ def _rule(at: str, name, code: Rule, rules: dict, rm_enabled: bool, judge: Optio
     if name == "judge":
         if judge is None:
             raise ValueError(f"{at}.term=judge needs the judge's server: set reward.judge.endpoint (and its tokenizer, "
-                             "prompt and fallback), or drop the term")
+                             "prompt and fallback) or reward.judge.model (a HF dir megappo serves), or drop the term")
         return judge
     if isinstance(name, str) and name.startswith("rule:"):
         rule = rules.get(name[len("rule:"):])

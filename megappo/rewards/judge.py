@@ -9,6 +9,10 @@ a template filled with the row's {prompt}, {response} and {ground_truth} and giv
         fallback: 0.5                       # what a row the judge failed gets (counted in reward/judge_errors)
         sources: [my_source]                # data sources the judge scores alone; or a combine term `judge`
 
+or, instead of `endpoint`, `model: /models/judge` (its tokenizer the default): megappo serves the judge on a
+vLLM engine of its own (rewards/judge_engine.py: a Ray actor on `gpus` GPUs, on loopback under a key made
+there), started once by `start_judges` (the trainer, `megappo reward`) and asked as an endpoint is.
+
 The prompt is rendered here, by the judge's tokenizer: `chat: true` as one user turn through its chat template
 (the generation prompt appended), `chat: false` as raw text (with the tokenizer's BOS). Verdict scoring (the
 default) sends /v1/completions the token ids prompt + verdict for each of `positive` and `negative`, with
@@ -24,8 +28,8 @@ times, backoff doubling from `backoff_s`, capped at 30 s, jittered), at most `co
 batch. A row that fails (every try, a refusal, no parsable grade) scores `fallback` with failure "error" (counted
 in reward/num_scorer_errors) and judge_errors=1 (reward/judge_errors: the step's count), warned once per call.
 The judge needs the row's prompt: the RewardManager and `megappo reward` put it in extra_info[PROMPT]
-(rewards/rules.py) for a source whose rule has `needs_prompt`. The API key is read from $`api_key_env`, never
-logged. This module imports no torch; httpx and the tokenizer load on first use.
+(rewards/rules.py) for a source whose rule has `needs_prompt`. The API key is read from $`api_key_env` (an own
+engine's is made for it), never logged. This module imports no torch; httpx and the tokenizer load on first use.
 """
 
 from __future__ import annotations
@@ -77,18 +81,22 @@ class JudgeReward:
     needs_prompt = True
 
     def __init__(self, judge):
-        """From the config's reward.judge section; ValueError in one line naming the fix."""
-        if judge.model:
-            raise ValueError("reward.judge.model (a judge megappo serves on its own engines) is not yet built; "
-                             "serve it (megappo serve --model DIR) and set reward.judge.endpoint")
-        if not judge.endpoint:
+        """From the config's reward.judge section; ValueError in one line naming the fix. reward.judge.model: the
+        engine starts in `start()` (the trainer and `megappo reward` start it once and `close()` it)."""
+        if judge.model and judge.endpoint:
+            raise ValueError("reward.judge sets both endpoint (a server) and model (a judge megappo serves); set one")
+        if not (judge.model or judge.endpoint):
             raise ValueError("reward.judge needs reward.judge.endpoint, an OpenAI-compatible server, e.g. "
-                             "http://127.0.0.1:8000/v1 (megappo serve --model DIR, vllm serve)")
-        if not judge.tokenizer:
+                             "http://127.0.0.1:8000/v1 (megappo serve --model DIR, vllm serve), or reward.judge.model, "
+                             "a HF dir megappo serves on its own engine")
+        if judge.model:
+            _check_engine(judge)
+        tokenizer = judge.tokenizer or judge.model
+        if not tokenizer:
             raise ValueError("reward.judge.tokenizer is not set; give the judge model's HF dir (its tokenizer renders "
                              "the prompt the server scores)")
-        if not os.path.isdir(os.path.expanduser(str(judge.tokenizer))):
-            raise ValueError(f"reward.judge.tokenizer={judge.tokenizer} is not a directory; give the judge model's HF "
+        if not os.path.isdir(os.path.expanduser(str(tokenizer))):
+            raise ValueError(f"reward.judge.tokenizer={tokenizer} is not a directory; give the judge model's HF "
                              "dir (its tokenizer renders the prompt the server scores)")
         check_template(judge.prompt)
         for key in ("positive", "negative"):
@@ -112,8 +120,10 @@ class JudgeReward:
         for key, (ok, rule) in rules.items():
             if not ok:
                 raise ValueError(f"reward.judge.{key}={getattr(judge, key)!r} must be {rule}")
-        self.cfg = judge
-        self.url = judge.endpoint.rstrip("/")
+        self.cfg, self.tokenizer_dir = judge, os.path.expanduser(str(tokenizer))
+        self.url = judge.endpoint.rstrip("/") if judge.endpoint else None  # reward.judge.model: once started
+        self.where = f"reward.judge.endpoint {self.url}"  # how an error names the server
+        self.engine = None  # reward.judge.model's (rewards/judge_engine.py)
         self.fallback = float(judge.fallback)
         self._tokenizer = None
         self._lock = threading.Lock()
@@ -127,9 +137,9 @@ class JudgeReward:
             from transformers import AutoTokenizer
 
             try:
-                self._tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(self.cfg.tokenizer))
+                self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
             except Exception as e:  # noqa: BLE001 - a path that holds no tokenizer
-                raise ValueError(f"reward.judge.tokenizer={self.cfg.tokenizer}: no tokenizer loads there "
+                raise ValueError(f"reward.judge.tokenizer={self.tokenizer_dir}: no tokenizer loads there "
                                  f"({type(e).__name__}); give the judge model's HF dir") from None
         return self._tokenizer
 
@@ -153,9 +163,29 @@ class JudgeReward:
         """P(positive) / (P(positive) + P(negative)) from the two log-probabilities (stable at any scale)."""
         return 1.0 / (1.0 + math.exp(min(log_negative - log_positive, 700.0)))
 
+    # ---- reward.judge.model's engine -------------------------------------------------------------------
+
+    def start(self) -> "JudgeReward":
+        """reward.judge.model: its engine up, this judge pointed at it (once; nothing for an endpoint)."""
+        if self.cfg.model and self.engine is None:
+            from megappo.rewards.judge_engine import JudgeEngine
+
+            self.engine = JudgeEngine.start(self.cfg)
+            self.url = self.engine.url
+            self.where = f"reward.judge.model {self.cfg.model} (served at {self.url})"
+        return self
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
+            self.engine = None
+
     # ---- the rule ----------------------------------------------------------------------------------------
 
     def __call__(self, responses: list, ground_truths: list, extra_infos: list) -> list[Scored]:
+        if self.url is None:
+            raise RuntimeError("reward.judge.model's engine is not started: JudgeReward.start() first "
+                               "(start_judges, as the trainer and megappo reward do)")
         rows = [self.prompt_ids((info or {}).get(PROMPT), str(r), t)
                 for r, t, info in zip(responses, ground_truths, extra_infos)]
         with ThreadPoolExecutor(1, thread_name_prefix="judge") as pool:  # its own event loop, whatever the caller's
@@ -172,7 +202,7 @@ class JudgeReward:
     async def _judge_all(self, rows: list[list[int]]) -> list:
         import httpx
 
-        key = os.environ.get(self.cfg.api_key_env) if self.cfg.api_key_env else None
+        key = self.engine.key if self.engine else os.environ.get(self.cfg.api_key_env or "")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         n = self.cfg.concurrency
         gate = asyncio.Semaphore(n)
@@ -204,8 +234,7 @@ class JudgeReward:
             body = await self._request(client, gate, "GET", "/models", None, "the model list")
             return next(m["id"] for m in body["data"] if isinstance(m, dict) and m.get("id"))
         except (KeyError, TypeError, StopIteration):
-            raise JudgeError(f"reward.judge.endpoint {self.url} lists no model at /models; set "
-                             "reward.judge.endpoint_model") from None
+            raise JudgeError(f"{self.where} lists no model at /models; set reward.judge.endpoint_model") from None
 
     async def _log_prob(self, client, gate, model: str, ids: list[int], verdict: list[int], i: int) -> float:
         """log P(verdict | prompt): the verdict tokens' echoed log-probs, summed."""
@@ -216,12 +245,12 @@ class JudgeReward:
             lps = answer["choices"][0]["logprobs"]["token_logprobs"][len(ids):len(full)]
             total = sum(float(lp) for lp in lps)
         except (KeyError, IndexError, TypeError, ValueError):
-            raise JudgeError(f"reward.judge.endpoint {self.url}: row {i}'s answer has no echoed log-probs "
-                             "(choices[0].logprobs.token_logprobs); it must be a completions server that supports "
-                             "echo (megappo serve, vllm serve)") from None
+            raise JudgeError(f"{self.where}: row {i}'s answer has no echoed log-probs (choices[0].logprobs."
+                             "token_logprobs); it must be a completions server that supports echo (megappo serve, "
+                             "vllm serve)") from None
         if len(lps) != len(verdict):
-            raise JudgeError(f"reward.judge.endpoint {self.url}: row {i}'s {len(full)} token ids came back as "
-                             "fewer log-probs; the server must score the ids as sent")
+            raise JudgeError(f"{self.where}: row {i}'s {len(full)} token ids came back as fewer log-probs; the "
+                             "server must score the ids as sent")
         return total
 
     async def _parse(self, client, gate, model: str, ids: list[int], i: int) -> float:
@@ -230,7 +259,7 @@ class JudgeReward:
         try:
             text = str(answer["choices"][0]["text"])
         except (KeyError, IndexError, TypeError):
-            raise JudgeError(f"reward.judge.endpoint {self.url}: row {i}'s answer has no choices[0].text") from None
+            raise JudgeError(f"{self.where}: row {i}'s answer has no choices[0].text") from None
         match = re.search(self.cfg.parse, text)
         try:
             grade = float(match.group(1) if match.groups() else match.group(0))
@@ -263,10 +292,10 @@ class JudgeReward:
         try:
             return await request_json(client, method, path, body, c.retries, c.backoff_s, counted, retried)
         except Refused as e:
-            raise JudgeError(f"reward.judge.endpoint {self.url} refused {what}: {e}") from None
+            raise JudgeError(f"{self.where} refused {what}: {e}") from None
         except GaveUp as e:
-            raise JudgeError(f"reward.judge.endpoint {self.url} failed {what} {e}; check the server, or raise "
-                             "reward.judge.retries / timeout_s") from None
+            raise JudgeError(f"{self.where} failed {what} {e}; check the server, or raise reward.judge.retries / "
+                             "timeout_s") from None
 
 
 def _int(v) -> bool:
@@ -275,3 +304,44 @@ def _int(v) -> bool:
 
 def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_engine(judge) -> None:
+    """reward.judge.model and its engine's settings, before anything starts."""
+    from megappo.model_dirs import ModelDirError, kind_of
+
+    try:
+        hf = kind_of(os.path.expanduser(str(judge.model))) == "hf"
+    except ModelDirError:
+        hf = False
+    if not hf:
+        raise ValueError(f"reward.judge.model={judge.model} is not a HF model dir (config.json + *.safetensors); give "
+                         "one (megappo export turns a checkpoint into one)")
+    if judge.gpus not in (None, 0, 1) or isinstance(judge.gpus, bool):
+        raise ValueError(f"reward.judge.gpus={judge.gpus!r} must be 0 (the CPU) or 1; a judge on more GPUs: serve it "
+                         "(vllm serve --tensor-parallel-size N) and set reward.judge.endpoint")
+    rules = {"max_model_len": (judge.max_model_len is None or _int(judge.max_model_len) and judge.max_model_len >= 2,
+                               "a whole number >= 2, or null (the model's positions)"),
+             "gpu_memory_utilization": (_num(judge.gpu_memory_utilization) and 0 < judge.gpu_memory_utilization <= 1,
+                                        "a fraction in (0, 1]"),
+             "kv_cache_memory_mb": (_int(judge.kv_cache_memory_mb) and judge.kv_cache_memory_mb >= 1,
+                                    "a whole number of MiB >= 1")}
+    for key, (ok, rule) in rules.items():
+        if not ok:
+            raise ValueError(f"reward.judge.{key}={getattr(judge, key)!r} must be {rule}")
+
+
+def judges_of(scorers: dict) -> list[JudgeReward]:
+    """The judges among {data_source: Rule} (rewards/rules.load_rewards: one, shared by its sources and terms)."""
+    from megappo.rewards.combine import Combined
+
+    found: list[JudgeReward] = []
+    for rule in scorers.values():
+        fns = [t.rule.fn for t in rule.fn.terms if t.rule] if isinstance(rule.fn, Combined) else [rule.fn]
+        found += [fn for fn in fns if isinstance(fn, JudgeReward) and all(fn is not f for f in found)]
+    return found
+
+
+def start_judges(scorers: dict) -> list[JudgeReward]:
+    """Start reward.judge.model's engine among `scorers`; the judges started, to `close()` at shutdown."""
+    return [judge.start() for judge in judges_of(scorers) if judge.cfg.model]
