@@ -12,7 +12,7 @@ score is the rule's (a reward.combine source's weighted sum), as training has it
 length penalties, which need the generated tokens; terms is each term's value (a source without
 reward.combine has one, rule:<source>); metrics the rule's own (the code reward's outcome, the judge's judge_errors). A row whose rule
 failed has "failed": "error" | "timeout" and scores 0, as in training. A bad row is one line naming the fix.
-A reward.judge.model judge is served on its own engine for the run (rewards/judge_engine.py).
+A reward.judge.model judge is served on its own engine for the run (ppo/judge_engine.py).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def score(rows: list[dict], scorers: dict) -> list[dict]:
 
 def main(args: argparse.Namespace) -> int:
     from megappo.config import ConfigError, load_config
-    from megappo.rewards.judge import start_judges
+    from megappo.ppo.judge_engine import start_judges
 
     path, out = Path(args.input), Path(args.out)
     try:

@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 
+from megappo.utils.ray_env import one_line as _one_line, setup_env as _setup_env
+
 
 # SIGTERM / SIGUSR1 stopped the run after a checkpoint: slurm/ray_on_slurm.sh requeues the job on it
 # (EX_TEMPFAIL: "try again later")
@@ -27,11 +29,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.total_steps=5")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. in CI logs)")
 
-
-def _setup_env() -> None:
-    for k, v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                 "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"}.items():
-        os.environ.setdefault(k, v)
 
 
 def start_ray(cfg) -> bool:
@@ -59,12 +56,6 @@ def _import_driver_modules() -> None:
 
     import megappo.ppo.ray_trainer  # noqa: F401
 
-
-def _one_line(e: BaseException) -> str:
-    """A failure as one line: a worker's exception (Ray's RayTaskError) by its cause, first line only."""
-    cause = getattr(e, "cause", None) or e
-    text = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {text[0] if text else ''}"
 
 
 def main(args: argparse.Namespace) -> int:

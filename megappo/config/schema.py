@@ -442,7 +442,7 @@ class JudgeRewardConfig:
     endpoint_model: Optional[str] = None  # the model name sent; None = the first one /v1/models lists
     api_key_env: str = "MEGAPPO_JUDGE_API_KEY"  # the environment variable holding its key (never logged)
     # instead of endpoint: a HF dir megappo serves the judge from, on a vLLM engine of its own (a Ray actor on this
-    # node, on loopback; rewards/judge_engine.py). Not colocated in the rollout's pool (its GPUs by sleep mode)
+    # node, on loopback; ppo/judge_engine.py). Not colocated in the rollout's pool (its GPUs by sleep mode)
     model: Optional[str] = None
     # model: its GPUs, 0 (the CPU) or 1, its own (not the pools'); null = 1 when this node has a GPU, else 0
     gpus: Optional[int] = None

@@ -77,7 +77,7 @@ from megappo.models.routing_replay import ROUTES
 from megappo.models.vision import IMAGE_KEYS
 from megappo.parallel.model_dims import language_config
 from megappo.protocol import DataProto
-from megappo.rewards.judge import start_judges
+from megappo.ppo.judge_engine import start_judges
 from megappo.rewards.manager import RewardManager
 from megappo.rewards.rules import load_rewards
 from megappo.utils.checkpoint import PendingCheckpoint

@@ -10,7 +10,7 @@ a template filled with the row's {prompt}, {response} and {ground_truth} and giv
         sources: [my_source]                # data sources the judge scores alone; or a combine term `judge`
 
 or, instead of `endpoint`, `model: /models/judge` (its tokenizer the default): megappo serves the judge on a
-vLLM engine of its own (rewards/judge_engine.py: a Ray actor on `gpus` GPUs, on loopback under a key made
+vLLM engine of its own (ppo/judge_engine.py: a Ray actor on `gpus` GPUs, on loopback under a key made
 there), started once by `start_judges` (the trainer, `megappo reward`) and asked as an endpoint is.
 
 The prompt is rendered here, by the judge's tokenizer: `chat: true` as one user turn through its chat template
@@ -123,7 +123,7 @@ class JudgeReward:
         self.cfg, self.tokenizer_dir = judge, os.path.expanduser(str(tokenizer))
         self.url = judge.endpoint.rstrip("/") if judge.endpoint else None  # reward.judge.model: once started
         self.where = f"reward.judge.endpoint {self.url}"  # how an error names the server
-        self.engine = None  # reward.judge.model's (rewards/judge_engine.py)
+        self.engine = None  # reward.judge.model's (ppo/judge_engine.py)
         self.fallback = float(judge.fallback)
         self._tokenizer = None
         self._lock = threading.Lock()
@@ -165,15 +165,10 @@ class JudgeReward:
 
     # ---- reward.judge.model's engine -------------------------------------------------------------------
 
-    def start(self) -> "JudgeReward":
-        """reward.judge.model: its engine up, this judge pointed at it (once; nothing for an endpoint)."""
-        if self.cfg.model and self.engine is None:
-            from megappo.rewards.judge_engine import JudgeEngine
-
-            self.engine = JudgeEngine.start(self.cfg)
-            self.url = self.engine.url
-            self.where = f"reward.judge.model {self.cfg.model} (served at {self.url})"
-        return self
+    def attach(self, engine) -> None:
+        """reward.judge.model: `engine` (ppo/judge_engine.JudgeEngine, started by start_judges) serves this judge."""
+        self.engine, self.url = engine, engine.url
+        self.where = f"reward.judge.model {self.cfg.model} (served at {self.url})"
 
     def close(self) -> None:
         if self.engine is not None:
@@ -340,8 +335,3 @@ def judges_of(scorers: dict) -> list[JudgeReward]:
         fns = [t.rule.fn for t in rule.fn.terms if t.rule] if isinstance(rule.fn, Combined) else [rule.fn]
         found += [fn for fn in fns if isinstance(fn, JudgeReward) and all(fn is not f for f in found)]
     return found
-
-
-def start_judges(scorers: dict) -> list[JudgeReward]:
-    """Start reward.judge.model's engine among `scorers`; the judges started, to `close()` at shutdown."""
-    return [judge.start() for judge in judges_of(scorers) if judge.cfg.model]

@@ -64,7 +64,7 @@ class JudgeEngine:
 
         from megappo.model_dirs import positions_of
         from megappo.parallel import device
-        from megappo.train import _one_line, _setup_env
+        from megappo.utils.ray_env import one_line, setup_env
 
         where = f"reward.judge.model={judge.model}"
         positions = positions_of(judge.model)
@@ -74,7 +74,7 @@ class JudgeEngine:
                              "(config.json max_position_embeddings); lower it or leave it out")
         own_ray = not ray.is_initialized()
         if own_ray:
-            _setup_env()  # as `megappo train` starts its Ray
+            setup_env()  # as `megappo train` starts its Ray
             ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
         node = ray.get_runtime_context().get_node_id()  # loopback: the driver's node
         node_gpus = next((n["Resources"].get("GPU", 0) for n in ray.nodes() if n["NodeID"] == node), 0)
@@ -98,7 +98,7 @@ class JudgeEngine:
                                  "(megappo serve) and set reward.judge.endpoint") from None
             except ray.exceptions.RayError as e:
                 cause = getattr(e, "cause", None)
-                why = str(cause) if isinstance(cause, StartFailed) else _one_line(e)
+                why = str(cause) if isinstance(cause, StartFailed) else one_line(e)
                 raise ValueError(f"{where}: the judge's engine failed to start ({why})") from None
             return engine
         except BaseException:
@@ -119,3 +119,21 @@ class JudgeEngine:
         if self.own_ray:
             ray.shutdown()
             self.own_ray = False
+
+
+def start_judges(scorers: dict) -> list:
+    """Start reward.judge.model's engine among `scorers` (rewards/rules.load_rewards' {data_source: Rule}) and
+    point its judge at it; the judges started, to `close()` at shutdown (the trainer, `megappo reward`)."""
+    from megappo.rewards.judge import judges_of
+
+    started = []
+    try:
+        for judge in judges_of(scorers):
+            if judge.cfg.model and judge.engine is None:
+                judge.attach(JudgeEngine.start(judge.cfg))
+                started.append(judge)
+    except BaseException:
+        for judge in started:
+            judge.close()
+        raise
+    return started
