@@ -141,7 +141,7 @@ def test_chat_replies_parse_the_models_tool_calls(tokenizer):
     class Scripted:
         version = requests = steps = 0
 
-        async def generate(self, prompt, params):
+        async def generate(self, prompt, params, multi_modal=None):
             text, stop = turns.pop(0), stops.pop(0)
             ids = tokenizer.encode(text, add_special_tokens=False)
             return Completion(list(prompt), ids, [-0.5] * len(ids), "stop", 0, stop_string=stop)
@@ -202,7 +202,7 @@ def _scripted_reply(tokenizer, text: str, parser, tools, stop=None, *, eos=False
     class Scripted:
         version = requests = steps = 0
 
-        async def generate(self, prompt, params):
+        async def generate(self, prompt, params, multi_modal=None):
             return Completion(list(prompt), sampled, [-0.5] * len(sampled), "stop", 0, stop_string=stop or "")
 
     gw = Gateway(Scripted(), tokenizer, model_name="tiny", max_model_len=256, max_tokens=64,

@@ -434,6 +434,10 @@ def test_bad_input_is_a_4xx_with_one_line_and_loses_nothing(served):
     assert post(url, "/v1/chat/completions", ok, mine.key)[0] == 200
     before = mine.record()
     long_text = "one two three four " * 200
+    from megappo.utils.images import data_url
+    from tests.vision_helpers import png
+
+    png_url = data_url(png(8, 8, seed=0))
     cases = {
         "malformed JSON": ("/v1/chat/completions", "{not json", mine.key, 400, "not valid JSON"),
         "no key": ("/v1/chat/completions", ok, None, 401, "missing API key"),
@@ -449,9 +453,15 @@ def test_bad_input_is_a_4xx_with_one_line_and_loses_nothing(served):
         "stream_options not an object": ("/v1/chat/completions", {**ok, "stream": True, "stream_options": "usage"},
                                          mine.key, 400, "stream_options must be an object"),
         "bad messages": ("/v1/chat/completions", {"messages": [{"content": "x"}]}, mine.key, 400, "role"),
-        "an image part (was dropped unsaid)": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-            {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
-            mine.key, 400, "'image_url' content part; this server takes text only"),
+        "an image for a text model (was dropped unsaid)": ("/v1/chat/completions", {"messages": [{"role": "user",
+            "content": [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": png_url}}]}]},
+            mine.key, 400, "this model takes text only"),
+        "a remote image": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}, mine.key, 400,
+            "megappo fetches nothing"),
+        "an audio part": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]}, mine.key, 400,
+            "'input_audio' content part; this server takes text and image_url parts"),
         "max_tokens 0": ("/v1/chat/completions", {**ok, "max_tokens": 0}, mine.key, 400, "positive integer"),
         "JSON mode": ("/v1/chat/completions", {**ok, "response_format": {"type": "json_object"}}, mine.key, 400,
                       "response_format is not supported"),

@@ -191,7 +191,9 @@ def test_the_responses_api_samples_and_records_as_chat(served):
                       ({"input": "hi", "stream": True}, "stream=true is not supported"),
                       ({"input": "hi", "tools": [{"type": "web_search"}]}, "built-in tools"),
                       ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-                       "text only"),
+                       "is not a data URL; megappo fetches nothing"),
+                      ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+                       "takes input_text and input_image parts"),
                       # accepted and without effect before
                       ({"input": "hi", "truncation": "auto"}, "a prompt is never cut"),
                       ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "is not returned by this server"),

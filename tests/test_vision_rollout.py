@@ -3,8 +3,11 @@ shapes and none (the prompts expanded by the processor, the images as PNG bytes)
 log-probs of the sampled tokens (forward_only on the assembled rows, their pixels carried) equal vLLM's within 1e-3;
 then the actor's weights are perturbed and pushed into vLLM the way the hybrid engine does: the fingerprints match
 the vision tower's `visual.*` tensors included, and on the SAME images again (vLLM's encoder cache holds their
-features) the log-probs still match, where a sync that keeps the encoder cache does not. A row whose ids do not
-expand its image as vLLM does is refused. One process, one vLLM engine."""
+features) the log-probs still match, where a sync that keeps the encoder cache does not. Your own agent
+(rollout.agent, an openai-SDK client through the gateway) sends each row's messages, its images as data URLs, then a
+user turn with an image of its own: the rows hold both images' tokens exactly, with their pixels, and megatron's
+log-probs of them match vLLM's. A row whose ids do not expand its image as vLLM does is refused. One process, one
+vLLM engine."""
 
 import os
 
@@ -13,6 +16,27 @@ import torch
 
 ROW_IMAGES = [[(112, 112)], [(56, 56), (112, 56)], []]  # (height, width) in pixels; 112 x 112 is 16 tokens
 N, R, TEMPERATURE, TOL = 2, 6, 0.8, 1e-3
+AGENT_R, AGENT_IMAGE = 40, (56, 56)  # the agent's session budget; its own image's size (4 image tokens)
+
+
+def _agent_image(index: int) -> bytes:
+    from tests.vision_helpers import png
+
+    return png(*AGENT_IMAGE, seed=100 + index)
+
+
+async def _agent(client, row):
+    """Your own agent: the row's messages as given (its images as image_url parts), then a user turn with an image."""
+    from megappo.utils.images import data_url
+
+    messages = list(row["messages"])
+    first = await client.chat.completions.create(model="policy", messages=messages, max_tokens=3)
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "user", "content": [{"type": "text", "text": "and here?"},
+                                              {"type": "image_url", "image_url": {"url": data_url(_agent_image(
+                                                  row["index"]))}}]}]
+    await client.chat.completions.create(model="policy", messages=messages, max_tokens=3)
+    return 1.0
 
 
 def _prompts(path):
@@ -74,6 +98,23 @@ def _job(rank, world, port, path, layout=None, rollout_tp=1):
     rollout.llm.llm_engine.reset_encoder_cache = lambda: None
     rollout_round("stale")
     rollout.llm.llm_engine.reset_encoder_cache = reset
+
+    # your own agent through the gateway, on the same engine
+    from megappo.data.images import processor_for
+    from megappo.gateway.agents import AgentRunner
+    from megappo.workers.rollout.async_engine import AsyncTokenEngine
+
+    rollout.agent = AgentRunner(AsyncTokenEngine.for_llm(rollout.llm), rollout.tokenizer, _agent, max_model_len=256,
+                                max_tokens=R, processor=processor_for(path))
+    asked = DataProto(dict(prompts.batch), dict(prompts.non_tensor_batch),
+                      {"sampling": SamplingSpec(n=1, temperature=TEMPERATURE, max_new_tokens=AGENT_R, seed=7)})
+    with hybrid:
+        got = hybrid.generate_sequences(asked)
+    report["agent"] = {"parity": hybrid.logprob_parity(got, micro_batch_size=1),
+                       **{k: got.batch[k] for k in ("prompts", "responses", "response_mask", "pixel_values",
+                                                    "image_grid_thw", "agent_errors")}}
+    rollout.agent.close()
+    rollout.agent = None
 
     # a vision weight changed in flight (a row of qkv's k block: vLLM's fused vision qkv read back through its kernel)
     def corrupt(bucket):
@@ -151,3 +192,30 @@ def test_a_prompt_vllm_expands_otherwise_is_refused(report):
 def test_a_vision_weight_changed_in_flight_is_caught(report):
     err = report["corruption_error"]
     assert err is not None and "differ from the trainer" in err and "visual.blocks.1.attn.qkv.weight" in err, err
+
+
+def test_your_own_agents_images_reach_the_trained_rows(report, tiny_assets):
+    """rollout.agent: each row is its prompt as the data expanded it, the agent's turns, and between them its user
+    turn with its own image, whose pad run (4 tokens, untrained) and pixels the row holds after the prompt's; megatron
+    scores the sampled tokens as vLLM sampled them (its positions and features of both images)."""
+    from transformers import AutoProcessor
+
+    from megappo.data.images import decode
+
+    got, prompts = report["agent"], report["prompts"]
+    processor = AutoProcessor.from_pretrained(str(tiny_assets["tiny-qwen2_5_vl"]))
+    pad = processor.image_token_id
+    print(f"agent rows: max |dlogp| {got['parity']['rollout/logprob_diff_max']:.2e}")
+    assert got["agent_errors"].sum() == 0
+    assert torch.equal(got["prompts"][:, -prompts["input_ids"].shape[1]:], prompts["input_ids"])  # the row's prompt
+    for k, sizes in enumerate(ROW_IMAGES):
+        mask, resp = got["response_mask"][k], got["responses"][k]
+        pads = ((resp == pad) & (mask == 0)).nonzero().flatten()
+        assert len(pads) == 4 and bool((pads.diff() == 1).all()), (k, pads)  # one untrained run of 4, in the turn
+        assert mask[:pads[0]].sum() > 0 and mask[pads[-1]:].sum() > 0  # between two sampled turns
+        own = processor.image_processor(images=[decode(_agent_image(k))], return_tensors="pt")
+        first = int(prompts["image_grid_thw"][k].prod(-1).sum())  # the prompt's images' patches come first
+        assert torch.equal(got["pixel_values"][k, :first], prompts["pixel_values"][k, :first])
+        assert torch.equal(got["pixel_values"][k, first:first + own["pixel_values"].shape[0]], own["pixel_values"])
+        assert got["image_grid_thw"][k, len(sizes)].tolist() == own["image_grid_thw"][0].tolist()
+    assert got["parity"]["rollout/logprob_diff_max"] <= TOL, got["parity"]

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megappo.agent.format import between_turns, with_tools
+from megappo.utils.images import expand_pads, from_data_url, image_urls
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Segment:
     versions: list = field(default_factory=list)  # per token: the policy version that sampled it (-1: not sampled)
     turns: int = 0
     finish_reasons: list = field(default_factory=list)  # per model turn: the engine's ("stop", "length", "abort")
+    images: list = field(default_factory=list)  # the data URLs of the images its ids hold, in order (a VL model)
 
     @property
     def ids(self) -> list:
@@ -59,46 +61,63 @@ class Segment:
 
     def mark(self) -> tuple:
         """Where it ends now (it only grows): what `truncate` goes back to."""
-        return len(self.tokens), len(self.finish_reasons), self.turns
+        return len(self.tokens), len(self.finish_reasons), self.turns, len(self.images)
 
     def truncate(self, mark: tuple) -> None:
-        n, finished, self.turns = mark
+        n, finished, self.turns, images = mark
         for tokens in (self.tokens, self.model_mask, self.logprobs, self.versions):
             del tokens[n:]
-        del self.finish_reasons[finished:]
+        del self.finish_reasons[finished:], self.images[images:]
 
     def to_dict(self, mark: Optional[tuple] = None) -> dict:
         """A copy (as it was at `mark`, when given)."""
-        n, finished, turns = mark or self.mark()
+        n, finished, turns, images = mark or self.mark()
         return {"prompt_ids": list(self.prompt_ids), "tokens": self.tokens[:n], "model_mask": self.model_mask[:n],
                 "logprobs": self.logprobs[:n], "versions": self.versions[:n], "turns": turns,
-                "finish_reasons": self.finish_reasons[:finished]}
+                "finish_reasons": self.finish_reasons[:finished], "images": self.images[:images]}
 
 
 class ChatRenderer:
-    """Chat messages -> prompt ids with the model's own chat template (tools shown as agent/format.py does)."""
+    """Chat messages -> prompt ids with the model's own chat template (tools shown as agent/format.py does). With
+    a vision-language model's HF `processor`, image_url parts (data URLs) are rendered as the template places them
+    and each expanded into the run of pads its processor gives it (data/images.expand_pads): the ids vLLM expands
+    them to, and the trainer scores."""
 
-    def __init__(self, tokenizer, tool_prompt: Optional[str] = None):
+    def __init__(self, tokenizer, tool_prompt: Optional[str] = None, processor=None):
         self.tokenizer = tokenizer
         self.tool_prompt = tool_prompt
+        self.processor = processor
         self.special_ids = set(tokenizer.all_special_ids)
 
     def prompt_ids(self, messages: list[dict], tools: Optional[list] = None,
                    template_kwargs: Optional[dict] = None) -> list[int]:
         """`template_kwargs`: variables for the template (a request's chat_template_kwargs, e.g. enable_thinking);
         what the renderer sets itself (the generation prompt, the tools) wins, as in vLLM's server."""
+        self._takes_images(messages)
         msgs, kwargs = with_tools(messages, self.tokenizer, tools, self.tool_prompt) if tools else (messages, {})
         text = self.tokenizer.apply_chat_template(_plain(msgs), **{**(template_kwargs or {}), **kwargs,
                                                                    "add_generation_prompt": True, "tokenize": False})
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self._expanded(self.tokenizer.encode(text, add_special_tokens=False), messages)
 
     def delta_ids(self, new_messages: list[dict], last_sampled: Optional[int],
                   template_kwargs: Optional[dict] = None) -> list[int]:
         """The template's tokens between the model's turn and its next one, given the messages that came
         after it; the model's own closing token (EOS / end-of-turn, last_sampled) is not repeated."""
+        self._takes_images(new_messages)
         closing = self.tokenizer.decode([last_sampled]) if last_sampled in self.special_ids else None
         tail = between_turns(self.tokenizer, _plain(new_messages), closing, template_kwargs)
-        return self.tokenizer.encode(tail, add_special_tokens=False)
+        return self._expanded(self.tokenizer.encode(tail, add_special_tokens=False), new_messages)
+
+    def _takes_images(self, messages: list[dict]) -> None:
+        if self.processor is None and image_urls(messages):
+            raise ValueError("this model takes text only: send no image_url parts (serve a vision-language model, "
+                             "Qwen2.5-VL, for images)")
+
+    def _expanded(self, ids: list[int], messages: list[dict]) -> list[int]:
+        urls = image_urls(messages)
+        if not urls:
+            return ids
+        return expand_pads(ids, [from_data_url(u, "an image_url part") for u in urls], self.processor, "the request")
 
 
 def _plain(messages: list[dict]) -> list[dict]:
@@ -113,7 +132,8 @@ def _plain(messages: list[dict]) -> list[dict]:
         for c in calls:
             f = c.get("function", {})
             args = _arguments(f, missing={})
-            m["content"] += f'<tool_call>\n{json.dumps({"name": f.get("name"), "arguments": args})}\n</tool_call>'
+            text = f'<tool_call>\n{json.dumps({"name": f.get("name"), "arguments": args})}\n</tool_call>'
+            m["content"] = m["content"] + ([{"type": "text", "text": text}] if isinstance(m["content"], list) else text)
         out.append(m)
     return out
 
@@ -159,8 +179,10 @@ class Session:
                 and [_key(m) for m in messages[:len(h)]] == [_key(m) for m in h]:
             seg = self.segments[-1]
             seg.add(self.renderer.delta_ids(messages[len(h):], seg.ids[-1] if seg.tokens else None, template_kwargs))
+            seg.images += image_urls(messages[len(h):])
         else:
             self._new_segment(self.renderer.prompt_ids(messages, tools, template_kwargs))
+            self.segments[-1].images = image_urls(messages)
         self._history, self._shown = list(messages), shown
         return self.segments[-1].ids
 

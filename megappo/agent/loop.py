@@ -56,11 +56,13 @@ class Trajectory:
     later: list = field(default_factory=list)  # rollout.agent: the session's later segments (a rewritten history)
     segment_of: Optional[int] = None  # a later segment's row: the index of its sample (trajectory_rows)
     request_s: list = field(default_factory=list)  # rollout.agent: each of its session's requests' latency (seconds)
+    images: list = field(default_factory=list)  # rollout.agent: the data URLs of the images its ids hold, in order
 
     def take(self, segment: Segment) -> "Trajectory":
         """Its tokens from a session's captured segment (agent/capture.py), as sampled and observed."""
         self.tokens, self.model_mask = list(segment.tokens), list(segment.model_mask)
         self.logprobs, self.versions = list(segment.logprobs), list(segment.versions)
+        self.images = list(segment.images)
         return self
 
 

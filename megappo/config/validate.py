@@ -194,11 +194,11 @@ def _check_vision(cfg, dims: ModelDims) -> None:
         if (role == "actor" or cfg[role].enable) and cfg[role].parallel.cp > 1:
             raise ConfigError(f"{role}.parallel.cp={cfg[role].parallel.cp} with a vision-language model "
                               f"({dims.model_type}): context parallel does not split images yet; set cp 1")
-    if cfg.rollout.multi_turn.enable or cfg.rollout.agent or cfg.trainer.mode != "sync":
-        what = "rollout.multi_turn" if cfg.rollout.multi_turn.enable else \
-            "rollout.agent" if cfg.rollout.agent else f"trainer.mode={cfg.trainer.mode}"
+    if (cfg.rollout.multi_turn.enable and not cfg.rollout.agent) or cfg.trainer.mode != "sync":
+        what = f"trainer.mode={cfg.trainer.mode}" if cfg.trainer.mode != "sync" else "rollout.multi_turn"
         raise ConfigError(f"{what} with a vision-language model ({dims.model_type}) is not supported yet: images "
-                          "reach the hybrid engine's plain generation (trainer.mode=sync, no agent loop)")
+                          "reach trainer.mode=sync's generation and your own agent (rollout.agent), not the built-in "
+                          "tool loop")
 
 
 def _check_ep_of_shared_roles(cfg) -> None:

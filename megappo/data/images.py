@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import torch
 
+from megappo.utils.images import data_url, decode  # noqa: F401 (decode: re-exported)
+
 IMAGE_MARKER = "<image>"
 IMAGES = "images"  # the parquet column, a row's key and the batch's non_tensor key: each row's images (encoded bytes)
 
@@ -45,6 +47,26 @@ def read_images(value: Any, base_dir: Path, where: str) -> list[bytes]:
     return out
 
 
+
+
+
+
+
+
+def with_image_urls(prompt: Any, images: list[bytes], where: str) -> list[dict]:
+    """A row's prompt as the chat messages an OpenAI client sends: its images (with_image_parts' places) as image_url
+    parts with data URLs, in order (what an agent under rollout.agent is given: gateway/agents.sample_rows)."""
+    urls = iter([data_url(b) for b in images])
+    messages = with_image_parts(prompt, len(images), where)
+    for m in messages:
+        if isinstance(m["content"], list):
+            m["content"] = [{"type": "image_url", "image_url": {"url": next(urls)}} if p.get("type") == "image" else p
+                            for p in m["content"]]
+    return messages
+
+
+
+
 def processor_for(model_path):
     """A vision-language model's HF processor (its image processor and tokenizer), or None for a text model."""
     import json
@@ -59,12 +81,6 @@ def processor_for(model_path):
     return AutoProcessor.from_pretrained(str(model_path))
 
 
-def decode(data: bytes):
-    """Encoded bytes -> an RGB PIL image."""
-    from PIL import Image
-
-    image = Image.open(io.BytesIO(data))
-    return image.convert("RGB") if image.mode != "RGB" else image
 
 
 def with_image_parts(prompt: Any, count: int, where: str) -> list[dict]:

@@ -67,18 +67,27 @@ def agent_builder(rollout, engine_for: Callable) -> Optional[Callable]:
 
 
 def _runner_for(llm, tokenizer, rollout, engine_for: Callable) -> "AgentRunner":
-    return AgentRunner(engine_for(llm), tokenizer, rollout.agent, max_model_len=llm.llm_engine.model_config.max_model_len,
+    from megappo.data.images import processor_for
+
+    model = llm.llm_engine.model_config
+    return AgentRunner(engine_for(llm), tokenizer, rollout.agent, max_model_len=model.max_model_len,
                        max_tokens=rollout.max_new_tokens, concurrency=rollout.agent_concurrency,
                        timeout_s=rollout.agent_timeout_s, tool_prompt=rollout.multi_turn.tool_prompt,
-                       tool_parser=rollout.agent_tool_parser, max_segments=rollout.agent_max_segments)
+                       tool_parser=rollout.agent_tool_parser, max_segments=rollout.agent_max_segments,
+                       processor=processor_for(model.model))
 
 
 def sample_rows(non_tensor: dict, n: int) -> list[dict]:
-    """What each sample's agent is given: its row's chat messages, ground truth, data_source, extra_info and
-    index (data/dataset.py's non_tensor batch), each row repeated for its n samples."""
+    """What each sample's agent is given: its row's chat messages (a row's images as image_url parts with data URLs,
+    where the data placed them), ground truth, data_source, extra_info and index (data/dataset.py's non_tensor
+    batch), each row repeated for its n samples."""
+    from megappo.data.images import IMAGES, with_image_urls
+
     rows = []
     for i, prompt in enumerate(non_tensor["raw_prompt"]):
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        images = non_tensor[IMAGES][i] if IMAGES in non_tensor else None
+        messages = with_image_urls(prompt, list(images), f"row {i}") if images is not None and len(images) else \
+            [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
         truth = (non_tensor["reward_model"][i] or {}).get("ground_truth") if "reward_model" in non_tensor else None
         row = {"messages": messages, "ground_truth": truth,
                "data_source": str(non_tensor["data_source"][i]) if "data_source" in non_tensor else None,
@@ -91,7 +100,7 @@ def sample_rows(non_tensor: dict, n: int) -> list[dict]:
 class AgentRunner:
     def __init__(self, engine, tokenizer, agent: str | Callable, *, max_model_len: int, max_tokens: int,
                  concurrency: int = 32, timeout_s: float = 60.0, tool_prompt: Optional[str] = None,
-                 tool_parser: Optional[str] = None, max_segments: Optional[int] = 8):
+                 tool_parser: Optional[str] = None, max_segments: Optional[int] = 8, processor=None):
         from megappo.gateway.app import Gateway, make_app
         from megappo.gateway.serve import GatewayServer
 
@@ -99,7 +108,8 @@ class AgentRunner:
         self.max_segments = max_segments
         self.engine = engine  # the rollout's AsyncTokenEngine (workers/rollout/async_engine.py)
         self.gateway = Gateway(self.engine, tokenizer, model_name="policy", max_model_len=max_model_len,
-                               max_tokens=max_tokens, tool_prompt=tool_prompt, tool_parser=tool_parser)
+                               max_tokens=max_tokens, tool_prompt=tool_prompt, tool_parser=tool_parser,
+                               processor=processor)
         self.server = GatewayServer(make_app(self.gateway))
         self.url = self.server.start()
         self.concurrency, self.timeout_s = int(concurrency), float(timeout_s)

@@ -81,9 +81,9 @@ def as_reward(value) -> float:
 class Gateway:
     def __init__(self, engine, tokenizer, *, model_name: str, max_model_len: int, max_tokens: int,
                  tool_prompt: Optional[str] = None, tool_parser: Optional[str] = None, admin_key: Optional[str] = None,
-                 open_key: Optional[str] = None):
+                 open_key: Optional[str] = None, processor=None):
         self.engine, self.tokenizer = engine, tokenizer
-        self.renderer = ChatRenderer(tokenizer, tool_prompt)
+        self.renderer = ChatRenderer(tokenizer, tool_prompt, processor)  # processor: a VL model's (image_url parts)
         self.tool_calls = ToolCallReader(tokenizer, tool_parser)
         self.model_name, self.max_model_len, self.max_tokens = model_name, int(max_model_len), int(max_tokens)
         self.admin_key = admin_key or "mp-admin-" + secrets.token_urlsafe(24)
@@ -177,9 +177,10 @@ class Gateway:
                     # a tool or tool_choice refused before sampling; tool_choice "required" or a named tool: a constraint
                     parsing, constraint = self.tool_calls.prepare(body)
                     prompt = session.chat_prompt(messages, *shown)
+                    images = list(session.segments[-1].images)
             except ValueError as e:  # or tools= for a template without a tools section and no tool_prompt
                 raise GatewayError(400, rq.one_line(e)) from None
-            out, latency = await self._generate(prompt, body, state, constraint, top_logprobs=top or 0)
+            out, latency = await self._generate(prompt, body, state, constraint, top_logprobs=top or 0, images=images)
             content, calls, unread = self.tool_calls.read(parsing, out.ids, out.finish_reason, out.stop_string)
             reply = {"role": "assistant", "content": content}
             if calls:
@@ -288,13 +289,16 @@ class Gateway:
                                             "owned_by": "megappo"}]}
 
     async def _generate(self, prompt: list[int], body: dict, state: Optional[SessionState],
-                        constraint=None, top_logprobs: int = 0, prompt_logprobs: Optional[int] = None):
+                        constraint=None, top_logprobs: int = 0, prompt_logprobs: Optional[int] = None,
+                        images: Optional[list] = None):
+        """`images`: the data URLs of the images `prompt` holds (expanded: agent/capture.ChatRenderer), sent to vLLM
+        as multi_modal_data beside the prompt with each pad run collapsed; vLLM's expansion must give `prompt`."""
         params = self._sampling(self._within_session(body, state), len(prompt), constraint, top_logprobs,
                                 prompt_logprobs)
         from vllm.exceptions import VLLMClientError
 
         t0 = time.perf_counter()
-        request = asyncio.ensure_future(self.engine.generate(prompt, params))  # a task close_session can cancel
+        request = asyncio.ensure_future(self.engine.generate(prompt, params, self._multi_modal(prompt, images)))
         if state is not None:
             state.tasks.add(request)
             if state.closed:  # closed (from another thread) while this request was being built
@@ -312,9 +316,24 @@ class Gateway:
         finally:
             if state is not None:
                 state.tasks.discard(request)
+        if list(out.prompt_ids) != list(prompt):  # the trainer scores `prompt`: it must be what was sampled from
+            raise GatewayError(400, f"the engine expanded this request's images to {len(out.prompt_ids)} prompt tokens, "
+                                    f"the model's processor to {len(prompt)}: serve the model with its own processor "
+                                    "config", "server_error")
         dt = time.perf_counter() - t0
         self.latencies.append(dt)
         return out, dt
+
+    def _multi_modal(self, prompt: list[int], images: Optional[list]) -> Optional[dict]:
+        """The vLLM prompt of a request with images: the ids with each pad run as one pad, and the decoded images."""
+        if not images:
+            return None
+        from megappo.utils.images import decode, from_data_url
+        from megappo.models.vision import collapsed
+
+        pad = self.renderer.processor.image_token_id
+        return {"prompt_token_ids": collapsed(prompt, pad),
+                "multi_modal_data": {"image": [decode(from_data_url(u, "an image_url part")) for u in images]}}
 
     @staticmethod
     def _within_session(body: dict, state: Optional[SessionState]) -> dict:

@@ -151,17 +151,40 @@ def messages(messages) -> list[dict]:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise GatewayError(400, f"messages[{i}] must be an object with a role in {', '.join(ROLES)}")
         content = m.get("content")
-        if isinstance(content, list):  # content parts: text ones, joined (never an image dropped unsaid)
-            other = next((p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content
-                          if not isinstance(p, dict) or p.get("type") != "text"), None)
-            if other is not None:
-                raise GatewayError(400, f"messages[{i}] has a {other!r} content part; this server takes text only "
-                                        "(images reach training through the data's images column: docs/vision.md)")
-            content = "".join(p.get("text", "") for p in content)
-        if content is not None and not isinstance(content, str):
-            raise GatewayError(400, f"messages[{i}].content must be a string, a list of text parts or null")
+        if isinstance(content, list):
+            content = _parts(content, i)
+        if content is not None and not isinstance(content, (str, list)):
+            raise GatewayError(400, f"messages[{i}].content must be a string, a list of text and image_url parts, "
+                                    "or null")
         out.append({**m, "content": content})
     return out
+
+
+def _parts(content: list, i: int):
+    """A message's content parts: text ones joined into one string; with images, the parts as the chat template
+    reads them (text, and image_url with the image's data URL: a remote URL is refused, nothing is fetched)."""
+    from megappo.utils.images import from_data_url
+
+    parts = []
+    for j, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+        if kind == "text":
+            parts.append({"type": "text", "text": p.get("text", "")})
+        elif kind == "image_url":
+            url = p.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            try:
+                from_data_url(url, f"messages[{i}].content[{j}]")
+            except ValueError as e:
+                raise GatewayError(400, str(e)) from None
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            raise GatewayError(400, f"messages[{i}] has a {kind!r} content part; this server takes text and image_url "
+                                    "parts")
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
 
 
 def tools(tools) -> Optional[list]:

@@ -3,7 +3,8 @@ chat request: the request's input items become chat messages, the chat reply bec
 The gateway samples and records it as a chat request (agent/capture.py: the same exact-token capture, a session's
 requests extending its conversation). Pure functions; app.py routes them.
 
-Input: a string, or items: messages ({role, content}: a string or input_text / output_text parts; `developer` is
+Input: a string, or items: messages ({role, content}: a string or input_text / output_text / input_image parts (an
+image as a data URL, for a vision-language model); `developer` is
 a system message), `function_call` items (an assistant turn's calls) and `function_call_output` items (a tool
 message each); `instructions` is a system message first. Tools: function tools ({type: function, name, parameters,
 description}). Output: a `message` item with one `output_text` part when the reply has text (its `logprobs`
@@ -130,16 +131,24 @@ def input_messages(items) -> list[dict]:
     return out
 
 
-def _text(content, i: int) -> str:
+def _text(content, i: int):
+    """A message's content as chat content: its text parts joined, or with input_image parts (an image_url:
+    a data URL) the chat request's text and image_url parts (checked there: requests.messages)."""
     if content is None or isinstance(content, str):
         return content or ""
     parts = []
     for part in content if isinstance(content, list) else [content]:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text"):
-            raise ResponsesError(f"input[{i}] has a {kind!r} content part; this server takes text only")
-        parts.append(part.get("text", ""))
-    return "".join(parts)
+        if kind in ("input_text", "output_text", "text"):
+            parts.append({"type": "text", "text": part.get("text", "")})
+        elif kind == "input_image":
+            parts.append({"type": "image_url", "image_url": {"url": part.get("image_url")}})
+        else:
+            raise ResponsesError(f"input[{i}] has a {kind!r} content part; this server takes input_text and "
+                                 "input_image parts")
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
 def _chat_tool(tool: dict) -> dict:

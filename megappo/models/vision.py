@@ -6,8 +6,8 @@ A row carries its images beside its tokens, so they travel with it through dispa
   image after another, zeros past the row's last patch (P: the batch's most);
 - `image_grid_thw` [B, I, 3]: each image's (t, h, w) in patches, in the row's order; zero rows past its images.
 The row's prompt holds each image as the processor expands it: <|vision_start|>, (t * h * w / merge^2) x
-<|image_pad|>, <|vision_end|>. An image pad the policy samples in its response is text: only the prompt's runs take
-the tower's features (`_image_mask`).
+<|image_pad|>, <|vision_end|>. An image pad the policy samples is text: only the runs it did not sample (the prompt's,
+and an agent's later messages between its turns: rollout.agent) take the tower's features (`_image_mask`).
 """
 
 from __future__ import annotations
@@ -37,33 +37,42 @@ def vision_tensors(hf_config) -> dict[str, tuple]:
     return {VISION_PREFIX + k: tuple(v.shape) for k, v in tower.state_dict().items()}
 
 
-def image_runs(ids: torch.Tensor, image_token_id: int, prompt_end: int) -> list[tuple[int, int]]:
-    """(start, length) of each run of image pads among a row's first `prompt_end` tokens."""
+def image_runs(ids: torch.Tensor, image_token_id: int, sampled: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, length) of each run of image pads of a row that the policy did not sample (`sampled`: bool per id)."""
     pads = torch.zeros(len(ids) + 2, dtype=torch.int8)
-    pads[1:-1] = (ids == image_token_id)
-    pads[1 + prompt_end:] = 0
+    pads[1:-1] = (ids == image_token_id) & ~sampled
     edges = torch.diff(pads.to(torch.int16))
     starts, ends = (edges == 1).nonzero().flatten(), (edges == -1).nonzero().flatten()
     return [(int(s), int(e - s)) for s, e in zip(starts, ends)]
 
 
+def collapsed(ids: list[int], image_token_id: int) -> list[int]:
+    """A prompt's ids with each run of image pads as one pad: what vLLM is sent beside the images (it expands each
+    image itself, and would expand an expanded run again)."""
+    return [t for k, t in enumerate(ids) if t != image_token_id or k == 0 or ids[k - 1] != image_token_id]
+
+
 def mrope_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor, image_grid_thw: Optional[torch.Tensor],
-                    image_token_id: int, merge: int, prompt_end: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    image_token_id: int, merge: int, prompt_end: int,
+                    response_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen2.5-VL's M-RoPE positions [B, S, 3] (temporal, height, width) of left-padded rows, and the image mask
     [B, S]: text tokens count up on all three axes; an image's tokens sit at the running position plus their
     (t, y, x) in its merged grid, and the text after it resumes max(h, w) / merge later (transformers'
-    Qwen2_5_VLModel.get_rope_index for images; videos are not supported). `prompt_end`: the column where the
-    responses begin; image pads from there on are text. Padding gets position 0."""
+    Qwen2_5_VLModel.get_rope_index for images; videos are not supported; vLLM's positions of a multi-turn prompt
+    follow the same rule). `prompt_end`: the column where the responses begin; image pads from there on are text
+    where `response_mask` [B, S - prompt_end] is 1 (sampled) or not given (the whole response is). Padding gets
+    position 0."""
     b, s = input_ids.shape
     positions = torch.zeros(b, s, 3, dtype=torch.long)
     where = torch.zeros(b, s, dtype=torch.bool)
     ids, mask = input_ids.cpu(), attention_mask.cpu().bool()
     grids = image_grid_thw.cpu() if image_grid_thw is not None else torch.zeros(b, 0, 3, dtype=torch.long)
+    sampled = torch.zeros(b, s, dtype=torch.bool)
+    sampled[:, prompt_end:] = True if response_mask is None else response_mask.cpu().bool()
     for r in range(b):
         cols = mask[r].nonzero().flatten()
-        first = int(cols[0]) if len(cols) else 0
         images = [g for g in grids[r].tolist() if g[0] > 0]
-        runs = image_runs(ids[r, cols], image_token_id, prompt_end - first)
+        runs = image_runs(ids[r, cols], image_token_id, sampled[r, cols])
         if len(runs) != len(images):
             raise ValueError(f"row {r}: its prompt holds {len(runs)} image placeholder runs, its image_grid_thw "
                              f"{len(images)} images: build the prompt with the model's processor (each image as "

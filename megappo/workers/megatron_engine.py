@@ -284,7 +284,8 @@ class MegatronEngine(EngineCheckpoints):
         if self.dims.vision:  # M-RoPE positions and the prompts' image pads, from the rows' images (models/vision.py)
             batch["position_ids"], batch[IMAGE_MASK] = mrope_positions(
                 batch["input_ids"], batch["attention_mask"], batch.get("image_grid_thw"), self.hf_config.image_token_id,
-                self.hf_config.vision_config.spatial_merge_size, prompt_end=seq - response_length)
+                self.hf_config.vision_config.spatial_merge_size, prompt_end=seq - response_length,
+                response_mask=batch.get("response_mask"))  # an agent's later images sit among its responses
         elif any(k in batch for k in IMAGE_KEYS):
             raise ValueError(f"the batch carries images ({', '.join(k for k in IMAGE_KEYS if k in batch)}) but "
                              f"{self.model_path} is a text model ({self.dims.model_type}): drop the images or use a "

@@ -17,6 +17,13 @@ from megappo.protocol import DataProto
 _MODEL_KEYS = ("input_ids", "attention_mask", "position_ids") + IMAGE_KEYS  # the images: a vision-language model's
 
 
+def model_keys(data: DataProto) -> list:
+    """What the model call reads of `data`: _MODEL_KEYS it has, and with images the response mask (an image pad the
+    policy sampled is text; an agent's later images are not: models/vision.mrope_positions)."""
+    keys = [k for k in _MODEL_KEYS if k in data.batch]
+    return keys + (["response_mask"] if IMAGE_KEYS[1] in data.batch and "response_mask" in data.batch else [])
+
+
 def _response_length(data: DataProto) -> int:
     if "responses" not in data.batch:
         raise KeyError("batch needs 'responses' [B, R] (the last R columns of input_ids) to know the response length")
@@ -39,7 +46,7 @@ def _forward(engine, data: DataProto, response_length: int, micro_batch_size: in
     `replay_routes`: a MoE batch's `routed_experts` route the forward (models/routing_replay.py)."""
     n = len(data)
     mbs = max(1, min(int(micro_batch_size), n))
-    keys = [k for k in _MODEL_KEYS if k in data.batch] + ([ROUTES] if replay_routes and ROUTES in data.batch else [])
+    keys = model_keys(data) + ([ROUTES] if replay_routes and ROUTES in data.batch else [])
     padded, _ = data.select(batch_keys=keys, non_tensor_keys=[], meta_info_keys=[]).pad_to_divisor(mbs)
     out = engine.forward_only(dict(padded.batch), response_length=response_length, micro_batch_size=mbs, **kw)
     out = None if out is None else {k: v[:n].cpu() for k, v in out.items()}  # the driver gets CPU tensors
@@ -97,8 +104,8 @@ def _train(engine, data: DataProto, loss, role_cfg, dp: int, temperature: float 
     missing = [k for k in loss.required_keys if k not in data.batch]
     if missing:
         raise KeyError(f"{loss.name} update: batch lacks {missing}")
-    keys = [k for k in _MODEL_KEYS if k in data.batch] + list(loss.required_keys) + \
-        [k for k in loss.optional_keys if k in data.batch]
+    keys = list(dict.fromkeys(model_keys(data) + list(loss.required_keys) +
+                              [k for k in loss.optional_keys if k in data.batch]))
     replay = getattr(role_cfg, "router_replay", "off")
     if replay != "off":  # the update routes every token as the batch's routes say
         if ROUTES not in data.batch:

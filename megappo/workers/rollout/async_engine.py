@@ -85,6 +85,7 @@ class AsyncTokenEngine:
         self._params: dict[str, object] = {}  # request id -> its SamplingParams (resubmit_running)
         self._latest: dict[str, object] = {}  # request id -> its CompletionOutput so far (cumulative)
         self._before: dict[str, tuple] = {}  # a resubmitted request's id -> (ids, log-probs) sampled before
+        self._multi_modal: dict[str, dict] = {}  # request id -> its prompt as vLLM took it, for one with images
         self._wake = threading.Event()
         # (prompt ids, params, loop, future); prompt ids None: abort that future's request (generate cancelled)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -117,18 +118,20 @@ class AsyncTokenEngine:
         """Requests in the engine, not finished (not counting those still queued for the stepping thread)."""
         return len(self._pending)
 
-    async def generate(self, prompt_ids: list[int], params) -> Completion:
+    async def generate(self, prompt_ids: list[int], params, multi_modal: Optional[dict] = None) -> Completion:
         """Never blocks the caller's loop (not even while paused): the stepping thread adds the request. Cancelled
         (the caller stopped waiting), the request is aborted: it would otherwise decode on to max_tokens, across
-        the next weight load and holding its KV cache, for nobody."""
+        the next weight load and holding its KV cache, for nobody. `multi_modal`: a prompt with images, as vLLM
+        takes it ({prompt_token_ids (each image one pad), multi_modal_data}); the completion's prompt_ids are then
+        vLLM's expansion of it."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._inbox.put((list(prompt_ids), params, loop, future))
+        self._inbox.put((list(prompt_ids), params, loop, future, multi_modal))
         self._wake.set()
         try:
             return await future
         except asyncio.CancelledError:
-            self._inbox.put((None, None, loop, future))  # after its request: the stepping thread takes both in order
+            self._inbox.put((None, None, loop, future, None))  # after its request: the stepping thread takes both
             self._wake.set()
             raise
 
@@ -137,19 +140,21 @@ class AsyncTokenEngine:
         from vllm.inputs import TokensPrompt
 
         while not self._inbox.empty():
-            prompt, params, loop, future = self._inbox.get()
+            prompt, params, loop, future, multi_modal = self._inbox.get()
             if prompt is None:  # its caller stopped waiting
                 self._abort(future)
                 continue
             rid = f"gw-{next(self._ids)}"  # outputs carry this id; vLLM's internal one adds a suffix
             try:
-                internal = self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params,
-                                                   lora_request=self.lora_request)
+                internal = self.engine.add_request(rid, TokensPrompt(**(multi_modal or {"prompt_token_ids": prompt})),
+                                                   params, lora_request=self.lora_request)
             except Exception as e:  # noqa: BLE001 - a request vLLM refuses fails alone
                 _call(loop, _set, future, None, e)
                 continue
             self._pending[rid] = (loop, future, prompt, self.version, internal)
             self._token_versions[rid], self._params[rid] = [], params
+            if multi_modal is not None:
+                self._multi_modal[rid] = multi_modal
 
     def _abort(self, future) -> None:
         """Abort the request whose caller stopped waiting for `future` (under the step lock): out of vLLM and of
@@ -218,6 +223,8 @@ class AsyncTokenEngine:
             if out.finished:
                 loop, future, prompt, version, _ = self._pending.pop(rid)
                 self.requests += 1
+                if rid in self._multi_modal:  # vLLM's expansion (a resubmitted one's ends in the ids sampled before)
+                    prompt = list(out.prompt_token_ids)[:len(out.prompt_token_ids) - len(before_ids)]
                 done = _completion(out, prompt, version)
                 done.ids, done.logprobs = list(before_ids) + done.ids, list(before_lps) + done.logprobs
                 done.token_versions = self._token_versions[rid][:len(done.ids)]
@@ -247,7 +254,7 @@ class AsyncTokenEngine:
                 self.engine.abort_request([p[4] for p in pending], internal=True)
             futures = [(loop, future) for loop, future, *_ in pending]
             while not self._inbox.empty():
-                prompt, _, loop, future = self._inbox.get()
+                prompt, _, loop, future, _ = self._inbox.get()
                 if prompt is not None:  # not an abort (its request is in `pending`, or was never added)
                     futures.append((loop, future))
             for loop, future in futures:
@@ -289,8 +296,11 @@ class AsyncTokenEngine:
                 if params.seed is not None:
                     params.seed += RESUBMIT_SEED_STRIDE
                 new = f"gw-{next(self._ids)}"
+                multi_modal = self._multi_modal.pop(rid, None)
+                request = {"prompt_token_ids": list(prompt) + ids} if multi_modal is None else \
+                    {**multi_modal, "prompt_token_ids": list(multi_modal["prompt_token_ids"]) + ids}
                 try:
-                    internal = self.engine.add_request(new, TokensPrompt(prompt_token_ids=list(prompt) + ids), params,
+                    internal = self.engine.add_request(new, TokensPrompt(**request), params,
                                                        lora_request=self.lora_request)
                 except Exception as e:  # noqa: BLE001 - a request vLLM refuses fails alone
                     self._forget(rid)
@@ -299,10 +309,12 @@ class AsyncTokenEngine:
                 self._pending[new] = (loop, future, prompt, version, internal)
                 self._token_versions[new] = self._token_versions.pop(rid)
                 self._params[new], self._before[new] = params, (ids, lps)
+                if multi_modal is not None:
+                    self._multi_modal[new] = multi_modal
         return len(moved)
 
     def _forget(self, rid: str) -> None:
-        for d in (self._token_versions, self._params, self._latest, self._before):
+        for d in (self._token_versions, self._params, self._latest, self._before, self._multi_modal):
             d.pop(rid, None)
 
     def recompute_running(self) -> int:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from megappo.parallel import device
 from megappo.models.lora import base_named_parameters, lazily_merged_named_parameters
 from megappo.models.lora_peft import gather_hf_lora
-from megappo.models.vision import IMAGE_KEYS
+from megappo.workers.role_batches import model_keys
 from megappo.parallel.model_dims import VISION_PREFIX
 from megappo.parallel.resharding import Resharder
 from megappo.protocol import DataProto
@@ -196,8 +196,7 @@ class HybridEngine:
         n_real = len(out)
         R = mine.batch["responses"].shape[1]
         temperature = float(out.meta_info["sampling"].logprob_temperature)
-        batch = {k: mine.batch[k] for k in ("input_ids", "attention_mask", "position_ids", *IMAGE_KEYS)
-                 if k in mine.batch}  # a vision-language rollout's rows carry their images
+        batch = {k: mine.batch[k] for k in model_keys(mine)}  # a vision-language rollout's rows carry their images
         res = self.engine.forward_only(batch, response_length=R, micro_batch_size=micro_batch_size,
                                        temperature=temperature, compute_entropy=False)
         vec = torch.zeros(3, dtype=torch.float64, device="cpu")  # sum |d|, count, sum exp|d| (over gloo)

@@ -76,9 +76,10 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 import torch
 
-from megappo.data.images import IMAGES, decode
+from megappo.data.images import IMAGES, decode, processor_for
 from megappo.models.routing_replay import ROUTES
-from megappo.models.vision import IMAGE_KEYS
+from megappo.models.vision import IMAGE_KEYS, collapsed
+from megappo.workers.rollout.images import agent_images, check_expanded
 from megappo.parallel import cpu_compat
 from megappo.parallel.weight_mapping import MLA_MODEL_TYPES, num_routed_experts
 from megappo.protocol import DataProto
@@ -174,6 +175,7 @@ class VLLMRollout:
         self.eos_token_id = self.tokenizer.eos_token_id
         self.weights_dtype = self.llm.llm_engine.model_config.dtype
         hf_config = self.llm.llm_engine.model_config.hf_config
+        self._processor = None  # a VL model's HF processor, made when an agent's rows need their pixels
         # a vision-language model (Qwen2.5-VL): its prompts' image placeholder; None for a text model
         self.image_token_id = getattr(hf_config, "image_token_id", None) if hasattr(hf_config, "vision_config") \
             else None
@@ -406,7 +408,7 @@ class VLLMRollout:
                     self.llm.collective_rpc(start_capture)
                 outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
                 if images is not None:
-                    self._check_expanded(prompts.batch["input_ids"].cpu(), attn, outs, n)
+                    check_expanded(prompts.batch["input_ids"].cpu(), attn, outs, n)
                 res = self.response_tensors([(o.outputs[0].token_ids, sampled_logprobs(o.outputs[0]),
                                               o.outputs[0].finish_reason) for o in outs], R)
                 if self.capture_routes:
@@ -415,7 +417,8 @@ class VLLMRollout:
             else:
                 from megappo.agent.loop import trajectory_rows, trajectory_tensors
 
-                trajs = trajectory_rows(self.agent.run([r["prompt_token_ids"] for r in requests], spec, base_seed,
+                rows = [ids for ids in _rows(prompts.batch["input_ids"].cpu(), attn) for _ in range(n)]  # expanded
+                trajs = trajectory_rows(self.agent.run(rows, spec, base_seed,
                                                        self._agent_input(prompts.non_tensor_batch, n)))
                 res = trajectory_tensors(trajs, R, self.pad_token_id)
         return self.assemble(prompts, res, spec.with_seed(base_seed), trajs, requests)
@@ -428,21 +431,12 @@ class VLLMRollout:
         if self.image_token_id is None:
             raise ValueError(f"the prompts carry images but {self.model_path} is a text model: use a vision-language "
                              "model (Qwen2.5-VL) or drop the data's images column")
-        if self.agent is not None or self.capture_routes:
-            raise ValueError("prompts with images are generated single-turn only: turn off rollout.multi_turn / "
-                             "rollout.agent and actor.router_replay=r3 for a vision-language model")
-        return [[decode(b) for b in row] for row in non_tensor[IMAGES]]
+        from megappo.gateway.agents import AgentRunner
 
-    @staticmethod
-    def _check_expanded(ids: torch.Tensor, mask: torch.Tensor, outs: list, n: int) -> None:
-        """vLLM expands each image itself: its prompt must be the row's ids as the data's processor expanded them,
-        or the trainer would score another prompt than the one sampled from."""
-        for k, o in enumerate(outs):
-            want = ids[k // n][mask[k // n]].tolist()
-            if list(o.prompt_token_ids) != want:
-                raise ValueError(f"prompt row {k // n}: vLLM expanded its images to {len(o.prompt_token_ids)} prompt "
-                                 f"tokens, the batch's row has {len(want)}: the data's image processor and vLLM's "
-                                 "disagree (build the prompts with the model's own processor config)")
+        if (self.agent is not None and not isinstance(self.agent, AgentRunner)) or self.capture_routes:
+            raise ValueError("prompts with images are generated single-turn or by your own agent (rollout.agent) "
+                             "only: turn off rollout.multi_turn and actor.router_replay=r3 for a vision-language model")
+        return [[decode(b) for b in row] for row in non_tensor[IMAGES]]
 
     def _routes(self, request_ids: list, requests: list, prompt_width: int, R: int) -> torch.Tensor:
         """The routes captured for the call's requests, aligned with the batch's input_ids [rows, prompt_width + R]."""
@@ -488,6 +482,10 @@ class VLLMRollout:
             **{k: rep(prompts.batch[k].cpu()) for k in IMAGE_KEYS if k in prompts.batch},  # each row's images
         }
         non_tensor = {k: np.repeat(v, n, axis=0)[source] for k, v in prompts.non_tensor_batch.items()}
+        if trajs is not None and self.image_token_id is not None:  # rollout.agent: the images each row holds
+            if self._processor is None:
+                self._processor = processor_for(self.model_path)
+            batch.update(agent_images(trajs, non_tensor, self._processor.image_processor))
         if trajs is not None:  # what each row's environment scores (agent/environment.py); DataProto makes
             non_tensor["agent_turns"] = [t.turns for t in trajs]  # it a 1-D object array (one row per sample)
             uids = non_tensor["uid"] if "uid" in non_tensor else [k // n for k in source]  # the sample each row is of
@@ -523,8 +521,7 @@ class VLLMRollout:
                 raise ValueError(f"prompt row {i} is empty (attention_mask all zero)")
             request = {"prompt_token_ids": toks}
             if images is not None and len(images[i]):
-                request = {"prompt_token_ids": [t for k, t in enumerate(toks)
-                                                if t != image_token_id or k == 0 or toks[k - 1] != image_token_id],
+                request = {"prompt_token_ids": collapsed(toks, image_token_id),
                            "multi_modal_data": {"image": list(images[i])}}
             for j in range(n):
                 requests.append(dict(request))
@@ -557,6 +554,11 @@ def replica_share(compute):
 
     group = get_tp_group()
     return group.broadcast_object(compute() if group.rank_in_group == 0 else None, src=0)
+
+
+def _rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """Each left-padded row's real ids."""
+    return [ids[i][mask[i]].tolist() for i in range(ids.shape[0])]
 
 
 def left_pad(token_lists: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
