@@ -60,6 +60,9 @@ The model (stated so it can be checked by hand):
   Activations as full fine-tuning (the adapters' r-wide ones are negligible). rollout.lora_sync=adapter:
   the weight sync is the whole adapter in peft's layout, bf16, into each rollout GPU (adapter_sync_params);
   vLLM keeps the base it loaded.
+- A vision-language model's vision tower (vision_memory.py states it): on the first stage, whole on every TP rank;
+  weights only where it is frozen (model.freeze_vision, LoRA, the reference, a teacher); its activations per image
+  patch, for the patches data.max_image_tokens allows a micro-batch's rows.
 - Overhead per GPU: 3 GB (NCCL buffers, fragmentation) + a CUDA context of 0.6 GB per process on the
   GPU (one per worker group sharing the pool: actor/rollout/ref fused, critic, reward model, teacher).
 - Host memory (pinned, per node): an offloaded role's weights and optimizer states (main params +
@@ -87,6 +90,7 @@ from megappo.parallel.layout import same_layout, sliced_sync
 from megappo.param_counts import (adapter_sync_params, kv_cache_bytes_per_token, lora_params, lora_rank, moe_layers,
                                   rollout_whole_params, shared_expert_params, stage_split, total_params)
 from megappo.parallel.weight_mapping import MOE_FAMILIES, padded_vocab_size
+from megappo.vision_memory import image_patches, vision_activation_bytes, vision_config, vision_params
 
 GB = 1024**3  # "GB" in the planner is GiB, as the GPU reports its memory (resources.gpu_memory_gb)
 # a layout fits only with this share of the GPU left free: allocator fragmentation, NCCL's buffers past the
@@ -156,8 +160,9 @@ def per_token_bytes(a) -> int:
     return per_token
 
 
-def activation_terms(cfg, role_cfg, par, lm_head: bool) -> dict:
-    """The actor's / critic's activation bytes per rank, term by term (they sum to activation_bytes)."""
+def activation_terms(cfg, role_cfg, par, lm_head: bool, vc: dict | None = None, vision_trained: bool = True) -> dict:
+    """The actor's / critic's activation bytes per rank, term by term (they sum to activation_bytes); `vc`: its vision
+    tower's vision_config (a trained tower keeps the in-flight micro-batches' activations, a frozen one a block's)."""
     a = cfg.model.arch
     s = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     b = role_cfg.micro_batch_size
@@ -173,19 +178,21 @@ def activation_terms(cfg, role_cfg, par, lm_head: bool) -> dict:
     per_logit = LOGIT_BYTES + (8 if getattr(role_cfg, "entropy_coeff", 0) else 0)
     columns = response_columns(cfg.data.max_prompt_length, cfg.rollout.max_new_tokens, par.cp)
     logits = columns * b * padded_vocab_size(a.vocab_size, par.tp) // par.tp * per_logit if lm_head else 0
+    vision = vision_activation_bytes(cfg, vc, b, vision_trained) * (in_flight if vision_trained else 1)
     return {"layers": per_mb * in_flight, "cp_masks": masks, "logits": logits, "tokens_per_gpu": L,
-            "bytes_per_token": per_token_bytes(a) // par.tp, "cp_kv_per_layer": kv, "cp_bias_per_layer": bias}
+            "bytes_per_token": per_token_bytes(a) // par.tp, "cp_kv_per_layer": kv, "cp_bias_per_layer": bias,
+            "vision": vision, "image_patches": image_patches(cfg, vc, b) if vc else 0}
 
 
-def activation_bytes(cfg, role_cfg, par, lm_head: bool) -> int:
-    t = activation_terms(cfg, role_cfg, par, lm_head)
-    return t["layers"] + t["cp_masks"] + t["logits"]
+def activation_bytes(cfg, role_cfg, par, lm_head: bool, vc: dict | None = None, vision_trained: bool = True) -> int:
+    t = activation_terms(cfg, role_cfg, par, lm_head, vc, vision_trained)
+    return t["layers"] + t["cp_masks"] + t["logits"] + t["vision"]
 
 
-def forward_bytes(cfg, shapes, role_cfg, par) -> int:
+def forward_bytes(cfg, shapes, role_cfg, par, vc: dict | None = None) -> int:
     """A frozen role's forward peak (no activations kept for a backward): one micro-batch's logits over the response
     columns (log_prob_micro_batch_size rows), one layer's activations, and the unfused attention's scores; at cp > 1
-    one layer's gathered K/V, additive mask and bool mask."""
+    one layer's gathered K/V, additive mask and bool mask; with a vision tower (`vc`) one block's for its images."""
     a = shapes.model.arch
     P, R = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
     s = P + R
@@ -195,7 +202,7 @@ def forward_bytes(cfg, shapes, role_cfg, par) -> int:
         + sum(cp_attention_terms(a, s, b, par))
     logits = response_columns(P, R, par.cp) * b * padded_vocab_size(a.vocab_size, par.tp) // par.tp \
         * FORWARD_LOGIT_BYTES
-    return layer + logits
+    return layer + logits + vision_activation_bytes(cfg, vc, b, trained=False)
 
 
 @dataclass
@@ -207,6 +214,8 @@ class RoleMemory:
     optimizer_gb: float
     activations_gb: float
     terms: dict | None = None  # a trained role's activation_terms
+    vision_params: int = 0  # its vision tower's, among params_per_gpu (vision_memory.py)
+    vision_trained: bool = False
 
     @property
     def resident_gb(self) -> float:
@@ -217,23 +226,28 @@ def role_memory(cfg, role: str) -> RoleMemory:
     rcfg = cfg[role]
     par = rcfg.parallel
     shapes = teacher_shapes(cfg) if role == "teacher" else cfg
-    dense, experts = stage_split(shapes, par.tp, par.pp, par.ep, "value" if role == "critic" else "lm")
+    vc = vision_config(cfg, role)
+    v = vision_params(vc)  # on the first stage (the worst one with it), whole on every TP rank
+    dense, experts = stage_split(shapes, par.tp, par.pp, par.ep, "value" if role == "critic" else "lm", v)
     n = dense + experts
     if role in ("ref", "teacher"):  # frozen: weights, and its forward's peak in its own phase (freed after it)
-        return RoleMemory(n, experts, 2 * n / GB, 0.0, 0.0, forward_bytes(cfg, shapes, rcfg, par) / GB)
-    if role == "actor" and lora_rank(cfg):  # frozen base + adapters (trained; Adam sharded as their base's)
+        return RoleMemory(n, experts, 2 * n / GB, 0.0, 0.0, forward_bytes(cfg, shapes, rcfg, par, vc) / GB,
+                          vision_params=v)
+    lora = role == "actor" and lora_rank(cfg)
+    frozen = v if lora or cfg.model.freeze_vision else 0  # a frozen tower's parameters: bf16 weights only
+    terms = activation_terms(cfg, rcfg, par, lm_head=(role == "actor"), vc=vc, vision_trained=not frozen)
+    activations = activation_bytes(cfg, rcfg, par, role == "actor", vc, not frozen) / GB
+    if lora:  # frozen base + adapters (trained; Adam sharded as their base's)
         k, k_exp = lora_params(cfg.model.arch, cfg.actor.lora, par.tp, par.pp, par.ep)
         k_all = k + k_exp
         return RoleMemory(n + k_all, experts, 2 * (n + k_all) / GB, 4 * k_all / GB,
                           12 * (k / (par.dp * par.cp) + k_exp / (par.dp * par.cp // par.ep)) / GB,
-                          activation_bytes(cfg, rcfg, par, lm_head=True) / GB,
-                          activation_terms(cfg, rcfg, par, lm_head=True))
+                          activations, terms, v)
     # the distributed optimizer shards dense params over dp * cp (megatron's data-parallel group with context
     # parallel), expert params over dp * cp / ep (expert data parallel); weights and grads are whole on each CP rank
-    optimizer = 12 * (dense / (par.dp * par.cp) + experts / (par.dp * par.cp // par.ep))
-    return RoleMemory(n, experts, 2 * n / GB, 4 * n / GB, optimizer / GB,
-                      activation_bytes(cfg, rcfg, par, lm_head=(role == "actor")) / GB,
-                      activation_terms(cfg, rcfg, par, lm_head=(role == "actor")))
+    optimizer = 12 * ((dense - frozen) / (par.dp * par.cp) + experts / (par.dp * par.cp // par.ep))
+    return RoleMemory(n, experts, 2 * n / GB, 4 * (n - frozen) / GB, optimizer / GB, activations, terms, v,
+                      bool(v) and not frozen)
 
 
 def teacher_shapes(cfg):
@@ -277,7 +291,8 @@ def plan(cfg) -> dict:
     offload = {r: bool(cfg[r].offload) for r in roles}
     vllm_gb = cfg.rollout.gpu_memory_utilization * gpu_gb
     tp = cfg.rollout.tp
-    vllm_weights_gb = 2 * (total_params(cfg) + (tp - 1) * rollout_whole_params(cfg.model.arch)) / tp / GB
+    model_params = total_params(cfg) + vision_params(vision_config(cfg, "actor"))  # vLLM splits the tower over tp
+    vllm_weights_gb = 2 * (model_params + (tp - 1) * rollout_whole_params(cfg.model.arch)) / tp / GB
 
     def resident(active: str | None) -> float:
         """What the other roles hold on the GPU: weights + grads + optimizer, and the activation peak their allocator
@@ -316,7 +331,7 @@ def plan(cfg) -> dict:
     # else every weight whole (gathered over the trainer's TP, EP-broadcast; the async modes' broadcast from rank 0)
     sliced = cfg.trainer.mode == "sync" and sliced_sync(cfg.actor.parallel.tp, cfg.rollout.tp)
     sync_bytes_per_gpu = 2 * adapter_sync_params(cfg.model.arch, cfg.actor.lora) if adapter_sync else \
-        vllm_weights_gb * GB if sliced else 2 * total_params(cfg)
+        vllm_weights_gb * GB if sliced else 2 * model_params
     replicas = cfg.resources.nodes * cfg.resources.workers_per_node // cfg.rollout.tp
     # what the KV cache left beside the weights holds (workspace: this module's overhead), and one engine's
     # share of the step's samples, each at its longest (reported; vLLM queues what does not fit)
@@ -329,7 +344,7 @@ def plan(cfg) -> dict:
         "gpus": cfg.resources.nodes * cfg.resources.workers_per_node,
         "gpu_mem_gb": gpu_gb,
         "sample_tokens": cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
-        "total_params_b": round(total_params(cfg) / 1e9, 3),
+        "total_params_b": round(model_params / 1e9, 3),
         "roles": {r: {"params_per_gpu_m": round(m.params_per_gpu / 1e6, 1),
                       "expert_params_per_gpu_m": round(m.expert_params_per_gpu / 1e6, 1),
                       "weights_gb": round(m.weights_gb, 2),
@@ -341,6 +356,10 @@ def plan(cfg) -> dict:
                       "cp_kv_gb_per_layer": round(m.terms["cp_kv_per_layer"] / GB, 3),
                       "cp_mask_gb_per_layer": round(m.terms["cp_bias_per_layer"] / GB, 3),
                       "cp_masks_gb": round(m.terms["cp_masks"] / GB, 2)} if m.terms else {})
+                  | ({"vision_params_m": round(m.vision_params / 1e6, 1), "vision_trained": m.vision_trained}
+                     | ({"vision_activations_gb": round(m.terms["vision"] / GB, 2),
+                         "image_patches_per_micro_batch": m.terms["image_patches"]} if m.terms else {})
+                     if m.vision_params else {})
                   for r, m in roles.items()}
         | {"rollout": {"vllm_gb": round(vllm_gb, 2), "weights_gb": round(vllm_weights_gb, 2),
                        "kv_cache_and_workspace_gb": round(vllm_gb - vllm_weights_gb, 2),

@@ -92,8 +92,9 @@ def layer_params(cfg) -> int:
     return _attention_params(a) + 3 * a.hidden_size * a.intermediate_size
 
 
-def stage_split(cfg, tp: int, pp: int, ep: int, head: str) -> tuple[int, int]:
-    """(dense, expert) parameters on one GPU of the worst pipeline stage (head: 'lm' or 'value')."""
+def stage_split(cfg, tp: int, pp: int, ep: int, head: str, first_stage: int = 0) -> tuple[int, int]:
+    """(dense, expert) parameters on one GPU of the worst pipeline stage (head: 'lm' or 'value'); `first_stage`: dense
+    parameters the first stage holds besides (a vision tower, whole on every TP rank)."""
     a = cfg.model.arch
     emb = padded_vocab_size(a.vocab_size, tp) * a.hidden_size // tp
     out = emb if head == "lm" else a.hidden_size  # value head is replicated [1, hidden]
@@ -106,8 +107,9 @@ def stage_split(cfg, tp: int, pp: int, ep: int, head: str) -> tuple[int, int]:
         + int(moe_per_stage * (a.num_experts * a.hidden_size + shared_replicated))  # routers: replicated over tp
     experts = int(moe_per_stage * expert_params_per_layer(a)) // (tp * ep)
     if pp == 1:
-        return dense + emb + a.hidden_size + (0 if (head == "lm" and a.tie_word_embeddings) else out), experts
-    return max(dense + emb, dense + a.hidden_size + out), experts  # first stage vs last stage
+        return dense + emb + first_stage + a.hidden_size + (0 if (head == "lm" and a.tie_word_embeddings) else out), \
+            experts
+    return max(dense + emb + first_stage, dense + a.hidden_size + out), experts  # first stage vs last stage
 
 
 def total_params(cfg) -> int:

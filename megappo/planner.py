@@ -21,6 +21,7 @@ from megappo.config import ConfigError, load_config
 from megappo.config.schema import MegappoConfig
 from megappo.config.validate import max_positions, validate_config
 from megappo.memory_model import GB, HEADROOM, ROLES, layout_str, plan
+from megappo.vision_memory import image_tokens
 
 
 def with_pool(cfg, nodes: int | None, gpus_per_node: int | None, gpu_mem_gb: float | None):
@@ -205,6 +206,7 @@ def main(args: argparse.Namespace) -> int:
                                   f"and at most the model's {positions} positions; pick a length in between")
             cfg = with_length(cfg, seq_len)
         validate_config(cfg)
+        image_tokens(cfg)  # data.max_image_tokens' range, in one line
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 1
@@ -318,6 +320,12 @@ def render(result: dict) -> str:
                          f"sample's tokens per GPU at {m['activation_bytes_per_token']:,} B per token per layer; "
                          f"per layer gathered K/V {m['cp_kv_gb_per_layer']:.2f}G + SDPA's mask "
                          f"{m['cp_mask_gb_per_layer']:.2f}G, the bool mask {m['cp_masks_gb']:.2f}G")
+    for r, m in result["roles"].items():
+        if m.get("vision_params_m"):
+            lines.append(f"{r} vision tower: {m['vision_params_m']:.1f}M params on the first stage, whole on each TP "
+                         "rank, " + ("trained" if m["vision_trained"] else "frozen (weights only)") +
+                         (f"; activations {m['vision_activations_gb']:.2f}G for {m['image_patches_per_micro_batch']:,} "
+                          "image patches per micro-batch" if "vision_activations_gb" in m else ""))
     lines.append("phases (GB/GPU incl. overhead): " + ", ".join(f"{k} {g:.1f}" for k, g in result["phases_gb"].items()))
     ws = result["weight_sync"]
     experts = f"; every one of {ws['experts_per_rollout_gpu']} (layer, expert) pairs, TP-sliced" \

@@ -796,3 +796,142 @@ def test_the_64k_recipes_fit_as_the_docs_say():
     p, m = plan(no_cp), max_len(no_cp)
     assert p["layout"]["actor"] == "TP4xPP1xDP8xEP8" and p["fits"]
     assert f"at TP4xDP8xEP8: peak {p['peak_gpu_gb']:.1f} GB, at most {m['tokens']:,} tokens" in doc
+
+
+# ---- a vision-language model's vision tower (megappo/vision_memory.py) --------------------------------------------
+# Qwen2.5-VL-7B's config.json, as published (its checkpoint is not at hand offline): the vision tower's and the
+# language model's shapes
+QWEN25_VL_7B = {"model_type": "qwen2_5_vl", "tie_word_embeddings": False,
+                "vision_config": dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                                      out_hidden_size=3584, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                                      in_chans=3, window_size=112, fullatt_block_indexes=[7, 15, 23, 31]),
+                "text_config": dict(model_type="qwen2_5_vl_text", hidden_size=3584, intermediate_size=18944,
+                                    num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                                    vocab_size=152064, max_position_embeddings=128000,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                     "mrope_section": [16, 24, 24]})}
+
+
+def test_the_vision_towers_parameters_are_the_modules_own():
+    """The planner's tower + merger count is the sum of the module's own tensors (models/vision.vision_tensors, built
+    on the meta device) for the tiny tower and Qwen2.5-VL-7B's; with its language model it is the published
+    checkpoint's total (Qwen2.5-VL-7B-Instruct's safetensors: 8,292,166,656 parameters, 0.68B of them the tower's)."""
+    import math
+
+    from omegaconf import OmegaConf
+    from transformers import Qwen2_5_VLConfig
+
+    from megappo.assets import VISION_SHAPES
+    from megappo.config.schema import ArchConfig
+    from megappo.config.validate import arch_from_hf
+    from megappo.models.vision import vision_tensors
+    from megappo.vision_memory import vision_params
+
+    for vc in (dict(VISION_SHAPES, out_hidden_size=128), QWEN25_VL_7B["vision_config"]):
+        shapes = vision_tensors(Qwen2_5_VLConfig(vision_config=vc))
+        assert vision_params(vc) == sum(math.prod(s) for s in shapes.values()), vc
+    cfg = load_config(REPO / "configs/grpo_tiny_vl.yaml", validate=False)
+    cfg.model.arch = OmegaConf.merge(OmegaConf.structured(ArchConfig), arch_from_hf(QWEN25_VL_7B))
+    assert total_params(cfg) + vision_params(QWEN25_VL_7B["vision_config"]) == 8_292_166_656
+
+
+def test_the_vision_towers_activations_are_what_autograd_keeps():
+    """A trained tower's activations per patch (vision_memory.patch_bytes) are the bytes autograd keeps of the tiny
+    tower in bf16 (the distinct storages besides its parameters), for one image of several windows and for two
+    images of other shapes; a frozen tower keeps none."""
+    import torch
+
+    from megappo.assets import VISION_SHAPES
+    from megappo.models.vision import vision_tower
+    from megappo.vision_memory import patch_bytes
+    from transformers import Qwen2_5_VLConfig
+
+    vc = dict(VISION_SHAPES, out_hidden_size=128)
+    tower = vision_tower(Qwen2_5_VLConfig(vision_config=vc).vision_config, torch.bfloat16)
+    params = {p.untyped_storage().data_ptr() for p in tower.parameters()}
+
+    def kept(grids) -> tuple[int, int]:
+        grids = torch.tensor(grids)
+        n = int(grids.prod(-1).sum())
+        storages = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            tower(torch.randn(n, 3 * 2 * 14 * 14, dtype=torch.bfloat16), grid_thw=grids)
+        return n, sum(storages.values())
+
+    for grids in ([[1, 16, 16]], [[1, 8, 8], [1, 4, 12]]):
+        n, got = kept(grids)
+        assert got == n * patch_bytes(vc, trained=True), (grids, got, n * patch_bytes(vc, trained=True))
+    tower.requires_grad_(False)
+    assert kept([[1, 16, 16]])[1] == 0
+
+
+def test_a_vision_language_model_is_planned_with_its_tower(tmp_path):
+    """Qwen2.5-VL-7B (its config.json at model.path): the tower's parameters join the first stage whole at every
+    tp and pp (not divided by tp), with grads and Adam only when trained (not model.freeze_vision); the reference
+    holds its weights; vLLM splits it over rollout TP. Its activations grow with the image tokens and the micro-batch's
+    rows, not with tp; a frozen tower (freeze_vision, LoRA) counts one block's. A bad image-token count: one line."""
+    from omegaconf import OmegaConf
+
+    from megappo.config.schema import ArchConfig
+    from megappo.config.validate import arch_from_hf
+    from megappo.memory_model import role_memory
+    from megappo.config import ConfigError
+    from megappo.vision_memory import image_tokens, patch_bytes, vision_params
+
+    (tmp_path / "vl").mkdir()
+    (tmp_path / "vl" / "config.json").write_text(json.dumps(QWEN25_VL_7B))
+    vc = QWEN25_VL_7B["vision_config"]
+    v = vision_params(vc)
+
+    base = load_config(REPO / "configs/grpo_tiny_vl.yaml", ["resources.workers_per_node=8", "rollout.tp=2"],
+                       validate=False)
+    base.model.arch = OmegaConf.merge(OmegaConf.structured(ArchConfig), arch_from_hf(QWEN25_VL_7B))
+
+    def at(path, tp=1, pp=1, **keys):
+        cfg = copy.deepcopy(base)
+        cfg.model.path = str(path)
+        for r in ("actor", "ref"):
+            cfg[r].parallel.tp, cfg[r].parallel.pp = tp, pp
+        for k, value in keys.items():
+            OmegaConf.update(cfg, k.replace("__", "."), value)
+        return with_pool(cfg, None, None, None)
+
+    text, vl = tmp_path / "text", tmp_path / "vl"  # no config.json at hand: the language model alone
+    for tp, pp in ((1, 1), (2, 1), (2, 2)):
+        t, m = role_memory(at(text, tp, pp), "actor"), role_memory(at(vl, tp, pp), "actor")
+        dp = 8 // (tp * pp)
+        # at pp 2 the text model's worst stage is the last (the first's layers + the final norm, hidden_size more);
+        # with the tower it is the first
+        dv = v - (QWEN25_VL_7B["text_config"]["hidden_size"] if pp > 1 else 0)
+        assert m.params_per_gpu - t.params_per_gpu == dv and m.vision_trained and t.vision_params == 0, (tp, pp)
+        assert (m.weights_gb - t.weights_gb, m.grads_gb - t.grads_gb, m.optimizer_gb - t.optimizer_gb) == \
+            pytest.approx((2 * dv / GB, 4 * dv / GB, 12 * dv / dp / GB)), (tp, pp)
+        frozen = role_memory(at(vl, tp, pp, model__freeze_vision=True), "actor")
+        assert (frozen.weights_gb, frozen.grads_gb, frozen.optimizer_gb) == \
+            pytest.approx((m.weights_gb, 4 * (m.params_per_gpu - v) / GB, 12 * (m.params_per_gpu - v) / dp / GB))
+        ref, ref_t = role_memory(at(vl, tp, pp), "ref"), role_memory(at(text, tp, pp), "ref")
+        assert (ref.weights_gb - ref_t.weights_gb, ref.grads_gb) == pytest.approx((2 * dv / GB, 0.0))
+    p, p_t = plan(at(vl)), plan(at(text))
+    assert p["roles"]["rollout"]["weights_gb"] - p_t["roles"]["rollout"]["weights_gb"] == \
+        pytest.approx(2 * v / 2 / GB, abs=0.01)
+    assert p["total_params_b"] == round(8_292_166_656 / 1e9, 3)
+
+    def vision(tp=1, **keys):
+        return role_memory(at(vl, tp, **keys), "actor").terms["vision"]
+
+    cfg = at(vl)
+    # null data.max_image_tokens: every prompt token an image's, spatial_merge_size^2 patches each; pp 1: one
+    # micro-batch in flight
+    patches = cfg.actor.micro_batch_size * vc["spatial_merge_size"] ** 2 * cfg.data.max_prompt_length
+    assert vision() == patches * patch_bytes(vc, trained=True)
+    assert vision(data__max_image_tokens=32) == 2 * vision(data__max_image_tokens=16) > 0
+    assert vision(actor__micro_batch_size=2 * cfg.actor.micro_batch_size) == 2 * vision() == 2 * vision(tp=2)
+    assert vision(model__freeze_vision=True) == vision(actor__lora__rank=8) == patches * patch_bytes(vc, False)
+    with pytest.raises(ConfigError, match=r"^data.max_image_tokens=-1 must be in 0\.\.\d+ .*or null"):
+        image_tokens(at(vl, data__max_image_tokens=-1))
