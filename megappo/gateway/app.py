@@ -10,7 +10,8 @@ OpenAI endpoints (a session's key in `Authorization: Bearer`), answering what vL
 the fields clients send: `POST /v1/chat/completions` (messages, `tools` shown through the chat template, tool calls
 read into `tool_calls` in the model's format: Hermes `<tool_call>` blocks, or `tool_parser`, one of vLLM's parsers
 by name (tool_calls.py); finish_reason `tool_calls` / `stop` / `length`; `logprobs` with `top_logprobs`;
-`chat_template_kwargs` rendered as vLLM's server renders them),
+`chat_template_kwargs` rendered as vLLM's server renders them; a vision-language model's `image_url` parts as data
+URLs, expanded as its processor does and sent to vLLM as multi_modal_data: agent/capture.ChatRenderer),
 `POST /v1/completions` (a string or token ids, or a batch of them; `logprobs` k, `echo`, `max_tokens: 0` with echo
 for the prompt's log-probs alone), `POST /v1/responses` (responses.py: mapped to a chat request), `GET /v1/models`.
 `n` samples (outside a session), a fresh seed for an unseeded request, a null as the default, a missing
