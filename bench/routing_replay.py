@@ -26,9 +26,10 @@ sys.path.insert(0, str(REPO))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def sample_with_routes(rank, world, port, path):
+def sample_with_routes(rank, world, port, path, agent: bool = False):
     """spawn_local target: a fresh vLLM engine (fp32, capturing routes) samples 2 responses to each of 3 prompts;
-    the rollout batch's tensors, routed_experts included."""
+    the rollout batch's tensors, routed_experts included. `agent`: then your own agent's two-turn chats on the same
+    engine, their batch's under "agent"."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from megappo.config.schema import RolloutConfig
     from megappo.protocol import DataProto
@@ -41,8 +42,44 @@ def sample_with_routes(rank, world, port, path):
                                   {"uid": ["a", "b", "c"]})
     out = rollout.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch,
                                                {"sampling": SamplingSpec(n=2, max_new_tokens=6)}))
-    return {k: out.batch[k] for k in ("input_ids", "attention_mask", "position_ids", "response_mask", "responses",
-                                      "rollout_log_probs", "routed_experts")}
+    keys = ("input_ids", "attention_mask", "position_ids", "response_mask", "responses", "rollout_log_probs",
+            "routed_experts")
+    got = {k: out.batch[k] for k in keys}
+    if agent:  # the same engine, your own agent's two-turn chats (rollout.agent): their rows' routes
+        got["agent"] = {k: v.batch[k] for v in [_agent_rollout(rollout, path)] for k in keys + ("agent_errors",)}
+    return got
+
+
+async def _two_turns(client, row):
+    """Your own agent (rollout.agent): the row's messages, then a user turn and the model's second answer."""
+    messages = list(row["messages"])
+    first = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "and then?"}]
+    await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+
+
+def _agent_rollout(rollout, path):
+    from transformers import AutoTokenizer
+
+    from megappo.gateway.agents import AgentRunner
+    from megappo.protocol import DataProto
+    from megappo.workers.rollout.async_engine import AsyncTokenEngine
+    from megappo.workers.rollout.sampling import SamplingSpec
+    from megappo.workers.rollout.vllm_rollout import left_pad
+
+    tok = AutoTokenizer.from_pretrained(path)
+    texts = ["hi there", "count to three", "a b c d e f"]
+    ids = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
+                                   return_dict=False) for t in texts]
+    rollout.agent = AgentRunner(AsyncTokenEngine.for_llm(rollout.llm), rollout.tokenizer, _two_turns, max_model_len=128,
+                                max_tokens=4)
+    try:
+        prompts = DataProto.from_dict(left_pad(ids, 0), {"uid": ["a", "b", "c"], "raw_prompt": texts})
+        return rollout.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch,
+                                                    {"sampling": SamplingSpec(n=1, max_new_tokens=24, seed=3)}))
+    finally:
+        rollout.agent.close()
+        rollout.agent = None
 
 
 def trainer_gaps(rank, world, port, path, batch, noises, dtype="fp32"):

@@ -51,8 +51,22 @@ def _hf_routes(path, b):
 
 @pytest.mark.parametrize("family", ["tiny-qwen3_moe", "tiny-deepseek_v3"])
 def test_captured_routes_are_the_rollouts(tiny_assets, family):
-    path = str(tiny_assets[family])
-    b = _rollout(path)
+    _check_routes(str(tiny_assets[family]), _rollout(str(tiny_assets[family])))
+
+
+def test_your_own_agents_rows_carry_their_routes(tiny_assets):
+    """rollout.agent (two chat turns with a user turn between them): each row's routes are its last request's,
+    whose forward computed the whole conversation (prefix caching is off while capturing), and they equal
+    transformers' over the row: the first turn's tokens, the user turn's and the second answer's."""
+    path = str(tiny_assets["tiny-qwen3_moe"])
+    b = _rollout(path)["agent"]
+    assert b["agent_errors"].sum() == 0
+    turns = (b["response_mask"][:, 1:] < b["response_mask"][:, :-1]).sum(-1)  # a model turn followed by tokens
+    assert bool((turns >= 1).all()), b["response_mask"]  # untrained ones: every row has the user turn inside it
+    _check_routes(path, b)
+
+
+def _check_routes(path, b):
     routes = b["routed_experts"]
     hf, moe_layers = _hf_routes(path, b)
     rows, S = b["input_ids"].shape
@@ -77,7 +91,7 @@ def test_captured_routes_are_the_rollouts(tiny_assets, family):
 @functools.lru_cache(maxsize=None)
 def _rollout(path):
     """One rollout's rows (a fresh vLLM process), shared by the tests of a model."""
-    return spawn_local(sample_with_routes, 1, path, timeout=300)[0]
+    return spawn_local(sample_with_routes, 1, path, "qwen3_moe" in path, timeout=300)[0]
 
 
 def test_replaying_the_rollouts_routes_undoes_a_perturbed_router(tiny_assets):

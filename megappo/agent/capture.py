@@ -44,6 +44,7 @@ class Segment:
     turns: int = 0
     finish_reasons: list = field(default_factory=list)  # per model turn: the engine's ("stop", "length", "abort")
     images: list = field(default_factory=list)  # the data URLs of the images its ids hold, in order (a VL model)
+    request_ids: list = field(default_factory=list)  # per recorded model turn: the engine request that sampled it
 
     @property
     def ids(self) -> list:
@@ -67,14 +68,15 @@ class Segment:
         n, finished, self.turns, images = mark
         for tokens in (self.tokens, self.model_mask, self.logprobs, self.versions):
             del tokens[n:]
-        del self.finish_reasons[finished:], self.images[images:]
+        del self.finish_reasons[finished:], self.request_ids[finished:], self.images[images:]
 
     def to_dict(self, mark: Optional[tuple] = None) -> dict:
         """A copy (as it was at `mark`, when given)."""
         n, finished, turns, images = mark or self.mark()
         return {"prompt_ids": list(self.prompt_ids), "tokens": self.tokens[:n], "model_mask": self.model_mask[:n],
                 "logprobs": self.logprobs[:n], "versions": self.versions[:n], "turns": turns,
-                "finish_reasons": self.finish_reasons[:finished], "images": self.images[:images]}
+                "finish_reasons": self.finish_reasons[:finished], "images": self.images[:images],
+                "request_ids": self.request_ids[:finished]}
 
 
 class ChatRenderer:
@@ -198,12 +200,14 @@ class Session:
         return self.segments[-1].ids
 
     def record(self, ids: list[int], logprobs, version, reply: Optional[dict] = None, model: bool = True,
-               finish_reason: Optional[str] = None, invalid_calls: int = 0) -> None:
+               finish_reason: Optional[str] = None, invalid_calls: int = 0, request_id: Optional[str] = None) -> None:
         """The engine's answer to the last prompt: ids and log-probs as sampled, the version(s) that sampled
         them (Segment.add), why it ended; reply: the assistant message returned to the client (what its next
-        request must repeat to extend); invalid_calls: call blocks in it that could not be read."""
+        request must repeat to extend); invalid_calls: call blocks in it that could not be read; request_id: the
+        engine's (its routes, actor.router_replay=r3)."""
         self.segments[-1].add(ids, logprobs, version, model=model)
         self.segments[-1].finish_reasons.append(finish_reason)
+        self.segments[-1].request_ids.append(request_id)
         self.tool_calls += len((reply or {}).get("tool_calls") or [])
         self.invalid_calls += invalid_calls
         if reply is not None and self._history is not None:

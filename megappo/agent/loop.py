@@ -57,12 +57,16 @@ class Trajectory:
     segment_of: Optional[int] = None  # a later segment's row: the index of its sample (trajectory_rows)
     request_s: list = field(default_factory=list)  # rollout.agent: each of its session's requests' latency (seconds)
     images: list = field(default_factory=list)  # rollout.agent: the data URLs of the images its ids hold, in order
+    # the engine request of its last model turn: its forward computed every token before it (prefix caching is off
+    # while routes are captured), so its routes are the row's (actor.router_replay=r3; None: no turn)
+    request_id: Optional[str] = None
 
     def take(self, segment: Segment) -> "Trajectory":
         """Its tokens from a session's captured segment (agent/capture.py), as sampled and observed."""
         self.tokens, self.model_mask = list(segment.tokens), list(segment.model_mask)
         self.logprobs, self.versions = list(segment.logprobs), list(segment.versions)
         self.images = list(segment.images)
+        self.request_id = next((r for r in reversed(segment.request_ids) if r is not None), None)
         return self
 
 
@@ -125,7 +129,7 @@ class AgentLoop:
                 c = o.outputs[0]
                 lps = [float(c.logprobs[i][tok].logprob) for i, tok in enumerate(c.token_ids)] if c.logprobs else None
                 calls[k] = self._model_turn(samples[k], list(c.token_ids), lps, c.finish_reason, c.stop_reason,
-                                            budget, last_turn, forced[k])
+                                            budget, last_turn, forced[k], request_id=o.request_id)
             pending = {k: c for k, c in calls.items() if c is not None}
 
             def execute(pending=pending):
@@ -149,7 +153,7 @@ class AgentLoop:
             forced = self._is_forced(turn, allowed)
             c = await engine.generate(x.ids, self._params(spec, budget - x.used, seed, turn, allowed))
             call = self._model_turn(x, c.ids, c.logprobs, c.finish_reason, c.stop_string or None, budget,
-                                    turn == self.config.max_turns - 1, forced, c.versions)
+                                    turn == self.config.max_turns - 1, forced, c.versions, c.request_id)
             if call is None:
                 break
             result = await asyncio.get_running_loop().run_in_executor(self.pool, self._execute, call, allowed)
@@ -179,10 +183,11 @@ class AgentLoop:
         return self._forced_regex[names]
 
     def _model_turn(self, x: _Sample, toks: list, logprobs, finish_reason, stop_reason, budget: int,
-                    last_turn: bool, forced: bool, versions=-1):
+                    last_turn: bool, forced: bool, versions=-1, request_id: Optional[str] = None):
         """Record the model's tokens (a forced turn's as untrained context); returns the call to run, or
         None when the sample is finished. `versions`: the engine's per-token versions (-1: not tracked)."""
-        x.session.record(toks, None if forced else logprobs, versions, model=not forced, finish_reason=finish_reason)
+        x.session.record(toks, None if forced else logprobs, versions, model=not forced, finish_reason=finish_reason,
+                         request_id=request_id)
         traj = x.traj
         traj.stats["num_turns"] += 1
         traj.turns.append({"role": "assistant", "text": self.tokenizer.decode(toks, skip_special_tokens=True)})

@@ -11,9 +11,9 @@ from megappo.config.schema import recomputes_old_log_probs
 from megappo.parallel.model_dims import ModelDims
 
 
-def route_capture_problem(gpu: bool, trainer_mode: Optional[str], agent: bool) -> Optional[str]:
+def route_capture_problem(gpu: bool, trainer_mode: Optional[str]) -> Optional[str]:
     """Why actor.router_replay=r3 cannot capture the rollout's routes here (one line), or None. `trainer_mode`
-    None: not known (the rollout engine itself); `agent`: the multi-turn loop or rollout.agent samples."""
+    None: not known (the rollout engine itself)."""
     if gpu:
         return ("actor.router_replay=r3 captures routes through vLLM's router hook on CPU; on GPU vLLM returns them "
                 "from its V2 model runner only (enable_return_routed_experts), not wired yet: use "
@@ -21,9 +21,6 @@ def route_capture_problem(gpu: bool, trainer_mode: Optional[str], agent: bool) -
     if trainer_mode not in (None, "sync"):
         return (f"actor.router_replay=r3 captures the hybrid engine's routes (trainer.mode=sync); the rollout pool "
                 f"of trainer.mode={trainer_mode} is not captured yet: use actor.router_replay=r2")
-    if agent:
-        return ("actor.router_replay=r3 captures the routes of plain generation; the multi-turn loop and "
-                "rollout.agent are not captured yet: use actor.router_replay=r2")
     return None
 
 
@@ -50,8 +47,7 @@ def check_router_replay(cfg, dims: ModelDims) -> None:
         raise ConfigError(f"actor.router_replay={mode} replays mixture-of-experts routes, and {cfg.model.path} is a "
                           "dense model: set actor.router_replay=off")
     if mode == "r3":
-        problem = route_capture_problem(cfg.resources.device == "cuda", cfg.trainer.mode,
-                                        bool(cfg.rollout.multi_turn.enable or cfg.rollout.agent))
+        problem = route_capture_problem(cfg.resources.device == "cuda", cfg.trainer.mode)
         if problem:
             raise ConfigError(problem)
         return

@@ -189,7 +189,8 @@ class Gateway:
                                         "function": {"name": name, "arguments": args}} for name, args in calls]
             # a constrained reply was not sampled from the policy: context, not trained (tool_calls.py)
             turn.record(latency, out.ids, None if constraint else out.logprobs, out.versions, reply,
-                        model=constraint is None, finish_reason=out.finish_reason, invalid_calls=unread)
+                        model=constraint is None, finish_reason=out.finish_reason, invalid_calls=unread,
+                        request_id=out.request_id)
         finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
         choice = {"index": 0, "message": reply, "finish_reason": finish, "stop_reason": out.stop_reason,
                   "token_ids": out.ids,
@@ -273,7 +274,8 @@ class Gateway:
                 raise GatewayError(400, rq.one_line(e)) from None
             out, latency = await self._generate(full, body, state, top_logprobs=k or 0,
                                                 prompt_logprobs=(k or 0) if echo and k is not None else None)
-            turn.record(latency, out.ids, out.logprobs, out.versions, finish_reason=out.finish_reason)
+            turn.record(latency, out.ids, out.logprobs, out.versions, finish_reason=out.finish_reason,
+                        request_id=out.request_id)
         sampled = [] if only_prompt else out.ids
         text = "" if only_prompt else self._reply_text(out)
         # vLLM's server echoes no prompt text when the ids are asked for (return_token_ids)

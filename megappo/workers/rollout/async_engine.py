@@ -56,6 +56,7 @@ class Completion:
     token_versions: list = field(default_factory=list)  # per id: the version of the step that sampled it
     top: list = field(default_factory=list)  # per id: {token id: log-prob} of the top-k asked for (logprobs=k)
     prompt_top: list = field(default_factory=list)  # per prompt id: the same (prompt_logprobs=k; None first)
+    request_id: str = ""  # the engine request that finished it (a resubmitted one's last: its routes cover both parts)
 
     @property
     def versions(self) -> "int | list":
@@ -226,6 +227,7 @@ class AsyncTokenEngine:
                 if rid in self._multi_modal:  # vLLM's expansion (a resubmitted one's ends in the ids sampled before)
                     prompt = list(out.prompt_token_ids)[:len(out.prompt_token_ids) - len(before_ids)]
                 done = _completion(out, prompt, version)
+                done.request_id = rid
                 done.ids, done.logprobs = list(before_ids) + done.ids, list(before_lps) + done.logprobs
                 done.token_versions = self._token_versions[rid][:len(done.ids)]
                 self._forget(rid)

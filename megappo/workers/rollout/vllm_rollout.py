@@ -137,7 +137,7 @@ class VLLMRollout:
         if self.capture_routes:
             from megappo.config.moe_checks import route_capture_problem
 
-            problem = route_capture_problem(on_gpu(), None, agent is not None)
+            problem = route_capture_problem(on_gpu(), None)
             if problem:
                 raise ValueError(problem)
             kwargs["enable_prefix_caching"] = False  # a cached prompt prefix is not computed: no routes for it
@@ -397,15 +397,15 @@ class VLLMRollout:
         images = self._images(prompts.non_tensor_batch)
         requests, params = self._requests(prompts.batch["input_ids"].cpu(), attn, spec, base_seed, images,
                                           self.image_token_id)
-        trajs = None
+        trajs = captured = None
         with preserved_rng(), cpu_compat.suspended():  # vLLM needs no megatron shim
+            if self.capture_routes:
+                from megappo.workers.rollout.route_capture import start_capture, take_routes
+
+                self.llm.collective_rpc(start_capture)
             if self.agent is None:
                 from megappo.workers.rollout.async_engine import sampled_logprobs
 
-                if self.capture_routes:
-                    from megappo.workers.rollout.route_capture import start_capture
-
-                    self.llm.collective_rpc(start_capture)
                 outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
                 if images is not None:
                     check_expanded(prompts.batch["input_ids"].cpu(), attn, outs, n)
@@ -421,7 +421,10 @@ class VLLMRollout:
                 trajs = trajectory_rows(self.agent.run(rows, spec, base_seed,
                                                        self._agent_input(prompts.non_tensor_batch, n)))
                 res = trajectory_tensors(trajs, R, self.pad_token_id)
-        return self.assemble(prompts, res, spec.with_seed(base_seed), trajs, requests)
+                if self.capture_routes:  # each row's from its last turn's forward (agent/loop.Trajectory.request_id)
+                    captured = self.llm.collective_rpc(take_routes, args=([t.request_id for t in trajs
+                                                                           if t.request_id],))[0]
+        return self.assemble(prompts, res, spec.with_seed(base_seed), trajs, requests, captured)
 
     def _images(self, non_tensor: dict) -> Optional[list]:
         """Each prompt row's images (non_tensor IMAGES: a list of encoded bytes per row, in prompt order) as
@@ -446,11 +449,13 @@ class VLLMRollout:
         return rows_of_routes(got, request_ids, [len(r["prompt_token_ids"]) for r in requests], prompt_width,
                               prompt_width + R, self.route_shape)
 
-    def assemble(self, prompts: DataProto, res: dict, spec: SamplingSpec, trajs=None, requests=None) -> DataProto:
+    def assemble(self, prompts: DataProto, res: dict, spec: SamplingSpec, trajs=None, requests=None,
+                 captured: Optional[dict] = None) -> DataProto:
         """The rollout's DataProto: `prompts` (one row per prompt) each repeated spec.num_samples times, beside
         the samples' tensors `res` (response_tensors', or the agent loop's trajectory_tensors of `trajs`, which
         may end in later segments' rows: agent/loop.trajectory_rows; each gets its sample's prompt row and a
-        non_tensor "agent_session" naming the sample)."""
+        non_tensor "agent_session" naming the sample). `captured`: the routes of the trajectories' requests
+        (route_capture.take_routes), laid out as the rows' ids."""
         meta, n, R = dict(prompts.meta_info), spec.num_samples, spec.max_new_tokens
         attn = prompts.batch["attention_mask"].cpu()
         ids = prompts.batch["input_ids"].cpu()
@@ -469,6 +474,11 @@ class VLLMRollout:
                             for t, k in zip(trajs, source)], self.pad_token_id)
             p_ids, p_mask, p_pos = own["input_ids"], own["attention_mask"], own["position_ids"]
         r_pos = p_pos[:, -1:] + torch.arange(1, R + 1, dtype=torch.long, device="cpu").unsqueeze(0)
+        if captured is not None:  # a row's positions count from its prompt's first token, as its request's did
+            from megappo.workers.rollout.route_capture import rows_of_routes
+
+            res[ROUTES] = rows_of_routes(captured, [t.request_id for t in trajs], p_mask.sum(-1).tolist(),
+                                         p_ids.shape[1], p_ids.shape[1] + R, self.route_shape)
         batch = {  # CPU tensors, whatever the prompts' device: this leaves the worker
             "prompts": p_ids,
             "responses": responses,
