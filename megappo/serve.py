@@ -136,6 +136,7 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from megappo.config.schema import RolloutConfig
+    from megappo.data.images import processor_for
     from megappo.gateway.app import Gateway, make_app
     from megappo.workers.rollout.async_engine import AsyncTokenEngine
     from megappo.workers.rollout.vllm_rollout import VLLMRollout
@@ -155,8 +156,8 @@ def main(args: argparse.Namespace) -> int:
                           dtype=args.dtype, max_model_len=max_model_len)
     gateway = Gateway(AsyncTokenEngine.for_llm(rollout.llm), rollout.tokenizer, model_name=args.name or name,
                       max_model_len=max_model_len, max_tokens=max_tokens, tool_prompt=args.tool_prompt,
-                      tool_parser=args.tool_parser,
-                      open_key=key)
+                      tool_parser=args.tool_parser, open_key=key,
+                      processor=processor_for(hf))  # a VL model: its image_url parts, as its processor expands them
     print(f"serve: {hf} as {gateway.model_name!r} on http://{args.host}:{args.port}/v1 "
           f"(OpenAI API; key: {_shown_key(key, args.api_key)})", flush=True)
     uvicorn.run(make_app(gateway), host=args.host, port=args.port, log_level="warning")
