@@ -188,8 +188,9 @@ def test_teacher_config_errors(tiny_assets, tmp_path):
 
 def test_opd_from_a_teacher_of_another_family_on_a_pool_of_its_own(ray_session, tiny_assets, data_dir, tmp_path):
     """algorithm.adv_estimator=opd, the student the tiny llama, the teacher the tiny qwen3 (another family, other
-    weights, the same tokenizer) on a worker pool of its own (resources.teacher_workers=1, its layout the default
-    dp over that pool), 2 sync steps (fp32): the teacher's log-probs of every response token are transformers' on
+    weights, the same tokenizer) on a worker pool of its own (resources.teacher_workers=2, its layout context parallel
+    over that pool: each row's tokens split over 2 ranks), 2 sync steps (fp32): the teacher's log-probs of every
+    response token are transformers' on
     the teacher's weights (1e-5), not the student's; every advantage is exactly the reverse-KL term
     -(log pi_old - log pi_teacher) on the trained tokens, and distill/teacher_share is the teacher's time over the
     step's."""
@@ -199,9 +200,10 @@ def test_opd_from_a_teacher_of_another_family_on_a_pool_of_its_own(ray_session, 
     teacher = tiny_assets["tiny-qwen3"]
     cfg = config(tiny_assets, data_dir, tmp_path / "run", "algorithm.adv_estimator=opd", "critic.enable=false",
                  "ref.enable=false", "algorithm.use_kl_in_reward=false", "actor.entropy_coeff=0",
-                 f"teacher.model={teacher}", "resources.teacher_workers=1",
+                 f"teacher.model={teacher}", "resources.teacher_workers=2", "teacher.parallel.cp=2",
+                 "teacher.parallel.dp=1",
                  "trainer.total_steps=2", "trainer.save_every=0", "trainer.val_every=0", "trainer.export_hf=false")
-    assert cfg.teacher.parallel.dp == 1
+    assert cfg.teacher.parallel.dp == 1 and cfg.teacher.parallel.cp == 2
     batches = []
     history, trainer = run(cfg, setup=recording_updates(batches))
     assert len(history) == 2
