@@ -276,33 +276,61 @@ def test_gpu_smoke_without_a_gpu_or_with_a_misspelt_check_is_one_line(tmp_path):
     assert not (tmp_path / "assets").exists()  # nothing set up
 
 
-def test_gpu_rehearsal_runs_the_phases_with_torch_and_megatron_only():
+def test_gpu_rehearsal_runs_the_phases_with_torch_and_megatron_only(tiny_assets):
     """bench/gpu_rehearsal.py (#67's one-GPU rehearsal of one rank) runs its phases here on the CPU with the packages
-    a lent GPU image lacks made unimportable: every phase in the trainer's order, finite losses, and the weight
-    sync streams exactly the bytes the planner counts as vLLM's weights (bf16, rollout TP1)."""
+    a lent GPU image lacks made unimportable, for a dense TP rank, a Qwen3-MoE EP rank and a DeepSeek-V3 (TP, EP)
+    rank (multi-latent attention), one after another in one interpreter: every phase in the trainer's order, finite
+    losses, the shard's shapes, the backends the local spec runs, and the weight sync streams exactly the bytes the
+    planner counts as vLLM's weights (bf16, rollout TP1). DeepSeek-V3's and GLM-4.5-Air's real ranks are sharded
+    (shapes only) to fit an 80 GiB GPU by the plan."""
     import json
 
     from megappo.config import load_config
-    from megappo.param_counts import total_params
+    from megappo.memory_model import plan
+    from megappo.param_counts import moe_layers, rollout_whole_params, total_params
 
     sys.path.insert(0, str(REPO / "bench"))
-    from gpu_rehearsal import PHASES, shard_config
+    from gpu_rehearsal import PHASES, model_shapes, shard_config
 
     absent = ["vllm", "ray", "pyarrow", "datasets", "dill", "jsonschema", "math_verify", "pyseccomp"]
-    args = ["--config", "configs/ppo_tiny.yaml", "--device", "cpu", "data.max_prompt_length=24",
-            "rollout.max_new_tokens=8", "actor.micro_batch_size=2", "critic.micro_batch_size=2",
-            "actor.parallel.tp=2", "actor.parallel.dp=1"]  # the shard: one of the actor's two TP ranks
+    common = ["data.max_prompt_length=24", "rollout.max_new_tokens=8", "actor.micro_batch_size=2",
+              "critic.micro_batch_size=2"]
+    configs = [("configs/ppo_tiny.yaml", ["actor.parallel.tp=2", "actor.parallel.dp=1"]),  # one of two TP ranks
+               ("configs/ppo_tiny_moe.yaml", []),  # one of two EP ranks: 2 of the 4 experts
+               ("configs/ppo_tiny_moe.yaml", [f"model.path={tiny_assets['tiny-deepseek_v3']}",  # TP2 x EP2
+                                              "resources.workers_per_node=4", "actor.parallel.tp=2",
+                                              "critic.parallel.dp=4", "ref.parallel.dp=4"])]
+    args = ["--device", "cpu", *common]
+    for config, own in configs:
+        args += ["--config", " ".join([config, *own])]
     code = (f"import sys, runpy; sys.modules.update(dict.fromkeys({absent!r})); "
             f"sys.argv = ['gpu_rehearsal', *{args!r}]; runpy.run_path('bench/gpu_rehearsal.py', run_name='__main__')")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert list(out["phases"]) == list(PHASES) and out["ran"]["finite"], out
-    assert all(out["phases"][p]["planned_gib"] is not None
-               for p in ("weight_sync", "rollout", "ref_log_prob", "critic_update", "actor_update"))
-    shard = shard_config(load_config(REPO / "configs/ppo_tiny.yaml", args[4:]), "cpu", 80.0)
-    assert out["ran"]["weight_sync_bytes"] == 2 * total_params(shard), (out["ran"], total_params(shard))
-    assert (out["shard"]["num_attention_heads"], out["shard"]["intermediate_size"]) == (2, 128)  # tiny-llama's 4, 256 / 2
+    outs = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [o["family"] for o in outs] == ["llama", "qwen3_moe", "deepseek_v3"], r.stdout[-2000:]
+    for (config, own), out in zip(configs, outs):
+        assert list(out["phases"]) == list(PHASES) and out["ran"]["finite"], out
+        assert all(out["phases"][p]["planned_gib"] is not None
+                   for p in ("weight_sync", "rollout", "ref_log_prob", "critic_update", "actor_update"))
+        shard = shard_config(model_shapes(load_config(REPO / config, own + common)), "cpu", 80.0)
+        # the sigmoid router's e_score_correction_bias (a buffer vLLM loads too) is no parameter the planner counts
+        bias = moe_layers(shard.model.arch) * shard.model.arch.num_experts if out["family"] == "deepseek_v3" else 0
+        assert out["ran"]["weight_sync_bytes"] == 2 * (total_params(shard) + bias), (out["ran"], total_params(shard))
+        assert out["ran"]["backends"]["layer_spec"] == "local"  # the CPU: megatron's local spec
+    dense, moe, mla = outs
+    assert (dense["shard"]["num_attention_heads"], dense["shard"]["intermediate_size"]) == (2, 128)  # tiny-llama's / 2
+    assert (moe["shard"]["num_experts"], moe["shard"]["num_experts_per_tok"]) == (2, 2)  # 4 experts / EP2, top-2
+    assert moe["ran"]["backends"]["experts"] == "SequentialMLP"
+    assert (mla["shard"]["num_attention_heads"], mla["shard"]["num_experts"], mla["shard"]["moe_intermediate_size"],
+            mla["shard"]["kv_lora_rank"]) == (2, 4, 32, 512)  # heads and expert FFN / TP2, 8 experts / EP2, latent whole
+    assert mla["ran"]["backends"]["self_attention"].startswith("MLASelfAttention")
+    assert mla["shard_notes"]["mla_down_params_over_rank"] == rollout_whole_params(shard.model.arch) // 2
+    for config, layers, heads, experts in (("grpo_deepseek_v3", 61, 16, 16), ("grpo_glm45_air", 23, 24, 32)):
+        shard = shard_config(model_shapes(load_config(REPO / f"configs/{config}.yaml")), "cuda", 79.2)  # an H100
+        a = shard.model.arch
+        assert plan(shard)["fits"] and 0 < a.num_layers <= layers and moe_layers(a), (config, a.num_layers)
+        assert (a.num_attention_heads, a.num_experts, a.num_experts_per_tok) == (heads, experts, 8), config
 
 
 @pytest.mark.parametrize("scenario", ["tp1", "tp2", "pp2", "moe_ep2", "packing", "multi_turn", "resume"])
