@@ -3,6 +3,7 @@ the lazy ones inside functions): no import cycle between megappo's packages, and
 (`megappo.ppo`) is imported by nothing below it. docs/ARCHITECTURE.md draws the same layers."""
 
 import ast
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -52,8 +53,10 @@ def _imports(path: Path) -> set[str]:
     return {m for m in out if m == "megappo" or m.startswith("megappo.")}
 
 
+@functools.cache
 def import_graph() -> dict[str, dict[str, list[str]]]:
-    """unit -> {imported unit: [the files that import it]} for units other than itself."""
+    """unit -> {imported unit: [the files that import it]} for units other than itself. Walked once per session
+    (~0.45 s): every layering case reads the same graph."""
     graph: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     for f in sorted(PKG.rglob("*.py")):
         src = _unit(_module_name(f))
