@@ -28,8 +28,10 @@ from pathlib import Path
 PORT_FLOOR = 20000
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 _handed_out: set[int] = set()  # never twice: the driver picks every group's port before any listens
-# what the fork server imports once for every worker (vLLM not: no gain measured, and it reads env vars at import)
-PRELOAD = ["torch", "megatron.core", "transformers"]
+# what the fork server imports once for every worker (vLLM not: no gain measured, and it reads env vars at import);
+# transformers' AutoConfig.from_pretrained (load_hf_config) imports modeling_auto, and with it generation, scipy and
+# sklearn: ~1.5 s of CPU per worker otherwise
+PRELOAD = ["torch", "megatron.core", "transformers", "transformers.models.auto.modeling_auto"]
 
 
 def ephemeral_port_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
