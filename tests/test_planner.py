@@ -3,10 +3,10 @@
 import copy
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_cli
 
 from megappo.config import load_config
 from megappo.memory_model import plan
@@ -90,7 +90,9 @@ def test_shipped_70b_fits_80gb():
 
 
 def _plan_cli(*args):
-    return subprocess.run([sys.executable, "-m", "megappo.cli", "plan", *args], capture_output=True, text=True, cwd=REPO)
+    """`megappo plan ARGS` run in this process (cli_helpers.run_cli: no 2 s of imports in a new interpreter)."""
+    rc, out, err = run_cli("plan", *args)
+    return subprocess.CompletedProcess(["megappo", "plan", *args], rc, out, err)
 
 
 def test_impossible_70b_layout_refused_with_reason():
@@ -153,9 +155,9 @@ def test_mixture_of_experts_per_ep_rank_against_hand_calculation():
     assert abs(actor["optimizer_gb"] - 12 * (dense / 4 + expert_per_gpu) / GB) < 0.02
     assert result["fits"] and result["weight_sync"]["experts_per_rollout_gpu"] == 48 * 128
 
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "plan", "--config", "configs/ppo_qwen3_30b_a3b.yaml",
-                           "actor.micro_batch_size=2", "actor.parallel.pp=1", "critic.parallel.pp=1", "ref.parallel.pp=1", "actor.parallel.ep=8",
-                           "critic.parallel.ep=8", "ref.parallel.ep=8"], cwd=REPO, capture_output=True, text=True)
+    proc = _plan_cli("--config", "configs/ppo_qwen3_30b_a3b.yaml", "actor.micro_batch_size=2", "actor.parallel.pp=1",
+                     "critic.parallel.pp=1", "ref.parallel.pp=1", "actor.parallel.ep=8", "critic.parallel.ep=8",
+                     "ref.parallel.ep=8")
     # (at micro-batch 2 the shipped TP1xPP2xEP4 needs 77.8 GiB, past 95% of 79.6: the expert TP2 layout fits)
     assert proc.returncode == 1 and "nearest layout that fits: tp=2 pp=1 dp=4 ep=4" in proc.stderr, proc.stderr
 
