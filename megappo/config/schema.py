@@ -470,6 +470,10 @@ class JudgeRewardConfig:
     timeout_s: float = 60.0  # per attempt
     retries: int = 3  # per request, after the first attempt: connection errors, timeouts, 408/429/5xx
     backoff_s: float = 1.0  # the first retry's wait, doubled each time (capped at 30 s)
+    # training: judge the rows as they come, on a thread of the driver (fully_async: each finished group, beside the
+    # rest of the rollout; sync / async: the batch, beside pi_old / ref / values); false: in the reward step.
+    # timing/judge_s, judge_wait_s, judge_overlap_frac (ppo/judge_overlap.py)
+    overlap: bool = True
 
 
 @dataclass

@@ -16,7 +16,8 @@ One step (`fit`), the whole RL loop in one screen:
   3. ref, values `compute_ref_log_prob` (frozen initial policy), critic `compute_values`; a teacher's
                  log-probs (on-policy distillation: the teacher group, or a server scoring meanwhile)
   4. reward      RewardManager (rules by data_source, non-stop penalty) [+ RM worker], then the KL
-                 penalty in the reward (algorithm.use_kl_in_reward, fixed/adaptive beta)
+                 penalty in the reward (algorithm.use_kl_in_reward, fixed/adaptive beta); a generative
+                 judge started on the rows as they came (ppo/judge_overlap.py), waited for here
   5. advantages  on this process (core_algos: GAE / GRPO / RLOO / REINFORCE++), plus the teacher's
                  per-token term -distill_coef * (log pi - log pi_teacher) (OPD: that term alone)
   6. updates     critic `update_critic`, actor `update_actor` (ppo_epochs x mini-batches; the loss
@@ -78,6 +79,7 @@ from megappo.models.vision import IMAGE_KEYS
 from megappo.parallel.model_dims import language_config
 from megappo.protocol import DataProto
 from megappo.ppo.judge_engine import start_judges
+from megappo.ppo.judge_overlap import JudgeOverlap
 from megappo.rewards.manager import RewardManager
 from megappo.rewards.rules import load_rewards
 from megappo.utils.checkpoint import PendingCheckpoint
@@ -195,11 +197,13 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
         self._plotting: Optional[threading.Thread] = None  # fit's reward_curve.png, drawn in the background
         # reward.judge.model: the judge's own engine, once, after every check and before any worker (shutdown stops it)
         self.judges = start_judges(rules)
+        self.judge_overlap = JudgeOverlap.of(self.reward_fn, r.judge.overlap)  # the judge starts as the rows come
 
     def shutdown(self, stop_ray: bool = False) -> None:
         """WorkersMixin.shutdown, the judge's own engine (reward.judge.model) first."""
-        for judge in self.judges:
-            judge.close()
+        for judge in [self.judge_overlap, *self.judges]:
+            if judge is not None:
+                judge.close()
         super().shutdown(stop_ray)
 
     def _check_inputs(self) -> None:
@@ -302,7 +306,8 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
                 config=cfg, pool=self.rollout_wg, version=self.global_step, sampler=self.sampler,
                 dataset=self.train_dataset, sampling=self.sampling, seed_for=self._sampling_for,
                 score_rows=self.reward_fn.score_rows, sync_weights=self._sync_rollout_weights,
-                pad_id=self.tokenizer.pad_token_id or 0, resume=resume))
+                pad_id=self.tokenizer.pad_token_id or 0, resume=resume,
+                on_group=self.judge_overlap.submit if self.judge_overlap else None))
         with StepProgress(total, self.global_step, self.show_progress,
                        algos.algorithm_name(cfg.algorithm.adv_estimator)) as progress, \
                 Tracking(cfg.trainer.project, cfg.trainer.experiment, self.output_dir, list(cfg.trainer.loggers),
@@ -363,6 +368,8 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
             with self._phase("launch", timing):
                 inflight = self._launch_rollout(step + 1) if step < total else None
         gen_metrics = batch.meta_info.pop("metrics", {})
+        if self.judge_overlap is not None and self.stream is None:  # the batch came whole: judged from now on
+            self.judge_overlap.submit(batch)
         self._report_agent_errors(step, batch)
         # 2-3. pi_old (+ entropy), reference log-probs, values of the sampled tokens; the guard: a rollout that is
         #      not the policy stops the run here, before anything trains on it (ppo/rollout_guard.py)
@@ -372,7 +379,7 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
             counts.update(self.rollout_guard.check(step, on_policy_gap(batch, self.global_step)))
         # 4-5. rewards (+ KL penalty) and advantages, here on the driver
         with self._phase("reward_adv", timing):
-            scores, reward_metrics = self._rewards(batch)
+            scores, reward_metrics = self._rewards(batch, timing)
             kl = self._advantages(batch, scores, baselines)
         # 6. critic and actor updates
         critic_metrics, actor_metrics = self._update(batch, timing)
@@ -534,13 +541,14 @@ class RayPPOTrainer(WorkersMixin, CheckpointingMixin):
         by_uid = dict(zip(greedy.non_tensor_batch["uid"], scores.sum(-1).tolist()))
         return torch.tensor([by_uid[u] for u in batch.non_tensor_batch["uid"]], dtype=torch.float32, device="cpu")
 
-    def _rewards(self, batch: DataProto) -> tuple[torch.Tensor, dict]:
+    def _rewards(self, batch: DataProto, timing: dict) -> tuple[torch.Tensor, dict]:
         """Token-level scores: each sample scored once (a later segment's row: its sample's score, segments.py)."""
         segments = Segments.of(batch)  # rollout.agent's rewritten histories: rows of their own
-        if segments is None:
-            return self.reward_fn(batch)
-        scores, metrics = self.reward_fn(batch[segments.primary])
-        return segments.scores(scores, batch.batch["response_mask"]), metrics
+        samples = batch if segments is None else batch[segments.primary]
+        if self.judge_overlap is not None:  # what the judge, started as the rows came, has still to do
+            timing.update(self.judge_overlap.take(samples))
+        scores, metrics = self.reward_fn(samples)
+        return (scores if segments is None else segments.scores(scores, batch.batch["response_mask"])), metrics
 
     def _advantages(self, batch: DataProto, scores: torch.Tensor, baselines: Optional[torch.Tensor] = None) -> dict:
         a, b, segments = self.config.algorithm, batch.batch, Segments.of(batch)

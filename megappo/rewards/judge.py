@@ -24,12 +24,14 @@ P(positive) / (P(positive) + P(negative)). `parse` instead: the judge generates 
 regex's first group (else its whole match) read as a number is the score.
 
 Each request is retried on a connection error, a timeout, a 408/425/429/5xx or an unreadable answer (`retries`
-times, backoff doubling from `backoff_s`, capped at 30 s, jittered), at most `concurrency` in flight over the
-batch. A row that fails (every try, a refusal, no parsable grade) scores `fallback` with failure "error" (counted
-in reward/num_scorer_errors) and judge_errors=1 (reward/judge_errors: the step's count), warned once per call.
-The judge needs the row's prompt: the RewardManager and `megappo reward` put it in extra_info[PROMPT]
-(rewards/rules.py) for a source whose rule has `needs_prompt`. The API key is read from $`api_key_env` (an own
-engine's is made for it), never logged. This module imports no torch; httpx and the tokenizer load on first use.
+times, backoff doubling from `backoff_s`, capped at 30 s, jittered), at most `concurrency` in flight (over every
+call at once: calls from several threads share the judge's one event loop and its cap). A row that fails (every
+try, a refusal, no parsable grade) scores `fallback` with failure "error" (counted in reward/num_scorer_errors)
+and judge_errors=1 (reward/judge_errors: the step's count), warned once per call. The judge needs the row's
+prompt: the RewardManager and `megappo reward` put it in extra_info[PROMPT] (rewards/rules.py) for a source whose
+rule has `needs_prompt`. The API key is read from $`api_key_env` (an own engine's is made for it), never logged.
+In training, `overlap` (the default) judges the rows as they come, beside the rollout (ppo/judge_overlap.py).
+This module imports no torch; httpx and the tokenizer load on first use.
 """
 
 from __future__ import annotations
@@ -42,10 +44,9 @@ import os
 import re
 import string
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
-from megappo.rewards.rules import PROMPT, Scored
+from megappo.rewards.rules import PROMPT, Scored, as_rule
 from megappo.utils.http_retry import GaveUp, Refused, request_json
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,9 @@ class JudgeReward:
         self.engine = None  # reward.judge.model's (ppo/judge_engine.py)
         self.fallback = float(judge.fallback)
         self._tokenizer = None
-        self._lock = threading.Lock()
+        self._lock, self._render = threading.Lock(), threading.Lock()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None  # every call's requests, on one thread (_run)
+        self._gate: Optional[asyncio.Semaphore] = None  # its cap: over every call in flight at once
         self.in_flight = self.max_in_flight = self.requests = self.retries = 0
 
     # ---- rendering ---------------------------------------------------------------------------------------
@@ -174,6 +177,20 @@ class JudgeReward:
         if self.engine is not None:
             self.engine.stop()
             self.engine = None
+        with self._lock:
+            loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.call_soon_threadsafe(loop.stop)
+
+    def _run(self, coroutine):
+        """`coroutine` on the judge's own event loop (one thread, whatever the caller's loop), waited for: calls from
+        several threads at once (the trainer's judge_overlap thread, a validation) share one cap."""
+        with self._lock:
+            if self._loop is None:
+                self._loop, self._gate = asyncio.new_event_loop(), asyncio.Semaphore(self.cfg.concurrency)
+                threading.Thread(target=self._loop.run_forever, name="judge", daemon=True).start()
+            loop = self._loop
+        return asyncio.run_coroutine_threadsafe(coroutine, loop).result()
 
     # ---- the rule ----------------------------------------------------------------------------------------
 
@@ -181,10 +198,10 @@ class JudgeReward:
         if self.url is None:
             raise RuntimeError("reward.judge.model's engine is not started: JudgeReward.start() first "
                                "(start_judges, as the trainer and megappo reward do)")
-        rows = [self.prompt_ids((info or {}).get(PROMPT), str(r), t)
-                for r, t, info in zip(responses, ground_truths, extra_infos)]
-        with ThreadPoolExecutor(1, thread_name_prefix="judge") as pool:  # its own event loop, whatever the caller's
-            results = pool.submit(asyncio.run, self._judge_all(rows)).result()
+        with self._render:  # one thread at a time in the tokenizer (and its first load)
+            rows = [self.prompt_ids((info or {}).get(PROMPT), str(r), t)
+                    for r, t, info in zip(responses, ground_truths, extra_infos)]
+        results = self._run(self._judge_all(rows))
         out, failed = [], [r for r in results if isinstance(r, Exception)]
         for r in results:
             out.append(Scored(self.fallback, {ERRORS: 1.0}, "error") if isinstance(r, Exception)
@@ -199,8 +216,7 @@ class JudgeReward:
 
         key = self.engine.key if self.engine else os.environ.get(self.cfg.api_key_env or "")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        n = self.cfg.concurrency
-        gate = asyncio.Semaphore(n)
+        n, gate = self.cfg.concurrency, self._gate
         async with httpx.AsyncClient(base_url=self.url, headers=headers, timeout=self.cfg.timeout_s,
                                      limits=httpx.Limits(max_connections=n, max_keepalive_connections=n)) as client:
             try:
@@ -327,11 +343,12 @@ def _check_engine(judge) -> None:
 
 
 def judges_of(scorers: dict) -> list[JudgeReward]:
-    """The judges among {data_source: Rule} (rewards/rules.load_rewards: one, shared by its sources and terms)."""
+    """The judges among {data_source: rule} (rewards/rules.load_rewards', a RewardManager's scorers: one, shared by
+    its sources and terms)."""
     from megappo.rewards.combine import Combined
 
     found: list[JudgeReward] = []
-    for rule in scorers.values():
+    for rule in map(as_rule, scorers.values()):
         fns = [t.rule.fn for t in rule.fn.terms if t.rule] if isinstance(rule.fn, Combined) else [rule.fn]
         found += [fn for fn in fns if isinstance(fn, JudgeReward) and all(fn is not f for f in found)]
     return found

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -55,6 +55,18 @@ class RowScore:
     overlong_penalty: float = 0.0  # DAPO's soft length penalty, already in `final` (<= 0)
     scorer_timeout: bool = False  # the rule timed out (also a scorer_error), counted in reward/num_scorer_timeouts
     extras: dict = field(default_factory=dict)  # the rule's extra metrics, logged as reward/<source>/<key>
+
+
+class _RuleInputs(NamedTuple):
+    """What the rules read of a batch's rows, one entry per row (RewardManager._rule_inputs)."""
+
+    sources: list
+    texts: list
+    truths: list
+    extra_infos: list
+    stopped: list
+    lengths: list
+    turns: Optional[list]  # multi-turn rows' agent_turns (environments set), else None
 
 
 def last_model_token(response_mask: torch.Tensor) -> torch.Tensor:
@@ -146,32 +158,14 @@ class RewardManager:
         non_tensor_batch[RULE_SCORES] for a later call on (a selection of) these rows; a call that finds
         them uses them and removes them. Penalties and RM scores are applied afresh either way. `examine`:
         print up to num_examine samples per source (a filter's call leaves that to the reward phase)."""
-        responses = data.batch["responses"]
-        mask = self._response_mask(data).bool()
-        lengths = mask.sum(dim=-1).tolist()
-        if "stopped" in data.batch:
-            stopped = data.batch["stopped"].bool().tolist()
-        else:
-            stop_ids = torch.tensor(sorted(self.stop_token_ids), dtype=responses.dtype, device="cpu")
-            stopped = (torch.isin(responses, stop_ids) & mask).any(dim=-1).tolist()
+        x = self._rule_inputs(data)
+        sources, texts, truths, stopped, lengths = x.sources, x.texts, x.truths, x.stopped, x.lengths
         rm_scores = data.batch.get("rm_scores")
         if rm_scores is not None and rm_scores.dim() == 2:
             rm_scores = rm_scores.sum(dim=-1)
-        sources = [str(s) for s in data.non_tensor_batch["data_source"]]
-        truths = [info["ground_truth"] for info in data.non_tensor_batch["reward_model"]]
-        extra_infos = [e or {} for e in data.non_tensor_batch.get("extra_info", [None] * len(data))]
-        extra_infos = self._with_prompts(data, sources, extra_infos)
         uids = data.non_tensor_batch.get("uid", range(len(data)))
-        turns = data.non_tensor_batch.get("agent_turns") if self.environments is not None else None
-        texts = [self.tokenizer.decode(responses[i][mask[i]].tolist(), skip_special_tokens=True)
-                 for i in range(len(data))]
         cached = data.non_tensor_batch.pop(RULE_SCORES, None)
-        if cached is not None:
-            scored = list(cached)
-        elif turns is None:
-            scored = self._rule_scores(sources, texts, truths, extra_infos)
-        else:  # multi-turn: the row's environment scores the whole trajectory
-            scored = self._environment_scores(sources, turns, truths, stopped, extra_infos)
+        scored = list(cached) if cached is not None else self._scored(x)
         if keep:
             kept = np.empty(len(scored), dtype=object)  # one object per row (np.array would unpack nothing, but say so)
             kept[:] = scored
@@ -197,6 +191,44 @@ class RewardManager:
                 shown[source] += 1
                 self._print_sample(data, i, source, texts[i], truths[i], rule_score, final, stopped[i])
         return rows
+
+    def rule_results(self, parts: list[DataProto]) -> list[list[Scored]]:
+        """Each part's rows scored by their rules (no penalty, no RM), every part in one call to each rule: the
+        groups that came while the judge was busy, judged together (ppo/judge_overlap.py)."""
+        inputs = [self._rule_inputs(p) for p in parts]
+        if len({x.turns is None for x in inputs}) > 1:
+            raise ValueError("rule_results got multi-turn and single-turn rows together; score them apart")
+        joined = [None if lists[0] is None else sum(lists, []) for lists in zip(*inputs)]  # field by field
+        scored = self._scored(_RuleInputs(*joined))
+        out, at = [], 0
+        for x in inputs:
+            out.append(scored[at:at + len(x.sources)])
+            at += len(x.sources)
+        return out
+
+    def _rule_inputs(self, data: DataProto) -> "_RuleInputs":
+        """What the rules read of each row (the response text decoded, the judge's prompt in extra_info)."""
+        responses = data.batch["responses"]
+        mask = self._response_mask(data).bool()
+        if "stopped" in data.batch:
+            stopped = data.batch["stopped"].bool().tolist()
+        else:
+            stop_ids = torch.tensor(sorted(self.stop_token_ids), dtype=responses.dtype, device="cpu")
+            stopped = (torch.isin(responses, stop_ids) & mask).any(dim=-1).tolist()
+        sources = [str(s) for s in data.non_tensor_batch["data_source"]]
+        extra_infos = [e or {} for e in data.non_tensor_batch.get("extra_info", [None] * len(data))]
+        turns = data.non_tensor_batch.get("agent_turns") if self.environments is not None else None
+        return _RuleInputs(sources, [self.tokenizer.decode(responses[i][mask[i]].tolist(), skip_special_tokens=True)
+                                     for i in range(len(data))],
+                           [info["ground_truth"] for info in data.non_tensor_batch["reward_model"]],
+                           self._with_prompts(data, sources, extra_infos), stopped, mask.sum(dim=-1).tolist(),
+                           None if turns is None else list(turns))
+
+    def _scored(self, x: "_RuleInputs") -> list[Scored]:
+        if x.turns is None:
+            return self._rule_scores(x.sources, x.texts, x.truths, x.extra_infos)
+        # multi-turn: the row's environment scores the whole trajectory
+        return self._environment_scores(x.sources, x.turns, x.truths, x.stopped, x.extra_infos)
 
     def _with_prompts(self, data: DataProto, sources: list, extra_infos: list) -> list:
         """The rows of a source whose rule reads the prompt (the judge) get it in extra_info[PROMPT]: the raw
