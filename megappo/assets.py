@@ -11,7 +11,8 @@
   full attention) merging 2 x 2 patches of 14 px into one token: a 112 x 112 image is 16 tokens. The tokenizer is
   the tiny one plus Qwen2.5-VL's vision tokens; its processor keeps small images small.
 
-- `make_arith_sft_model(dir, base)`: the CPU demo's warm start (see its docstring).
+- `make_arith_sft_model(dir, base)`, `make_code_sft_model(dir, base)`: the CPU demo's and the code recipe's warm
+  starts, each a short SFT (`sft_chat`; see their docstrings).
 
 `megappo assets --out DIR [--demo]` builds them (idempotent: an existing, complete dir is kept).
 """
@@ -293,6 +294,30 @@ def make_arith_sft_model(out_dir: str | os.PathLike, base_dir: str | os.PathLike
     """Warm-start the tiny llama for the CPU demo: a short SFT on the arithmetic task's format, where
     only `correct_frac` of the targets are right. The result answers "#### <n>" and stops, and is right
     only sometimes (~10-25% at temperature 1), so PPO has a reward signal from step 1 and room to raise it."""
+    return sft_chat(out_dir, base_dir, arith_sft_examples(steps * 32, seed, correct_frac), steps, 3e-3, seed)
+
+
+def make_code_sft_model(out_dir: str | os.PathLike, base_dir: str | os.PathLike, steps: int = 300, seed: int = 0,
+                        lr: float = 1e-3) -> Path:
+    """Warm-start the tiny llama for the code recipe (configs/grpo_tiny_code.yaml): a short SFT on the toy code
+    task's training functions (data/preprocess_code_fn.py) whose targets, `def f(x): return x <op> <c>`, copy the
+    prompt's constant but take a random operator. After 300 steps it writes the line and stops and copies the
+    constant (1..99; fewer steps miscopy it), and its operator is at chance: greedy, it writes `-` for every
+    held-out function (pass rate 0.344 of the 64 val rows), sampled it passes 0.32. ~85 s on 2 cores."""
+    from megappo.data.preprocess_code_fn import OPERATORS, functions, question, solution
+
+    rng, pool = random.Random(seed), functions()["train"]
+    pairs = []
+    for _ in range(steps * 32):
+        word, c = rng.choice(pool)
+        pairs.append((question(word, c), solution(rng.choice(sorted(OPERATORS)), c)))
+    return sft_chat(out_dir, base_dir, pairs, steps, lr, seed)
+
+
+def sft_chat(out_dir: str | os.PathLike, base_dir: str | os.PathLike, pairs: list[tuple[str, str]], steps: int,
+             lr: float, seed: int) -> Path:
+    """`steps` AdamW steps of 32 (user prompt, assistant answer) pairs each on the causal LM in `base_dir`, the loss on
+    the answer and its end token only; saved with its tokenizer into `out_dir`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -300,8 +325,7 @@ def make_arith_sft_model(out_dir: str | os.PathLike, base_dir: str | os.PathLike
     tok = AutoTokenizer.from_pretrained(base_dir)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    pairs = arith_sft_examples(steps * 32, seed, correct_frac)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     encoded = []
     for user, answer in pairs:
         prompt = tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
@@ -391,15 +415,17 @@ VL_ASSET = "tiny-qwen2_5_vl"  # make_vl_model's tiny Qwen2.5-VL
 # warm starts on a demo's task: asset name -> (the tiny model it starts from, its SFT)
 DEMO_MODELS = {"tiny-llama-arith": ("tiny-llama", make_arith_sft_model),
                "tiny-qwen3_moe-arith": ("tiny-qwen3_moe", make_arith_sft_model),
-               "tiny-qwen2_5_vl-count": (VL_ASSET, make_vl_count_sft_model)}
+               "tiny-qwen2_5_vl-count": (VL_ASSET, make_vl_count_sft_model),
+               "tiny-llama-code": ("tiny-llama", make_code_sft_model)}
 
 
 def ensure_assets(root: str | os.PathLike, demo: bool = False, demo_moe: bool = False,
-                  demo_vl: bool = False, vision: bool = True) -> dict[str, Path]:
+                  demo_vl: bool = False, vision: bool = True, demo_code: bool = False) -> dict[str, Path]:
     """Build (once) the tokenizer, the tiny models of every family (FAMILIES) and the tiny Qwen2.5-VL under `root`;
     with `demo`, also the demo's warm-started tiny-llama-arith (a short SFT, ~20 s on 2 cores); with
     `demo_moe`, the MoE demo's tiny-qwen3_moe-arith (configs/ppo_tiny_moe.yaml); with `demo_vl`, the vision
-    recipe's tiny-qwen2_5_vl-count (configs/grpo_tiny_vl.yaml; ~25 s on 2 cores). `vision=False` leaves the
+    recipe's tiny-qwen2_5_vl-count (configs/grpo_tiny_vl.yaml; ~25 s on 2 cores); with `demo_code`, the code
+    recipe's tiny-llama-code (configs/grpo_tiny_code.yaml; ~85 s). `vision=False` leaves the
     vision-language ones out (a GPU image without torchvision or a processor's optional packages: tools/gpu_smoke.py).
 
     Each asset is written to a temp dir and renamed into place, so an interrupted build never leaves a
@@ -416,6 +442,8 @@ def ensure_assets(root: str | os.PathLike, demo: bool = False, demo_moe: bool = 
         paths["tiny-qwen3_moe-arith"] = root / "tiny-qwen3_moe-arith"
     if demo_vl:
         paths["tiny-qwen2_5_vl-count"] = root / "tiny-qwen2_5_vl-count"
+    if demo_code:
+        paths["tiny-llama-code"] = root / "tiny-llama-code"
     for key, path in paths.items():
         if (path / ".complete").exists():
             continue
@@ -443,10 +471,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also build the MoE demo's warm-started tiny-qwen3_moe-arith (configs/ppo_tiny_moe.yaml)")
     parser.add_argument("--demo-vl", action="store_true",
                         help="also build the vision recipe's warm-started tiny-qwen2_5_vl-count (configs/grpo_tiny_vl.yaml)")
+    parser.add_argument("--demo-code", action="store_true",
+                        help="also build the code recipe's warm-started tiny-llama-code (configs/grpo_tiny_code.yaml)")
 
 
 def main(args: argparse.Namespace) -> int:
     for key, path in ensure_assets(args.out, demo=args.demo, demo_moe=args.demo_moe,
-                                         demo_vl=args.demo_vl).items():
+                                         demo_vl=args.demo_vl, demo_code=args.demo_code).items():
         print(f"{key}: {path}")
     return 0

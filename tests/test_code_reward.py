@@ -121,6 +121,27 @@ def test_a_row_with_a_bad_ground_truth_fails_alone(caplog):
     assert "1 row(s) have a ground truth that is not the test JSON" in caplog.text
 
 
+def test_the_code_recipes_rows_pass_with_their_reference_and_fail_otherwise(tmp_path):
+    """preprocess_code_fn (configs/grpo_tiny_code.yaml's data): a row's tests pass with its reference line and fail
+    with another operator, or with a program that returns the first test's answer; val asks only for the held-out
+    functions, which train never asks for."""
+    import pyarrow.parquet as pq
+
+    from megappo.data.preprocess_code_fn import OPERATORS, functions, main, solution
+
+    assert main(["--out", str(tmp_path), "--train-size", "1", "--val-size", "3"]) == 0
+    rows = {split: pq.read_table(tmp_path / f"code_fn_{split}.parquet").to_pylist() for split in ("train", "val")}
+    pools = functions()
+    assert not set(pools["train"]) & set(pools["val"]) and len(pools["train"]) + len(pools["val"]) == 3 * 99
+    asked = {split: [(r["extra_info"]["operator"], r["extra_info"]["constant"]) for r in rs]
+             for split, rs in rows.items()}
+    assert set(asked["train"]) <= set(pools["train"]) and len(set(asked["val"]) & set(pools["val"])) == 3
+    (word, c), truth = asked["train"][0], rows["train"][0]["reward_model"]["ground_truth"]
+    other = next(w for w in sorted(OPERATORS) if w != word)
+    responses = [solution(word, c), solution(other, c), f"def f(x): return {json.loads(truth)['outputs'][0]}"]
+    assert [s.score for s in REWARD(responses, [truth] * 3, [{}] * 3)] == [1.0, 0.0, 0.5]
+
+
 # ---- hostile programs --------------------------------------------------------------------------------------
 
 def unconfined(program: str, stdin: str, cwd) -> str:
