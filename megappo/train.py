@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 
-from megappo.utils.ray_env import one_line as _one_line, setup_env as _setup_env
+from megappo.utils.ray_env import one_line, setup_env
 
 
 # SIGTERM / SIGUSR1 stopped the run after a checkpoint: slurm/ray_on_slurm.sh requeues the job on it
@@ -64,12 +64,12 @@ def main(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 - the run failed: say why in one line (MEGAPPO_TRACEBACK=1 for more)
         if os.environ.get("MEGAPPO_TRACEBACK"):
             raise
-        print(f"megappo train: {_one_line(e)} (MEGAPPO_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+        print(f"megappo train: {one_line(e)} (MEGAPPO_TRACEBACK=1 shows the traceback)", file=sys.stderr)
         return 1
 
 
 def _main(args: argparse.Namespace) -> int:
-    _setup_env()
+    setup_env()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from megappo.config.loader import ConfigError, load_config
 
@@ -115,7 +115,7 @@ def _main(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         if started:
             ray.shutdown()
-        print(f"megappo train: {_one_line(e)}", file=sys.stderr)
+        print(f"megappo train: {one_line(e)}", file=sys.stderr)
         return 2
     try:
         print(f"megappo train: {cfg.trainer.mode} {algorithm_name(cfg.algorithm.adv_estimator)}, "

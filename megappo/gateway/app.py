@@ -319,7 +319,7 @@ class Gateway:
         finally:
             if state is not None:
                 state.tasks.discard(request)
-        if list(out.prompt_ids) != list(prompt):  # the trainer scores `prompt`: it must be what was sampled from
+        if images and list(out.prompt_ids) != list(prompt):  # the trainer scores `prompt`: what was sampled from
             raise GatewayError(400, f"the engine expanded this request's images to {len(out.prompt_ids)} prompt tokens, "
                                     f"the model's processor to {len(prompt)}: serve the model with its own processor "
                                     "config", "server_error")
