@@ -46,7 +46,10 @@ def sample_with_routes(rank, world, port, path, agent: bool = False):
             "routed_experts")
     got = {k: out.batch[k] for k in keys}
     if agent:  # the same engine, your own agent's two-turn chats (rollout.agent): their rows' routes
-        got["agent"] = {k: v.batch[k] for v in [_agent_rollout(rollout, path)] for k in keys + ("agent_errors",)}
+        out = _agent_rollout(rollout, path)
+        got["agent"] = {k: out.batch[k] for k in keys + ("agent_errors",)}
+        got["agent"]["errors"] = [t["text"] for turns in out.non_tensor_batch["agent_turns"] for t in turns
+                                  if t.get("role") == "error"]  # what an agent that failed raised
     return got
 
 

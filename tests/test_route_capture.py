@@ -60,7 +60,7 @@ def test_your_own_agents_rows_carry_their_routes(tiny_assets):
     transformers' over the row: the first turn's tokens, the user turn's and the second answer's."""
     path = str(tiny_assets["tiny-qwen3_moe"])
     b = _rollout(path)["agent"]
-    assert b["agent_errors"].sum() == 0
+    assert b["agent_errors"].sum() == 0, b["errors"]
     turns = (b["response_mask"][:, 1:] < b["response_mask"][:, :-1]).sum(-1)  # a model turn followed by tokens
     assert bool((turns >= 1).all()), b["response_mask"]  # untrained ones: every row has the user turn inside it
     _check_routes(path, b)
