@@ -420,12 +420,10 @@ def test_a_lora_ppo_run_end_to_end(ray_session, tiny_assets, data_dir, tmp_path,
     assert (tmp_path / "hf_final" / "model.safetensors").is_file()
     assert (tmp_path / "hf_final" / "adapter" / "adapter_config.json").is_file()
     # `megappo export` of the same checkpoint, as a user runs it (its summary line crashed on a LoRA checkpoint)
-    import subprocess
-    import sys
+    from cli_helpers import run_cli
 
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "export", "--ckpt", str(step), "--out",
-                           str(tmp_path / "exported")], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "28 adapted weights merged" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    rc, stdout, stderr = run_cli("export", "--ckpt", step, "--out", tmp_path / "exported")  # its entry point, here
+    assert rc == 0 and "28 adapted weights merged" in stdout, stdout + stderr[-2000:]
     import torch
     from safetensors.torch import load_file
 

@@ -145,11 +145,9 @@ def test_critic_values_match_hf_hidden_states(megatron_outputs, tiny_assets, fam
 
 def test_logprobs_cli_refuses_an_expert_parallel_size_that_does_not_fit_in_one_line(tiny_assets, tmp_path):
     """`megappo logprobs --ep`: EP ranks are DP ranks (the engine's EP results are the layouts above)."""
-    import subprocess
-    import sys
+    from cli_helpers import run_cli
 
     (tmp_path / "rows.jsonl").write_text('{"input_ids": [5, 6, 7], "response_start": 1}\n')
-    bad = subprocess.run([sys.executable, "-m", "megappo.cli", "logprobs", "--model", str(tiny_assets["tiny-qwen3_moe"]),
-                          "--input", str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "lp.safetensors"),
-                          "--dp", "2", "--ep", "3"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and re.search(r"ep=3 must divide (\S+\.)?dp=2", bad.stderr) and "Traceback" not in bad.stderr, bad.stderr
+    rc, _, stderr = run_cli("logprobs", "--model", tiny_assets["tiny-qwen3_moe"], "--input", tmp_path / "rows.jsonl",
+                            "--out", tmp_path / "lp.safetensors", "--dp", "2", "--ep", "3")
+    assert rc == 2 and re.search(r"ep=3 must divide (\S+\.)?dp=2", stderr) and "Traceback" not in stderr, stderr

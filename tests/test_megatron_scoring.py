@@ -1,9 +1,10 @@
-"""`megappo logprobs` as a black box: TP2xPP2 on tiny qwen2 (tied embeddings, qkv bias, padded vocab),
-rows of different lengths and response starts; compared with HF transformers."""
+"""`megappo logprobs` as a black box (its entry point, megappo.cli.main, run in this process: cli_helpers):
+TP2xPP2 on tiny qwen2 (tied embeddings, qkv bias, padded vocab), rows of different lengths and response starts;
+compared with HF transformers."""
 
 import json
-import subprocess
-import sys
+
+from cli_helpers import run_cli
 
 from megappo.assets import hf_response_logprobs
 
@@ -21,9 +22,8 @@ def test_logprobs_cli_tp2_pp2_matches_hf(tiny_assets, tmp_path):
     inp = tmp_path / "rows.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     out = tmp_path / "lp.safetensors"
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "logprobs", "--model", model, "--tp", "2", "--pp", "2",
-                           "--input", str(inp), "--out", str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    rc, _, stderr = run_cli("logprobs", "--model", model, "--tp", "2", "--pp", "2", "--input", inp, "--out", out)
+    assert rc == 0, stderr[-3000:]
     got = load_file(str(out))
     assert sorted(got) == ["logprobs.0", "logprobs.1", "logprobs.2"]
     for i, ref in enumerate(hf_response_logprobs(model, ROWS)):
@@ -32,6 +32,5 @@ def test_logprobs_cli_tp2_pp2_matches_hf(tiny_assets, tmp_path):
 
 
 def test_logprobs_cli_rejects_bad_layout(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "logprobs", "--model", "x", "--pp", "1", "--vpp", "2",
-                           "--input", "x", "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "vpp" in proc.stderr
+    rc, _, stderr = run_cli("logprobs", "--model", "x", "--pp", "1", "--vpp", "2", "--input", "x", "--out", tmp_path / "o")
+    assert rc == 2 and "vpp" in stderr

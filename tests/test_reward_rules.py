@@ -186,11 +186,12 @@ def test_a_rule_for_a_builtin_source_replaces_it_with_a_warning(tokenizer, rules
 
 
 def test_megappo_train_refuses_a_bad_rule_in_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "train", "--config", str(BASE),
-                           "reward.rules.t=no_such_pkg:score", f"trainer.output_dir={tmp_path / 'run'}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["megappo train: reward.rules.t: cannot import no_such_pkg (No module "
+    from cli_helpers import run_cli
+
+    rc, _, stderr = run_cli("train", "--config", BASE, "reward.rules.t=no_such_pkg:score",
+                            f"trainer.output_dir={tmp_path / 'run'}")
+    assert rc == 2
+    assert stderr.strip().splitlines() == ["megappo train: reward.rules.t: cannot import no_such_pkg (No module "
                                                 "named 'no_such_pkg'); put its directory on PYTHONPATH, pip install it,"
                                                 " or name the file: /path/to/file.py:function"]
     assert not (tmp_path / "run").exists()

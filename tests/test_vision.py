@@ -242,11 +242,10 @@ def test_logprobs_cli_scores_rows_with_images(tiny_assets, tmp_path):
     """`megappo logprobs` on rows carrying images (paths beside the input file): transformers' log-probs within 1e-4
     at TP2; a row whose ids do not expand its image is refused in one line before any worker starts."""
     import json
-    import subprocess
-    import sys
 
     from safetensors.torch import load_file
 
+    from tests.cli_helpers import run_cli
     from tests.vision_helpers import png
 
     path = tiny_assets["tiny-qwen2_5_vl"]
@@ -261,18 +260,18 @@ def test_logprobs_cli_scores_rows_with_images(tiny_assets, tmp_path):
         ids = batch["input_ids"][i][keep].tolist()
         lines.append({"input_ids": ids, "response_start": len(ids) - int(keep[-R:].sum()), "images": names})
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    cmd = [sys.executable, "-m", "megappo.cli", "logprobs", "--model", str(path), "--tp", "2", "--input",
-           str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "lp.safetensors"), "--temperature", str(TEMPERATURE)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    cmd = ["logprobs", "--model", path, "--tp", "2", "--input", tmp_path / "rows.jsonl", "--out",
+           tmp_path / "lp.safetensors", "--temperature", TEMPERATURE]
+    rc, _, stderr = run_cli(*cmd)  # in this process (cli_helpers): the workers are spawned as the command spawns them
+    assert rc == 0, stderr[-3000:]
     got = load_file(str(tmp_path / "lp.safetensors"))
     for i in range(len(ROW_IMAGES)):
         n = got[f"logprobs.{i}"].numel()
         assert (got[f"logprobs.{i}"] - ref[i, :n]).abs().max() <= 1e-4, i
     lines[0]["images"] = ["1_0.png"]  # a 56 x 56 image for ids that expand a 112 x 112 one
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 2 and "takes 4 <|image_pad|> tokens, its prompt has 16" in proc.stderr, proc.stderr[-2000:]
+    rc, _, stderr = run_cli(*cmd)
+    assert rc == 2 and "takes 4 <|image_pad|> tokens, its prompt has 16" in stderr, stderr[-2000:]
 
 
 def test_what_images_do_not_reach_yet_is_one_line(tiny_assets):
