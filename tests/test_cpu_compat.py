@@ -75,6 +75,13 @@ def _checks(rank, world, port):
         out["wrapped_asserts"] = False
     except AssertionError:
         out["wrapped_asserts"] = True
+    # shim 8: the aux-loss-free router's token count eager (megatron compiles it with inductor: ~3 s a process)
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    compiled = TopKRouter._apply_expert_bias
+    cpu_compat.patch_moe_alltoall()
+    out["expert_bias"] = (hasattr(compiled, "_torchdynamo_orig_callable"),
+                          TopKRouter._apply_expert_bias is getattr(compiled, "_torchdynamo_orig_callable", None))
     dist.barrier()
     return out
 
@@ -117,6 +124,10 @@ def test_rng_tracker_on_cpu_generator(results):
 def test_sequence_parallel_norm(results):
     assert results["sp_norm"] == ("RMSNorm", True)
     assert results["wrapped_asserts"]  # why the shim exists
+
+
+def test_the_expert_bias_count_runs_eager(results):
+    assert results["expert_bias"] == (True, True)  # megatron's is torch.compile'd; ours its plain function
 
 
 def test_not_applied_in_this_process():

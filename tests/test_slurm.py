@@ -76,7 +76,8 @@ def test_cuda_job_without_gpus_is_refused(slurm, tmp_path):
     assert not list(tmp_path.glob("*/ray-head-*.log"))
 
 
-@pytest.mark.parametrize("var", ["RAY_PORT", "RAY_CLIENT_PORT"])
+# the same check on both ports (ray_on_slurm.sh's one loop); CI runs RAY_PORT's (each job's preflight: ~8 s)
+@pytest.mark.parametrize("var", ["RAY_PORT", pytest.param("RAY_CLIENT_PORT", marks=pytest.mark.long)])
 def test_ray_port_in_use_is_refused(slurm, tiny_assets, data_dir, tmp_path, var):
     """Another service listening on one of the head's fixed ports: one line naming the variable to
     change, before any Ray start."""

@@ -1,4 +1,4 @@
-"""The only place for CPU shims: what makes megatron-core (shims 1-6) and vLLM's CPU build (shim 7) run on a
+"""The only place for CPU shims: what makes megatron-core (shims 1-6, 8) and vLLM's CPU build (shim 7) run on a
 CPU-only torch (written for megatron-core 0.16.1; every shim re-checked against 0.19.2, the pinned
 release, and still needed there: the 0.19.2 sites are named below). Shims 1-2 are applied only when
 there is no GPU (`apply()` is a no-op in a GPU process, as parallel/device.py decides);
@@ -43,6 +43,11 @@ and tests/test_hybrid_engine.py):
    process-wide), `vllm_cpu_rope_layouts()` (multi-latent attention's default RoPE natively: the kernel misreads
    its per-head layout; permanent, process-wide; tests/test_vllm_mla.py) and `vllm_cpu_linear_dispatch(mode)`
    (how linears are prepacked while the model is built; scoped to the build). Each says why it exists.
+8. `eager_expert_bias()` - megatron's `TopKRouter._apply_expert_bias` (0.19.2 moe/router.py:727: the
+   aux-loss-free router's token count, `local_tokens_per_expert += routing_map.sum(0)`) is `@jit_fuser`, i.e.
+   torch.compile: the first training step of every process of a sigmoid-router model (DeepSeek-V3, GLM-4.5)
+   built it with inductor, ~3 s of CPU, plus inductor's cache lock when the ranks of a group compile at once.
+   Eager on CPU, the same sum. Applied with shim 5, where a MoE model is built.
 """
 
 from __future__ import annotations
@@ -312,6 +317,7 @@ def patch_moe_alltoall() -> None:
     from megatron.core.transformer.moe import token_dispatcher
 
     token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_to_cpu
+    eager_expert_bias()
     if getattr(mappings, "_megappo_uneven", False):
         return
     gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
@@ -429,3 +435,13 @@ def vllm_cpu_linear_dispatch(mode: "str | None"):
         yield
     finally:
         utils.dispatch_cpu_unquantized_gemm = original
+
+
+# ---- shim 8: the aux-loss-free router's token count, eager -------------------------------------------
+
+def eager_expert_bias() -> None:
+    """TopKRouter._apply_expert_bias without torch.compile (shim 8 in the module docstring). Process-wide."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    compiled = TopKRouter._apply_expert_bias
+    TopKRouter._apply_expert_bias = getattr(compiled, "_torchdynamo_orig_callable", compiled)
