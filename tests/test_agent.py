@@ -375,25 +375,32 @@ def test_ppo_run_on_multi_turn_samples(ray_session, tiny_assets, data_dir, tmp_p
 
 def _check_eval_with_and_without_tools(model, out):
     """`megappo eval --config <run>/config.json`: the run's tools offered (the model decides: tool_choice
-    auto) and reported; --no-tools: plain single-turn prompts, no tools report."""
+    auto) and reported; --no-tools: the same run's settings without the loop (single-turn prompts: the plain
+    eval's path, which test_trainer runs end to end), read here without a second vLLM engine."""
+    import argparse
     import json
     import subprocess
     import sys
 
-    reports = {}
-    for name, extra in (("tools", []), ("plain", ["--no-tools"])):
-        proc = subprocess.run([sys.executable, "-m", "megappo.cli", "eval", "--model", str(model), "--config",
-                               str(out / "config.json"), "--out", str(out / f"{name}.json"), *extra],
-                              capture_output=True, text=True,  # the run's environment module (tests/agent_envs.py)
-                              env={**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__),
-                                                                               os.environ.get("PYTHONPATH", "")])})
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        reports[name] = json.loads((out / f"{name}.json").read_text())
-    tools = reports["tools"]["tools"]
-    assert {"turns_mean", "tool_call_rate"} <= tools.keys() and "tools" not in reports["plain"]
-    # with tools, the registered environment scores (a call scores 1 = correct); without, the arithmetic rule
-    assert reports["tools"]["by_source"]["arithmetic"]["accuracy"] == tools["tool_call_rate"]
-    assert reports["tools"]["max_prompt_length"] == reports["plain"]["max_prompt_length"] == 300
+    from megappo.evaluate import _settings, add_arguments
+
+    proc = subprocess.run([sys.executable, "-m", "megappo.cli", "eval", "--model", str(model), "--config",
+                           str(out / "config.json"), "--out", str(out / "tools.json")],
+                          capture_output=True, text=True,  # the run's environment module (tests/agent_envs.py)
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__),
+                                                                           os.environ.get("PYTHONPATH", "")])})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "tools.json").read_text())
+    tools = report["tools"]
+    assert {"turns_mean", "tool_call_rate"} <= tools.keys()
+    # with tools, the registered environment scores (a call scores 1 = correct)
+    assert report["by_source"]["arithmetic"]["accuracy"] == tools["tool_call_rate"]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    settings = {flag: _settings(parser.parse_args(["--model", str(model), "--config", str(out / "config.json"),
+                                                    *([flag] if flag else [])])) for flag in ("", "--no-tools")}
+    assert settings[""]["multi_turn"].tool_choice == "auto" and settings["--no-tools"]["multi_turn"] is None
+    assert report["max_prompt_length"] == settings["--no-tools"]["max_prompt_length"] == 300
 
 
 def test_async_grpo_on_multi_turn_samples(ray_session, tiny_assets, data_dir, tmp_path, fake_teacher):
