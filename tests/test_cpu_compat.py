@@ -79,7 +79,7 @@ def _checks(rank, world, port):
     from megatron.core.transformer.moe.router import TopKRouter
 
     compiled = TopKRouter._apply_expert_bias
-    cpu_compat.patch_moe_alltoall()
+    cpu_compat.eager_expert_bias()
     out["expert_bias"] = (hasattr(compiled, "_torchdynamo_orig_callable"),
                           TopKRouter._apply_expert_bias is getattr(compiled, "_torchdynamo_orig_callable", None))
     dist.barrier()

