@@ -73,11 +73,18 @@ def write_parquet(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def task_parser(description: str, train_size: int) -> argparse.ArgumentParser:
+    """The arguments every generated toy task takes (this one's, the code task's, the vision task's): where to write,
+    and the two splits' sizes."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", default="outputs/data", help="output directory (default: outputs/data)")
-    parser.add_argument("--train-size", type=int, default=1024)
+    parser.add_argument("--train-size", type=int, default=train_size)
     parser.add_argument("--val-size", type=int, default=64)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = task_parser(__doc__.splitlines()[0], 1024)
     parser.add_argument("--min-operand", type=int, default=0)
     parser.add_argument("--max-operand", type=int, default=9)
     parser.add_argument("--held-out", action="store_true", help="val pairs (and their mirrors) never in train")

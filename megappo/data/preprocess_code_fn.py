@@ -16,7 +16,6 @@ and code_fn_val.parquet.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -70,12 +69,9 @@ def make_rows(n: int, seed: int, pool: list[tuple[str, int]], n_tests: int, spli
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megappo.data.preprocess_arithmetic import write_parquet
+    from megappo.data.preprocess_arithmetic import task_parser, write_parquet
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="outputs/data", help="output directory (default: outputs/data)")
-    parser.add_argument("--train-size", type=int, default=512)
-    parser.add_argument("--val-size", type=int, default=64)
+    parser = task_parser(__doc__.splitlines()[0], 512)
     parser.add_argument("--tests", type=int, default=2, help="tests per row, each one sandbox call (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="the held-out functions and the rows (val: seed + 1)")
     args = parser.parse_args(argv)

@@ -10,7 +10,6 @@ squares_train.parquet and squares_val.parquet (another seed's images).
 
 from __future__ import annotations
 
-import argparse
 import io
 import random
 import sys
@@ -50,12 +49,9 @@ def make_rows(n: int, seed: int, max_count: int, split: str) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megappo.data.preprocess_arithmetic import write_parquet
+    from megappo.data.preprocess_arithmetic import task_parser, write_parquet
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="outputs/data", help="output directory (default: outputs/data)")
-    parser.add_argument("--train-size", type=int, default=512)
-    parser.add_argument("--val-size", type=int, default=64)
+    parser = task_parser(__doc__.splitlines()[0], 512)
     parser.add_argument("--max-count", type=int, default=4, help=f"squares per image: 1..this (<= {CELLS * CELLS})")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
