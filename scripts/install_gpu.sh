@@ -101,5 +101,6 @@ if [[ ${APEX:-0} == 1 ]]; then
 fi
 step "5/5 megappo (editable)"
 "${PIP[@]}" install -q --no-deps --no-build-isolation -e .
+"$VENV/bin/python" scripts/declare_top_level.py  # (as make install: transformers' import, ~1 s less per process)
 "$VENV/bin/python" -c "import megappo, megatron.core, vllm, ray, transformer_engine.pytorch; print('megappo GPU stack OK')"
 echo "next: make gpu-check"
