@@ -127,8 +127,8 @@ MOE_INVALID = [
     (["model.moe.aux_loss_coeff=-0.1"], "model.moe.aux_loss_coeff=-0.1 must be >= 0"),
     # the shipped MoE demo takes pi_old from the sampler: no pi_old forward to record routes in
     (["actor.router_replay=r2"], "set actor.use_rollout_log_probs=false and actor.proximal=recompute"),
-    (["actor.router_replay=r3", "trainer.mode=async", "resources.rollout_workers=1"],
-     "the rollout pool of trainer.mode=async is not captured yet"),
+    (["actor.router_replay=r3", "trainer.mode=fully_async", "resources.rollout_workers=1"],
+     "fully_async's stream, whose samples cross weight updates, is not captured yet"),
 ]
 
 

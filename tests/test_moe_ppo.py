@@ -143,6 +143,25 @@ def test_moe_rl_expert_parallel_resume_at_another_ep_and_export(ray_session, tin
     assert len(moved) > len(src) // 2  # while the weights did move
 
 
+def test_r3_in_async_mode_replays_the_rollout_pools_routes(ray_session, tiny_assets, data_dir, tmp_path):
+    """trainer.mode=async (one step off-policy): the rollout pool's own vLLM engine captures the routes, and the
+    update replays every one of them (mismatch 0), at step 2 too, whose batch the pool sampled with the weights
+    before step 1's update: the ratio's two sides are the same network, the routes of the policy that sampled."""
+    (tmp_path / "length_rule.py").write_text(LENGTH_RULE)  # scores that differ within a group: step 1 updates
+    cfg = _config(tiny_assets, data_dir, tmp_path / "async", "trainer.mode=async", "resources.rollout_workers=1",
+                  "trainer.total_steps=2", "trainer.save_every=0", "trainer.export_hf=false", *GRPO,
+                  f"reward.rules.arithmetic={tmp_path / 'length_rule.py'}:score", "actor.ppo_epochs=1")
+    assert cfg.actor.router_replay == "r3"
+    history = run(cfg)
+    assert len(history) == 2
+    for h in history:
+        assert h["rollout/weights_fingerprint_ok"] == 1.0 and h["rollout/weight_sync_bytes_received"] > 0
+        assert h["actor/moe_replay_mismatch"] == 0, h["actor/moe_replay_mismatch"]
+        assert 0.5 < h["actor/moe_route_agreement_worst_layer"] <= h["actor/moe_route_agreement"] <= 1, h
+    # step 2 was sampled one update behind: its log-probs are the older policy's
+    assert history[1]["rollout/logprob_diff_max"] > 1e-3, history[1]["rollout/logprob_diff_max"]
+
+
 def _expert_load_worker(rank, world, port, path, force_bias):
     """The tiny model at world 1 with ExpertLoad's hooks: one forward of a right-padded batch inside tokens(valid),
     one outside it (what activation recompute's re-run is). force_bias: every sigmoid router's correction bias +10

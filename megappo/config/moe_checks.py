@@ -18,9 +18,10 @@ def route_capture_problem(gpu: bool, trainer_mode: Optional[str]) -> Optional[st
         return ("actor.router_replay=r3 captures routes through vLLM's router hook on CPU; on GPU vLLM returns them "
                 "from its V2 model runner only (enable_return_routed_experts), not wired yet: use "
                 "actor.router_replay=r2")
-    if trainer_mode not in (None, "sync"):
-        return (f"actor.router_replay=r3 captures the hybrid engine's routes (trainer.mode=sync); the rollout pool "
-                f"of trainer.mode={trainer_mode} is not captured yet: use actor.router_replay=r2")
+    if trainer_mode == "fully_async":
+        return ("actor.router_replay=r3 captures the routes of whole generate calls (trainer.mode=sync or async); "
+                "fully_async's stream, whose samples cross weight updates, is not captured yet: use "
+                "actor.router_replay=r2")
     return None
 
 
