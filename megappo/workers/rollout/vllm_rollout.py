@@ -137,7 +137,7 @@ class VLLMRollout:
         if self.capture_routes:
             from megappo.config.moe_checks import route_capture_problem
 
-            problem = route_capture_problem(on_gpu(), None)
+            problem = route_capture_problem(None, bool(self.config.enforce_eager))
             if problem:
                 raise ValueError(problem)
             kwargs["enable_prefix_caching"] = False  # a cached prompt prefix is not computed: no routes for it
