@@ -221,11 +221,15 @@ gpu-smoke:
 	@test -x $(GPU_PY) || { echo "gpu-smoke: $(GPU_PY) not found; GPU_PY=<a python with torch + megatron-core>" >&2; exit 1; }
 	$(GPU_PY) tools/gpu_smoke.py --device cuda
 
-# one rank of configs/ppo_7b.yaml rehearsed on one GPU: each phase's peak memory beside `megappo plan` (docs/gpu.md)
-REHEARSAL_CONFIG ?= configs/ppo_7b.yaml
+# one rank of each config rehearsed on one GPU, one JSON line each: each phase's peak memory beside `megappo plan`
+# and the backends the engine built (docs/gpu.md). The tiny MoE and MLA models first (their backends print even if
+# a big rank fails; tiny-deepseek_v3's config.json is all it reads: `megappo assets` or carry assets/), then a
+# dense 7B rank, GLM-4.5-Air's and DeepSeek-V3's. REHEARSAL="--config configs/ppo_7b.yaml" rehearses one.
+REHEARSAL ?= --config configs/ppo_tiny_moe.yaml --config "configs/ppo_tiny_moe.yaml model.path=assets/tiny-deepseek_v3" \
+  --config configs/ppo_7b.yaml --config configs/grpo_glm45_air.yaml --config configs/grpo_deepseek_v3.yaml
 gpu-rehearsal:
 	@test -x $(GPU_PY) || { echo "gpu-rehearsal: $(GPU_PY) not found; GPU_PY=<a python with torch + megatron-core>" >&2; exit 1; }
-	$(GPU_PY) bench/gpu_rehearsal.py --config $(REHEARSAL_CONFIG) --device cuda
+	$(GPU_PY) bench/gpu_rehearsal.py --device cuda $(REHEARSAL)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -142,12 +142,12 @@ def fit_layers(shard, layers: int):
 def shard_notes(cfg, shard) -> dict:
     """What the one-process shard holds otherwise than the real rank, in parameters (shard_config says why), and how
     many of the stage's layers it kept."""
-    from megappo.param_counts import moe_layers, rollout_whole_params
+    from megappo.param_counts import moe_layers, rollout_whole_params, router_params
 
     a, s, tp = cfg.model.arch, shard.model.arch, cfg.actor.parallel.tp
     notes = {"layers_of_stage": a.num_layers // cfg.actor.parallel.pp, "layers_rehearsed": s.num_layers}
     if moe_layers(s):
-        notes["router_params_left_out"] = moe_layers(s) * (a.num_experts - s.num_experts) * a.hidden_size
+        notes["router_params_left_out"] = moe_layers(s) * (router_params(a) - router_params(s))
         notes["topk_rehearsed"] = s.num_experts_per_tok
     if s.kv_lora_rank:  # the down projections (what vLLM holds whole on every rank) are 1 / tp of them on a rank
         notes["mla_down_params_over_rank"] = rollout_whole_params(s) * (tp - 1) // tp

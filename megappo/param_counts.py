@@ -86,6 +86,13 @@ def shared_expert_params(a) -> tuple[int, int]:
     return 3 * a.hidden_size * a.shared_expert_intermediate_size, a.hidden_size if fam.shared_gate else 0
 
 
+def router_params(a) -> int:
+    """One MoE layer's router: its [experts, hidden] weight, and a sigmoid router's correction bias [experts] (a
+    buffer, frozen, but weights vLLM loads and the sync sends). Replicated over TP."""
+    fam = MOE_FAMILIES.get(a.family)
+    return a.num_experts * a.hidden_size + (a.num_experts if fam is not None and fam.expert_bias else 0)
+
+
 def layer_params(cfg) -> int:
     """A dense layer's parameters."""
     a = cfg.model.arch
@@ -104,7 +111,7 @@ def stage_split(cfg, tp: int, pp: int, ep: int, head: str, first_stage: int = 0)
     shared, shared_replicated = shared_expert_params(a)
     dense = int(per_stage * _attention_params(a) + dense_per_stage * 3 * a.hidden_size * a.intermediate_size
                 + moe_per_stage * shared) // tp \
-        + int(moe_per_stage * (a.num_experts * a.hidden_size + shared_replicated))  # routers: replicated over tp
+        + int(moe_per_stage * (router_params(a) + shared_replicated))  # routers: replicated over tp
     experts = int(moe_per_stage * expert_params_per_layer(a)) // (tp * ep)
     if pp == 1:
         return dense + emb + first_stage + a.hidden_size + (0 if (head == "lm" and a.tie_word_embeddings) else out), \
@@ -117,7 +124,7 @@ def total_params(cfg) -> int:
     emb = a.vocab_size * a.hidden_size
     n_moe = moe_layers(a)
     layers = (a.num_layers - n_moe) * layer_params(cfg) + n_moe * (
-        _attention_params(a) + a.num_experts * a.hidden_size + expert_params_per_layer(a) + sum(shared_expert_params(a)))
+        _attention_params(a) + router_params(a) + expert_params_per_layer(a) + sum(shared_expert_params(a)))
     return emb * (1 if a.tie_word_embeddings else 2) + layers + a.hidden_size
 
 

@@ -470,10 +470,17 @@ def test_shared_experts_are_counted_as_dense_parameters(tiny_assets):
     assert round(total_params(a27b) / 1e9, 1) == 14.3
 
 
+def _hf_weights(model) -> int:
+    """What a checkpoint of `model` holds for vLLM: its parameters and a sigmoid router's correction bias (a
+    persistent buffer)."""
+    return sum(p.numel() for p in model.parameters()) + sum(
+        b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+
+
 def test_glm45_dense_first_layers_and_shared_experts_against_transformers(tiny_assets):
     """glm4_moe: the first first_k_dense_replace layers dense, n_shared_experts x moe_intermediate_size beside the
-    routed ones, q/k norms: the tiny model's count equals transformers' numel (the router's correction bias is
-    a buffer, not a parameter); GLM-4.5-Air's shapes give its 106B, GLM-4.5's 352.8B (its published 355B also
+    routed ones, q/k norms: the tiny model's count equals transformers' weights (its parameters and the router's
+    correction bias, a buffer vLLM loads and the sync sends); GLM-4.5-Air's shapes give its 106B, GLM-4.5's 352.8B (its published 355B also
     counts the MTP layer megappo skips); configs/grpo_glm45_air.yaml fits its 4 x 8 H200."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -488,7 +495,7 @@ def test_glm45_dense_first_layers_and_shared_experts_against_transformers(tiny_a
         first_k_dense_replace=hf.first_k_dense_replace).items()]
     arch += [f"{r}.parallel.{k}={v}" for r in ("actor", "critic", "ref") for k, v in (("tp", 2), ("dp", 4))]
     cfg = load_config(REPO / "configs/ppo_7b.yaml", ["model.path=null", *arch])
-    assert total_params(cfg) == sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
+    assert total_params(cfg) == _hf_weights(AutoModelForCausalLM.from_config(hf))
 
     air = load_config(REPO / "configs/grpo_glm45_air.yaml")
     assert round(total_params(air) / 1e9) == 107 and plan(air)["fits"]
@@ -501,7 +508,7 @@ def test_glm45_dense_first_layers_and_shared_experts_against_transformers(tiny_a
 
 def test_deepseek_v3_multi_latent_attention_and_its_kv_cache(tiny_assets):
     """deepseek_v3: MLA's projections and latent norms, the dense first layers, the shared expert: the tiny
-    model's count equals transformers' numel (both q forms); DeepSeek-V3's shapes give 671.0B (its 685B on the
+    model's count equals transformers' weights (both q forms; the correction bias included); DeepSeek-V3's shapes give 671.0B (its 685B on the
     hub counts the MTP layer); configs/grpo_deepseek_v3.yaml fits 16 x 8 H200 with rollout TP16, whose MLA KV
     cache is one (kv_lora_rank + RoPE dims) latent per layer on every TP rank."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -519,7 +526,7 @@ def test_deepseek_v3_multi_latent_attention_and_its_kv_cache(tiny_assets):
             qk_rope_head_dim=hf.qk_rope_head_dim).items()]
         arch += [f"{r}.parallel.{k}={v}" for r in ("actor", "critic", "ref") for k, v in (("tp", 2), ("dp", 4))]
         cfg = load_config(REPO / "configs/ppo_7b.yaml", ["model.path=null", *arch])
-        assert total_params(cfg) == sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters()), name
+        assert total_params(cfg) == _hf_weights(AutoModelForCausalLM.from_config(hf)), name
 
     v3 = load_config(REPO / "configs/grpo_deepseek_v3.yaml")
     result = plan(v3)
