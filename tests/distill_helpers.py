@@ -57,12 +57,17 @@ class FakeTeacher:
                 time.sleep(0.02)  # long enough for requests to overlap
                 if fault == "slow":
                     time.sleep(owner.slow_s)
-                ids = body["prompt"]
-                lps = [None] + [fake_log_prob(k, t) for k, t in enumerate(ids)][1:] + [-0.5]
+                prompt = body["prompt"]
+                batch = prompt if prompt and isinstance(prompt[0], list) else [prompt]  # a batch of id lists
+
+                def choice(i, ids):  # answered last to first: the client orders them by index
+                    lps = [None] + [fake_log_prob(k, t) for k, t in enumerate(ids)][1:] + [-0.5]
+                    return {"index": i, "text": "", "token_ids": [7], "prompt_token_ids": ids,
+                            "logprobs": {"token_logprobs": lps}}
                 reply = {"503": (503, {"error": {"message": "overloaded", "code": 503}}),
                          "400": (400, {"error": {"message": "prompt is longer than max_model_len 64"}})}.get(
-                    fault, (200, {"choices": [{"index": 0, "text": "", "token_ids": [7],
-                                               "logprobs": {"token_logprobs": lps}}], "prompt_token_ids": ids}))
+                    fault, (200, {"choices": [choice(i, ids) for i, ids in enumerate(batch)][::-1],
+                                  "prompt_token_ids": batch[0]}))
                 with owner.lock:  # out of flight before the client can see an answer (and send the next request)
                     owner.in_flight -= 1
                 if fault == "drop":

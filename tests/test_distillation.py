@@ -71,7 +71,9 @@ def test_tokens_nobody_trained_carry_no_term_and_no_metric():
 
 def test_the_servers_log_probs_land_on_each_rows_response_tokens(fake_teacher):
     """rows_of sends each row's real tokens (left-padded prompts of different widths, every response token
-    including those nobody sampled); place puts the log-prob of the row's k-th token at its response column."""
+    including those nobody sampled), teacher.rows_per_request consecutive rows per request as a batch prompt (its
+    answers read by their index, which the server may order otherwise); place puts the log-prob of the row's k-th
+    token at its response column."""
     from megappo.ppo.teacher_endpoint import TeacherEndpoint, place, rows_of
 
     server = fake_teacher()
@@ -80,12 +82,13 @@ def test_the_servers_log_probs_land_on_each_rows_response_tokens(fake_teacher):
     responses = torch.tensor([[20, 21, 22, 0, 0], [23, 24, 0, 0, 0], [25, 26, 27, 28, 29]])
     rmask = (responses != 0).long()
     ids, attn = torch.cat([prompts, responses], 1), torch.cat([pmask, rmask], 1)
-    client = TeacherEndpoint(server.url, concurrency=2)
+    client = TeacherEndpoint(server.url, concurrency=2, rows_per_request=2)
     try:
         lps, stats = client.score(rows_of(ids, attn))
     finally:
         client.close()
-    assert sorted(b["prompt"] for b in server.bodies) == sorted(r[m.bool()].tolist() for r, m in zip(ids, attn))
+    rows = [r[m.bool()].tolist() for r, m in zip(ids, attn)]
+    assert sorted(b["prompt"] for b in server.bodies) == [rows[:2], rows[2:]]  # rows 0-1, then row 2
     assert all(b["echo"] is True and b["logprobs"] == 0 and b["model"] == "teacher" for b in server.bodies)
     placed = place(lps, attn, prompts.shape[1])
     for i in range(3):
@@ -93,7 +96,7 @@ def test_the_servers_log_probs_land_on_each_rows_response_tokens(fake_teacher):
         for j in range(responses.shape[1]):
             want = fake_log_prob(p + j, int(responses[i, j])) if rmask[i, j] else 0.0
             assert placed[i, j].item() == pytest.approx(want, abs=1e-6), (i, j)
-    assert stats.requests == 3 and stats.retries == 0 and server.most_in_flight <= 2
+    assert stats.requests == 2 and stats.retries == 0 and server.most_in_flight <= 2
 
 
 def test_a_failing_server_is_retried_and_counted_or_fails_in_one_line(fake_teacher):
@@ -105,7 +108,7 @@ def test_a_failing_server_is_retried_and_counted_or_fails_in_one_line(fake_teach
     rows = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
     # the slow answer comes far past the timeout, every other one far within it (20 ms against 5 s)
     server = fake_teacher("503", "drop", "slow", "503", slow_s=60.0)
-    client = TeacherEndpoint(server.url, concurrency=3, retries=4, backoff_s=0.01, timeout_s=5.0)
+    client = TeacherEndpoint(server.url, concurrency=3, retries=4, backoff_s=0.01, timeout_s=5.0, rows_per_request=1)
     try:
         lps, stats = client.score(rows)
     finally:
@@ -230,7 +233,8 @@ def test_a_megappo_serve_teacher_in_a_trainer_run(ray_session, tiny_assets, data
     session's, conftest `served_tiny_llama`: vLLM's prompt log-probs over /v1/completions with echo, the key from
     teacher.api_key_env) beside PPO's GAE for 1 sync step (fp32, on the trainer tests' warm workers):
     every response token's teacher log-prob is the student's pi_old (the same weights in two engines, 1e-4), so the
-    per-token term is at most that gap, and the server scored one request per row."""
+    per-token term is at most that gap, and the server scored the step's rows in batch prompts of
+    teacher.rows_per_request (8) rows."""
     from trainer_utils import config, recording_updates, run
 
     url, key = served_tiny_llama
@@ -241,7 +245,8 @@ def test_a_megappo_serve_teacher_in_a_trainer_run(ray_session, tiny_assets, data
     history, _ = run(cfg, setup=recording_updates(batches))
     b, h = batches[0].batch, history[0]
     mask = b["response_mask"].bool()
-    assert mask.sum() > 0 and h["distill/teacher_requests"] == len(batches[0]) and h["distill/teacher_retries"] == 0
+    requests = -(-len(batches[0]) // cfg.teacher.rows_per_request)
+    assert mask.sum() > 0 and h["distill/teacher_requests"] == requests and h["distill/teacher_retries"] == 0
     torch.testing.assert_close(b["teacher_log_prob"][mask], b["old_log_probs"][mask], rtol=0, atol=1e-4)
     assert h["distill/reverse_kl"] == pytest.approx(0.0, abs=1e-4)
 
@@ -255,13 +260,16 @@ def test_a_teacher_server_beside_the_reward_survives_its_failures(ray_session, t
 
     server = fake_teacher("503", "drop", "503")
     cfg = config(tiny_assets, data_dir, tmp_path / "run", f"teacher.endpoint={server.url}", "teacher.retries=3",
-                 "teacher.backoff_s=0.01", "teacher.concurrency=4", "algorithm.distill_coef=0.5",
-                 "trainer.total_steps=2", "trainer.save_every=0", "trainer.val_every=0", "trainer.export_hf=false")
+                 "teacher.backoff_s=0.01", "teacher.concurrency=4", "teacher.rows_per_request=2",
+                 "algorithm.distill_coef=0.5", "trainer.total_steps=2", "trainer.save_every=0", "trainer.val_every=0",
+                 "trainer.export_hf=false")
     batches = []
     history, _ = run(cfg, setup=recording_updates(batches))
     assert len(history) == 2 and server.most_in_flight <= 4
     assert [h["distill/teacher_retries"] for h in history] == [3, 0]
-    assert [h["distill/teacher_requests"] for h in history] == [len(batches[0]) + 3, len(batches[1])]
+    # two rows per request, the three failed tries again
+    assert [h["distill/teacher_requests"] for h in history] == [-(-len(batches[0]) // 2) + 3, -(-len(batches[1]) // 2)]
+    assert all(len(b["prompt"]) <= 2 and isinstance(b["prompt"][0], list) for b in server.bodies)
     for h, batch in zip(history, batches):
         check_teacher_rows(batch)
         b = batch.batch

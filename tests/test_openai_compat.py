@@ -272,7 +272,7 @@ def test_lm_evaluation_harness_scores_choices_and_generates_over_http(served, ti
 def test_the_gateway_serves_as_an_on_policy_distillation_teacher(served, tiny_assets):
     """teacher.endpoint's client (ppo/teacher_endpoint.py) against the gateway, as against `megappo serve` or
     `vllm serve`: each row's log-probs after its first token are transformers' (fp32, 1e-4), rows of several
-    lengths at once."""
+    lengths in one batch prompt (teacher.rows_per_request)."""
     from megappo.ppo.teacher_endpoint import TeacherEndpoint
 
     _, _, gateway, url = served
@@ -283,7 +283,7 @@ def test_the_gateway_serves_as_an_on_policy_distillation_teacher(served, tiny_as
         lps, stats = client.score(rows)
     finally:
         client.close()
-    assert stats.requests == 3 and stats.retries == 0
+    assert stats.requests == 1 and stats.retries == 0  # the three rows in one request
     for ids, lp in zip(rows, lps):
         assert (torch.tensor(lp) - hf_prompt_logprobs(tiny_assets["tiny-llama"], ids)).abs().max() < 1e-4
 

@@ -245,3 +245,23 @@ def test_responses_logprobs_and_reasoning_effort(servers):
         if ta["logprobs"] is not None:
             same_chat_logprobs(ta["logprobs"], tb["logprobs"])
     assert a["usage"]["input_tokens"] > both(servers, "/v1/responses", body)[0]["usage"]["input_tokens"]
+
+
+def test_the_teacher_client_reads_vllms_batch_prompts_as_the_gateways(servers):
+    """teacher.endpoint's client (ppo/teacher_endpoint.py) against vLLM's own server: a batch prompt of
+    teacher.rows_per_request rows (echo, prompt log-probs) comes back one choice per row, read by index; each
+    row's log-probs equal the gateway's (1e-4), rows of other lengths in one request and a row alone."""
+    from megappo.ppo.teacher_endpoint import TeacherEndpoint
+
+    rows = [[5, 17, 33, 9, 41, 2, 8, 60], [7, 7, 12, 90, 3], list(range(40, 70))]
+    got = []
+    for url in servers:
+        client = TeacherEndpoint(url + "/v1", model="tiny", api_key=KEY, rows_per_request=2, retries=0)
+        try:
+            lps, stats = client.score(rows)
+        finally:
+            client.close()
+        assert stats.requests == 2 and [len(lp) for lp in lps] == [len(r) - 1 for r in rows], (url, stats)
+        got.append(lps)
+    for a, b in zip(*got):
+        close(a, b, "teacher log-probs")

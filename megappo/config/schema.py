@@ -258,7 +258,10 @@ class TeacherConfig:
     endpoint: Optional[str] = None
     endpoint_model: Optional[str] = None  # the model name sent; None = the first one /v1/models lists
     api_key_env: str = "MEGAPPO_TEACHER_API_KEY"  # the environment variable holding its key (never logged)
-    concurrency: int = 16  # requests in flight (one per row)
+    concurrency: int = 16  # requests in flight
+    # rows per request (a batch prompt of token-id lists): a GRPO group's samples sit next to each other, so 8
+    # sends a group of rollout.n=8 in one round trip and one answer
+    rows_per_request: int = 8
     timeout_s: float = 120.0  # per attempt
     retries: int = 3  # per request, after the first attempt: connection errors, timeouts, 408/429/5xx
     backoff_s: float = 1.0  # the first retry's wait, doubled each time (capped at 30 s)

@@ -310,6 +310,7 @@ def _check_teacher(cfg) -> None:
             raise ConfigError(f"teacher.endpoint={t.endpoint!r} is not a URL; give the server's base URL, e.g. "
                               "http://10.0.0.5:8000/v1")
         for key, ok, rule in (("concurrency", t.concurrency >= 1, ">= 1"), ("timeout_s", t.timeout_s > 0, "> 0"),
+                              ("rows_per_request", t.rows_per_request >= 1, ">= 1"),
                               ("retries", t.retries >= 0, ">= 0"), ("backoff_s", t.backoff_s >= 0, ">= 0")):
             if not ok:
                 raise ConfigError(f"teacher.{key}={getattr(t, key)} must be {rule}")

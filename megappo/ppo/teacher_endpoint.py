@@ -1,10 +1,11 @@
 """On-policy distillation's teacher behind an OpenAI-compatible server (`teacher.endpoint`): the log-probability
-it gives each token of each row. One `/v1/completions` request per row, its token ids as the prompt with
-`echo: true, logprobs: 0` (the prompt's log-probs, as lm-evaluation-harness asks vLLM's server and megappo serve
-for them; vLLM scores prompt tokens without the sampling processors, so at temperature 1), `concurrency` in
-flight. A connection error, a timeout, a 408/425/429/5xx or an unreadable answer is retried (`retries` times,
-backoff doubling from `backoff_s`, capped at 30 s, jittered); another 4xx is the server's own line at once. A row
-that fails every try fails the step (TeacherEndpointError): no row is trained without its teacher.
+it gives each token of each row. One `/v1/completions` request per `rows_per_request` consecutive rows (a GRPO
+group's samples), their token ids as a batch prompt with `echo: true, logprobs: 0` (the prompts' log-probs, as
+lm-evaluation-harness asks vLLM's server and megappo serve for them; vLLM scores prompt tokens without the
+sampling processors, so at temperature 1), `concurrency` requests in flight. The answers are read on the client's
+own thread, never the driver's. A connection error, a timeout, a 408/425/429/5xx or an unreadable answer is retried (`retries` times,
+backoff doubling from `backoff_s`, capped at 30 s, jittered); another 4xx is the server's own line at once. A
+request that fails every try fails the step (TeacherEndpointError): no row is trained without its teacher.
 
 The trainer submits a batch before its own forwards and collects it after (ppo/ray_trainer._score_tokens), so
 the server's time hides behind pi_old's and the reference's."""
@@ -41,16 +42,17 @@ class TeacherStats:
 
 class TeacherEndpoint:
     def __init__(self, url: str, model: Optional[str] = None, api_key: Optional[str] = None, concurrency: int = 16,
-                 timeout_s: float = 120.0, retries: int = 3, backoff_s: float = 1.0):
+                 timeout_s: float = 120.0, retries: int = 3, backoff_s: float = 1.0, rows_per_request: int = 8):
         self.url = url.rstrip("/")
         self.model, self.api_key = model, api_key
         self.concurrency, self.timeout_s, self.retries, self.backoff_s = concurrency, timeout_s, retries, backoff_s
+        self.rows_per_request = rows_per_request
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="teacher")
 
     @classmethod
     def from_config(cls, teacher) -> "TeacherEndpoint":
         return cls(teacher.endpoint, teacher.endpoint_model, os.environ.get(teacher.api_key_env),
-                   teacher.concurrency, teacher.timeout_s, teacher.retries, teacher.backoff_s)
+                   teacher.concurrency, teacher.timeout_s, teacher.retries, teacher.backoff_s, teacher.rows_per_request)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -97,28 +99,45 @@ class TeacherEndpoint:
         model = await self._model_name()
         gate = asyncio.Semaphore(self.concurrency)
         async with self._client() as client:
-            async def one(i: int, ids: list[int]) -> list[float]:
+            async def one(first: int, chunk: list[list[int]]) -> list[list[float]]:
+                what = f"row {first}" if len(chunk) == 1 else f"rows {first}-{first + len(chunk) - 1}"
                 async with gate:
-                    body = {"model": model, "prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 1,
+                    body = {"model": model, "prompt": chunk, "echo": True, "logprobs": 0, "max_tokens": 1,
                             "temperature": 1.0}
                     t0 = time.perf_counter()
-                    answer = await self._request(client, "POST", "/completions", body, stats, f"row {i}")
+                    answer = await self._request(client, "POST", "/completions", body, stats, what)
                     stats.latencies.append(time.perf_counter() - t0)
-                    return self._prompt_log_probs(answer, ids, i)
+                    return self._rows_log_probs(answer, chunk, first)
 
-            out = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(rows)))
+            n = self.rows_per_request
+            parts = await asyncio.gather(*(one(i, rows[i:i + n]) for i in range(0, len(rows), n)))
         stats.seconds = time.perf_counter() - start
-        return out, stats
+        return [lp for part in parts for lp in part], stats
 
-    def _prompt_log_probs(self, answer: dict, ids: list[int], i: int) -> list[float]:
-        """log p(ids[k] | ids[:k]) for k >= 1 from an echoed completion (its first len(ids) entries)."""
+    def _rows_log_probs(self, answer, chunk: list[list[int]], first: int) -> list[list[float]]:
+        """Each row's log-probs from a batch prompt's answer: one choice per prompt, in the order of their index."""
+        choices = answer.get("choices") if isinstance(answer, dict) else None
         try:
-            choice = answer["choices"][0]
+            choices = sorted(choices, key=lambda c: c["index"])
+        except (KeyError, TypeError):  # no list, or a choice without an index
+            choices = None
+        if choices is None or len(choices) != len(chunk):
+            raise TeacherEndpointError(f"teacher.endpoint {self.url}: a batch of {len(chunk)} prompts (rows {first}-"
+                                       f"{first + len(chunk) - 1}) came back with "
+                                       f"{'no indexed' if choices is None else len(choices)} choices; it must be an "
+                                       "OpenAI-compatible completions server that takes a batch of token-id prompts "
+                                       "(vllm serve, megappo serve), or set teacher.rows_per_request=1")
+        top = answer.get("prompt_token_ids") if len(chunk) == 1 else None  # (a one-prompt answer may carry it there)
+        return [self._prompt_log_probs(c, top, ids, first + k) for k, (c, ids) in enumerate(zip(choices, chunk))]
+
+    def _prompt_log_probs(self, choice: dict, top, ids: list[int], i: int) -> list[float]:
+        """log p(ids[k] | ids[:k]) for k >= 1 from an echoed completion's choice (its first len(ids) entries)."""
+        try:
             lps = choice["logprobs"]["token_logprobs"][:len(ids)]
-            echoed = choice.get("prompt_token_ids") or answer.get("prompt_token_ids")
+            echoed = choice.get("prompt_token_ids") or top
         except (KeyError, IndexError, TypeError):
             raise TeacherEndpointError(f"teacher.endpoint {self.url}: row {i}'s answer has no echoed logprobs "
-                                       "(choices[0].logprobs.token_logprobs); it must be an OpenAI-compatible "
+                                       "(choices[].logprobs.token_logprobs); it must be an OpenAI-compatible "
                                        "completions server that supports echo (vllm serve, megappo serve)") from None
         if len(lps) < len(ids) or any(lp is None for lp in lps[1:]) or echoed is not None and list(echoed) != ids:
             raise TeacherEndpointError(f"teacher.endpoint {self.url}: row {i}'s {len(ids)} token ids came back as "
