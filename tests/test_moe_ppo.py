@@ -143,22 +143,39 @@ def test_moe_rl_expert_parallel_resume_at_another_ep_and_export(ray_session, tin
     assert len(moved) > len(src) // 2  # while the weights did move
 
 
-def test_r3_in_async_mode_replays_the_rollout_pools_routes(ray_session, tiny_assets, data_dir, tmp_path):
-    """trainer.mode=async (one step off-policy): the rollout pool's own vLLM engine captures the routes, and the
-    update replays every one of them (mismatch 0), at step 2 too, whose batch the pool sampled with the weights
-    before step 1's update: the ratio's two sides are the same network, the routes of the policy that sampled."""
+@pytest.mark.parametrize("mode", ["async", "fully_async"])
+def test_r3_off_policy_replays_the_rollout_pools_routes(ray_session, tiny_assets, data_dir, tmp_path, mode):
+    """The rollout pool's own vLLM engine captures the routes, and the update replays every one of them (mismatch
+    0), at step 2 too, whose batch the pool sampled before step 1's update reached it: the ratio's two sides are
+    the same network, the routes of the policy that sampled. async: one generate call per step. fully_async: the
+    stream's samples finish while others run; each one's routes are popped as it finishes, and one that crossed
+    the weight load carries the routes of the forwards that computed its tokens."""
     (tmp_path / "length_rule.py").write_text(LENGTH_RULE)  # scores that differ within a group: step 1 updates
-    cfg = _config(tiny_assets, data_dir, tmp_path / "async", "trainer.mode=async", "resources.rollout_workers=1",
+    cfg = _config(tiny_assets, data_dir, tmp_path / mode, f"trainer.mode={mode}", "resources.rollout_workers=1",
                   "trainer.total_steps=2", "trainer.save_every=0", "trainer.export_hf=false", *GRPO,
                   f"reward.rules.arithmetic={tmp_path / 'length_rule.py'}:score", "actor.ppo_epochs=1")
     assert cfg.actor.router_replay == "r3"
-    history = run(cfg)
+    import torch
+
+    from megappo.models.routing_replay import ROUTES
+    from trainer_utils import recording_updates
+
+    batches = []
+    history, _ = run(cfg, setup=recording_updates(batches))
     assert len(history) == 2
-    for h in history:
+    for h, batch in zip(history, batches):
         assert h["rollout/weights_fingerprint_ok"] == 1.0 and h["rollout/weight_sync_bytes_received"] > 0
+        # every token vLLM fed to the model has its routes, in every MoE layer and slot (the last sampled token,
+        # never fed, and padding: none), so the replay below had a route to use for each
+        routes, attn = batch.batch[ROUTES], batch.batch["attention_mask"].bool()
+        fed = attn.clone()
+        fed[torch.arange(len(attn)), (torch.arange(attn.shape[1]) * attn).amax(-1)] = False
+        layers = [i for i in range(routes.shape[2]) if (routes[:, :, i] >= 0).any()]
+        assert len(layers) == 3 and bool((routes[:, :, layers][fed] >= 0).all()), mode
+        assert not bool((routes[~fed] >= 0).any()), mode
         assert h["actor/moe_replay_mismatch"] == 0, h["actor/moe_replay_mismatch"]
         assert 0.5 < h["actor/moe_route_agreement_worst_layer"] <= h["actor/moe_route_agreement"] <= 1, h
-    # step 2 was sampled one update behind: its log-probs are the older policy's
+    # step 2 was sampled (wholly or in part) before step 1's update: its log-probs are the older policy's
     assert history[1]["rollout/logprob_diff_max"] > 1e-3, history[1]["rollout/logprob_diff_max"]
 
 

@@ -411,11 +411,14 @@ def test_colocated_actor_and_critic_match_single_process(ray_session, tiny_asset
         actor = NVMegatronRayWorkerGroup(pool, ActorRolloutRefWorker, args=(cfg, "actor_rollout_ref"), name="actor",
                                          timeout_s=240)
         critic = NVMegatronRayWorkerGroup(pool, CriticWorker, args=(cfg,), name="critic", timeout_s=240)
-        rm = NVMegatronRayWorkerGroup(pool, RewardModelWorker, args=(cfg,), name="rm", world_size=1, timeout_s=240)
+        # the reward model at context parallel 2: each rank holds half of every row (zigzag), the last token's score
+        # comes from the rank that holds it (CP's gather), equal to transformers' on whole rows
+        cfg.reward.model.parallel.cp = 2
+        rm = NVMegatronRayWorkerGroup(pool, RewardModelWorker, args=(cfg,), name="rm", world_size=2, timeout_s=240)
         groups += [actor, critic, rm]
         inits = [g.submit("init_model") for g in groups]  # the three megatron worlds come up side by side
         assert inits[0].result()[0]["layout"] == "TP2xPP2xDP1"
-        assert inits[1].result()[0]["layout"] == "TP1xPP2xDP2" and inits[2].result()[0]["layout"] == "TP1xPP1xDP1"
+        assert inits[1].result()[0]["layout"] == "TP1xPP2xDP2" and inits[2].result()[0]["layout"] == "TP1xCP2xPP1xDP1"
         assert (critic.dp_size, critic.pp_size, critic.tp_size) == (2, 2, 1)
 
         data = _ppo_batch(10)

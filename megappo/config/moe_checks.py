@@ -11,19 +11,14 @@ from megappo.config.schema import recomputes_old_log_probs
 from megappo.parallel.model_dims import ModelDims
 
 
-def route_capture_problem(trainer_mode: Optional[str], enforce_eager: bool = True) -> Optional[str]:
-    """Why actor.router_replay=r3 cannot capture the rollout's routes here (one line), or None. `trainer_mode`
-    None: not known (the rollout engine itself). The capture is a Python hook that vLLM's routers call in each
-    forward (workers/rollout/route_capture.py): only an eager engine calls it on every device (a CUDA graph replays
-    the kernels without Python; torch.compile, on CPU too, traces the hook into its graph or away): GPU and CPU
-    take the same capture path."""
+def route_capture_problem(enforce_eager: bool) -> Optional[str]:
+    """Why actor.router_replay=r3 cannot capture the rollout's routes (one line), or None. The capture is a Python
+    hook that vLLM's routers call in each forward (workers/rollout/route_capture.py), the same on every device and in
+    every trainer.mode: only an eager engine calls it (a CUDA graph replays the kernels without Python;
+    torch.compile, on CPU too, traces the hook into its graph or away)."""
     if not enforce_eager:
         return ("actor.router_replay=r3 captures routes through vLLM's router hook, which CUDA graphs and "
                 "torch.compile skip: set rollout.enforce_eager=true (the default), or actor.router_replay=r2")
-    if trainer_mode == "fully_async":
-        return ("actor.router_replay=r3 captures the routes of whole generate calls (trainer.mode=sync or async); "
-                "fully_async's stream, whose samples cross weight updates, is not captured yet: use "
-                "actor.router_replay=r2")
     return None
 
 
@@ -50,7 +45,7 @@ def check_router_replay(cfg, dims: ModelDims) -> None:
         raise ConfigError(f"actor.router_replay={mode} replays mixture-of-experts routes, and {cfg.model.path} is a "
                           "dense model: set actor.router_replay=off")
     if mode == "r3":
-        problem = route_capture_problem(cfg.trainer.mode, cfg.rollout.enforce_eager)
+        problem = route_capture_problem(cfg.rollout.enforce_eager)
         if problem:
             raise ConfigError(problem)
         return

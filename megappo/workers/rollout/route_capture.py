@@ -2,8 +2,9 @@
 tokens and sampled ones, so that the trainer can replay them (models/routing_replay.py).
 
     llm.collective_rpc(install_capture)        # once, after the engine is built: hooks on every MoE router
-    llm.collective_rpc(start_capture)          # before a generate call
+    llm.collective_rpc(start_capture)          # before a generate call (a stream: once, at its start)
     got = llm.collective_rpc(take_routes, args=(request_ids,))[0]   # {request id: (positions [n], routes [n, L, k])}
+    got = llm.collective_rpc(pop_routes, args=(request_ids,))[0]    # a stream's finished requests, capture on
     routes = rows_of_routes(got, ids, prompt_lengths, width, ...)  # [rows, width, L, k] int16, -1 where none
 
 How (vLLM 0.32, the V1 model runner megappo pins; on CPU):
@@ -100,14 +101,26 @@ def take_routes(worker, request_ids: list) -> dict:
     (each position once: the last step that computed it), and the capture stopped."""
     cap = getattr(worker, _ATTR)
     cap.active = False
+    out = _routes_of(cap, request_ids)
+    cap.routes.clear()
+    return out
+
+
+def pop_routes(worker, request_ids: list) -> dict:
+    """collective_rpc target: as take_routes for finished requests, while the capture goes on for the others (a
+    stream, rollout/stream.py: requests finish while others run; its thread steps the engine meanwhile, and a
+    finished request's last forward was recorded before its completion was delivered)."""
+    return _routes_of(getattr(worker, _ATTR), request_ids)
+
+
+def _routes_of(cap: _Capture, request_ids: list) -> dict:
     out = {}
     for rid in request_ids:
-        parts = cap.routes.get(str(rid), [])
+        parts = cap.routes.pop(str(rid), [])
         if parts:
             positions, routes = torch.cat([p for p, _ in parts]), torch.cat([r for _, r in parts])
             keep = _last_of_each(positions)  # a preempted request recomputes its tokens: the last pass counts
             out[str(rid)] = (positions[keep], routes[keep])
-    cap.routes.clear()
     return out
 
 

@@ -61,6 +61,10 @@ class RolloutStream:
                              f"{type(agent).__name__}")
         self.agent = agent
         self._gate = asyncio.Semaphore(agent.concurrency) if isinstance(agent, AgentRunner) else None
+        if rollout.capture_routes:  # actor.router_replay=r3: every forward's routes, popped as samples finish
+            from megappo.workers.rollout.route_capture import start_capture
+
+            rollout.llm.collective_rpc(start_capture)
 
     @property
     def in_flight(self) -> int:
@@ -135,9 +139,15 @@ class RolloutStream:
     def _assemble(self, row: DataProto, spec, futures, requests) -> DataProto:
         done = [f.result() for f in futures]
         R = spec.max_new_tokens
+        captured = None
         if self.agent is None:
             res = self.rollout.response_tensors([(c.ids, c.logprobs, c.finish_reason) for c in done], R)
             per_token, starts = [c.token_versions for c in done], [c.version for c in done]
+            if self.rollout.capture_routes:  # each sample's from the forwards of its request(s): a resubmitted
+                from megappo.models.routing_replay import ROUTES  # one's last recomputed the part before
+
+                res[ROUTES] = self.rollout._routes([c.request_id for c in done], requests,
+                                                   row.batch["input_ids"].shape[1], R, streaming=True)
         else:  # trajectories (an agent that failed: nothing trained, started at the current version)
             from megappo.agent.loop import trajectory_rows, trajectory_tensors
 
@@ -145,13 +155,18 @@ class RolloutStream:
             res = trajectory_tensors(done, R, self.rollout.pad_token_id)
             per_token = [t.versions for t in done]
             starts = [min((v for v in t.versions if v >= 0), default=self.engine.version) for t in done]
+            if self.rollout.capture_routes:  # each row's from its last turn's request (as generate_sequences')
+                from megappo.workers.rollout.route_capture import pop_routes
+
+                captured = self.rollout.llm.collective_rpc(pop_routes, args=([t.request_id for t in done
+                                                                               if t.request_id],))[0]
         versions = torch.full((len(done), R), -1, dtype=torch.long, device="cpu")
         for k, tv in enumerate(per_token):
             tv = tv[:R]
             versions[k, :len(tv)] = torch.tensor(tv, dtype=torch.long, device="cpu")
         res["token_versions"] = versions
         res["start_version"] = torch.tensor(starts, dtype=torch.long, device="cpu")
-        return self.rollout.assemble(row, res, spec, None if self.agent is None else done, requests)
+        return self.rollout.assemble(row, res, spec, None if self.agent is None else done, requests, captured)
 
     def drain(self) -> int:
         """Wait until every sample in flight has finished (the engine keeps stepping; the groups stay here

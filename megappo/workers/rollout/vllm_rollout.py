@@ -137,7 +137,7 @@ class VLLMRollout:
         if self.capture_routes:
             from megappo.config.moe_checks import route_capture_problem
 
-            problem = route_capture_problem(None, bool(self.config.enforce_eager))
+            problem = route_capture_problem(bool(self.config.enforce_eager))
             if problem:
                 raise ValueError(problem)
             kwargs["enable_prefix_caching"] = False  # a cached prompt prefix is not computed: no routes for it
@@ -442,11 +442,13 @@ class VLLMRollout:
                              "only: turn off rollout.multi_turn and actor.router_replay=r3 for a vision-language model")
         return [[decode(b) for b in row] for row in non_tensor[IMAGES]]
 
-    def _routes(self, request_ids: list, requests: list, prompt_width: int, R: int) -> torch.Tensor:
-        """The routes captured for the call's requests, aligned with the batch's input_ids [rows, prompt_width + R]."""
-        from megappo.workers.rollout.route_capture import rows_of_routes, take_routes
+    def _routes(self, request_ids: list, requests: list, prompt_width: int, R: int, streaming: bool = False) \
+            -> torch.Tensor:
+        """The routes captured for the call's requests, aligned with the batch's input_ids [rows, prompt_width + R].
+        `streaming`: the capture goes on for other requests (rollout/stream.py)."""
+        from megappo.workers.rollout.route_capture import pop_routes, rows_of_routes, take_routes
 
-        got = self.llm.collective_rpc(take_routes, args=(request_ids,))[0]
+        got = self.llm.collective_rpc(pop_routes if streaming else take_routes, args=(request_ids,))[0]
         return rows_of_routes(got, request_ids, [len(r["prompt_token_ids"]) for r in requests], prompt_width,
                               prompt_width + R, self.route_shape)
 
