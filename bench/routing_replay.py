@@ -45,12 +45,30 @@ def sample_with_routes(rank, world, port, path, agent: bool = False):
     keys = ("input_ids", "attention_mask", "position_ids", "response_mask", "responses", "rollout_log_probs",
             "routed_experts")
     got = {k: out.batch[k] for k in keys}
-    if agent:  # the same engine, your own agent's two-turn chats (rollout.agent): their rows' routes
-        out = _agent_rollout(rollout, path)
-        got["agent"] = {k: out.batch[k] for k in keys + ("agent_errors",)}
-        got["agent"]["errors"] = [t["text"] for turns in out.non_tensor_batch["agent_turns"] for t in turns
-                                  if t.get("role") == "error"]  # what an agent that failed raised
+    if agent:  # the same engine: fully_async's stream of the same prompts, and your own agent's two-turn chats
+        got["stream"] = {k: v for k, v in _streamed(rollout, prompts, SamplingSpec(n=2, max_new_tokens=6, seed=5))
+                         .batch.items() if k in keys}
+        for name, streamed in (("agent", False), ("agent_stream", True)):  # (rollout.agent: their rows' routes)
+            out = _agent_rollout(rollout, path, streamed)
+            got[name] = {k: out.batch[k] for k in keys + ("agent_errors",)}
+            got[name]["errors"] = [t["text"] for turns in out.non_tensor_batch["agent_turns"] for t in turns
+                                   if t.get("role") == "error"]  # what an agent that failed raised
     return got
+
+
+def _streamed(rollout, prompts, spec):
+    """`prompts` through fully_async's stream on the rollout's engine (rollout/stream.py, capturing as samples come
+    and go): the rows of every group, once all have finished."""
+    from megappo.protocol import DataProto
+    from megappo.workers.rollout.stream import RolloutStream
+
+    stream = RolloutStream(rollout)
+    try:
+        stream.submit(DataProto(prompts.batch, prompts.non_tensor_batch, {"sampling": spec}))
+        stream.drain()
+        return stream.collect()
+    finally:
+        stream.close()
 
 
 async def _two_turns(client, row):
@@ -61,7 +79,7 @@ async def _two_turns(client, row):
     await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
 
 
-def _agent_rollout(rollout, path):
+def _agent_rollout(rollout, path, streamed: bool = False):
     from transformers import AutoTokenizer
 
     from megappo.gateway.agents import AgentRunner
@@ -78,8 +96,10 @@ def _agent_rollout(rollout, path):
                                 max_tokens=4)
     try:
         prompts = DataProto.from_dict(left_pad(ids, 0), {"uid": ["a", "b", "c"], "raw_prompt": texts})
-        return rollout.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch,
-                                                    {"sampling": SamplingSpec(n=1, max_new_tokens=24, seed=3)}))
+        spec = SamplingSpec(n=1, max_new_tokens=24, seed=3)
+        if streamed:
+            return _streamed(rollout, prompts, spec)
+        return rollout.generate_sequences(DataProto(prompts.batch, prompts.non_tensor_batch, {"sampling": spec}))
     finally:
         rollout.agent.close()
         rollout.agent = None

@@ -403,6 +403,7 @@ def test_your_own_agent_streams_in_fully_async(ray_session, tiny_assets, data_di
     teacher server beside the reward (on-policy distillation) scores every row as trained, the tool results
     as context only."""
     from distill_helpers import check_teacher_rows
+    from megappo.config.schema import TeacherConfig
     from test_agent import SDK_AGENT
 
     teacher = fake_teacher()
@@ -420,7 +421,7 @@ def test_your_own_agent_streams_in_fully_async(ray_session, tiny_assets, data_di
         check_teacher_rows(batch)
         b = batch.batch
         rows, width = b["responses"].shape[0], b["prompts"].shape[1]
-        assert h["distill/teacher_requests"] == rows
+        assert h["distill/teacher_requests"] == -(-rows // TeacherConfig().rows_per_request)  # a batch prompt each
         errors = h["rollout/agent_errors"]
         assert 0 < errors < rows and h["objective/scores"] == pytest.approx(0.5 * (1 - errors / rows))
         assert h["async/sample_staleness_max"] <= 1 and h["rollout/agent_fallbacks"] == 0

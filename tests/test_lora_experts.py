@@ -262,7 +262,8 @@ def test_expert_lora_ppo_through_the_hybrid_engine(ray_session, tiny_assets, dat
     weights (every expert's W + alpha/r B@A, from the rank that trains it, from both TP halves at TP2) reach
     both vLLM engines (fingerprints), vLLM's log-probs equal Megatron's (fp32, <= 1e-4), the reference is the
     base (the KL loss to it is 0 at step 1, then the batch's k3) and the merged export is written; the peft
-    adapter is skipped with its reason (this model's dense layer 0, see above)."""
+    adapter is skipped with its reason (this model's dense layer 0, see above). The config's rollout routing
+    replay (r3) runs through the adapted experts: every captured route used as given."""
     from megappo.config.loader import load_config
     from test_lora_ppo import _k3 as k3_mean
     from trainer_utils import REPO, overrides, recording_updates, run
@@ -278,6 +279,8 @@ def test_expert_lora_ppo_through_the_hybrid_engine(ray_session, tiny_assets, dat
     for h in history:
         assert h["rollout/weights_fingerprint_ok"] == 1.0
         assert h["rollout/logprob_diff_max"] <= 1e-4, h["rollout/logprob_diff_max"]
+        # the config replays vLLM's routes (r3) through the adapted experts: every one used as given
+        assert cfg.actor.router_replay == "r3" and h["actor/moe_replay_mismatch"] == 0, h["actor/moe_replay_mismatch"]
     # the reference is the base: pi_old equals it exactly at step 1 (every B = 0), the KL loss is 0 there and the
     # batch's k3 at step 2 (its only optimizer step runs at the weights that computed its pi_old)
     assert torch.equal(batches[0].batch["old_log_probs"], batches[0].batch["ref_log_prob"])

@@ -401,7 +401,7 @@ def test_a_lora_ppo_run_end_to_end(ray_session, tiny_assets, data_dir, tmp_path,
     history, trainer = run(cfg, setup=recording_updates(batches))
     for batch, h in zip(batches, history):
         check_teacher_rows(batch)
-        assert h["distill/teacher_requests"] == len(batch)
+        assert h["distill/teacher_requests"] == -(-len(batch) // cfg.teacher.rows_per_request)  # batch prompts
     assert trainer.ref_wg is None or trainer.ref_wg is trainer.actor_wg  # no reference model of its own
     assert all(h["rollout/weights_fingerprint_ok"] == 1.0 for h in history)
     import torch

@@ -488,8 +488,9 @@ def _short_responses_worker(rank, world, port, path):
 
 
 def test_packed_short_response_windows_equal_the_padded_path_fp32_and_bf16(tiny_assets):
-    """Each packed micro-batch runs its head over its own longest response, not the batch's R (#41): the
-    windows here are 6, 6, 3, 5 (2 rows each) and 6, 6, 5, 3, 1, 2 (20-token budget). Log-probs, entropy
+    """Each packed micro-batch runs its head over its own longest response, not the batch's R (#41), and the output
+    at its rows' last token (a reward model's score column; at most R): the windows here are 6, 6, 4, 6 (2 rows
+    each) and 6, 6, 6, 4, 2, 3 (20-token budget), responses of 6, 1, 2, 6, 3, 1, 5, 2 tokens. Log-probs, entropy
     (padded back to R) and the update equal the padded path's: fp32
     within 1e-5 (test_packed_sequences_equal_the_padded_path's tolerance), bf16 log-probs within
     tools/gpu_smoke.py's bf16 tolerance (mean |diff| <= 0.05 over the response tokens)."""
@@ -498,7 +499,7 @@ def test_packed_short_response_windows_equal_the_padded_path_fp32_and_bf16(tiny_
     batch = right_align(_short_responses_batch(), R)
     windows = lambda **kw: [mb["_targets"].shape[1] for mb in micro_batches(  # noqa: E731
         batch, 2, packed=True, pp=1, vpp=None, seq_multiple=1, **kw).items]
-    assert windows(max_tokens=None) == [6, 6, 3, 5] and windows(max_tokens=20) == [6, 6, 5, 3, 1, 2]
+    assert windows(max_tokens=None) == [6, 6, 4, 6] and windows(max_tokens=20) == [6, 6, 6, 4, 2, 3]
 
     report = spawn_local(_short_responses_worker, 1, str(tiny_assets["tiny-llama"]))[0]
     m = _short_responses_batch()["response_mask"]

@@ -4,7 +4,8 @@ router hook; transformers recomputes the routes on the same weights over each ro
 hook on every HF router: its top-k indices). Equal on 100% of (token, layer) pairs, as sets of experts, for every
 prompt token and every sampled token vLLM fed to the model, on Qwen3-MoE (softmax top-k) and DeepSeek-V3
 (sigmoid scores, group-limited top-k with the correction bias); the last sampled token (never fed) and padding have
-none. One engine per fresh process (vLLM's expert-parallel group follows the first model a process builds).
+none. The same holds through fully_async's stream on that engine, and for your own agent's two-turn chats. One
+engine per fresh process (vLLM's expert-parallel group follows the first model a process builds).
 
 Then the trainer on those rows (megatron, fp32) with its routing perturbed on purpose (noise on every router's
 weight): without replay its routers choose other experts than the rollout's (agreement < 1) and its log-probs
@@ -64,6 +65,17 @@ def test_your_own_agents_rows_carry_their_routes(tiny_assets):
     turns = (b["response_mask"][:, 1:] < b["response_mask"][:, :-1]).sum(-1)  # a model turn followed by tokens
     assert bool((turns >= 1).all()), b["response_mask"]  # untrained ones: every row has the user turn inside it
     _check_routes(path, b)
+
+
+def test_fully_asyncs_stream_captures_the_routes_as_samples_finish(tiny_assets):
+    """trainer.mode=fully_async's stream (rollout/stream.py) on the same engine: the capture stays on while samples
+    come and go, and each sample's routes are taken as it finishes; single-turn samples and your own agent's
+    two-turn chats (the earlier turns' requests taken and dropped with the last's) equal transformers' as above."""
+    path = str(tiny_assets["tiny-qwen3_moe"])
+    got = _rollout(path)
+    _check_routes(path, got["stream"])
+    assert got["agent_stream"]["agent_errors"].sum() == 0, got["agent_stream"]["errors"]
+    _check_routes(path, got["agent_stream"])
 
 
 def _check_routes(path, b):

@@ -60,13 +60,15 @@ class Trajectory:
     # the engine request of its last model turn: its forward computed every token before it (prefix caching is off
     # while routes are captured), so its routes are the row's (actor.router_replay=r3; None: no turn)
     request_id: Optional[str] = None
+    request_ids: list = field(default_factory=list)  # every model turn's engine request, the last one's included
 
     def take(self, segment: Segment) -> "Trajectory":
         """Its tokens from a session's captured segment (agent/capture.py), as sampled and observed."""
         self.tokens, self.model_mask = list(segment.tokens), list(segment.model_mask)
         self.logprobs, self.versions = list(segment.logprobs), list(segment.versions)
         self.images = list(segment.images)
-        self.request_id = next((r for r in reversed(segment.request_ids) if r is not None), None)
+        self.request_ids = [r for r in segment.request_ids if r is not None]
+        self.request_id = self.request_ids[-1] if self.request_ids else None
         return self
 
 

@@ -10,7 +10,8 @@ crosses rows. Pure functions over the engine's right-aligned batch (megatron_ste
   budget gets one of its own): micro-batches of ~equal tokens whatever the lengths.
 - Every micro-batch of one call is padded to the same width T (the pipeline's p2p buffers have one
   shape); the padding is one extra segment (id -1) whose outputs nobody reads.
-- A micro-batch's response window is its own longest response, w <= R (the batch's): every per-row
+- A micro-batch's response window is its own longest response (and the output at its rows' last token: a reward
+  model's score), w <= R (the batch's): every per-row
   [rows, R] key is cut to [rows, w] (the cut columns are padding after every row's last response token,
   masked out of every loss), and `_out_index` [1, rows*w] is the packed column predicting each response
   token (the row's own segment, clamped inside it for a short row), so the LM / value head and the fp32
@@ -71,15 +72,16 @@ def packed_width(lengths: Sequence[int], groups: list[list[int]], multiple: int 
 
 def pack(batch: dict, rows: list[int], width: int) -> dict:
     """One packed micro-batch of `rows` of a right-aligned batch (tokens from column 0, `attention_mask`
-    1 on them, `_out_index` [B, R] columns within each row), its response window cut to its rows'
-    longest response."""
+    1 on them, `_out_index` [B, R] columns within each row), its response window cut to the output columns
+    inside its rows' tokens."""
     valid = batch["attention_mask"].bool()
     lengths = valid.sum(-1)
     device = batch["input_ids"].device
     full = batch["_out_index"].shape[1]
-    # a row's response tokens are those whose predicting column lies before its last token (the response
-    # is right-padded, so they are a prefix of the R columns)
-    responses = (batch["_out_index"][rows] < (lengths[rows] - 1)[:, None]).sum(-1)
+    # a row's output columns: those inside its tokens, i.e. its response tokens' predicting columns and the output
+    # at its last token (a reward model's score, compute_rm_score: predicting nothing); the response is
+    # right-padded, so they are a prefix of the R columns
+    responses = (batch["_out_index"][rows] <= (lengths[rows] - 1)[:, None]).sum(-1)
     w = max(int(responses.max()), 1) if TRIM_RESPONSES and rows else full
     laid = {k: torch.full((width, *batch[k].shape[2:]), fill, dtype=batch[k].dtype, device=device)
             for k, fill in TOKEN_KEYS.items() if k in batch}

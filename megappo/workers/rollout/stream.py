@@ -155,11 +155,11 @@ class RolloutStream:
             res = trajectory_tensors(done, R, self.rollout.pad_token_id)
             per_token = [t.versions for t in done]
             starts = [min((v for v in t.versions if v >= 0), default=self.engine.version) for t in done]
-            if self.rollout.capture_routes:  # each row's from its last turn's request (as generate_sequences')
-                from megappo.workers.rollout.route_capture import pop_routes
+            if self.rollout.capture_routes:  # each row's from its last turn's request (as generate_sequences'); the
+                from megappo.workers.rollout.route_capture import pop_routes  # earlier turns' popped and dropped
 
-                captured = self.rollout.llm.collective_rpc(pop_routes, args=([t.request_id for t in done
-                                                                               if t.request_id],))[0]
+                captured = self.rollout.llm.collective_rpc(pop_routes, args=([r for t in done
+                                                                               for r in t.request_ids],))[0]
         versions = torch.full((len(done), R), -1, dtype=torch.long, device="cpu")
         for k, tv in enumerate(per_token):
             tv = tv[:R]
