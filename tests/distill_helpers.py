@@ -20,7 +20,8 @@ class FakeTeacher:
     """A stand-in OpenAI-compatible teacher on loopback (the client's retries are under test, not a model):
     /v1/models lists "teacher"; /v1/completions answers an echoed completion, the k-th prompt token's log-prob
     fake_log_prob(k, id). `faults` lists what the next requests get ("503", "drop": the connection closed
-    unanswered, "400", "slow": an answer after `slow_s`); it counts requests and the most in flight."""
+    unanswered, "400", "slow": an answer after `slow_s`, "one": a batch prompt answered with one choice only, as a
+    server that takes no batch); it counts requests and the most in flight."""
 
     def __init__(self, faults=(), slow_s: float = 0.0):
         self.faults, self.slow_s = list(faults), slow_s
@@ -64,10 +65,10 @@ class FakeTeacher:
                     lps = [None] + [fake_log_prob(k, t) for k, t in enumerate(ids)][1:] + [-0.5]
                     return {"index": i, "text": "", "token_ids": [7], "prompt_token_ids": ids,
                             "logprobs": {"token_logprobs": lps}}
+                choices = [choice(i, ids) for i, ids in enumerate(batch)][::-1]
                 reply = {"503": (503, {"error": {"message": "overloaded", "code": 503}}),
                          "400": (400, {"error": {"message": "prompt is longer than max_model_len 64"}})}.get(
-                    fault, (200, {"choices": [choice(i, ids) for i, ids in enumerate(batch)][::-1],
-                                  "prompt_token_ids": batch[0]}))
+                    fault, (200, {"choices": choices[:1] if fault == "one" else choices, "prompt_token_ids": batch[0]}))
                 with owner.lock:  # out of flight before the client can see an answer (and send the next request)
                     owner.in_flight -= 1
                 if fault == "drop":

@@ -116,6 +116,15 @@ def test_a_failing_server_is_retried_and_counted_or_fails_in_one_line(fake_teach
     assert lps == [[fake_log_prob(k, t) for k, t in enumerate(r)][1:] for r in rows]
     assert stats.retries == 4 and stats.requests == 7 and server.most_in_flight <= 3
 
+    # a server that takes no batch prompt (one choice for two prompts): one line naming the setting, never a row
+    # trained on another's log-probs
+    single = fake_teacher("one")
+    client = TeacherEndpoint(single.url, model="teacher", retries=0, rows_per_request=2)
+    with pytest.raises(TeacherEndpointError, match=r"a batch of 2 prompts \(rows 0-1\) came back with 1 choices; .*"
+                                                   r"set teacher\.rows_per_request=1"):
+        client.score([[1, 2, 3], [4, 5]])
+    client.close()
+
     refused = fake_teacher("400")
     client = TeacherEndpoint(refused.url, model="teacher", retries=3, backoff_s=0.01)
     with pytest.raises(TeacherEndpointError, match="refused row 0: HTTP 400: prompt is longer than max_model_len 64"):

@@ -57,10 +57,7 @@ class Trajectory:
     segment_of: Optional[int] = None  # a later segment's row: the index of its sample (trajectory_rows)
     request_s: list = field(default_factory=list)  # rollout.agent: each of its session's requests' latency (seconds)
     images: list = field(default_factory=list)  # rollout.agent: the data URLs of the images its ids hold, in order
-    # the engine request of its last model turn: its forward computed every token before it (prefix caching is off
-    # while routes are captured), so its routes are the row's (actor.router_replay=r3; None: no turn)
-    request_id: Optional[str] = None
-    request_ids: list = field(default_factory=list)  # every model turn's engine request, the last one's included
+    request_ids: list = field(default_factory=list)  # every recorded model turn's engine request, in order
 
     def take(self, segment: Segment) -> "Trajectory":
         """Its tokens from a session's captured segment (agent/capture.py), as sampled and observed."""
@@ -68,8 +65,13 @@ class Trajectory:
         self.logprobs, self.versions = list(segment.logprobs), list(segment.versions)
         self.images = list(segment.images)
         self.request_ids = [r for r in segment.request_ids if r is not None]
-        self.request_id = self.request_ids[-1] if self.request_ids else None
         return self
+
+    @property
+    def request_id(self) -> Optional[str]:
+        """The engine request of its last model turn: its forward computed every token before it (prefix caching is
+        off while routes are captured), so its routes are the row's (actor.router_replay=r3; None: no turn)."""
+        return self.request_ids[-1] if self.request_ids else None
 
 
 class _Sample:

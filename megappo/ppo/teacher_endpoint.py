@@ -107,23 +107,24 @@ class TeacherEndpoint:
                     t0 = time.perf_counter()
                     answer = await self._request(client, "POST", "/completions", body, stats, what)
                     stats.latencies.append(time.perf_counter() - t0)
-                    return self._rows_log_probs(answer, chunk, first)
+                    return self._rows_log_probs(answer, chunk, first, what)
 
             n = self.rows_per_request
             parts = await asyncio.gather(*(one(i, rows[i:i + n]) for i in range(0, len(rows), n)))
         stats.seconds = time.perf_counter() - start
         return [lp for part in parts for lp in part], stats
 
-    def _rows_log_probs(self, answer, chunk: list[list[int]], first: int) -> list[list[float]]:
-        """Each row's log-probs from a batch prompt's answer: one choice per prompt, in the order of their index."""
+    def _rows_log_probs(self, answer, chunk: list[list[int]], first: int, what: str) -> list[list[float]]:
+        """Each row's log-probs from a batch prompt's answer (`what`: its rows, for the error line): one choice per
+        prompt, in the order of their index."""
         choices = answer.get("choices") if isinstance(answer, dict) else None
         try:
             choices = sorted(choices, key=lambda c: c["index"])
         except (KeyError, TypeError):  # no list, or a choice without an index
             choices = None
         if choices is None or len(choices) != len(chunk):
-            raise TeacherEndpointError(f"teacher.endpoint {self.url}: a batch of {len(chunk)} prompts (rows {first}-"
-                                       f"{first + len(chunk) - 1}) came back with "
+            raise TeacherEndpointError(f"teacher.endpoint {self.url}: a batch of {len(chunk)} prompts ({what}) came "
+                                       "back with "
                                        f"{'no indexed' if choices is None else len(choices)} choices; it must be an "
                                        "OpenAI-compatible completions server that takes a batch of token-id prompts "
                                        "(vllm serve, megappo serve), or set teacher.rows_per_request=1")
